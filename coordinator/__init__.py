@@ -1,0 +1,1 @@
+"""The coordinator: registers devices, runs rounds, aggregates only what is shared."""

@@ -1,0 +1,72 @@
+"""The server side of an algorithm: initial state, what goes down, how replies are folded in.
+
+The round loop (coordinator/server.py) is written once; an algorithm only says what its global
+state is, what each round's task carries, what a valid reply looks like, and how replies are
+aggregated. The server never holds a device's personal state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from edge_sdk.algorithms.base import NoHyper
+from edge_sdk.data import DatasetMeta
+from edge_sdk.params import ArraySpec
+from edge_sdk.protocol import ArrayGroup
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What an algorithm may know about the run."""
+
+    model: str
+    meta: DatasetMeta
+    seed: int
+    rounds: int
+    clients: int
+
+
+class ServerAlgorithm(ABC):
+    """One algorithm's coordinator side. `state` is the global state that is checkpointed."""
+
+    id: ClassVar[str]
+    Hyper: ClassVar[type] = NoHyper
+
+    def __init__(self, hyper: Any, context: ServerContext):
+        self.hyper = hyper
+        self.context = context
+        self.state: dict[str, ArrayGroup] = self.initial_state()
+
+    @abstractmethod
+    def initial_state(self) -> dict[str, ArrayGroup]:
+        """The global state before round 1 (deterministic for the run's seed)."""
+
+    def task_groups(self, round_: int) -> dict[str, ArrayGroup]:
+        """Arrays broadcast with round `round_`'s TRAIN message."""
+        return self.state
+
+    def task_config(self, round_: int) -> dict[str, Any]:
+        """Extra per-round settings broadcast with TRAIN."""
+        return {}
+
+    def eval_groups(self) -> dict[str, ArrayGroup]:
+        """Arrays broadcast with EVALUATE (by default, the same global state)."""
+        return self.state
+
+    @abstractmethod
+    def update_spec(self) -> dict[str, ArraySpec]:
+        """Group -> array names, shapes and dtypes a TRAIN_RES must carry exactly."""
+
+    @abstractmethod
+    def begin_round(self, round_: int) -> None:
+        """Reset the accumulators for a new round."""
+
+    @abstractmethod
+    def accumulate(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float], weight: float) -> None:
+        """Fold one validated reply into the round's accumulators."""
+
+    @abstractmethod
+    def end_round(self, round_: int) -> None:
+        """Turn the accumulators into the next global state."""

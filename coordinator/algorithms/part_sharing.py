@@ -1,0 +1,43 @@
+"""Server side of the FedAvg family: weighted average of the shared parts, by name."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.models import build_model
+from edge_sdk.params import ArraySpec, spec_of
+from edge_sdk.protocol import ArrayGroup
+from edge_sdk.training import state_arrays
+
+from ..aggregate import WeightedMean
+from .base import ServerAlgorithm
+
+
+class PartSharingServer(ServerAlgorithm):
+    """Holds the shared parts of the model; averages uploads weighted by examples."""
+
+    shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
+
+    def initial_state(self) -> dict[str, ArrayGroup]:
+        meta = self.context.meta
+        model = build_model(
+            self.context.model,
+            in_channels=meta.channels,
+            num_classes=meta.num_classes,
+            image_size=meta.image_size,
+            seed=self.context.seed,
+        )
+        return {SHARED: state_arrays(model, model_partition(model, self.shared_parts).shared)}
+
+    def update_spec(self) -> dict[str, ArraySpec]:
+        return {SHARED: spec_of(self.state[SHARED])}
+
+    def begin_round(self, round_: int) -> None:
+        self._mean = WeightedMean()
+
+    def accumulate(self, client_id, groups, metrics, weight) -> None:
+        self._mean.add(groups[SHARED], weight)
+
+    def end_round(self, round_: int) -> None:
+        self.state = {SHARED: self._mean.result()}

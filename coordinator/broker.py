@@ -1,0 +1,93 @@
+"""The zero-setup default broker: amqtt (pure Python, MQTT 3.1.1) in a child process.
+
+Good for simulations and trying things out on one machine. Production fleets use Mosquitto or
+any MQTT 3.1.1/5 broker (see the README); everything else here works with either.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import time
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """True once a TCP connection to host:port succeeds, False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def _serve(host: str, port: int) -> None:
+    import asyncio
+
+    from amqtt.broker import Broker
+
+    logging.basicConfig(level=logging.WARNING)
+    config = {
+        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0}},
+        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+    }
+
+    async def main() -> None:
+        broker = Broker(config)
+        await broker.start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+class EmbeddedBroker:
+    """Context manager: an amqtt broker on a free loopback port; `url` says where."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 30.0):
+        self.host = host
+        self.port = port or free_port(host)
+        self.start_timeout = start_timeout
+        self._process: multiprocessing.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def start(self) -> "EmbeddedBroker":
+        try:
+            import amqtt  # noqa: F401
+        except ImportError:
+            raise RuntimeError("the embedded broker needs amqtt: pip install 'edgepfl[broker]', "
+                               "or pass --broker mqtt://host:port for an existing broker") from None
+        context = multiprocessing.get_context("spawn")
+        self._process = context.Process(target=_serve, args=(self.host, self.port), daemon=True,
+                                        name="edgepfl-broker")
+        self._process.start()
+        if not wait_for_port(self.host, self.port, self.start_timeout):
+            self.stop()
+            raise RuntimeError(f"the embedded amqtt broker did not start on {self.url}")
+        log.info("embedded amqtt broker on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join(timeout=10)
+            self._process = None
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,213 @@
+"""The `edgepfl` command: simulate, coordinator, client, broker.
+
+Heavy imports (torch, amqtt) happen inside the subcommands, so `edgepfl --help` is instant and
+a device only imports what its subcommand needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+RUN_FLAGS: list[tuple[str, type, str]] = [
+    ("--algorithm", str, "algorithm id (fedavg, ...)"),
+    ("--dataset", str, "digits | fmnist | mnist | cifar10 | cifar100"),
+    ("--data-dir", str, "where dataset files are (default: system locations, then a download)"),
+    ("--partition", str, "iid | dirichlet | shards | domains"),
+    ("--alpha", float, "Dirichlet concentration (partition=dirichlet)"),
+    ("--classes-per-client", int, "classes per device (partition=shards)"),
+    ("--clients", int, "number of devices"),
+    ("--fraction", float, "fraction of devices selected per round"),
+    ("--rounds", int, "federated rounds"),
+    ("--local-epochs", int, "local epochs per round"),
+    ("--batch-size", int, "local batch size"),
+    ("--lr", float, "local learning rate"),
+    ("--model", str, "auto | cnn8 | cnn28 | cnn32 | resnet18 | mobilenet_v3_small"),
+    ("--seed", int, "the run's seed (selection, partition, initialization)"),
+    ("--broker", str, "mqtt://host:port of an existing broker (simulate: default embedded amqtt)"),
+    ("--federation", str, "federation name (topic namespace)"),
+    ("--eval-every", int, "evaluate every N rounds (and after the last)"),
+    ("--round-timeout", float, "seconds before a round closes with the replies it has"),
+    ("--min-clients", int, "quorum: replies needed to aggregate a round"),
+    ("--quorum-grace", float, "seconds to wait for stragglers once the quorum replied"),
+    ("--registration-timeout", float, "seconds to wait for --clients devices to register"),
+    ("--chunk-size", int, "MQTT payload chunk size in bytes (default 1 MiB)"),
+    ("--device", str, "auto | cpu | cuda | cuda:N | mps (simulated devices)"),
+    ("--out", str, "output folder (report.json, metrics.jsonl, curves.png, checkpoint)"),
+]
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, *, workers: bool) -> None:
+    parser.add_argument("--config", help="TOML file with the same keys as these flags")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="algorithm hyperparameter (repeatable)")
+    for flag, kind, text in RUN_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    if workers:
+        parser.add_argument("--workers", type=int, default=None, help="device worker processes (default: cores)")
+
+
+def _run_config(args: argparse.Namespace):
+    from edge_sdk.config import parse_assignments
+
+    from .config import build_config
+
+    overrides: dict[str, Any] = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in RUN_FLAGS
+    }
+    overrides["workers"] = getattr(args, "workers", None)
+    return build_config(args.config, overrides, parse_assignments(args.set))
+
+
+def _summary(report: dict[str, Any], out: str) -> str:
+    final = report["final"]["personalized_accuracy"]
+    comm = report["communication"]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    lines = [
+        f"algorithm {report['algorithm']} on {report['dataset']} ({report['partition']}, {report['clients']} devices, "
+        f"model {report['model']})",
+        f"rounds completed       {report['rounds_completed']}",
+        f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}  "
+        f"best mean {fmt(final['best_mean'])}",
+        f"global-model accuracy  {fmt(report['final']['global_accuracy'])}",
+        f"communication          {comm['bytes_up'] / 1e6:.2f} MB up, {comm['bytes_down'] / 1e6:.2f} MB down",
+        f"wall time              {report['wall_seconds']:.1f} s",
+        f"rejected messages      {sum(report['rejections'].values())}",
+        f"outputs                {out}/report.json, {out}/metrics.jsonl, {out}/curves.png",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import run_simulation
+
+    config = _run_config(args)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.rounds, desc=f"{config.algorithm}", unit="round")
+    traffic = [0]
+
+    def on_round(record: dict[str, Any]) -> None:
+        traffic[0] += record["bytes_up"] + record["bytes_down"]
+        if bar is not None:
+            acc = (record["personalized_accuracy"] or {}).get("mean")
+            bar.set_postfix(round=record["round"], acc="-" if acc is None else f"{acc:.3f}", MB=f"{traffic[0] / 1e6:.1f}")
+            bar.update(1)
+
+    report = run_simulation(config, on_round=on_round)
+    if bar is not None:
+        bar.close()
+    print(_summary(report, config.out))
+    return 0
+
+
+def _connect(url: str, client_id: str, *, will=None):
+    from edge_sdk.transport import MqttSettings, MqttTransport
+
+    transport = MqttTransport(client_id, MqttSettings(url=url), will=will)
+    transport.connect()
+    return transport
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from edge_sdk.channel import Channel
+    from edge_sdk.protocol import Topics
+
+    from .server import Coordinator
+
+    config = _run_config(args)
+    transport = _connect(config.broker or "mqtt://127.0.0.1:1883", f"{config.federation}.coordinator")
+    try:
+        channel = Channel(transport, Topics(config.federation), chunk_size=config.chunk_size)
+        report = Coordinator(config, channel).run()
+    finally:
+        transport.close()
+    print(_summary(report, config.out))
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from edge_sdk.client import EdgeClient
+    from edge_sdk.data import load_client_data, load_folder_data
+
+    if args.data:
+        data = load_folder_data(args.data, args.dataset, seed=args.seed)
+    else:
+        if args.index is None:
+            raise SystemExit("edgepfl client: give --index (a partition of --dataset) or --data (your own data)")
+        data = load_client_data(args.dataset, num_clients=args.clients, index=args.index, partition=args.partition,
+                                seed=args.seed, alpha=args.alpha, classes_per_client=args.classes_per_client,
+                                data_dir=args.data_dir)
+    client = EdgeClient(args.client_id, data, broker=args.broker, federation=args.federation,
+                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
+    client.run()
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from .broker import _serve
+
+    print(f"amqtt broker on mqtt://{args.host}:{args.port} (Ctrl-C to stop)")
+    _serve(args.host, args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgepfl", description="Personalized federated learning over MQTT")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    simulate = sub.add_parser("simulate", help="a whole federation on this machine over MQTT")
+    _add_run_flags(simulate, workers=True)
+    simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    simulate.set_defaults(handler=cmd_simulate)
+
+    coordinator = sub.add_parser("coordinator", help="run the coordinator against a broker")
+    _add_run_flags(coordinator, workers=False)
+    coordinator.set_defaults(handler=cmd_coordinator)
+
+    client = sub.add_parser("client", help="run one trainer device")
+    client.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    client.add_argument("--federation", default="default")
+    client.add_argument("--client-id", required=True)
+    client.add_argument("--dataset", default="digits")
+    client.add_argument("--data-dir")
+    client.add_argument("--data", help="this device's own data: an .npz with x, y or an ImageFolder directory")
+    client.add_argument("--partition", default="iid")
+    client.add_argument("--alpha", type=float, default=0.5)
+    client.add_argument("--classes-per-client", type=int, default=2)
+    client.add_argument("--clients", type=int, default=10, help="number of partitions of --dataset")
+    client.add_argument("--index", type=int, help="which partition of --dataset is this device's")
+    client.add_argument("--seed", type=int, default=0)
+    client.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
+    client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    client.set_defaults(handler=cmd_client)
+
+    broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.add_argument("--port", type=int, default=1883)
+    broker.set_defaults(handler=cmd_broker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from edge_sdk.config import ConfigError
+    from edge_sdk.data import DatasetNotFoundError
+
+    try:
+        return args.handler(args)
+    except (ConfigError, DatasetNotFoundError, ValueError) as exc:
+        print(f"edgepfl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The run configuration: one dataclass, filled from defaults, a TOML file and the command line.
+
+TOML files use the same keys as the command-line flags (`local_epochs` or `local-epochs`), plus
+one `[algorithm.<id>]` table per algorithm for its hyperparameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, check_chunk_size
+from edge_sdk.config import ConfigError, from_mapping, load_toml
+from edge_sdk.data import DATASETS, PARTITIONS
+from edge_sdk.models import MODEL_NAMES, default_model_for
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a federated run, plus how it is executed."""
+
+    algorithm: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    partition: str = "iid"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    clients: int = 10
+    fraction: float = 1.0
+    rounds: int = 5
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    model: str = "auto"
+    seed: int = 0
+    eval_every: int = 1
+    federation: str = "default"
+    round_timeout: float = 120.0
+    min_clients: int = 1
+    quorum_grace: float = 10.0
+    registration_timeout: float = 300.0
+    max_examples: int = 1_000_000
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    out: str = "runs/latest"
+    broker: str | None = None
+    workers: int = 0
+    device: str = "auto"
+    hyper: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from edge_sdk.algorithms import ALGORITHM_IDS
+
+        checks = [
+            (self.algorithm in ALGORITHM_IDS, "algorithm", f"one of {', '.join(ALGORITHM_IDS)}"),
+            (self.dataset in DATASETS, "dataset", f"one of {', '.join(DATASETS)}"),
+            (self.partition in PARTITIONS, "partition", f"one of {', '.join(PARTITIONS)}"),
+            (self.model == "auto" or self.model in MODEL_NAMES, "model", f"auto or one of {', '.join(MODEL_NAMES)}"),
+            (self.alpha > 0, "alpha", "positive"),
+            (self.clients >= 1, "clients", "at least 1"),
+            (0 < self.fraction <= 1, "fraction", "in (0, 1]"),
+            (self.rounds >= 1, "rounds", "at least 1"),
+            (self.local_epochs >= 1, "local_epochs", "at least 1"),
+            (self.batch_size >= 1, "batch_size", "at least 1"),
+            (self.lr > 0, "lr", "positive"),
+            (self.eval_every >= 1, "eval_every", "at least 1"),
+            (self.round_timeout > 0, "round_timeout", "positive"),
+            (self.min_clients >= 1, "min_clients", "at least 1"),
+            (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
+            (self.max_examples >= 1, "max_examples", "at least 1"),
+            (self.workers >= 0, "workers", "zero (one per core) or more"),
+        ]
+        for ok, key, what in checks:
+            if not ok:
+                raise ConfigError(f"{key} must be {what}, got {getattr(self, key)!r}")
+        try:
+            check_chunk_size(self.chunk_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def model_name(self) -> str:
+        return default_model_for(DATASETS[self.dataset].image_size) if self.model == "auto" else self.model
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or os.cpu_count() or 1
+
+    def fingerprint(self) -> str:
+        """A hash of the settings that define the run's results; a resume requires the same one.
+
+        `rounds` is left out so a finished run can be extended; so are paths, timeouts and how
+        the run is executed.
+        """
+        defining = {k: v for k, v in asdict(self).items() if k in _DEFINING}
+        defining["model"] = self.model_name
+        return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_DEFINING = {
+    "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
+    "local_epochs", "batch_size", "lr", "model", "seed", "hyper",
+}
+
+
+def build_config(
+    file: str | None, overrides: Mapping[str, Any], assignments: Mapping[str, str]
+) -> RunConfig:
+    """Defaults <- TOML file <- command-line flags (non-None) <- `--set` hyperparameters."""
+    values: dict[str, Any] = {}
+    hyper_tables: dict[str, dict[str, Any]] = {}
+    if file:
+        document = load_toml(file)
+        tables = document.pop("algorithm", {})
+        if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+            raise ConfigError(f"{file}: 'algorithm' must hold one [algorithm.<id>] table per algorithm")
+        hyper_tables = tables
+        values.update(document)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    config = from_mapping(RunConfig, values, where=file or "command line")
+    config.hyper = {**hyper_tables.get(config.algorithm, {}), **assignments}
+    return config

@@ -1,0 +1,121 @@
+"""A whole federation on one machine, honestly over MQTT.
+
+The broker (embedded amqtt unless `--broker` names one), the coordinator in this process, and
+the devices in worker processes, each hosting several virtual devices with their own MQTT
+connections. Devices in one worker take turns to compute (one lock per worker) so that the
+workers, not the threads, use the cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from edge_sdk.channel import Channel
+from edge_sdk.protocol import Topics
+from edge_sdk.transport import MqttSettings, MqttTransport
+
+from .broker import EmbeddedBroker
+from .config import RunConfig
+from .server import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process needs to host its share of the virtual devices."""
+
+    indices: tuple[int, ...]
+    broker: str
+    federation: str
+    dataset: str
+    data_dir: str | None
+    partition: str
+    alpha: float
+    classes_per_client: int
+    clients: int
+    seed: int
+    state_root: str
+    device: str
+    chunk_size: int
+    log_level: int
+    protocol: str
+
+
+def client_id_for(index: int) -> str:
+    return f"dev{index:03d}"
+
+
+def _worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process: run its devices until the coordinator finishes."""
+    import torch
+
+    from edge_sdk.client import EdgeClient
+    from edge_sdk.data import load_client_data
+
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    lock = threading.Lock()
+    threads = []
+    for index in spec.indices:
+        data = load_client_data(spec.dataset, num_clients=spec.clients, index=index, partition=spec.partition,
+                                seed=spec.seed, alpha=spec.alpha, classes_per_client=spec.classes_per_client,
+                                data_dir=spec.data_dir)
+        client_id = client_id_for(index)
+        client = EdgeClient(client_id, data, broker=MqttSettings(url=spec.broker, protocol=spec.protocol), federation=spec.federation,
+                            state_dir=Path(spec.state_root) / client_id, device=spec.device,
+                            chunk_size=spec.chunk_size, compute_lock=lock)
+        thread = threading.Thread(target=client.run, name=client_id, daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+
+
+def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
+    workers = max(1, min(workers, clients))
+    return [tuple(range(w, clients, workers)) for w in range(workers)]
+
+
+def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run `config` end to end and return the report (also written to `config.out`)."""
+    if config.federation == "default":
+        config = replace(config, federation=f"sim-{uuid.uuid4().hex[:8]}")
+    broker = EmbeddedBroker().start() if config.broker is None else None
+    url = broker.url if broker else config.broker
+    protocol = "3.1.1" if broker else "auto"  # amqtt speaks MQTT 3.1.1 only
+    context = multiprocessing.get_context("spawn")
+    workers = []
+    try:
+        for indices in split_among_workers(config.clients, config.worker_count):
+            spec = WorkerSpec(indices, url, config.federation, config.dataset, config.data_dir, config.partition,
+                              config.alpha, config.classes_per_client, config.clients, config.seed,
+                              str(Path(config.out) / "state"), config.device, config.chunk_size,
+                              logging.getLogger().getEffectiveLevel(), protocol)
+            process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
+            process.start()
+            workers.append(process)
+        transport = MqttTransport(f"{config.federation}.coordinator", MqttSettings(url=url, protocol=protocol))
+        transport.connect()
+        try:
+            coordinator = Coordinator(config, Channel(transport, Topics(config.federation), chunk_size=config.chunk_size),
+                                      on_round=on_round)
+            report = coordinator.run()
+        finally:
+            transport.close()
+        for process in workers:
+            process.join(timeout=30)
+        return report
+    finally:
+        for process in workers:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+        if broker is not None:
+            broker.stop()

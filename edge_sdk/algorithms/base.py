@@ -1,0 +1,79 @@
+"""The device side of an algorithm: what every algorithm module in this package provides.
+
+A device algorithm owns the device's model. The client hands it each round's task (the arrays
+and config that came down) and sends back what `fit` returns. Whatever `personal_state`
+returns is persisted on the device only and never leaves it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..data import ClientData
+from ..protocol import ArrayGroup
+
+
+@dataclass(frozen=True)
+class NoHyper:
+    """For algorithms without hyperparameters of their own."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The run's training settings, announced by the coordinator in WELCOME."""
+
+    model: str
+    rounds: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+
+
+@dataclass
+class Task:
+    """One round's work as it came down: the round number, named arrays and config."""
+
+    round: int
+    groups: dict[str, ArrayGroup]
+    config: dict[str, Any]
+
+
+@dataclass
+class FitResult:
+    """What goes up after local training: named array groups and metrics (with num_examples)."""
+
+    groups: dict[str, ArrayGroup]
+    metrics: dict[str, float]
+
+
+class DeviceAlgorithm(ABC):
+    """One algorithm's device side. Subclasses set `id` and, if they have any, `Hyper`."""
+
+    id: ClassVar[str]
+    Hyper: ClassVar[type] = NoHyper
+
+    def __init__(self, hyper: Any, settings: TrainSettings, data: ClientData, device: str, client_seed: int):
+        self.hyper = hyper
+        self.settings = settings
+        self.data = data
+        self.device_name = device
+        self.client_seed = client_seed
+
+    @abstractmethod
+    def fit(self, task: Task) -> FitResult:
+        """Train locally on the task and return what goes up."""
+
+    @abstractmethod
+    def evaluate(self, task: Task) -> dict[str, float]:
+        """Metrics of the deployed model on the device's test split: at least `accuracy`."""
+
+    @abstractmethod
+    def personal_state(self) -> ArrayGroup:
+        """Everything the device keeps between rounds and restarts; never sent upstream."""
+
+    @abstractmethod
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        """Restore what `personal_state` returned (after a restart)."""

@@ -1,0 +1,111 @@
+"""Shared machinery for algorithms that share some named parts of one model (FedAvg family).
+
+The partition is by part name: the parts in `shared_parts` travel (their BatchNorm running
+statistics excepted), everything else stays on the device. Subclasses change what is shared,
+the local objective (`local_loss`) or the local schedule (`train_locally`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..models import build_model, statistics_keys
+from ..params import Partition, check_arrays, partition_by_parts, spec_of
+from ..protocol import ArrayGroup
+from ..training import (
+    LossFn,
+    accuracy,
+    cross_entropy_loss,
+    eval_mode,
+    load_arrays,
+    pick_device,
+    run_epochs,
+    state_arrays,
+    to_device,
+)
+from .base import DeviceAlgorithm, FitResult, Task
+
+SHARED = "shared"
+"""The group name of the shared parameters, down (global) and up (local update)."""
+
+
+def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...]) -> Partition:
+    return partition_by_parts(model.state_dict().keys(), shared_parts, statistics_keys(model))
+
+
+class PartSharingDevice(DeviceAlgorithm):
+    """A model whose `shared_parts` are federated and whose other parts are personal."""
+
+    shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
+    deploys_global_model: ClassVar[bool] = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        meta = self.data.meta
+        self.device = pick_device(self.device_name)
+        self.model = build_model(
+            self.settings.model,
+            in_channels=meta.channels,
+            num_classes=meta.num_classes,
+            image_size=meta.image_size,
+            seed=self.settings.seed,
+        ).to(self.device)
+        self.partition = model_partition(self.model, self.shared_parts)
+        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
+        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+
+    # -- what travels ----------------------------------------------------------------------
+    def load_shared(self, task: Task) -> None:
+        if SHARED in task.groups:
+            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
+            load_arrays(self.model, task.groups[SHARED])
+
+    def shared_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.shared)
+
+    def personal_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.personal)
+
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        check_arrays("personal", arrays, spec_of(self.personal_state()))
+        load_arrays(self.model, arrays)
+
+    # -- local work ------------------------------------------------------------------------
+    def generator(self, round_: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
+
+    def optimizer(self, params=None) -> torch.optim.Optimizer:
+        params = self.model.parameters() if params is None else params
+        return torch.optim.SGD(params, lr=self.settings.lr, momentum=0.9)
+
+    def local_loss(self, task: Task) -> LossFn:
+        return cross_entropy_loss(self.model)
+
+    def train_locally(self, task: Task) -> float:
+        self.model.train()
+        return run_epochs(
+            self.local_loss(task),
+            self.optimizer(),
+            self.train_x,
+            self.train_y,
+            epochs=self.settings.local_epochs,
+            batch_size=self.settings.batch_size,
+            generator=self.generator(task.round),
+        )
+
+    def fit(self, task: Task) -> FitResult:
+        self.load_shared(task)
+        loss = self.train_locally(task)
+        return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
+
+    def evaluate(self, task: Task) -> dict[str, float]:
+        self.load_shared(task)
+        with eval_mode(self.model):
+            acc = accuracy(self.model, self.test_x, self.test_y)
+        metrics = {"accuracy": acc, "num_test": len(self.test_y)}
+        if self.deploys_global_model:
+            metrics["global_accuracy"] = acc
+        return metrics

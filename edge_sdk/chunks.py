@@ -1,0 +1,180 @@
+"""Splitting large payloads into chunk frames and reassembling them, bounded in memory and time.
+
+A payload larger than the chunk size travels as `count` chunk frames on the same topic. Every
+frame repeats the manifest (blob id = sha256 of the whole payload, total size, count), so the
+receiver needs no separate manifest message and tolerates duplicated and reordered chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+from .protocol import PROTOCOL_VERSION, ChunkError, Reason
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+MIN_CHUNK_SIZE = 16 << 10
+MAX_CHUNK_SIZE = 64 << 20
+
+
+def check_chunk_size(size: int) -> int:
+    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, got {size}")
+    return size
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a blob; `blob_id` is the sha256 hex digest of the whole payload."""
+
+    blob_id: str
+    index: int
+    count: int
+    size: int
+    data: bytes
+
+
+def chunk_frames(payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
+    """The frames to publish for `payload` (a single frame is still a valid 1-chunk blob)."""
+    check_chunk_size(chunk_size)
+    blob_id = hashlib.sha256(payload).hexdigest()
+    count = max(1, math.ceil(len(payload) / chunk_size))
+    view = memoryview(payload)
+    return [
+        msgpack.packb(
+            {
+                "version": PROTOCOL_VERSION,
+                "chunk": {
+                    "blob": blob_id,
+                    "index": index,
+                    "count": count,
+                    "size": len(payload),
+                    "data": view[index * chunk_size : (index + 1) * chunk_size],
+                },
+            },
+            use_bin_type=True,
+        )
+        for index in range(count)
+    ]
+
+
+def is_chunk_frame(obj: dict[str, Any]) -> bool:
+    return "chunk" in obj
+
+
+def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
+    """Validate an unpacked chunk frame."""
+    raw = obj.get("chunk")
+    if obj.get("version") != PROTOCOL_VERSION or not isinstance(raw, dict):
+        raise ChunkError(Reason.CHUNK_INVALID, "chunk frame without a valid version or body")
+    blob, index, count, size, data = (raw.get(k) for k in ("blob", "index", "count", "size", "data"))
+    ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, size))
+    if not (isinstance(blob, str) and len(blob) == 64 and ints_ok and isinstance(data, bytes)):
+        raise ChunkError(Reason.CHUNK_INVALID, "chunk fields missing or of the wrong type")
+    if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size):
+        raise ChunkError(Reason.CHUNK_INVALID, f"chunk {index}/{count} of a {size}-byte blob is inconsistent")
+    return Chunk(blob, index, count, size, data)
+
+
+@dataclass
+class _Pending:
+    count: int
+    size: int
+    started: float
+    parts: dict[int, bytes] = field(default_factory=dict)
+    received: int = 0
+
+
+class Reassembler:
+    """Collects chunks per (stream, blob id) until complete; bounded in bytes, blobs and age.
+
+    `add` returns the whole payload once its last chunk arrives and its sha256 matches; it raises
+    `ChunkError` for a chunk that must be rejected. Blobs that overflow memory or outlive
+    `ttl_seconds` are dropped and reported through `on_drop(reason)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_blob_bytes: int,
+        max_pending_bytes: int,
+        max_pending_blobs: int = 64,
+        ttl_seconds: float = 120.0,
+        on_drop: Callable[[Reason], None] = lambda reason: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.max_blob_bytes = max_blob_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.max_pending_blobs = max_pending_blobs
+        self.ttl_seconds = ttl_seconds
+        self._on_drop = on_drop
+        self._clock = clock
+        self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
+        self._pending_bytes = 0
+        self._done: deque[tuple[str, str]] = deque(maxlen=1024)
+        self._done_set: set[tuple[str, str]] = set()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def add(self, stream: str, chunk: Chunk) -> bytes | None:
+        self.expire()
+        key = (stream, chunk.blob_id)
+        if key in self._done_set:
+            return None  # a late duplicate of a blob already delivered
+        if chunk.size > self.max_blob_bytes:
+            raise ChunkError(Reason.CHUNK_OVERFLOW, f"blob of {chunk.size} bytes exceeds {self.max_blob_bytes}")
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(chunk.count, chunk.size, self._clock())
+        elif (pending.count, pending.size) != (chunk.count, chunk.size):
+            raise ChunkError(Reason.CHUNK_INVALID, f"chunk disagrees with blob {chunk.blob_id[:12]}'s manifest")
+        if chunk.index in pending.parts:
+            return None  # duplicate delivery (QoS 1)
+        if pending.received + len(chunk.data) > pending.size:
+            self._drop(key, Reason.CHUNK_INVALID)
+            raise ChunkError(Reason.CHUNK_INVALID, f"blob {chunk.blob_id[:12]} received more bytes than declared")
+        pending.parts[chunk.index] = chunk.data
+        pending.received += len(chunk.data)
+        self._pending_bytes += len(chunk.data)
+        self._enforce_bounds(keep=key)
+        if len(pending.parts) < pending.count:
+            return None
+        return self._complete(key, pending)
+
+    def _complete(self, key: tuple[str, str], pending: _Pending) -> bytes:
+        del self._pending[key]
+        self._pending_bytes -= pending.received
+        payload = b"".join(pending.parts[i] for i in range(pending.count))
+        if len(payload) != pending.size or hashlib.sha256(payload).hexdigest() != key[1]:
+            raise ChunkError(Reason.CHUNK_CHECKSUM, f"blob {key[1][:12]} does not match its sha256")
+        if len(self._done) == self._done.maxlen:
+            self._done_set.discard(self._done[0])
+        self._done.append(key)
+        self._done_set.add(key)
+        return payload
+
+    def _enforce_bounds(self, keep: tuple[str, str]) -> None:
+        """Drop the oldest other blobs while over the byte or count budget."""
+        while self._pending_bytes > self.max_pending_bytes or len(self._pending) > self.max_pending_blobs:
+            victim = next((k for k in self._pending if k != keep), keep)
+            self._drop(victim, Reason.CHUNK_OVERFLOW)
+            if victim == keep:
+                raise ChunkError(Reason.CHUNK_OVERFLOW, "blob does not fit in the reassembly budget")
+
+    def _drop(self, key: tuple[str, str], reason: Reason) -> None:
+        pending = self._pending.pop(key)
+        self._pending_bytes -= pending.received
+        self._on_drop(reason)
+
+    def expire(self) -> None:
+        now = self._clock()
+        for key in [k for k, p in self._pending.items() if now - p.started > self.ttl_seconds]:
+            self._drop(key, Reason.CHUNK_EXPIRED)

@@ -1,0 +1,58 @@
+"""Small convolutional bodies with BatchNorm for 8x8, 28x28 and 32x32 images.
+
+Each builder returns `(body, feature_dim)`: the body maps [B, C, H, W] to [B, feature_dim]. They are
+small enough to train on an edge device, and their BatchNorm layers give the personalization
+algorithms running statistics to keep local.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int, padding: int) -> list[nn.Module]:
+    """Return a conv-BN-ReLU triple; the conv has no bias because BatchNorm adds one."""
+    return [
+        nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    ]
+
+
+def cnn8(in_channels: int) -> tuple[nn.Module, int]:
+    """Body for 8x8 images (e.g. sklearn digits): two 3x3 convs, one pool, 128 features."""
+    feature_dim = 128
+    body = nn.Sequential(
+        *_conv_bn_relu(in_channels, 32, kernel_size=3, padding=1),
+        *_conv_bn_relu(32, 64, kernel_size=3, padding=1),
+        nn.MaxPool2d(2),  # 64 x 4 x 4
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, feature_dim),
+        nn.ReLU(inplace=True),
+    )
+    return body, feature_dim
+
+
+def _fedavg_cnn(in_channels: int, flat_dim: int) -> tuple[nn.Module, int]:
+    """PFLlib's FedAvgCNN feature extractor with BatchNorm; `flat_dim` depends on the image size."""
+    feature_dim = 512
+    body = nn.Sequential(
+        *_conv_bn_relu(in_channels, 32, kernel_size=5, padding=0),
+        nn.MaxPool2d(2),
+        *_conv_bn_relu(32, 64, kernel_size=5, padding=0),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(flat_dim, feature_dim),
+        nn.ReLU(inplace=True),
+    )
+    return body, feature_dim
+
+
+def cnn28(in_channels: int) -> tuple[nn.Module, int]:
+    """Body for 28x28 images (MNIST-like): 64 x 4 x 4 maps, 512 features."""
+    return _fedavg_cnn(in_channels, flat_dim=64 * 4 * 4)
+
+
+def cnn32(in_channels: int) -> tuple[nn.Module, int]:
+    """Body for 32x32 images (CIFAR-like): 64 x 5 x 5 maps, 512 features."""
+    return _fedavg_cnn(in_channels, flat_dim=64 * 5 * 5)

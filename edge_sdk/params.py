@@ -1,0 +1,67 @@
+"""Named arrays and their partition into shared and personal parts (no torch needed).
+
+Personalization is a partition of `state_dict` names by model part (the first dotted segment:
+`body.conv1.weight` belongs to part `body`), never substring guessing. Running statistics of
+normalization layers are personal unless an algorithm says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .protocol import ArrayGroup, Reason, ValidationError
+
+ArraySpec = dict[str, tuple[tuple[int, ...], str]]
+"""name -> (shape, dtype name): what a group of arrays must look like."""
+
+
+def part_of(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which state keys are shared (uploaded, aggregated, broadcast) and which stay on the device."""
+
+    shared: tuple[str, ...]
+    personal: tuple[str, ...]
+
+    def split(self, state: Mapping[str, np.ndarray]) -> tuple[ArrayGroup, ArrayGroup]:
+        return {k: state[k] for k in self.shared}, {k: state[k] for k in self.personal}
+
+
+def partition_by_parts(
+    keys: Iterable[str], shared_parts: Iterable[str], statistics: Iterable[str] = ()
+) -> Partition:
+    """Keys of `shared_parts` are shared, except running statistics; everything else is personal."""
+    shared_parts, statistics = set(shared_parts), set(statistics)
+    shared, personal = [], []
+    for key in keys:
+        (shared if part_of(key) in shared_parts and key not in statistics else personal).append(key)
+    return Partition(tuple(shared), tuple(personal))
+
+
+def spec_of(arrays: Mapping[str, np.ndarray]) -> ArraySpec:
+    return {k: (tuple(v.shape), v.dtype.name) for k, v in arrays.items()}
+
+
+def check_arrays(where: str, arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
+    """Names, shapes and dtypes exactly as expected, and every value finite; else ValidationError."""
+    if set(arrays) != set(expected):
+        missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+        raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"{where}: missing {missing[:5]}, unexpected {extra[:5]}")
+    for key, array in arrays.items():
+        shape, dtype = expected[key]
+        if tuple(array.shape) != tuple(shape) or array.dtype.name != dtype:
+            raise ValidationError(
+                Reason.BAD_SHAPE, f"{where}/{key}: got {array.dtype.name}{list(array.shape)}, want {dtype}{list(shape)}"
+            )
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ValidationError(Reason.NON_FINITE, f"{where}/{key} has non-finite values")
+
+
+def nbytes(arrays: Mapping[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in arrays.values())

@@ -1,0 +1,173 @@
+"""The wire contract shared by devices and the coordinator: message kinds, the envelope, topics.
+
+Everything here is plain Python and numpy so that every device, including weak ones without
+PyTorch, can speak the protocol. `docs/PROTOCOL.md` describes the same contract for people
+writing a compatible device in another language.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+TOPIC_ROOT = "edgepfl"
+BROADCAST = "all"
+
+ArrayGroup = dict[str, np.ndarray]
+"""Named arrays; the names are the model's `state_dict` keys (or statistic names)."""
+
+
+class Kind(str, Enum):
+    """Message kinds. The kind is also the last segment of the topic a message travels on."""
+
+    HELLO = "hello"  # up: a device registers (capabilities, device type, examples)
+    OFFLINE = "offline"  # up: the device's MQTT Last Will; the broker sends it on a lost connection
+    TRAIN_RES = "train_res"  # up: the result of local training (shared arrays or statistics)
+    EVAL_RES = "eval_res"  # up: personalized evaluation metrics
+    WELCOME = "welcome"  # down, per device: registration accepted, the run's settings
+    TRAIN = "train"  # down, broadcast: one round's task and the shared state
+    EVALUATE = "evaluate"  # down, broadcast: evaluate the deployed model
+    STATUS = "status"  # down, broadcast, retained: the coordinator's state
+
+
+UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS})
+
+
+class Reason(str, Enum):
+    """Reason codes for every rejection; they are counted in metrics.jsonl and report.json."""
+
+    TOO_LARGE = "too_large"
+    MALFORMED = "malformed"
+    BAD_VERSION = "bad_version"
+    BAD_KIND = "bad_kind"
+    BAD_DTYPE = "bad_dtype"
+    BAD_SHAPE = "bad_shape"
+    BAD_TOPIC = "bad_topic"
+    SENDER_MISMATCH = "sender_mismatch"
+    WRONG_RUN = "wrong_run"
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+    CONFLICTING_REPLY = "conflicting_reply"
+    NOT_SELECTED = "not_selected"
+    UNKNOWN_DEVICE = "unknown_device"
+    UNEXPECTED_ARRAYS = "unexpected_arrays"
+    NON_FINITE = "non_finite"
+    CHUNK_INVALID = "chunk_invalid"
+    CHUNK_CHECKSUM = "chunk_checksum"
+    CHUNK_OVERFLOW = "chunk_overflow"
+    CHUNK_EXPIRED = "chunk_expired"
+
+
+class ProtocolError(Exception):
+    """A message or frame that must be rejected; `reason` is one of `Reason`."""
+
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class WireError(ProtocolError):
+    """Bytes that do not decode into a valid envelope."""
+
+
+class ChunkError(ProtocolError):
+    """A chunk frame that cannot be accepted or a blob that cannot be reassembled."""
+
+
+class ValidationError(ProtocolError):
+    """A well-formed message that the receiver's state does not allow (stale, unexpected, ...)."""
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Envelope:
+    """One protocol message. `groups` hold named arrays; `metrics` numbers; `config` settings."""
+
+    kind: Kind
+    sender: str
+    run_id: str = ""
+    round: int = 0
+    msg_id: str = field(default_factory=new_message_id)
+    timestamp: float = field(default_factory=time.time)
+    groups: dict[str, ArrayGroup] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    def array_bytes(self) -> int:
+        """Raw tensor bytes carried, the denominator of the wire-overhead ratio."""
+        return sum(a.nbytes for group in self.groups.values() for a in group.values())
+
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_FEDERATION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_client_id(client_id: str) -> str:
+    """Client ids are topic segments: letters, digits, `_.-`, at most 64, never `all`."""
+    if not _CLIENT_ID.match(client_id) or client_id == BROADCAST:
+        raise ValueError(
+            f"invalid client id {client_id!r}: use 1-64 letters, digits, '_', '.', '-' (not 'all')"
+        )
+    return client_id
+
+
+@dataclass(frozen=True)
+class TopicAddress:
+    """A parsed topic: direction ('up' or 'down'), the device id (or 'all'), and the kind."""
+
+    direction: str
+    client_id: str
+    kind: Kind
+
+
+class Topics:
+    """Topic names of one federation: `edgepfl/<federation>/{up,down}/<client_id|all>/<kind>`."""
+
+    def __init__(self, federation: str):
+        if not _FEDERATION.match(federation):
+            raise ValueError(f"invalid federation name {federation!r}: use 1-64 letters, digits, '_', '.', '-'")
+        self.federation = federation
+        self.prefix = f"{TOPIC_ROOT}/{federation}"
+
+    def up(self, client_id: str, kind: Kind) -> str:
+        return f"{self.prefix}/up/{client_id}/{kind.value}"
+
+    def down(self, client_id: str, kind: Kind) -> str:
+        return f"{self.prefix}/down/{client_id}/{kind.value}"
+
+    def broadcast(self, kind: Kind) -> str:
+        return self.down(BROADCAST, kind)
+
+    def all_up(self) -> str:
+        """The coordinator's subscription."""
+        return f"{self.prefix}/up/+/+"
+
+    def device_subscriptions(self, client_id: str) -> list[str]:
+        """A device reads the broadcast topics and its own downstream topics, nothing else."""
+        return [f"{self.prefix}/down/{BROADCAST}/+", f"{self.prefix}/down/{client_id}/+"]
+
+    def parse(self, topic: str) -> TopicAddress:
+        parts = topic.split("/")
+        if len(parts) != 5 or "/".join(parts[:2]) != self.prefix or parts[2] not in ("up", "down"):
+            raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r} is not in federation {self.federation!r}")
+        try:
+            kind = Kind(parts[4])
+        except ValueError:
+            raise ProtocolError(Reason.BAD_KIND, f"unknown kind in topic {topic!r}") from None
+        allowed = UP_KINDS if parts[2] == "up" else DOWN_KINDS
+        if kind not in allowed:
+            raise ProtocolError(Reason.BAD_KIND, f"kind {kind.value!r} cannot travel {parts[2]}")
+        return TopicAddress(parts[2], parts[3], kind)

@@ -1,0 +1,129 @@
+"""Torch loops every device algorithm shares: batching, an epoch of training, accuracy.
+
+Data arrive as numpy arrays; they are moved to the device once per call and batched by index
+with a seeded permutation, so runs are reproducible. On CUDA the host tensors are pinned and
+copied without blocking.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """`auto` picks CUDA, then Apple MPS, then CPU; anything else is passed to torch.device."""
+    if requested != "auto":
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {requested} asked for CUDA, but torch sees no CUDA device")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(x))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def batches(
+    n: int, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None
+) -> Iterator[torch.Tensor]:
+    """Index tensors covering range(n) in batches; a last batch of one is folded into the previous
+    batch so BatchNorm never sees a single example in training."""
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else n
+        yield order[start:end]
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(inputs batch, labels batch) -> scalar loss."""
+
+
+def run_epochs(
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    generator: torch.Generator,
+) -> float:
+    """Minimize `loss_fn` over (x, y) for `epochs`; returns the mean loss of the last epoch."""
+    mean_loss = float("nan")
+    for _ in range(epochs):
+        total, count = 0.0, 0
+        for idx in batches(len(y), batch_size, shuffle=True, generator=generator):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(x[idx], y[idx])
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+        mean_loss = total / max(count, 1)
+    return mean_loss
+
+
+@torch.no_grad()
+def predict(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """Scores of `forward` over x in batches (evaluation mode is the caller's job)."""
+    outputs = [forward(x[idx]) for idx in batches(len(x), batch_size, shuffle=False)]
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def accuracy(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    if len(y) == 0:
+        return float("nan")
+    return float((predict(forward, x).argmax(dim=1) == y).float().mean())
+
+
+def state_arrays(module: nn.Module, keys: tuple[str, ...] | list[str]) -> dict[str, np.ndarray]:
+    """Copies of the named state entries as numpy arrays (on the host)."""
+    state = module.state_dict()
+    return {k: state[k].detach().cpu().numpy().copy() for k in keys}
+
+
+def load_arrays(module: nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Load named arrays into a module's state without touching the entries not named."""
+    state = module.state_dict()
+    with torch.no_grad():
+        for key, value in arrays.items():
+            state[key].copy_(torch.as_tensor(np.array(value), device=state[key].device))
+
+
+def eval_mode(module: nn.Module) -> "_EvalMode":
+    return _EvalMode(module)
+
+
+class _EvalMode:
+    """Context manager: evaluation mode inside, the previous mode restored after."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self) -> nn.Module:
+        self.was_training = self.module.training
+        self.module.eval()
+        return self.module
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.train(self.was_training)
+
+
+def cross_entropy_loss(model: nn.Module) -> LossFn:
+    criterion = nn.CrossEntropyLoss()
+    return lambda xb, yb: criterion(model(xb), yb)

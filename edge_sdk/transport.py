@@ -1,0 +1,217 @@
+"""MQTT transport on paho-mqtt 2.x: the only module that imports paho.
+
+Callbacks never block and never raise: received messages are handed to a queue that the
+owner's thread consumes. Subscriptions are remembered and renewed on every (re)connection;
+paho reconnects with exponential backoff. MQTT 5 is used where the broker speaks it and
+3.1.1 otherwise (`protocol="auto"` tries 5 first).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+from urllib.parse import urlparse
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from .counters import ByteCounter
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}
+
+
+class TransportError(ConnectionError):
+    """The broker could not be reached or refused the connection."""
+
+
+class Incoming(NamedTuple):
+    topic: str
+    payload: bytes
+
+
+@dataclass
+class MqttSettings:
+    """How to reach the broker. `url` is mqtt://host:port or mqtts://host:port (TLS)."""
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    protocol: str = "auto"
+    keepalive: int = 30
+    connect_timeout: float = 15.0
+    reconnect_min_delay: int = 1
+    reconnect_max_delay: int = 30
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("auto", *PROTOCOLS):
+            raise ValueError(f"protocol must be auto, 5 or 3.1.1, got {self.protocol!r}")
+        parsed = urlparse(self.url)
+        if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parsed.hostname:
+            raise ValueError(f"broker url must look like mqtt://host:port or mqtts://host:port, got {self.url!r}")
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parsed = urlparse(self.url)
+        return parsed.port or (8883 if self.tls else 1883)
+
+    @property
+    def tls(self) -> bool:
+        return urlparse(self.url).scheme in ("mqtts", "ssl") or self.ca_file is not None
+
+
+class MqttTransport:
+    """One MQTT connection. `incoming` yields `Incoming(topic, payload)` for subscribed topics."""
+
+    def __init__(
+        self,
+        client_id: str,
+        settings: MqttSettings,
+        *,
+        will: tuple[str, bytes] | None = None,
+        counter: ByteCounter | None = None,
+        max_queue: int = 10_000,
+    ):
+        self.client_id = client_id
+        self.settings = settings
+        self.counter = counter or ByteCounter()
+        self.incoming: queue.Queue[Incoming] = queue.Queue(maxsize=max_queue)
+        self.connected = threading.Event()
+        self.dropped_incoming = 0
+        self.connections = 0
+        self._will = will
+        self._subscriptions: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._refused: str | None = None
+        self._client: mqtt.Client | None = None
+        self.protocol: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Connect (blocking up to `connect_timeout`), trying MQTT 5 then 3.1.1 under auto."""
+        candidates = list(PROTOCOLS) if self.settings.protocol == "auto" else [self.settings.protocol]
+        errors = []
+        for protocol in candidates:
+            try:
+                self._connect_with(protocol)
+                return
+            except TransportError as exc:
+                errors.append(f"MQTT {protocol}: {exc}")
+        raise TransportError(f"cannot connect to {self.settings.url} as {self.client_id!r}: " + "; ".join(errors))
+
+    def _connect_with(self, protocol: str) -> None:
+        client = self._make_client(protocol)
+        self._refused = None
+        self.connected.clear()
+        try:
+            if PROTOCOLS[protocol] == mqtt.MQTTv5:
+                from paho.mqtt.properties import Properties
+                from paho.mqtt.packettypes import PacketTypes
+
+                props = Properties(PacketTypes.CONNECT)
+                props.SessionExpiryInterval = 0
+                client.connect(self.settings.host, self.settings.port, self.settings.keepalive, clean_start=True,
+                               properties=props)
+            else:
+                client.connect(self.settings.host, self.settings.port, self.settings.keepalive)
+        except (OSError, ValueError) as exc:
+            raise TransportError(str(exc)) from exc
+        client.loop_start()
+        if not self.connected.wait(self.settings.connect_timeout) or self._refused:
+            client.loop_stop()
+            client.disconnect()
+            raise TransportError(self._refused or "no CONNACK before the timeout")
+        self._client = client
+        self.protocol = protocol
+
+    def _make_client(self, protocol: str) -> mqtt.Client:
+        version = PROTOCOLS[protocol]
+        kwargs = {"clean_session": True} if version == mqtt.MQTTv311 else {}
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=version, **kwargs)
+        client.max_inflight_messages_set(64)
+        client.max_queued_messages_set(0)
+        client.reconnect_delay_set(self.settings.reconnect_min_delay, self.settings.reconnect_max_delay)
+        if self.settings.username is not None:
+            client.username_pw_set(self.settings.username, self.settings.password)
+        if self.settings.tls:
+            client.tls_set(
+                ca_certs=self.settings.ca_file,
+                certfile=self.settings.cert_file,
+                keyfile=self.settings.key_file,
+                cert_reqs=ssl.CERT_REQUIRED,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+        if self._will is not None:
+            client.will_set(self._will[0], self._will[1], qos=1, retain=False)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        return client
+
+    def close(self) -> None:
+        """Disconnect cleanly (the broker does not send the Last Will on a clean disconnect)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+        self.connected.clear()
+
+    # -- operations ------------------------------------------------------------------------
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        with self._lock:
+            self._subscriptions[topic_filter] = qos
+        if self._client is not None and self.connected.is_set():
+            self._client.subscribe(topic_filter, qos)
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if self._client is None:
+            raise TransportError("publish before connect")
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        self.counter.record("sent", topic, len(payload))
+
+    # -- paho callbacks (network thread: never block, never raise) --------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._refused = f"broker refused the connection: {reason_code}"
+            self.connected.set()
+            return
+        self.connections += 1
+        with self._lock:
+            subscriptions = list(self._subscriptions.items())
+        for topic_filter, qos in subscriptions:
+            client.subscribe(topic_filter, qos)
+        if self.connections > 1:
+            log.info("%s reconnected to %s (connection %d)", self.client_id, self.settings.url, self.connections)
+        self.connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self._client is None and not self.connected.is_set():
+            self._refused = f"the broker closed the connection before CONNACK ({reason_code})"
+            self.connected.set()  # wake connect(): this attempt failed
+            return
+        self.connected.clear()
+        if self._client is not None:
+            log.warning("%s lost the broker connection: %s; reconnecting", self.client_id, reason_code)
+
+    def _on_message(self, client, userdata, message) -> None:
+        try:
+            self.counter.record("received", message.topic, len(message.payload))
+            self.incoming.put_nowait(Incoming(message.topic, bytes(message.payload)))
+        except queue.Full:
+            self.dropped_incoming += 1
+        except Exception:  # a callback must never raise into paho's network loop
+            log.exception("dropping a message on %s", getattr(message, "topic", "?"))

@@ -1,0 +1,191 @@
+"""Envelope <-> bytes, in msgpack; arrays travel as (dtype, shape, raw little-endian bytes).
+
+Nothing is ever unpickled: decoding accepts only msgpack maps, lists, strings, numbers and
+byte strings, checks every field, and raises `WireError` with a reason code on anything
+malformed. Size limits are enforced before any decoding work is done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .protocol import PROTOCOL_VERSION, ArrayGroup, Envelope, Kind, Reason, WireError
+
+# The only dtypes accepted on the wire, by name; all are sent little-endian.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+MAX_NDIM = 8
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Bounds every decoder enforces. Chunked payloads are bounded by `max_message_bytes` too."""
+
+    max_message_bytes: int = 512 * 2**20
+    max_string: int = 1 << 16
+    max_items: int = 1 << 20  # entries in one msgpack list or map
+    max_arrays: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_string", "max_items", "max_arrays"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WireLimits.{name} must be positive")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    """One array as a msgpack map: dtype name, shape and raw little-endian bytes."""
+    array = np.asarray(array)
+    name = array.dtype.name
+    if name not in DTYPES:
+        raise TypeError(f"dtype {array.dtype} cannot travel; allowed: {sorted(DTYPES)}")
+    data = np.ascontiguousarray(array, dtype=DTYPES[name]).tobytes()
+    return {"dtype": name, "shape": list(array.shape), "data": data}
+
+
+def encode(envelope: Envelope) -> bytes:
+    """Serialize an envelope; see docs/PROTOCOL.md for the layout."""
+    body = envelope_to_dict(envelope)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def envelope_to_dict(envelope: Envelope) -> dict[str, Any]:
+    return {
+        "version": envelope.version,
+        "kind": Kind(envelope.kind).value,
+        "run_id": envelope.run_id,
+        "round": int(envelope.round),
+        "msg_id": envelope.msg_id,
+        "sender": envelope.sender,
+        "timestamp": float(envelope.timestamp),
+        "groups": {
+            group: {key: encode_array(value) for key, value in arrays.items()}
+            for group, arrays in envelope.groups.items()
+        },
+        "metrics": {key: _number(key, value) for key, value in envelope.metrics.items()},
+        "config": envelope.config,
+    }
+
+
+def _number(key: str, value: Any) -> float | int:
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
+
+
+def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """msgpack bytes -> a map, with every container and string bounded; no extension types."""
+    if len(data) > limits.max_message_bytes:
+        raise WireError(Reason.TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_message_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=limits.max_message_bytes,
+            max_str_len=limits.max_string,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types for bad input; all mean "malformed"
+        raise WireError(Reason.MALFORMED, f"not a msgpack document: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise WireError(Reason.MALFORMED, f"top level must be a map, got {type(obj).__name__}")
+    return obj
+
+
+def decode(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Envelope:
+    """Bytes -> Envelope, or `WireError`."""
+    return envelope_from_dict(unpack(data, limits), limits)
+
+
+def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in obj:
+        raise WireError(Reason.MALFORMED, f"missing field {name!r}")
+    value = obj[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise WireError(Reason.MALFORMED, f"field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def envelope_from_dict(obj: dict[str, Any], limits: WireLimits = DEFAULT_LIMITS) -> Envelope:
+    """Validate an unpacked map and build the Envelope."""
+    version = _field(obj, "version", int)
+    if version != PROTOCOL_VERSION:
+        raise WireError(Reason.BAD_VERSION, f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    try:
+        kind = Kind(_field(obj, "kind", str))
+    except ValueError:
+        raise WireError(Reason.BAD_KIND, f"unknown kind {obj['kind']!r}") from None
+    round_ = _field(obj, "round", int)
+    if round_ < 0:
+        raise WireError(Reason.MALFORMED, f"negative round {round_}")
+    timestamp = _field(obj, "timestamp", (int, float))
+    groups = _decode_groups(_field(obj, "groups", dict), limits)
+    metrics = _field(obj, "metrics", dict)
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(Reason.MALFORMED, f"metric {key!r} is not a number")
+    return Envelope(
+        kind=kind,
+        sender=_field(obj, "sender", str),
+        run_id=_field(obj, "run_id", str),
+        round=round_,
+        msg_id=_field(obj, "msg_id", str),
+        timestamp=float(timestamp),
+        groups=groups,
+        metrics=metrics,
+        config=_field(obj, "config", dict),
+        version=version,
+    )
+
+
+def _decode_groups(raw: dict[str, Any], limits: WireLimits) -> dict[str, ArrayGroup]:
+    groups: dict[str, ArrayGroup] = {}
+    count = 0
+    for group_name, arrays in raw.items():
+        if not isinstance(arrays, dict):
+            raise WireError(Reason.MALFORMED, f"group {group_name!r} is not a map")
+        count += len(arrays)
+        if count > limits.max_arrays:
+            raise WireError(Reason.TOO_LARGE, f"more than {limits.max_arrays} arrays")
+        groups[group_name] = {key: decode_array(f"{group_name}/{key}", value) for key, value in arrays.items()}
+    return groups
+
+
+def decode_array(where: str, raw: Any) -> np.ndarray:
+    """A (dtype, shape, data) map -> a read-only numpy view on the received bytes."""
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data"}:
+        raise WireError(Reason.MALFORMED, f"array {where} must be a map of dtype, shape, data")
+    dtype = DTYPES.get(raw["dtype"]) if isinstance(raw["dtype"], str) else None
+    if dtype is None:
+        raise WireError(Reason.BAD_DTYPE, f"array {where} has dtype {raw['dtype']!r}; allowed: {sorted(DTYPES)}")
+    shape = raw["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
+    ):
+        raise WireError(Reason.BAD_SHAPE, f"array {where} has an invalid shape {shape!r}")
+    data = raw["data"]
+    if not isinstance(data, bytes):
+        raise WireError(Reason.MALFORMED, f"array {where} data is not a byte string")
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != len(data):
+        raise WireError(Reason.BAD_SHAPE, f"array {where}: shape {shape} needs {expected} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
