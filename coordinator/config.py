@@ -40,6 +40,7 @@ class RunConfig:
     federation: str = "default"
     round_timeout: float = 120.0
     min_clients: int = 1
+    holdout_clients: int = 0
     quorum_grace: float = 10.0
     registration_timeout: float = 300.0
     max_examples: int = 1_000_000
@@ -68,6 +69,7 @@ class RunConfig:
             (self.eval_every >= 1, "eval_every", "at least 1"),
             (self.round_timeout > 0, "round_timeout", "positive"),
             (self.min_clients >= 1, "min_clients", "at least 1"),
+            (0 <= self.holdout_clients < self.clients, "holdout_clients", "zero or more and fewer than clients"),
             (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
             (self.max_examples >= 1, "max_examples", "at least 1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
@@ -101,7 +103,7 @@ class RunConfig:
 
 _DEFINING = {
     "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
-    "local_epochs", "batch_size", "lr", "model", "seed", "hyper",
+    "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
 }
 
 

@@ -79,6 +79,7 @@ class Coordinator:
         self.run_id = new_message_id()[:16]
         self.completed = 0
         self.final_eval: dict[str, dict[str, Any]] = {}
+        self.holdout: frozenset[str] = frozenset()
         self._resume()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -164,6 +165,9 @@ class Coordinator:
                 f"only {have} trainer devices registered within {self.config.registration_timeout:.0f} s; "
                 f"--min-clients is {self.config.min_clients}"
             )
+        if self.config.holdout_clients:
+            self.holdout = frozenset(self.registry.online("trainer")[-self.config.holdout_clients:])
+            log.info("held out of training (heads only): %s", ", ".join(sorted(self.holdout)))
         log.info("%d devices registered (%d trainers); starting", len(self.registry.devices), have)
 
     # -- message handling ------------------------------------------------------------------
@@ -206,6 +210,7 @@ class Coordinator:
                 "incarnation": self.incarnation,
                 "algorithm": self.config.algorithm,
                 "hyper": to_plain(self.hyper),
+                "assignment": self.algorithm.assignment(hello.sender),
                 "settings": {
                     "model": self.config.model_name,
                     "rounds": self.config.rounds,
@@ -255,7 +260,8 @@ class Coordinator:
     def _play_round(self, round_: int) -> None:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
         rejections0 = dict(self.channel.rejections)
-        selected = select_clients(self.registry.online("trainer"), self.config.fraction, self.config.seed, round_)
+        candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
+        selected = select_clients(candidates, self.config.fraction, self.config.seed, round_)
         self._status("training")
         self.algorithm.begin_round(round_)
         task = Envelope(
@@ -285,7 +291,7 @@ class Coordinator:
         if round_ % self.config.eval_every == 0 or round_ == self.config.rounds:
             evaluation = self.final_eval = self._evaluate(round_)
         sent1, received1 = self.channel.counter.snapshot()
-        accuracies = [m["accuracy"] for m in (evaluation or {}).values()]
+        accuracies = [m["accuracy"] for cid, m in (evaluation or {}).items() if cid not in self.holdout]
         global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
         record = RoundRecord(
             round=round_,
@@ -317,7 +323,7 @@ class Coordinator:
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
         try:
-            spec = self.algorithm.update_spec()
+            spec = self.algorithm.update_spec(round_)
             if set(envelope.groups) != set(spec):
                 raise ProtocolError(Reason.UNEXPECTED_ARRAYS, f"groups {sorted(envelope.groups)}, want {sorted(spec)}")
             for group, expected in spec.items():
@@ -325,10 +331,12 @@ class Coordinator:
             claimed = envelope.metrics.get("num_examples")
             if not isinstance(claimed, (int, float)) or claimed < 1:
                 raise ProtocolError(Reason.MALFORMED, f"num_examples {claimed!r}")
+            registered = self.registry.devices[envelope.sender].num_examples
+            self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"update from {envelope.sender}: {err.detail}")
             return
-        weight = min(float(claimed), self.registry.devices[envelope.sender].num_examples, self.config.max_examples)
+        weight = min(float(claimed), registered, self.config.max_examples)
         self.algorithm.accumulate(envelope.sender, envelope.groups, envelope.metrics, weight)
         collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
@@ -340,7 +348,8 @@ class Coordinator:
             return {}
         self._status("evaluating")
         request = Envelope(Kind.EVALUATE, SENDER, run_id=self.run_id, round=round_,
-                           groups=self.algorithm.eval_groups(), config={"selected": targets})
+                           groups=self.algorithm.eval_groups(),
+                           config={"selected": targets, "final": round_ >= self.config.rounds})
         self.channel.send(self.topics.broadcast(Kind.EVALUATE), request)
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self.config.round_timeout, grace=0.0)
@@ -354,7 +363,8 @@ class Coordinator:
             if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
                 self.channel.reject(Reason.MALFORMED, f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
                 return
-            results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender), **envelope.metrics}
+            results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender),
+                                        "holdout": envelope.sender in self.holdout, **envelope.metrics}
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         self._collect(collector, on_result)
@@ -368,7 +378,8 @@ class Coordinator:
         rounds = self.history["rounds"]
         means = [r["personalized_accuracy"]["mean"] for r in rounds if r["personalized_accuracy"]]
         final = self.final_eval or self.history.get("final") or {}
-        summary = summarize(m["accuracy"] for m in final.values()) or {}
+        summary = summarize(m["accuracy"] for cid, m in final.items() if not m.get("holdout")) or {}
+        holdout = summarize(m["accuracy"] for m in final.values() if m.get("holdout"))
         global_summary = summarize(m["global_accuracy"] for m in final.values() if "global_accuracy" in m)
         sent, received = self._traffic_totals()
         return {
@@ -391,6 +402,7 @@ class Coordinator:
                 },
                 "per_client": {cid: final[cid] for cid in sorted(final)},
                 "global_accuracy": global_summary["mean"] if global_summary else None,
+                "holdout_accuracy": holdout,
             },
             "communication": {
                 "bytes_up": sum(received.values()),

@@ -136,7 +136,8 @@ class EdgeClient:
         hyper = from_mapping(algorithm_cls.Hyper, welcome.config.get("hyper", {}), where=f"algorithm.{algorithm_id}")
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
         seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
-        self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed)
+        self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed,
+                                       welcome.config.get("assignment", {}))
         self.run_id, self.algorithm_id = welcome.run_id, algorithm_id
         saved = self.store.load()
         if saved is not None and (saved.run_id, saved.algorithm) == (self.run_id, algorithm_id):

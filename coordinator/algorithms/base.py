@@ -55,9 +55,17 @@ class ServerAlgorithm(ABC):
         """Arrays broadcast with EVALUATE (by default, the same global state)."""
         return self.state
 
+    def assignment(self, client_id: str) -> dict[str, Any]:
+        """Per-device settings sent in WELCOME at registration (e.g. a projection block)."""
+        return {}
+
     @abstractmethod
-    def update_spec(self) -> dict[str, ArraySpec]:
-        """Group -> array names, shapes and dtypes a TRAIN_RES must carry exactly."""
+    def update_spec(self, round_: int) -> dict[str, ArraySpec]:
+        """Group -> array names, shapes and dtypes a TRAIN_RES of `round_` must carry exactly."""
+
+    def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
+                        registered_examples: int) -> None:
+        """Algorithm-specific sanity checks beyond shapes; raise `ValidationError` to reject."""
 
     @abstractmethod
     def begin_round(self, round_: int) -> None:

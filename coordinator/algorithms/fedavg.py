@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from edge_sdk.algorithms.fedavg import FedAvgDevice
+
 from .part_sharing import PartSharingServer
 
 
 class FedAvgServer(PartSharingServer):
     id = "fedavg"
-    shared_parts = ("body", "head")
+    device = FedAvgDevice
 
 
 SERVER = FedAvgServer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.algorithms.part_sharing import SHARED, PartSharingDevice, model_partition
 from edge_sdk.models import build_model
 from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
@@ -15,9 +15,13 @@ from .base import ServerAlgorithm
 
 
 class PartSharingServer(ServerAlgorithm):
-    """Holds the shared parts of the model; averages uploads weighted by examples."""
+    """Holds the shared parts of the model; averages uploads weighted by examples.
 
-    shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
+    `device` names the device-side class, whose `shared_parts` both sides use, so the partition
+    is written once.
+    """
+
+    device: ClassVar[type[PartSharingDevice]]
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         meta = self.context.meta
@@ -28,9 +32,9 @@ class PartSharingServer(ServerAlgorithm):
             image_size=meta.image_size,
             seed=self.context.seed,
         )
-        return {SHARED: state_arrays(model, model_partition(model, self.shared_parts).shared)}
+        return {SHARED: state_arrays(model, model_partition(model, self.device.shared_parts).shared)}
 
-    def update_spec(self) -> dict[str, ArraySpec]:
+    def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {SHARED: spec_of(self.state[SHARED])}
 
     def begin_round(self, round_: int) -> None:

@@ -55,12 +55,21 @@ class DeviceAlgorithm(ABC):
     id: ClassVar[str]
     Hyper: ClassVar[type] = NoHyper
 
-    def __init__(self, hyper: Any, settings: TrainSettings, data: ClientData, device: str, client_seed: int):
+    def __init__(
+        self,
+        hyper: Any,
+        settings: TrainSettings,
+        data: ClientData,
+        device: str,
+        client_seed: int,
+        assignment: dict[str, Any] | None = None,
+    ):
         self.hyper = hyper
         self.settings = settings
         self.data = data
         self.device_name = device
         self.client_seed = client_seed
+        self.assignment = assignment or {}
 
     @abstractmethod
     def fit(self, task: Task) -> FitResult:
