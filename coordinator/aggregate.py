@@ -47,3 +47,38 @@ def weighted_mean(updates: Iterable[tuple[Mapping[str, np.ndarray], float]]) -> 
     for arrays, weight in updates:
         mean.add(arrays, weight)
     return mean.result()
+
+
+def pool_class_stats(stats: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> tuple[int, np.ndarray, np.ndarray]:
+    """Pooled count, mean and unbiased covariance of one class over several clients (DC-PFL).
+
+    `stats` holds each client's `(n_k, mean_k [d], cov_k [d, d])` with `cov_k` unbiased (divided
+    by n_k - 1; ignored where n_k < 2). The result is exactly that of the concatenated features,
+    DC-PFL Eq. (10)-(11): mean = sum n_k mean_k / N and
+    (N - 1) cov = sum_k [(n_k - 1) cov_k + n_k (mean_k - mean)(mean_k - mean)^T]
+    (the centred form of Eq. 11, the same value with less cancellation). Computed in float64.
+    A class seen by no client pools to (0, zeros, zeros); one seen once has a zero covariance.
+    """
+    items = [(int(n), np.asarray(m, dtype=np.float64), np.asarray(c, dtype=np.float64)) for n, m, c in stats]
+    if not items:
+        raise ValueError("pool_class_stats needs at least one (count, mean, cov)")
+    if any(n < 0 for n, _, _ in items):
+        raise ValueError("counts must be non-negative")
+    dim = items[0][1].shape[0]
+    total = sum(n for n, _, _ in items)
+    mean, cov = np.zeros(dim), np.zeros((dim, dim))
+    if total == 0:
+        return 0, mean, cov
+    for n, m, _ in items:
+        mean += n * m
+    mean /= total
+    if total < 2:
+        return total, mean, cov
+    for n, m, c in items:
+        if n == 0:
+            continue
+        delta = m - mean
+        cov += n * np.outer(delta, delta)
+        if n >= 2:
+            cov += (n - 1) * c
+    return total, mean, cov / (total - 1)

@@ -1,7 +1,8 @@
 """The run configuration: one dataclass, filled from defaults, a TOML file and the command line.
 
 TOML files use the same keys as the command-line flags (`local_epochs` or `local-epochs`), plus
-one `[algorithm.<id>]` table per algorithm for its hyperparameters.
+one `[algorithm.<id>]` table per algorithm for its hyperparameters (the algorithm itself is then
+chosen with `id` in the `[algorithm]` table).
 """
 
 from __future__ import annotations
@@ -110,15 +111,24 @@ _DEFINING = {
 def build_config(
     file: str | None, overrides: Mapping[str, Any], assignments: Mapping[str, str]
 ) -> RunConfig:
-    """Defaults <- TOML file <- command-line flags (non-None) <- `--set` hyperparameters."""
+    """Defaults <- TOML file <- command-line flags (non-None) <- `--set` hyperparameters.
+
+    In TOML the algorithm is either `algorithm = "<id>"` or, next to hyperparameter tables,
+    `[algorithm]` with `id = "<id>"` and one `[algorithm.<id>]` table per algorithm.
+    """
     values: dict[str, Any] = {}
     hyper_tables: dict[str, dict[str, Any]] = {}
     if file:
         document = load_toml(file)
-        tables = document.pop("algorithm", {})
-        if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
-            raise ConfigError(f"{file}: 'algorithm' must hold one [algorithm.<id>] table per algorithm")
-        hyper_tables = tables
+        section = document.pop("algorithm", None)
+        if isinstance(section, dict):
+            if "id" in section:
+                values["algorithm"] = section.pop("id")
+            if not all(isinstance(t, dict) for t in section.values()):
+                raise ConfigError(f"{file}: [algorithm] takes `id` and one [algorithm.<id>] table per algorithm")
+            hyper_tables = section
+        elif section is not None:
+            values["algorithm"] = section
         values.update(document)
     values.update({k: v for k, v in overrides.items() if v is not None})
     config = from_mapping(RunConfig, values, where=file or "command line")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib
 
-ALGORITHM_IDS: tuple[str, ...] = ("fedavg",)
+ALGORITHM_IDS: tuple[str, ...] = (
+    "local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg",
+    "repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios",
+)
 
 
 def load(algorithm_id: str) -> type:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..models import build_model, statistics_keys
-from ..params import Partition, check_arrays, partition_by_parts, spec_of
+from ..params import Partition, check_arrays, part_of, partition_by_parts, spec_of
 from ..protocol import ArrayGroup
 from ..training import (
     LossFn,
@@ -96,15 +96,36 @@ class PartSharingDevice(DeviceAlgorithm):
             generator=self.generator(task.round),
         )
 
+    def train_parts(self, model: torch.nn.Module, parts: tuple[str, ...], epochs: int,
+                    generator: torch.Generator) -> float:
+        """Minimize CE over the parameters of `parts` of `model` for `epochs`, the other parts frozen
+        (no gradients, not in the optimizer; their BatchNorm statistics still follow the batches).
+        Returns the mean loss of the last epoch (NaN for zero epochs)."""
+        frozen = [p for name, p in model.named_parameters() if part_of(name) not in parts and p.requires_grad]
+        trained = [p for name, p in model.named_parameters() if part_of(name) in parts]
+        for param in frozen:
+            param.requires_grad_(False)
+        try:
+            model.train()
+            return run_epochs(cross_entropy_loss(model), self.optimizer(trained), self.train_x, self.train_y,
+                              epochs=epochs, batch_size=self.settings.batch_size, generator=generator)
+        finally:
+            for param in frozen:
+                param.requires_grad_(True)
+
     def fit(self, task: Task) -> FitResult:
         self.load_shared(task)
         loss = self.train_locally(task)
         return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
 
+    def test_accuracy(self, model: torch.nn.Module) -> float:
+        """Accuracy of `model` (in evaluation mode) on the device's test split."""
+        with eval_mode(model):
+            return accuracy(model, self.test_x, self.test_y)
+
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)
-        with eval_mode(self.model):
-            acc = accuracy(self.model, self.test_x, self.test_y)
+        acc = self.test_accuracy(self.model)
         metrics = {"accuracy": acc, "num_test": len(self.test_y)}
         if self.deploys_global_model:
             metrics["global_accuracy"] = acc

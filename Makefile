@@ -1,0 +1,40 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
+#   make test   installs the test tools (and Mosquitto through apt-get when root) and runs all tests
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+APT_PACKAGES := mosquitto dataset-fashion-mnist
+
+.PHONY: demo test install system-deps clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV) || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+# Mosquitto for the integration tests and Fashion-MNIST for the dataset tests; needs root.
+system-deps:
+	@missing=""; \
+	[ -x /usr/sbin/mosquitto ] || command -v mosquitto >/dev/null 2>&1 || missing="$$missing mosquitto"; \
+	[ -d /usr/share/datasets/fashion-mnist ] || missing="$$missing dataset-fashion-mnist"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "not root: install$$missing yourself (sudo apt-get install$$missing)"; fi; \
+	fi
+
+demo: install
+	$(BIN)/edgepfl simulate --algorithm fedavg --dataset digits --clients 10 --rounds 5 --out runs/demo
+
+test: install system-deps
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

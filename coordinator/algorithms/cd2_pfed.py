@@ -1,0 +1,35 @@
+"""CD2-pFed (Shen et al., CVPR 2022), server side: FedAvg of the shared channel slices.
+
+Paper: papers/cd2_pfed.txt, Sec. 3.2-3.3 and Alg. 1. The global state holds only shared
+entries: before round 1 the full parameters (p_0 = 0); after round t the example-weighted mean
+of the uploaded shared slices for p_t = p * t / T (Eq. 3), entry by entry. Personal channels
+never reach the server. Round t broadcasts that state (the slices of the last aggregated round)
+and expects from each device exactly the slices of round t (`update_spec`), which shrink as p_t
+grows. The split rule lives in `edge_sdk.algorithms.cd2_pfed`, shared with the device.
+"""
+
+from __future__ import annotations
+
+from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, personal_fraction, upload_spec
+from edge_sdk.algorithms.part_sharing import SHARED
+from edge_sdk.params import ArraySpec
+
+from .part_sharing import PartSharingServer
+
+
+class CD2PFedServer(PartSharingServer):
+    id = "cd2_pfed"
+    Hyper = CD2PFedDevice.Hyper
+    device = CD2PFedDevice
+
+    def __init__(self, hyper, context):
+        super().__init__(hyper, context)
+        # Full parameter shapes, from the initial state (all entries shared before round 1).
+        self.shapes = {key: tuple(value.shape) for key, value in self.state[SHARED].items()}
+
+    def update_spec(self, round_: int) -> dict[str, ArraySpec]:
+        fraction = personal_fraction(self.hyper.p, round_, self.context.rounds)
+        return {SHARED: upload_spec(self.shapes, fraction)}
+
+
+SERVER = CD2PFedServer

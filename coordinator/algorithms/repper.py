@@ -1,0 +1,27 @@
+"""RepPer (Jing et al., AAAI 2023), server side: Eq. (8), the example-weighted mean of the bodies.
+
+The server holds the global representation model only (`body`, and `projector` when
+configured); it never holds a classifier. Stage 2 (personal heads) happens on the devices at
+evaluation and sends nothing but metrics up.
+"""
+
+from __future__ import annotations
+
+from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.algorithms.repper import SHARED_PARTS, RepPerDevice, build_network
+from edge_sdk.protocol import ArrayGroup
+from edge_sdk.training import state_arrays
+
+from .part_sharing import PartSharingServer
+
+
+class RepPerServer(PartSharingServer):
+    id = "repper"
+    Hyper = RepPerDevice.Hyper
+
+    def initial_state(self) -> dict[str, ArrayGroup]:
+        network = build_network(self.context.model, self.context.meta, self.hyper, self.context.seed)
+        return {SHARED: state_arrays(network, model_partition(network, SHARED_PARTS).shared)}
+
+
+SERVER = RepPerServer

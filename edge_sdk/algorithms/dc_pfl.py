@@ -1,0 +1,296 @@
+"""DC-PFL: dual calibration with class statistics (Tang et al., IJCAI 2024), the device side.
+
+Parts and partition: the feature extractor `body` is personal (its architecture may differ
+between devices, see `Hyper.body_models`; the feature dimension d must agree), the linear
+classifier `head` (phi) is global. BatchNorm running statistics are part of the body, so
+personal too. Nothing of the body ever leaves the device.
+
+Down each round: group `shared` = phi (`head.weight`, `head.bias`) and group `global_means`
+= the global class means mu_c^t (`means` [C, d] float32) with a mask `has_mean` [C] bool
+(all False in the first round, when no means exist yet).
+
+Local work (Sec. 4.1-4.2): load phi^t; train body and head for E epochs on Eq. (4),
+CE(head(body(x)), y) + lam * ||body(x) - mu_y||^2 (Eq. 2-3; the squared Euclidean norm,
+averaged over all examples, the term being zero for classes without a global mean); then,
+with the updated body in evaluation mode, the per-class count n_{c,k}, mean mu_{c,k} (Eq. 6)
+and unbiased covariance Sigma_{c,k} (Eq. 7) over the training set, computed in float64.
+
+Up: group `stats` only (never the body, never phi), fixed shapes for C classes:
+`counts` [C] int64, `means` [C, d] and, per `Hyper.covariance`,
+- `full`: `cov` [C, d, d] (symmetrized before the cast);
+- `diag`: `var` [C, d], the diagonal of Sigma_{c,k};
+- `lowrank:<r>`: `cov_factor` [C, d, r] = top-r eigenvectors scaled by sqrt(eigenvalue) and
+  `cov_residual` [C, d] = the diagonal of what they leave out, so that
+  Sigma ~ F F^T + diag(residual), which is PSD by construction and exact on the diagonal.
+Means and covariances travel as float32 or float16 (`Hyper.transport`). A class with fewer
+than two examples has a zero covariance (Eq. 7 is undefined there; pooling gives it weight 0).
+
+Deployed model: the device's own body with the latest global phi (from EVALUATE).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..models import build_model, statistics_keys
+from ..params import ArraySpec, check_arrays, partition_by_parts, spec_of
+from ..protocol import ArrayGroup
+from ..training import (
+    LossFn,
+    accuracy,
+    eval_mode,
+    load_arrays,
+    pick_device,
+    predict,
+    run_epochs,
+    state_arrays,
+    to_device,
+)
+from .base import DeviceAlgorithm, FitResult, Task
+from .part_sharing import SHARED
+
+log = logging.getLogger(__name__)
+
+GLOBAL_MEANS = "global_means"
+"""Down: the global class means `means` [C, d] and the mask `has_mean` [C]."""
+STATS = "stats"
+"""Up: the class statistics (`counts`, `means` and the covariance arrays of the mode)."""
+
+_WIRE_DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class CovarianceMode:
+    """A parsed `Hyper.covariance`: `full`, `diag`, or `lowrank` with its rank."""
+
+    kind: str
+    rank: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "CovarianceMode":
+        if text in ("full", "diag"):
+            return cls(text)
+        head, sep, rank = text.partition(":")
+        if head == "lowrank" and sep and rank.isdigit() and int(rank) >= 1:
+            return cls("lowrank", int(rank))
+        raise ValueError(f"covariance must be 'full', 'diag' or 'lowrank:<r>' with r >= 1, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """DC-PFL hyperparameters (ALGORITHMS.md; the paper gives no lambda, 1.0 is our default)."""
+
+    lam: float = 1.0
+    """Weight of the auxiliary loss ||body(x) - mu_y||^2 (Eq. 4)."""
+    covariance: str = "full"
+    """`full`, `diag` or `lowrank:<r>`: how Sigma_{c,k} travels."""
+    transport: Literal["fp32", "fp16"] = "fp32"
+    """Dtype of the uploaded means and covariances."""
+    virtual_features: int = 1000
+    """sum_c |G_c|, the virtual features drawn per round (Table 3)."""
+    server_lr: float = 0.01
+    """eta_phi, the SGD learning rate of phi on the server (Eq. 8 and 12; Sec. 6.1)."""
+    calibration_epochs: int = 1
+    """Epochs of Eq. (12) over the virtual features each round (the paper leaves it open)."""
+    calibration_batch_size: int = 32
+    """Mini-batch size of Eq. (12)."""
+    body_models: str = ""
+    """Comma-separated body models assigned round-robin in registration order; empty: the run's model."""
+
+    def __post_init__(self) -> None:
+        CovarianceMode.parse(self.covariance)
+        if self.lam < 0 or self.server_lr <= 0:
+            raise ValueError("lam must be >= 0 and server_lr > 0")
+        if self.virtual_features < 0 or self.calibration_epochs < 0 or self.calibration_batch_size < 1:
+            raise ValueError("virtual_features and calibration_epochs must be >= 0, calibration_batch_size >= 1")
+
+    @property
+    def mode(self) -> CovarianceMode:
+        return CovarianceMode.parse(self.covariance)
+
+    @property
+    def wire_dtype(self) -> str:
+        return _WIRE_DTYPES[self.transport]
+
+    def body_model_names(self) -> list[str]:
+        return [name.strip() for name in self.body_models.split(",") if name.strip()]
+
+
+# -- class statistics (pure numpy; the coordinator uses the same functions) --------------------
+def class_statistics(features: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, ...]:
+    """Per-class counts [C], means [C, d] (Eq. 6) and unbiased covariances [C, d, d] (Eq. 7), float64."""
+    features = np.asarray(features, dtype=np.float64)
+    dim = features.shape[1]
+    counts = np.bincount(labels, minlength=num_classes).astype(np.int64)
+    means, covs = np.zeros((num_classes, dim)), np.zeros((num_classes, dim, dim))
+    for c in np.flatnonzero(counts):
+        z = features[labels == c]
+        means[c] = z.mean(axis=0)
+        if len(z) >= 2:
+            centred = z - means[c]
+            cov = centred.T @ centred / (len(z) - 1)
+            covs[c] = (cov + cov.T) / 2
+    return counts, means, covs
+
+
+def stats_spec(num_classes: int, dim: int, mode: CovarianceMode, dtype: str) -> ArraySpec:
+    """Names, shapes and dtypes of the `stats` group for `mode` and the wire dtype."""
+    spec: ArraySpec = {"counts": ((num_classes,), "int64"), "means": ((num_classes, dim), dtype)}
+    if mode.kind == "full":
+        spec["cov"] = ((num_classes, dim, dim), dtype)
+    elif mode.kind == "diag":
+        spec["var"] = ((num_classes, dim), dtype)
+    else:
+        spec["cov_factor"] = ((num_classes, dim, mode.rank), dtype)
+        spec["cov_residual"] = ((num_classes, dim), dtype)
+    return spec
+
+
+def _low_rank(cov: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """F [d, r] with F F^T the best rank-r PSD part of `cov`, and the diagonal it leaves out."""
+    eigenvalues, eigenvectors = np.linalg.eigh(cov)
+    top = np.argsort(eigenvalues)[::-1][:rank]
+    factor = np.zeros((cov.shape[0], rank))
+    factor[:, : len(top)] = eigenvectors[:, top] * np.sqrt(np.clip(eigenvalues[top], 0.0, None))
+    residual = np.clip(np.diag(cov) - (factor**2).sum(axis=1), 0.0, None)
+    return factor, residual
+
+
+def encode_stats(counts: np.ndarray, means: np.ndarray, covs: np.ndarray, mode: CovarianceMode, dtype: str) -> ArrayGroup:
+    """The `stats` group for float64 statistics, in the covariance `mode` and wire `dtype`."""
+    group: ArrayGroup = {"counts": counts.astype(np.int64), "means": means.astype(dtype)}
+    if mode.kind == "full":
+        group["cov"] = covs.astype(dtype)
+    elif mode.kind == "diag":
+        group["var"] = np.diagonal(covs, axis1=1, axis2=2).astype(dtype)
+    else:
+        parts = [_low_rank(cov, mode.rank) for cov in covs]
+        group["cov_factor"] = np.stack([f for f, _ in parts]).astype(dtype)
+        group["cov_residual"] = np.stack([r for _, r in parts]).astype(dtype)
+    return group
+
+
+def decode_stats(group: ArrayGroup, mode: CovarianceMode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """counts [C] int64, means [C, d] and full covariances [C, d, d], float64, from a `stats` group."""
+    counts = np.asarray(group["counts"], dtype=np.int64)
+    means = np.asarray(group["means"], dtype=np.float64)
+    if mode.kind == "full":
+        covs = np.asarray(group["cov"], dtype=np.float64)
+    elif mode.kind == "diag":
+        covs = _diag_matrices(np.asarray(group["var"], dtype=np.float64))
+    else:
+        factor = np.asarray(group["cov_factor"], dtype=np.float64)
+        covs = np.einsum("cdr,cer->cde", factor, factor) + _diag_matrices(np.asarray(group["cov_residual"], dtype=np.float64))
+    return counts, means, covs
+
+
+def _diag_matrices(diagonals: np.ndarray) -> np.ndarray:
+    return np.einsum("cd,de->cde", diagonals, np.eye(diagonals.shape[1]))
+
+
+# -- the device -----------------------------------------------------------------------------
+class DcPflDevice(DeviceAlgorithm):
+    """Personal body, global linear head; trains with the auxiliary loss, uploads class statistics."""
+
+    id = "dc_pfl"
+    Hyper = Hyper
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        meta = self.data.meta
+        self.device = pick_device(self.device_name)
+        self.model_name = str(self.assignment.get("model", self.settings.model))
+        self.model = build_model(
+            self.model_name,
+            in_channels=meta.channels,
+            num_classes=meta.num_classes,
+            image_size=meta.image_size,
+            seed=self.settings.seed,
+        ).to(self.device)
+        partition = partition_by_parts(self.model.state_dict().keys(), ("head",), statistics_keys(self.model))
+        self.head_keys, self.body_keys = partition.shared, partition.personal
+        self.head_spec = spec_of(state_arrays(self.model, self.head_keys))
+        dim, classes = self.model.feature_dim, meta.num_classes
+        self.means_spec: ArraySpec = {"means": ((classes, dim), "float32"), "has_mean": ((classes,), "bool")}
+        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+        log.debug("dc_pfl device with body %s (d=%d)", self.model_name, dim)
+
+    # -- what travels ----------------------------------------------------------------------
+    def load_head(self, task: Task) -> None:
+        if SHARED in task.groups:
+            check_arrays(SHARED, task.groups[SHARED], self.head_spec)
+            load_arrays(self.model, task.groups[SHARED])
+
+    def global_means(self, task: Task) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(means [C, d], has_mean [C]) on the device, or None when no class has a mean yet."""
+        group = task.groups.get(GLOBAL_MEANS)
+        if group is None:
+            return None
+        check_arrays(GLOBAL_MEANS, group, self.means_spec)
+        if not np.asarray(group["has_mean"]).any():
+            return None
+        return to_device(np.array(group["means"]), self.device), to_device(np.array(group["has_mean"]), self.device)
+
+    def personal_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.body_keys)
+
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        check_arrays("personal", arrays, spec_of(self.personal_state()))
+        load_arrays(self.model, arrays)
+
+    # -- local work ------------------------------------------------------------------------
+    def local_loss(self, means: tuple[torch.Tensor, torch.Tensor] | None) -> LossFn:
+        """Eq. (4): CE + lam * ||body(x) - mu_y||^2, the second term only for classes with a mean."""
+        criterion = nn.CrossEntropyLoss()
+
+        def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            z = self.model.body(xb)
+            value = criterion(self.model.head(z), yb)
+            if means is not None and self.hyper.lam > 0:
+                mu, has_mean = means
+                distance = ((z - mu[yb]) ** 2).sum(dim=1) * has_mean[yb]
+                value = value + self.hyper.lam * distance.mean()
+            return value
+
+        return loss
+
+    def train_locally(self, task: Task) -> float:
+        self.model.train()
+        generator = torch.Generator().manual_seed(self.client_seed * 100_003 + task.round)
+        return run_epochs(
+            self.local_loss(self.global_means(task)),
+            torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=0.9),
+            self.train_x,
+            self.train_y,
+            epochs=self.settings.local_epochs,
+            batch_size=self.settings.batch_size,
+            generator=generator,
+        )
+
+    def statistics(self) -> ArrayGroup:
+        """Eq. (6)-(7) over the training set with the current body, encoded for the wire."""
+        with eval_mode(self.model):
+            features = predict(self.model.body, self.train_x).double().cpu().numpy()
+        counts, means, covs = class_statistics(features, self.data.train_y, self.data.meta.num_classes)
+        return encode_stats(counts, means, covs, self.hyper.mode, self.hyper.wire_dtype)
+
+    def fit(self, task: Task) -> FitResult:
+        self.load_head(task)
+        loss = self.train_locally(task)
+        return FitResult({STATS: self.statistics()}, {"num_examples": len(self.train_y), "loss": loss})
+
+    def evaluate(self, task: Task) -> dict[str, float]:
+        self.load_head(task)
+        with eval_mode(self.model):
+            acc = accuracy(self.model, self.test_x, self.test_y)
+        return {"accuracy": acc, "num_test": len(self.test_y)}
+
+
+DEVICE = DcPflDevice

@@ -1,0 +1,23 @@
+"""FedPer (Arivazhagan et al., "Federated Learning with Personalization Layers", 2019).
+
+Partition: `body` (base layers) shared, `head` (personalization layer) personal; BatchNorm
+running statistics personal. Local objective: cross-entropy, body and head trained jointly
+(Sec. 3 of the paper: the base layers are federated with FedAvg, the personalization layers
+are only ever trained locally).
+
+Up: the body's parameters after local training; down: their example-weighted mean (FedAvg).
+Deployed model: the global body with the client's own head (no global model exists, so no
+`global_accuracy`).
+"""
+
+from __future__ import annotations
+
+from .part_sharing import PartSharingDevice
+
+
+class FedPerDevice(PartSharingDevice):
+    id = "fedper"
+    shared_parts = ("body",)
+
+
+DEVICE = FedPerDevice

@@ -1,0 +1,281 @@
+"""RepPer: common representation first, personal heads second (Jing et al., AAAI 2023,
+"A Closer Look at Personalization in Federated Image Classification", papers/repper.txt).
+
+Stage 1, CRL (every training round, 1..T): a selected device loads the global `body`, draws two
+augmented views of every training image (`edge_sdk.augment.two_views`) and minimizes the
+supervised contrastive loss of Eq. (4)-(5) on z = r / ||r||, r = body(x) (`supcon_loss`,
+variant "in" = Eq. (5) with the 1/|P(j)| average inside the log; "out" = Khosla et al.'s Eq. 2),
+temperature 0.1, Adam with lr 1e-3 and weight decay 1e-4 (Sec. 6.1). Labels only define the
+positives: no classifier exists in stage 1. The server takes the example-weighted mean of the
+uploaded bodies, Eq. (8).
+
+Stage 2, PCL (every evaluation, Eq. (6) and (9)): the body is frozen. Every device, selected or
+not (held-out devices included), loads the latest global body and fits a personal head on the
+features of its own training split: `linear` or `mlp` in torch (cross-entropy, `head_epochs`
+epochs of SGD with momentum 0.9 and the run's `--lr`, the paper's eta_c), or `svm` (linear),
+`lr` (logistic regression) or `mlp_sklearn` with scikit-learn. It reports the test accuracy of
+that head. Intermediate evaluations are the same procedure: a probe of the current body.
+
+Partition: shared = `body` (and `projector` when `projection_dim` > 0) without BatchNorm
+running statistics; personal = the body's BatchNorm running statistics. The head is refitted at
+every evaluation and kept in memory only (`head`), so it is not part of the persisted state.
+Up (TRAIN_RES): group "shared" = the body after local training, and num_examples, loss.
+Down (TRAIN and EVALUATE): group "shared" = the global body. In stage 2 only metrics go up.
+
+Decisions where the paper is open:
+- The head sees z = r / ||r|| (the paper's "feature space"); `normalize_features=false` feeds r.
+- `recalibrate_bn` (default on): before extracting features the device recomputes its personal
+  BatchNorm statistics on its own training images with the frozen body (no weight changes).
+  A device that never trained would otherwise normalize with the initial statistics (0, 1).
+- `global_accuracy` is the probe itself: the deployed model is the global body with the
+  personal head, and there is no global classifier, so it equals `accuracy`.
+- `projection_dim` > 0 adds a shared projection MLP, Linear(d, d)-ReLU-Linear(d, p), used only
+  by the stage-1 loss (Khosla et al.); heads always sit on the body. Default 0: none.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..augment import two_views
+from ..data import DatasetMeta
+from ..losses import supcon_loss
+from ..models import build_body
+from ..params import check_arrays, spec_of
+from ..protocol import ArrayGroup
+from ..training import (
+    LossFn,
+    batches,
+    cross_entropy_loss,
+    eval_mode,
+    load_arrays,
+    pick_device,
+    predict,
+    run_epochs,
+    state_arrays,
+    to_device,
+)
+from .base import DeviceAlgorithm, FitResult, Task
+from .part_sharing import SHARED, model_partition
+
+log = logging.getLogger(__name__)
+
+HeadKind = Literal["linear", "mlp", "svm", "lr", "mlp_sklearn"]
+
+FEATURE_BATCH = 512
+"""Batch size for feature extraction and BatchNorm recalibration (no gradients)."""
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """RepPer's hyperparameters (ALGORITHMS.md); `lr` is Adam's in stage 1 (eta_r)."""
+
+    variant: Literal["in", "out"] = "in"
+    temperature: float = 0.1
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    head: HeadKind = "linear"
+    head_epochs: int = 10
+    head_hidden: int = 128
+    projection_dim: int = 0
+    normalize_features: bool = True
+    recalibrate_bn: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError("temperature and lr must be positive, weight_decay zero or more")
+        if self.head_epochs < 1 or self.head_hidden < 1 or self.projection_dim < 0:
+            raise ValueError("head_epochs and head_hidden must be at least 1, projection_dim zero or more")
+
+
+class RepPerNet(nn.Module):
+    """The stage-1 network: `body` and `projector` (an identity unless configured); no classifier."""
+
+    def __init__(self, body: nn.Module, feature_dim: int, projection_dim: int = 0) -> None:
+        super().__init__()
+        self.body = body
+        self.feature_dim = feature_dim
+        self.projector: nn.Module = (
+            nn.Sequential(nn.Linear(feature_dim, feature_dim), nn.ReLU(inplace=True), nn.Linear(feature_dim, projection_dim))
+            if projection_dim
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding the contrastive loss sees (normalized inside `supcon_loss`)."""
+        return self.projector(self.body(x))
+
+
+SHARED_PARTS = ("body", "projector")
+
+
+def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> RepPerNet:
+    """The same initial network on every device and on the server for the run's seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
+        return RepPerNet(body, feature_dim, hyper.projection_dim)
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(module: nn.Module, x: torch.Tensor) -> None:
+    """Recompute every BatchNorm layer's running statistics as the average over `x` (no training)."""
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    if not layers or len(x) < 2:
+        return
+    momenta = [layer.momentum for layer in layers]
+    was_training = module.training
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None  # cumulative average over the batches
+    module.train()
+    for idx in batches(len(x), FEATURE_BATCH, shuffle=False):
+        module(x[idx])
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+    module.train(was_training)
+
+
+Predictor = Callable[[torch.Tensor], torch.Tensor]
+"""Features [N, d] -> predicted labels [N]."""
+
+
+def _torch_head(kind: str, dim: int, classes: int, hidden: int) -> nn.Module:
+    if kind == "linear":
+        return nn.Linear(dim, classes)
+    return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, classes))
+
+
+def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, classes: int, *, hidden: int,
+                   epochs: int, batch_size: int, lr: float, seed: int) -> nn.Module:
+    """Eq. (6)/(9): a `linear` or `mlp` head trained with cross-entropy on frozen features."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = _torch_head(kind, features.shape[1], classes, hidden).to(features.device)
+    head.train()
+    run_epochs(cross_entropy_loss(head), torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9),
+               features, labels, epochs=epochs, batch_size=batch_size,
+               generator=torch.Generator().manual_seed(seed))
+    head.eval()
+    return head
+
+
+def fit_sklearn_head(kind: str, features: np.ndarray, labels: np.ndarray, *, hidden: int, seed: int):
+    """A scikit-learn head: `svm` (linear SVM), `lr` (logistic regression) or `mlp_sklearn`."""
+    from sklearn.dummy import DummyClassifier
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.svm import LinearSVC
+
+    if len(np.unique(labels)) < 2:  # a single class: every estimator but the constant one refuses
+        return DummyClassifier(strategy="most_frequent").fit(features, labels)
+    estimators = {
+        "svm": lambda: LinearSVC(random_state=seed),
+        "lr": lambda: LogisticRegression(max_iter=1000),
+        "mlp_sklearn": lambda: MLPClassifier(hidden_layer_sizes=(hidden,), max_iter=500, random_state=seed),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return estimators[kind]().fit(features, labels)
+
+
+class RepPerDevice(DeviceAlgorithm):
+    """Stage 1 in `fit` (contrastive body training), stage 2 in `evaluate` (personal head)."""
+
+    id = "repper"
+    Hyper = Hyper
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device = pick_device(self.device_name)
+        self.model = build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed).to(self.device)
+        self.partition = model_partition(self.model, SHARED_PARTS)
+        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
+        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+        self.head: nn.Module | object | None = None  # the last evaluation's fitted personal head
+
+    # -- what travels ----------------------------------------------------------------------
+    def load_shared(self, task: Task) -> None:
+        if SHARED in task.groups:
+            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
+            load_arrays(self.model, task.groups[SHARED])
+
+    def shared_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.shared)
+
+    def personal_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.personal)
+
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        check_arrays("personal", arrays, spec_of(self.personal_state()))
+        load_arrays(self.model, arrays)
+
+    # -- stage 1: common representation learning -------------------------------------------
+    def generator(self, round_: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
+
+    def contrastive_loss(self, generator: torch.Generator) -> LossFn:
+        """Eq. (4)-(5) on two augmented views of every image of the batch."""
+        channels = self.data.meta.channels
+
+        def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            views = two_views(xb, channels, generator)
+            embeddings = self.model(views.flatten(0, 1)).view(len(yb), 2, -1)
+            return supcon_loss(embeddings, yb, self.hyper.temperature, self.hyper.variant)
+
+        return loss
+
+    def fit(self, task: Task) -> FitResult:
+        self.load_shared(task)
+        self.model.train()
+        generator = self.generator(task.round)
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.hyper.lr, weight_decay=self.hyper.weight_decay)
+        loss = run_epochs(self.contrastive_loss(generator), optimizer, self.train_x, self.train_y,
+                          epochs=self.settings.local_epochs, batch_size=self.settings.batch_size, generator=generator)
+        return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
+
+    # -- stage 2: personalized classification learning -------------------------------------
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Frozen-body features of x: r = body(x), or z = r / ||r|| with `normalize_features`."""
+        with eval_mode(self.model):
+            r = predict(self.model.body, x, FEATURE_BATCH)
+        return nn.functional.normalize(r, dim=1) if self.hyper.normalize_features else r
+
+    def fit_head(self, features: torch.Tensor, seed: int) -> Predictor:
+        """Fit the configured personal head on the training features; return its label predictor."""
+        hyper = self.hyper
+        if hyper.head in ("linear", "mlp"):
+            head = fit_torch_head(hyper.head, features, self.train_y, self.data.meta.num_classes,
+                                  hidden=hyper.head_hidden, epochs=hyper.head_epochs,
+                                  batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed)
+            self.head = head
+            return lambda f: predict(head, f).argmax(dim=1)
+        estimator = fit_sklearn_head(hyper.head, features.cpu().numpy(), self.data.train_y,
+                                     hidden=hyper.head_hidden, seed=seed)
+        self.head = estimator
+        return lambda f: torch.as_tensor(estimator.predict(f.cpu().numpy()), device=f.device)
+
+    def evaluate(self, task: Task) -> dict[str, float]:
+        self.load_shared(task)
+        if self.hyper.recalibrate_bn:
+            recalibrate_batchnorm(self.model.body, self.train_x)
+        predictor = self.fit_head(self.features(self.train_x), seed=self.client_seed * 100_003 + task.round)
+        if len(self.test_y) == 0:
+            acc = float("nan")
+        else:
+            acc = float((predictor(self.features(self.test_x)) == self.test_y).float().mean())
+        log.debug("round %d: %s head, test accuracy %.4f", task.round, self.hyper.head, acc)
+        return {"accuracy": acc, "num_test": len(self.test_y), "global_accuracy": acc}
+
+
+DEVICE = RepPerDevice

@@ -1,0 +1,58 @@
+"""`edgepfl simulate` end to end: the command users run, over the embedded amqtt broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_simulate_three_rounds_writes_report_metrics_and_curves(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", "fedavg", "--dataset", "digits",
+               "--clients", "4", "--rounds", "3", "--workers", "2", "--seed", "1", "--out", str(out), "--quiet"]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "personalized accuracy" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    for key in ("algorithm", "dataset", "partition", "clients", "rounds_completed", "rounds", "final",
+                "communication", "wall_seconds"):
+        assert key in report
+    assert report["rounds_completed"] == 3
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
+    assert {"round", "participants", "personalized_accuracy", "bytes_up", "bytes_down", "seconds"} <= set(
+        report["rounds"][0])
+    assert report["final"]["personalized_accuracy"]["mean"] >= 0.8
+    assert {c["kind"] for c in report["final"]["per_client"].values()} == {"trainer"}
+    assert report["communication"]["by_kind"]["up"]["train_res"] > 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in lines if line["event"] == "round"] == [1, 2, 3]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_flag_value_names_the_key(tmp_path):
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--fraction", "1.5", "--out", str(tmp_path)]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 2
+    assert "fraction" in result.stderr
+
+
+def test_unknown_hyperparameter_is_rejected_by_name(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('rounds = 1\n[algorithm]\nid = "fedavg"\n[algorithm.fedavg]\nmomentun = 0.5\n')
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--config", str(config), "--out", str(tmp_path)]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 2
+    assert "momentun" in result.stderr

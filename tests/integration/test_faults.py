@@ -1,0 +1,146 @@
+"""Faults survived, with real processes and a real Mosquitto: SIGKILLed devices and coordinators.
+
+The test watches the coordinator's retained status topic (an MQTT subscription, not the clock)
+to decide when to kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from edge_sdk.channel import Channel
+from edge_sdk.protocol import Kind, Topics
+from edge_sdk.transport import MqttSettings, MqttTransport
+
+pytestmark = pytest.mark.integration
+FED = "faults"
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def start_devices(url: str, tmp_path, count: int) -> list[subprocess.Popen]:
+    return [
+        spawn("client", "--broker", url, "--federation", FED, "--client-id", f"dev{i}", "--dataset", "digits",
+              "--clients", str(count), "--index", str(i), "--state-dir", str(tmp_path / f"dev{i}"), "--device", "cpu")
+        for i in range(count)
+    ]
+
+
+def start_coordinator(url: str, out, rounds: int, **flags: str) -> subprocess.Popen:
+    extra = [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+    return spawn("coordinator", "--broker", url, "--federation", FED, "--algorithm", "fedavg", "--dataset", "digits",
+                 "--clients", "3", "--rounds", str(rounds), "--local-epochs", "1", "--out", str(out), *extra)
+
+
+class StatusWatcher:
+    """Follows the coordinator's STATUS messages through a subscription."""
+
+    def __init__(self, url: str):
+        self.transport = MqttTransport("faults.watcher", MqttSettings(url=url))
+        self.transport.connect()
+        self.channel = Channel(self.transport, Topics(FED))
+        self.transport.subscribe(Topics(FED).broadcast(Kind.STATUS))
+
+    def wait_for_round(self, completed: int, timeout: float = 120.0):
+        """Block until a status says at least `completed` rounds are done; returns that status."""
+        while True:
+            received = self.channel.receive(timeout)
+            assert received is not None, f"no status with {completed} completed rounds within {timeout} s"
+            if received.envelope.round >= completed:
+                return received.envelope
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output
+    return output
+
+
+def recorded_rounds(out) -> list[int]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["round"] for line in lines if json.loads(line)["event"] == "round"]
+
+
+def test_killed_device_does_not_stall_the_run(mosquitto, tmp_path):
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=6, min_clients=2, round_timeout=30)
+    try:
+        watcher.wait_for_round(2)
+        devices[2].send_signal(signal.SIGKILL)
+
+        finish(coordinator)
+    finally:
+        watcher.close()
+        for process in devices:
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds_completed"] == 6
+    assert report["rounds"][-1]["participants"] == 2
+    assert "dev2" not in report["final"]["per_client"]
+    assert recorded_rounds(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_killed_coordinator_resumes_without_repeating_a_round(mosquitto, tmp_path):
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    first = start_coordinator(mosquitto.url, out, rounds=8)
+    try:
+        status = watcher.wait_for_round(3)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        killed_after = len(recorded_rounds(out))
+
+        second = start_coordinator(mosquitto.url, out, rounds=8)
+        finish(second)
+        for process in devices:
+            process.wait(timeout=60)
+    finally:
+        watcher.close()
+        for process in devices:
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    assert 3 <= killed_after < 8, "the kill happened mid-run"
+    assert report["run_id"] == status.run_id
+    assert report["rounds_completed"] == 8
+    assert recorded_rounds(out) == list(range(1, 9))
+    assert [r["round"] for r in report["rounds"]] == list(range(1, 9))
+
+
+def test_frozen_device_round_closes_at_its_deadline(mosquitto, tmp_path):
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=3, min_clients=2, round_timeout=6, quorum_grace=60)
+    try:
+        watcher.wait_for_round(1)
+        devices[1].send_signal(signal.SIGSTOP)  # connected but silent: no Last Will yet
+
+        finish(coordinator)
+    finally:
+        watcher.close()
+        for process in devices:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    late = [r for r in report["rounds"] if r["round"] >= 3]
+    assert report["rounds_completed"] == 3
+    assert all(r["outcome"] == "deadline" and r["participants"] == 2 for r in late)

@@ -1,0 +1,316 @@
+"""Unit tests for the baselines local, fedavg_ft, fedprox, fedper, fedrep and lg_fedavg.
+
+Device and server classes are driven directly (no broker) on the digits data of a few clients:
+what goes over the wire in both directions, the server average, and each algorithm's mechanics
+(FedProx's proximal gradient, FedRep's head/body phases, FedAvg+FT's fine-tuning on a copy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.algorithms import load as load_server
+from coordinator.algorithms.base import ServerContext
+from edge_sdk import wire
+from edge_sdk.algorithms import load as load_device
+from edge_sdk.algorithms.base import DeviceAlgorithm, Task, TrainSettings
+from edge_sdk.algorithms.part_sharing import SHARED
+from edge_sdk.config import from_mapping
+from edge_sdk.data import DATASETS, ClientData, load_client_data
+from edge_sdk.params import check_arrays, part_of
+from edge_sdk.protocol import Envelope, Kind
+from edge_sdk.training import batches
+
+BASELINES = ("local", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg")
+SHARED_PARTS = {
+    "local": set(),
+    "fedavg_ft": {"body", "head"},
+    "fedprox": {"body", "head"},
+    "fedper": {"body"},
+    "fedrep": {"body"},
+    "lg_fedavg": {"head"},
+}
+GLOBAL_MODEL = {"fedavg_ft", "fedprox"}  # algorithms that report global_accuracy
+STATISTIC_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+NUM_CLIENTS = 3
+SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+
+
+@pytest.fixture(scope="module")
+def datas() -> list[ClientData]:
+    return [
+        load_client_data("digits", num_clients=NUM_CLIENTS, index=i, partition="dirichlet", seed=0)
+        for i in range(NUM_CLIENTS)
+    ]
+
+
+def make_server(algorithm_id: str, **hyper):
+    cls = load_server(algorithm_id)
+    context = ServerContext("cnn8", DATASETS["digits"], seed=0, rounds=SETTINGS.rounds, clients=NUM_CLIENTS)
+    return cls(from_mapping(cls.Hyper, hyper), context)
+
+
+def make_device(algorithm_id: str, data: ClientData, index: int = 0, **hyper) -> DeviceAlgorithm:
+    cls = load_device(algorithm_id)
+    return cls(from_mapping(cls.Hyper, hyper), SETTINGS, data, "cpu", client_seed=1000 + index)
+
+
+def play_round(server, devices: list[DeviceAlgorithm], round_: int) -> list:
+    """One round as the coordinator plays it: TRAIN down, validated replies folded in, aggregate."""
+    server.begin_round(round_)
+    results = []
+    for i, device in enumerate(devices):
+        result = device.fit(Task(round_, server.task_groups(round_), {"selected": []}))
+        spec = server.update_spec(round_)
+        assert set(result.groups) == set(spec)
+        for group, expected in spec.items():
+            check_arrays(group, result.groups[group], expected)
+        server.accumulate(f"dev{i:03d}", result.groups, result.metrics, float(result.metrics["num_examples"]))
+        results.append(result)
+    server.end_round(round_)
+    return results
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# -- what goes over the wire, for every baseline -------------------------------------------------
+@pytest.mark.parametrize("algorithm_id", BASELINES)
+def test_uploads_carry_exactly_the_shared_parts_and_never_a_personal_key(algorithm_id, datas) -> None:
+    # Prepare
+    server = make_server(algorithm_id)
+    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas)]
+
+    # Execute
+    rounds = [play_round(server, devices, r) for r in (1, 2)]
+
+    # Assert
+    device = devices[0]
+    state_keys = set(device.model.state_dict())
+    personal = set(device.partition.personal)
+    shared = set(device.partition.shared)
+    assert personal and personal | shared == state_keys and not personal & shared
+    assert {part_of(k) for k in shared} == SHARED_PARTS[algorithm_id]
+    assert not {k for k in shared if k.endswith(STATISTIC_SUFFIXES)}
+    for results in rounds:
+        for result in results:
+            uploaded = {name for group in result.groups.values() for name in group}
+            assert uploaded == shared
+            payload = wire.encode(Envelope(Kind.TRAIN_RES, "dev000", groups=result.groups, metrics=result.metrics))
+            assert [k for k in personal if k.encode() in payload] == []
+    assert {g: set(a) for g, a in server.update_spec(3).items()} == ({SHARED: shared} if shared else {})
+
+
+@pytest.mark.parametrize("algorithm_id", [a for a in BASELINES if a != "local"])
+def test_server_state_is_the_example_weighted_mean_of_the_uploads(algorithm_id, datas) -> None:
+    # Prepare
+    server = make_server(algorithm_id)
+    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas)]
+
+    # Execute
+    results = play_round(server, devices, 1)
+
+    # Assert
+    weights = np.array([r.metrics["num_examples"] for r in results], dtype=np.float64)
+    for name, value in server.state[SHARED].items():
+        expected = sum(w * r.groups[SHARED][name] for w, r in zip(weights, results)) / weights.sum()
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm_id", BASELINES)
+def test_evaluation_deploys_the_global_shared_parts_with_the_personal_ones(algorithm_id, datas) -> None:
+    # Prepare
+    server = make_server(algorithm_id)
+    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas[:2])]
+    play_round(server, devices, 1)
+
+    # Execute
+    metrics = [d.evaluate(Task(1, server.eval_groups(), {"final": True})) for d in devices]
+
+    # Assert
+    for device, m in zip(devices, metrics):
+        assert 0.0 <= m["accuracy"] <= 1.0 and m["num_test"] == device.data.num_test
+        assert ("global_accuracy" in m) == (algorithm_id in GLOBAL_MODEL)
+        state = device.model.state_dict()
+        for name, value in server.state.get(SHARED, {}).items():
+            np.testing.assert_array_equal(state[name].numpy(), value)
+    personal_differs = [
+        not np.array_equal(devices[0].personal_state()[k], devices[1].personal_state()[k])
+        for k in devices[0].partition.personal if not k.endswith("num_batches_tracked")
+    ]
+    assert all(personal_differs)
+
+
+def test_server_hyperparameters_are_the_devices(datas) -> None:
+    for algorithm_id in BASELINES:
+        assert load_server(algorithm_id).Hyper is load_device(algorithm_id).Hyper
+
+
+def test_hyperparameter_defaults_follow_the_spec() -> None:
+    assert load_device("fedprox").Hyper().mu == 0.01
+    assert load_device("fedavg_ft").Hyper().ft_epochs == 10
+    fedrep = load_device("fedrep").Hyper()
+    assert (fedrep.head_epochs, fedrep.body_epochs) == (10, None)
+    assert from_mapping(load_device("fedprox").Hyper, {"mu": "0.5"}).mu == 0.5
+
+
+# -- local ----------------------------------------------------------------------------------------
+def test_local_sends_no_arrays_in_either_direction(datas) -> None:
+    # Prepare
+    server = make_server("local")
+    device = make_device("local", datas[0])
+    before = parameters(device.model)
+
+    # Execute
+    result = device.fit(Task(1, server.task_groups(1), {}))
+    train = wire.encode(Envelope(Kind.TRAIN, "coordinator", groups=server.task_groups(1)))
+    metrics = device.evaluate(Task(1, server.eval_groups(), {"final": True}))
+
+    # Assert
+    assert server.state == {} and server.update_spec(1) == {} and server.eval_groups() == {}
+    assert result.groups == {} and result.metrics["num_examples"] == datas[0].num_train
+    assert wire.decode(train).groups == {}
+    assert any(not torch.equal(before[k], p) for k, p in device.model.named_parameters())
+    assert metrics["accuracy"] == device.test_accuracy(device.model)
+    assert "global_accuracy" not in metrics
+
+
+# -- fedprox --------------------------------------------------------------------------------------
+def test_fedprox_proximal_term_adds_exactly_mu_times_the_distance_to_the_global_model(datas) -> None:
+    # Prepare: two devices from the same start, the global model loaded, then the same drift away
+    mu = 0.5
+    server = make_server("fedprox")
+    task = Task(1, server.task_groups(1), {})
+    prox, plain = make_device("fedprox", datas[0], mu=mu), make_device("fedprox", datas[0], mu=0.0)
+    drift = {name: 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+             for i, (name, p) in enumerate(prox.model.named_parameters())}
+    grads = {}
+    for device in (prox, plain):
+        device.load_shared(task)
+        loss_fn = device.local_loss(task)
+        with torch.no_grad():
+            for name, p in device.model.named_parameters():
+                p.add_(drift[name])
+        device.model.train()
+
+        # Execute
+        device.model.zero_grad()
+        loss_fn(device.train_x[:32], device.train_y[:32]).backward()
+        grads[device] = {name: p.grad.clone() for name, p in device.model.named_parameters()}
+
+    # Assert
+    for name in grads[prox]:
+        difference = grads[prox][name] - grads[plain][name]
+        torch.testing.assert_close(difference, mu * drift[name], rtol=1e-4, atol=1e-6)
+
+
+# -- fedrep ---------------------------------------------------------------------------------------
+def spy_on_optimizers(device: DeviceAlgorithm) -> list[dict]:
+    """Record, for each optimizer the device builds, its parameter names and its number of steps."""
+    names = {id(p): n for n, p in device.model.named_parameters()}
+    made: list[dict] = []
+    build = device.optimizer
+
+    def optimizer(params=None):
+        opt = build(params)
+        record = {"params": {names[id(p)] for g in opt.param_groups for p in g["params"]}, "steps": 0}
+        step = opt.step
+
+        def counted_step(*args, **kwargs):
+            record["steps"] += 1
+            return step(*args, **kwargs)
+
+        opt.step = counted_step
+        made.append(record)
+        return opt
+
+    device.optimizer = optimizer
+    return made
+
+
+def test_fedrep_trains_the_head_then_the_body_for_their_epochs(datas) -> None:
+    # Prepare
+    device = make_device("fedrep", datas[0], head_epochs=3, body_epochs=2)
+    made = spy_on_optimizers(device)
+    head = {n for n, _ in device.model.named_parameters() if part_of(n) == "head"}
+    body = {n for n, _ in device.model.named_parameters() if part_of(n) == "body"}
+    per_epoch = len(list(batches(datas[0].num_train, SETTINGS.batch_size, shuffle=False)))
+
+    # Execute
+    device.fit(Task(1, make_server("fedrep").task_groups(1), {}))
+
+    # Assert
+    assert made == [{"params": head, "steps": 3 * per_epoch}, {"params": body, "steps": 2 * per_epoch}]
+    assert all(p.requires_grad for p in device.model.parameters())
+
+
+@pytest.mark.parametrize(("head_epochs", "body_epochs", "changed"), [(1, 0, "head"), (0, 1, "body")])
+def test_fedrep_phase_leaves_the_frozen_part_unchanged(datas, head_epochs, body_epochs, changed) -> None:
+    # Prepare
+    server = make_server("fedrep")
+    device = make_device("fedrep", datas[0], head_epochs=head_epochs, body_epochs=body_epochs)
+    device.load_shared(Task(1, server.task_groups(1), {}))
+    before = parameters(device.model)
+
+    # Execute
+    device.fit(Task(1, server.task_groups(1), {}))
+
+    # Assert
+    moved = {part_of(n) for n, p in device.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert moved == {changed}
+
+
+def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
+    # Prepare
+    device = make_device("fedrep", datas[0], head_epochs=0)
+    made = spy_on_optimizers(device)
+    per_epoch = len(list(batches(datas[0].num_train, SETTINGS.batch_size, shuffle=False)))
+
+    # Execute
+    device.fit(Task(1, make_server("fedrep").task_groups(1), {}))
+
+    # Assert
+    assert [m["steps"] for m in made] == [0, SETTINGS.local_epochs * per_epoch]
+
+
+# -- fedavg_ft ------------------------------------------------------------------------------------
+def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone(datas) -> None:
+    # Prepare: twin devices; only one evaluates (and fine-tunes) between the rounds
+    server = make_server("fedavg_ft")
+    evaluated, twin = make_device("fedavg_ft", datas[0]), make_device("fedavg_ft", datas[0])
+    play_round(server, [evaluated], 1)
+    twin.fit(Task(1, make_server("fedavg_ft").task_groups(1), {}))
+    calls = []
+    train_parts = evaluated.train_parts
+    evaluated.train_parts = lambda model, parts, epochs, gen: calls.append((model, parts, epochs)) or train_parts(
+        model, parts, epochs, gen)
+
+    # Execute
+    metrics = evaluated.evaluate(Task(1, server.eval_groups(), {"final": False}))
+    global_accuracy = evaluated.test_accuracy(evaluated.model)
+    after = [d.fit(Task(2, server.task_groups(2), {})) for d in (evaluated, twin)]
+
+    # Assert
+    assert [(parts, epochs) for _, parts, epochs in calls] == [(("head",), 10)]
+    assert calls[0][0] is not evaluated.model
+    assert metrics["global_accuracy"] == global_accuracy
+    for name, value in after[0].groups[SHARED].items():
+        np.testing.assert_array_equal(value, after[1].groups[SHARED][name])
+    for name, value in evaluated.personal_state().items():
+        np.testing.assert_array_equal(value, twin.personal_state()[name])
+
+
+def test_fedavg_ft_without_fine_tuning_reports_the_global_model(datas) -> None:
+    # Prepare
+    server = make_server("fedavg_ft")
+    device = make_device("fedavg_ft", datas[1], ft_epochs=0)
+    play_round(server, [device], 1)
+
+    # Execute
+    metrics = device.evaluate(Task(1, server.eval_groups(), {"final": True}))
+
+    # Assert
+    assert metrics["accuracy"] == metrics["global_accuracy"]
