@@ -32,12 +32,17 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
-def _serve(host: str, port: int) -> None:
+def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -> None:
+    """Run amqtt until the process is stopped; `ready` (an Event) is set once it listens."""
     import asyncio
 
     from amqtt.broker import Broker
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=log_level)
+    if log_level > logging.DEBUG:
+        # amqtt logs every abrupt disconnect, and tracebacks of its own races on teardown, loudly
+        for name in ("amqtt", "asyncio", "transitions"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = {
         "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0}},
         "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
@@ -46,6 +51,8 @@ def _serve(host: str, port: int) -> None:
     async def main() -> None:
         broker = Broker(config)
         await broker.start()
+        if ready is not None:
+            ready.set()
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -71,10 +78,12 @@ class EmbeddedBroker:
             raise RuntimeError("the embedded broker needs amqtt: pip install 'edgepfl[broker]', "
                                "or pass --broker mqtt://host:port for an existing broker") from None
         context = multiprocessing.get_context("spawn")
-        self._process = context.Process(target=_serve, args=(self.host, self.port), daemon=True,
-                                        name="edgepfl-broker")
+        ready = context.Event()
+        self._process = context.Process(target=_serve, args=(self.host, self.port, ready,
+                                                             logging.getLogger().getEffectiveLevel()),
+                                        daemon=True, name="edgepfl-broker")
         self._process.start()
-        if not wait_for_port(self.host, self.port, self.start_timeout):
+        if not ready.wait(self.start_timeout):
             self.stop()
             raise RuntimeError(f"the embedded amqtt broker did not start on {self.url}")
         log.info("embedded amqtt broker on %s", self.url)

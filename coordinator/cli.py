@@ -31,6 +31,7 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--eval-every", int, "evaluate every N rounds (and after the last)"),
     ("--round-timeout", float, "seconds before a round closes with the replies it has"),
     ("--min-clients", int, "quorum: replies needed to aggregate a round"),
+    ("--holdout-clients", int, "devices never selected for training (they only personalize at evaluation)"),
     ("--quorum-grace", float, "seconds to wait for stragglers once the quorum replied"),
     ("--registration-timeout", float, "seconds to wait for --clients devices to register"),
     ("--chunk-size", int, "MQTT payload chunk size in bytes (default 1 MiB)"),

@@ -19,7 +19,7 @@ from edge_sdk.channel import Channel, Received
 from edge_sdk.config import from_mapping, to_plain
 from edge_sdk.data import DATASETS
 from edge_sdk.params import check_arrays
-from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason, new_message_id
+from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
@@ -30,7 +30,7 @@ from .rounds import Outcome, RoundCollector, select_clients
 
 log = logging.getLogger(__name__)
 
-SENDER = "coordinator"
+SENDER = COORDINATOR
 
 
 class RegistrationTimeout(RuntimeError):
@@ -196,6 +196,11 @@ class Coordinator:
     def _register(self, hello: Envelope) -> None:
         kind = hello.config.get("device_type", "trainer")
         examples = hello.metrics.get("num_examples", 0)
+        try:
+            check_client_id(hello.sender)
+        except ValueError as exc:
+            self.channel.reject(Reason.MALFORMED, f"HELLO: {exc}")
+            return
         if kind not in ("trainer", "lite") or not isinstance(examples, (int, float)) or examples < 1:
             self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return

@@ -94,6 +94,7 @@ class Channel:
             try:
                 incoming = self.transport.incoming.get(timeout=max(0.0, remaining))
             except queue.Empty:
+                self._reassembler.expire()
                 return None
             received = self._accept(incoming)
             if received is not None:
@@ -118,8 +119,8 @@ class Channel:
         except ProtocolError as err:
             self.reject(err.reason, f"{topic}: {err.detail}")
             return None
-        if self._is_duplicate(envelope):
-            return None
+        if envelope.kind is not Kind.OFFLINE and self._is_duplicate(envelope):
+            return None  # (a Last Will is the same bytes every time; marking offline is idempotent)
         return Received(topic, address, envelope)
 
     def _check_sender(self, address: TopicAddress, envelope: Envelope) -> None:
@@ -148,6 +149,3 @@ class Channel:
     def _count_drop(self, reason: Reason) -> None:
         self.reject(reason, "incomplete chunked message dropped")
 
-
-def is_kind(received: Received, *kinds: Kind) -> bool:
-    return received.envelope.kind in kinds

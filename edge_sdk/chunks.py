@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .protocol import PROTOCOL_VERSION, ChunkError, Reason
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 16 << 10
 MAX_CHUNK_SIZE = 64 << 20
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_chunk_size(size: int) -> int:
@@ -71,11 +73,12 @@ def is_chunk_frame(obj: dict[str, Any]) -> bool:
 def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
     """Validate an unpacked chunk frame."""
     raw = obj.get("chunk")
-    if obj.get("version") != PROTOCOL_VERSION or not isinstance(raw, dict):
+    version = obj.get("version")
+    if type(version) is not int or version != PROTOCOL_VERSION or not isinstance(raw, dict):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk frame without a valid version or body")
     blob, index, count, size, data = (raw.get(k) for k in ("blob", "index", "count", "size", "data"))
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, size))
-    if not (isinstance(blob, str) and len(blob) == 64 and ints_ok and isinstance(data, bytes)):
+    if not (isinstance(blob, str) and _HEX64.match(blob) and ints_ok and isinstance(data, bytes)):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk fields missing or of the wrong type")
     if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size):
         raise ChunkError(Reason.CHUNK_INVALID, f"chunk {index}/{count} of a {size}-byte blob is inconsistent")
@@ -139,7 +142,7 @@ class Reassembler:
         if chunk.index in pending.parts:
             return None  # duplicate delivery (QoS 1)
         if pending.received + len(chunk.data) > pending.size:
-            self._drop(key, Reason.CHUNK_INVALID)
+            self._drop(key, Reason.CHUNK_INVALID, notify=False)
             raise ChunkError(Reason.CHUNK_INVALID, f"blob {chunk.blob_id[:12]} received more bytes than declared")
         pending.parts[chunk.index] = chunk.data
         pending.received += len(chunk.data)
@@ -165,14 +168,16 @@ class Reassembler:
         """Drop the oldest other blobs while over the byte or count budget."""
         while self._pending_bytes > self.max_pending_bytes or len(self._pending) > self.max_pending_blobs:
             victim = next((k for k in self._pending if k != keep), keep)
-            self._drop(victim, Reason.CHUNK_OVERFLOW)
+            self._drop(victim, Reason.CHUNK_OVERFLOW, notify=victim != keep)
             if victim == keep:
                 raise ChunkError(Reason.CHUNK_OVERFLOW, "blob does not fit in the reassembly budget")
 
-    def _drop(self, key: tuple[str, str], reason: Reason) -> None:
+    def _drop(self, key: tuple[str, str], reason: Reason, *, notify: bool = True) -> None:
+        """Forget a pending blob; `notify` reports it (not when the caller raises for it anyway)."""
         pending = self._pending.pop(key)
         self._pending_bytes -= pending.received
-        self._on_drop(reason)
+        if notify:
+            self._on_drop(reason)
 
     def expire(self) -> None:
         now = self._clock()

@@ -20,7 +20,7 @@ from .channel import Channel, Received
 from .chunks import DEFAULT_CHUNK_SIZE
 from .config import from_mapping
 from .data import ClientData
-from .protocol import Envelope, Kind, ProtocolError, Topics, check_client_id
+from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
 from .store import PersonalState, PersonalStore
 from .transport import MqttSettings, MqttTransport
 
@@ -64,6 +64,7 @@ class EdgeClient:
         self.rounds_trained = 0
         self._incarnation: str | None = None
         self._last_hello = float("-inf")
+        self._connections_at_hello = 0
         self._finished = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -78,10 +79,17 @@ class EdgeClient:
                 received = self.channel.receive(timeout=0.5)
                 if received is not None:
                     self._handle(received)
-                elif self.run_id is None and time.monotonic() - self._last_hello > self.hello_interval:
+                elif self._should_hello():
                     self._hello()
         finally:
             self.channel.transport.close()
+
+    def _should_hello(self) -> bool:
+        """Register again after a reconnection (the coordinator saw our Last Will), or while no
+        coordinator has answered yet."""
+        reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
+        unanswered = self.run_id is None and time.monotonic() - self._last_hello > self.hello_interval
+        return reconnected or unanswered
 
     def _send(self, kind: Kind, round_: int = 0, **fields) -> None:
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
@@ -91,6 +99,7 @@ class EdgeClient:
         import torch
 
         self._last_hello = time.monotonic()
+        self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
         self._send(
             Kind.HELLO,
             metrics={"num_examples": self.data.num_train, "num_test": self.data.num_test},
@@ -116,6 +125,8 @@ class EdgeClient:
             handlers[envelope.kind](envelope)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"{envelope.kind.value} round {envelope.round}: {err.detail}")
+        except (ValueError, KeyError, TypeError) as exc:  # e.g. a WELCOME naming an unknown algorithm
+            self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
 
     def _on_status(self, status: Envelope) -> None:
         incarnation = status.config.get("incarnation")
@@ -151,7 +162,8 @@ class EdgeClient:
         if self.algorithm is None or envelope.run_id != self.run_id:
             self._hello()
             return False
-        return self.client_id in envelope.config.get("selected", [])
+        selected = envelope.config.get("selected")
+        return isinstance(selected, list) and self.client_id in selected
 
     def _on_train(self, envelope: Envelope) -> None:
         if not self._current(envelope):
@@ -161,9 +173,7 @@ class EdgeClient:
             result = self.algorithm.fit(task)
         self.rounds_trained = envelope.round
         self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, self.algorithm.personal_state()))
-        sent, received = self.channel.counter.snapshot()
-        metrics = {**result.metrics, "device_bytes_sent": sent, "device_bytes_received": received}
-        self._send(Kind.TRAIN_RES, envelope.round, groups=result.groups, metrics=metrics)
+        self._send(Kind.TRAIN_RES, envelope.round, groups=result.groups, metrics=result.metrics)
 
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self._current(envelope):

@@ -55,7 +55,9 @@ def check_arrays(where: str, arrays: Mapping[str, np.ndarray], expected: ArraySp
         raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"{where}: missing {missing[:5]}, unexpected {extra[:5]}")
     for key, array in arrays.items():
         shape, dtype = expected[key]
-        if tuple(array.shape) != tuple(shape) or array.dtype.name != dtype:
+        if array.dtype.name != dtype:
+            raise ValidationError(Reason.BAD_DTYPE, f"{where}/{key}: got {array.dtype.name}, want {dtype}")
+        if tuple(array.shape) != tuple(shape):
             raise ValidationError(
                 Reason.BAD_SHAPE, f"{where}/{key}: got {array.dtype.name}{list(array.shape)}, want {dtype}{list(shape)}"
             )

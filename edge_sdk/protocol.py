@@ -19,6 +19,8 @@ import numpy as np
 PROTOCOL_VERSION = 1
 TOPIC_ROOT = "edgepfl"
 BROADCAST = "all"
+COORDINATOR = "coordinator"
+RESERVED_IDS = frozenset({BROADCAST, COORDINATOR})
 
 ArrayGroup = dict[str, np.ndarray]
 """Named arrays; the names are the model's `state_dict` keys (or statistic names)."""
@@ -116,10 +118,11 @@ _FEDERATION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def check_client_id(client_id: str) -> str:
-    """Client ids are topic segments: letters, digits, `_.-`, at most 64, never `all`."""
-    if not _CLIENT_ID.match(client_id) or client_id == BROADCAST:
+    """Client ids are topic segments: letters, digits, `_.-`, at most 64, not a reserved name."""
+    if not _CLIENT_ID.match(client_id) or client_id in RESERVED_IDS:
         raise ValueError(
-            f"invalid client id {client_id!r}: use 1-64 letters, digits, '_', '.', '-' (not 'all')"
+            f"invalid client id {client_id!r}: use 1-64 letters, digits, '_', '.', '-' "
+            f"(not {' or '.join(sorted(RESERVED_IDS))})"
         )
     return client_id
 

@@ -22,6 +22,7 @@ DTYPES: dict[str, np.dtype] = {
     for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
 MAX_NDIM = 8
+MAX_DIM = 2**40  # per dimension; keeps numpy from overflowing on zero-size arrays with huge dims
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,10 @@ def _number(key: str, value: Any) -> float | int:
     raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
 
 
+def _reject_extension(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
 def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """msgpack bytes -> a map, with every container and string bounded; no extension types."""
     if len(data) > limits.max_message_bytes:
@@ -101,6 +106,7 @@ def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
             max_array_len=limits.max_items,
             max_map_len=limits.max_items,
             max_ext_len=0,
+            ext_hook=_reject_extension,
         )
     except Exception as exc:  # msgpack raises many types for bad input; all mean "malformed"
         raise WireError(Reason.MALFORMED, f"not a msgpack document: {type(exc).__name__}: {exc}") from None
@@ -179,7 +185,7 @@ def decode_array(where: str, raw: Any) -> np.ndarray:
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_NDIM
-        or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
+        or not all(isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim <= MAX_DIM for dim in shape)
     ):
         raise WireError(Reason.BAD_SHAPE, f"array {where} has an invalid shape {shape!r}")
     data = raw["data"]

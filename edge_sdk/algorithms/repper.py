@@ -23,7 +23,8 @@ Up (TRAIN_RES): group "shared" = the body after local training, and num_examples
 Down (TRAIN and EVALUATE): group "shared" = the global body. In stage 2 only metrics go up.
 
 Decisions where the paper is open:
-- The head sees z = r / ||r|| (the paper's "feature space"); `normalize_features=false` feeds r.
+- The head sees the body output r (as in Khosla et al.'s linear evaluation);
+  `normalize_features=true` feeds z = r / ||r|| instead (slower to fit at the same lr).
 - `recalibrate_bn` (default on): before extracting features the device recomputes its personal
   BatchNorm statistics on its own training images with the frozen body (no weight changes).
   A device that never trained would otherwise normalize with the initial statistics (0, 1).
@@ -86,7 +87,7 @@ class Hyper:
     head_epochs: int = 10
     head_hidden: int = 128
     projection_dim: int = 0
-    normalize_features: bool = True
+    normalize_features: bool = False
     recalibrate_bn: bool = True
 
     def __post_init__(self) -> None:

@@ -1,0 +1,220 @@
+"""DualFed: dual representations through a personal projector ("DualFed: Enjoying both
+Generalization and Personalization in Federated Learning via Hierarchical Representations",
+papers/dualfed.txt).
+
+Model (Sec. 4.1): a shared encoder `body` gives the pre-projection representation z; a personal
+`projector` (Linear(d, h)-ReLU-BN-Linear(h, d)-BN, h = d/2 by default, Sec. 5.3) gives the
+post-projection representation u; a personal classifier `head` works on u (Eq. 4) and a shared
+classifier `global_head` on z (Eq. 3). Inference, Eq. (5): softmax(global_head(z)) +
+softmax(head(u)) (`ensemble="prob"`); the official code sums logits (`ensemble="logit"`).
+
+Local round, stage-wise (Sec. 4.2):
+(a) `global_head` frozen; `body`, `projector` and `head` train for `local_epochs` epochs on
+    CE(head(u)) + lam * SupCon(u), Eq. (6)-(8), with the SupCon "out" form of Eq. (7) over two
+    augmented views of every image (`edge_sdk.augment.two_views`); the cross-entropy term is the
+    mean over both views.
+(b) `body`, `projector` and `head` frozen (the body in evaluation mode, so its BatchNorm
+    statistics do not move either); `global_head` trains for `global_head_epochs` epochs on
+    CE(global_head(z)), Eq. (9)-(10), with z of the un-augmented training images.
+Both stages use SGD, lr 0.01, momentum 0.5 (Sec. 5.3). `lr=none` uses the run's `--lr`.
+
+Partition: shared = `body` and `global_head` without BatchNorm running statistics; personal =
+`projector`, `head` and every BatchNorm running statistic.
+Up (TRAIN_RES): group "shared" = body and global_head after the local round, num_examples, loss.
+Down (TRAIN and EVALUATE): group "shared" = their server average, Eq. (11): uniform over the
+reporting clients as in the paper and the official code (`weighting="uniform"`), or weighted by
+examples (`weighting="examples"`).
+Metrics: `accuracy` of the ensemble, `global_accuracy` of global_head(body(x)).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..augment import two_views
+from ..data import DatasetMeta
+from ..losses import supcon_loss
+from ..models import build_body
+from ..params import check_arrays, spec_of
+from ..protocol import ArrayGroup
+from ..training import (
+    LossFn,
+    accuracy,
+    cross_entropy_loss,
+    eval_mode,
+    load_arrays,
+    pick_device,
+    predict,
+    run_epochs,
+    state_arrays,
+    to_device,
+)
+from .base import DeviceAlgorithm, FitResult, Task
+from .part_sharing import SHARED, model_partition
+
+log = logging.getLogger(__name__)
+
+SHARED_PARTS = ("body", "global_head")
+MAIN_BRANCH = ("body", "projector", "head")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """DualFed's hyperparameters (ALGORITHMS.md). `lam` is the paper's lambda (Eq. 8)."""
+
+    temperature: float = 0.1
+    lam: float = 1.0
+    lr: float | None = 0.01
+    momentum: float = 0.5
+    global_head_epochs: int = 1
+    projector_hidden: int | None = None
+    weighting: Literal["uniform", "examples"] = "uniform"
+    ensemble: Literal["prob", "logit"] = "prob"
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or self.lam < 0 or (self.lr is not None and self.lr <= 0):
+            raise ValueError("temperature and lr must be positive, lam zero or more")
+        if not 0 <= self.momentum < 1 or self.global_head_epochs < 1:
+            raise ValueError("momentum must be in [0, 1), global_head_epochs at least 1")
+        if self.projector_hidden is not None and self.projector_hidden < 1:
+            raise ValueError("projector_hidden must be at least 1 (or none for d/2)")
+
+
+def projector(dim: int, hidden: int) -> nn.Sequential:
+    """Linear(d, h)-ReLU-BN-Linear(h, d)-BN (Sec. 5.3)."""
+    return nn.Sequential(
+        nn.Linear(dim, hidden), nn.ReLU(inplace=True), nn.BatchNorm1d(hidden), nn.Linear(hidden, dim), nn.BatchNorm1d(dim)
+    )
+
+
+class DualFedNet(nn.Module):
+    """Top-level parts `body`, `projector`, `head` (on u) and `global_head` (on z)."""
+
+    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int, hidden: int) -> None:
+        super().__init__()
+        self.body = body
+        self.projector = projector(feature_dim, hidden)
+        self.head = nn.Linear(feature_dim, num_classes)
+        self.global_head = nn.Linear(feature_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global logits on z, personal logits on u)."""
+        z = self.body(x)
+        return self.global_head(z), self.head(self.projector(z))
+
+
+def ensemble(global_logits: torch.Tensor, personal_logits: torch.Tensor, mode: str = "prob") -> torch.Tensor:
+    """Eq. (5): the sum of the two classifiers' probabilities (`prob`) or logits (`logit`)."""
+    if mode == "prob":
+        return F.softmax(global_logits, dim=1) + F.softmax(personal_logits, dim=1)
+    if mode == "logit":
+        return global_logits + personal_logits
+    raise ValueError(f"ensemble must be 'prob' or 'logit', got {mode!r}")
+
+
+def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> DualFedNet:
+    """The same initial network on every device and on the server for the run's seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
+        hidden = hyper.projector_hidden or max(1, feature_dim // 2)
+        return DualFedNet(body, feature_dim, meta.num_classes, hidden)
+
+
+def parameters_of(model: nn.Module, parts: tuple[str, ...]) -> list[nn.Parameter]:
+    return [p for name in parts for p in getattr(model, name).parameters()]
+
+
+class DualFedDevice(DeviceAlgorithm):
+    """Stage (a) trains the main branch, stage (b) the global classifier; both heads predict."""
+
+    id = "dualfed"
+    Hyper = Hyper
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device = pick_device(self.device_name)
+        self.model = build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed).to(self.device)
+        self.partition = model_partition(self.model, SHARED_PARTS)
+        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
+        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+
+    # -- what travels ----------------------------------------------------------------------
+    def load_shared(self, task: Task) -> None:
+        if SHARED in task.groups:
+            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
+            load_arrays(self.model, task.groups[SHARED])
+
+    def shared_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.shared)
+
+    def personal_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.personal)
+
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        check_arrays("personal", arrays, spec_of(self.personal_state()))
+        load_arrays(self.model, arrays)
+
+    # -- local training --------------------------------------------------------------------
+    def generator(self, round_: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
+
+    def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        lr = self.settings.lr if self.hyper.lr is None else self.hyper.lr
+        return torch.optim.SGD(params, lr=lr, momentum=self.hyper.momentum)
+
+    def main_branch_loss(self, generator: torch.Generator) -> LossFn:
+        """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch."""
+        channels, model = self.data.meta.channels, self.model
+
+        def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            views = two_views(xb, channels, generator).flatten(0, 1)
+            u = model.projector(model.body(views))
+            ce = F.cross_entropy(model.head(u), yb.repeat_interleave(2))
+            contrastive = supcon_loss(u.view(len(yb), 2, -1), yb, self.hyper.temperature, variant="out")
+            return ce + self.hyper.lam * contrastive
+
+        return loss
+
+    def train_main_branch(self, generator: torch.Generator) -> float:
+        """Stage (a): body, projector and head learn; global_head is frozen."""
+        self.model.train()
+        return run_epochs(self.main_branch_loss(generator), self.optimizer(parameters_of(self.model, MAIN_BRANCH)),
+                          self.train_x, self.train_y, epochs=self.settings.local_epochs,
+                          batch_size=self.settings.batch_size, generator=generator)
+
+    def train_global_head(self, generator: torch.Generator) -> float:
+        """Stage (b): global_head learns on the frozen body's z (Eq. 9-10)."""
+        with eval_mode(self.model):
+            z = predict(self.model.body, self.train_x)
+        head = self.model.global_head
+        return run_epochs(cross_entropy_loss(head), self.optimizer(list(head.parameters())), z, self.train_y,
+                          epochs=self.hyper.global_head_epochs, batch_size=self.settings.batch_size,
+                          generator=generator)
+
+    def fit(self, task: Task) -> FitResult:
+        self.load_shared(task)
+        generator = self.generator(task.round)
+        loss = self.train_main_branch(generator)
+        head_loss = self.train_global_head(generator)
+        metrics = {"num_examples": len(self.train_y), "loss": loss, "global_head_loss": head_loss}
+        return FitResult({SHARED: self.shared_state()}, metrics)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, task: Task) -> dict[str, float]:
+        self.load_shared(task)
+        model, mode = self.model, self.hyper.ensemble
+        with eval_mode(model):
+            acc = accuracy(lambda x: ensemble(*model(x), mode), self.test_x, self.test_y)
+            global_acc = accuracy(lambda x: model.global_head(model.body(x)), self.test_x, self.test_y)
+        return {"accuracy": acc, "num_test": len(self.test_y), "global_accuracy": global_acc}
+
+
+DEVICE = DualFedDevice

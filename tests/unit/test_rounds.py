@@ -1,0 +1,178 @@
+"""Unit tests for coordinator.rounds: seeded selection and the round collector (fake times)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.rounds import Outcome, RoundCollector, select_clients
+from edge_sdk.protocol import Reason
+
+DEVICES = [f"dev{i:03d}" for i in range(10)]
+
+
+# -- select_clients ------------------------------------------------------------------------
+
+
+def test_selection_is_deterministic_per_seed_and_round_and_ignores_input_order():
+    # Execute
+    first = select_clients(DEVICES, 0.3, seed=11, round_=4)
+    again = select_clients(list(reversed(DEVICES)), 0.3, seed=11, round_=4)
+
+    # Assert
+    assert first == again
+    assert len(first) == 3 and len(set(first)) == 3
+    assert set(first) <= set(DEVICES) and first == sorted(first)
+
+
+@pytest.mark.parametrize(
+    "fraction, minimum, expected",
+    [(0.3, 1, 3), (1.0, 1, 10), (0.01, 1, 1), (0.01, 2, 2), (0.1, 4, 4), (0.5, 20, 10)],
+)
+def test_fraction_and_minimum_are_respected(fraction, minimum, expected):
+    assert len(select_clients(DEVICES, fraction, seed=0, round_=1, minimum=minimum)) == expected
+
+
+def test_selection_differs_across_rounds_and_seeds():
+    # Execute
+    by_round = {tuple(select_clients(DEVICES, 0.3, seed=0, round_=r)) for r in range(1, 7)}
+    by_seed = {tuple(select_clients(DEVICES, 0.3, seed=s, round_=1)) for s in range(6)}
+
+    # Assert
+    assert len(by_round) > 1
+    assert len(by_seed) > 1
+
+
+def test_no_devices_selects_none():
+    assert select_clients([], 0.5, seed=0, round_=1) == []
+
+
+# -- RoundCollector ------------------------------------------------------------------------
+
+
+def _collector(selected=("a", "b", "c"), min_replies=2, deadline=100.0, grace=10.0) -> RoundCollector:
+    return RoundCollector(1, frozenset(selected), min_replies=min_replies, deadline=deadline, grace=grace)
+
+
+def test_complete_when_all_selected_replied():
+    # Prepare
+    collector = _collector()
+
+    # Execute / Assert
+    collector.accept("a", "m-a", now=1.0)
+    assert collector.outcome(1.0) is Outcome.OPEN and not collector.enough
+    collector.accept("b", "m-b", now=2.0)
+    assert collector.outcome(3.0) is Outcome.OPEN and collector.enough
+    collector.accept("c", "m-c", now=4.0)
+    assert collector.outcome(4.0) is Outcome.COMPLETE
+
+
+def test_quorum_closes_after_the_grace_period():
+    # Prepare: quorum (2 of 3) reached at t=2, grace 10
+    collector = _collector()
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=2.0)
+
+    # Execute / Assert
+    assert collector.quorum_at == 2.0
+    assert collector.outcome(11.9) is Outcome.OPEN
+    assert collector.outcome(12.0) is Outcome.QUORUM
+
+
+def test_deadline_closes_a_round_without_quorum():
+    # Prepare
+    collector = _collector()
+    collector.accept("a", "m-a", now=1.0)
+
+    # Execute / Assert
+    assert collector.outcome(99.9) is Outcome.OPEN
+    assert collector.outcome(100.0) is Outcome.DEADLINE
+    assert not collector.enough
+
+
+def test_offline_device_is_not_waited_for():
+    # Prepare
+    collector = _collector(grace=50.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=2.0)
+    assert collector.outcome(3.0) is Outcome.OPEN
+
+    # Execute
+    collector.mark_offline("c")
+
+    # Assert
+    assert collector.outcome(3.0) is Outcome.COMPLETE
+
+
+def test_offline_marks_for_unselected_or_replied_devices_are_ignored():
+    # Prepare
+    collector = _collector()
+    collector.accept("a", "m-a", now=1.0)
+
+    # Execute
+    collector.mark_offline("a")
+    collector.mark_offline("zzz")
+
+    # Assert
+    assert collector.offline == set()
+
+
+def test_a_device_that_comes_back_and_replies_counts():
+    # Prepare
+    collector = _collector()
+    collector.mark_offline("c")
+
+    # Execute
+    for name in ("a", "b", "c"):
+        collector.accept(name, f"m-{name}", now=1.0)
+
+    # Assert
+    assert collector.offline == set() and collector.outcome(1.0) is Outcome.COMPLETE
+
+
+def test_everyone_offline_without_replies_does_not_wait_for_the_deadline():
+    # Prepare
+    collector = _collector()
+
+    # Execute
+    for name in ("a", "b", "c"):
+        collector.mark_offline(name)
+
+    # Assert
+    assert collector.outcome(1.0) is Outcome.DEADLINE
+    assert not collector.enough
+
+
+def test_duplicate_conflicting_and_unselected_replies():
+    # Prepare
+    collector = _collector()
+    collector.accept("a", "m1", now=1.0)
+
+    # Execute / Assert
+    assert collector.check("a", "m1") is Reason.DUPLICATE
+    assert collector.check("a", "m2") is Reason.CONFLICTING_REPLY
+    assert collector.check("zzz", "m3") is Reason.NOT_SELECTED
+    assert collector.check("b", "m4") is None
+
+
+def test_time_left_counts_down_to_the_deadline_then_to_the_end_of_grace():
+    # Prepare
+    collector = _collector(deadline=100.0, grace=10.0)
+
+    # Execute / Assert: before the quorum, the deadline
+    assert collector.time_left(40.0) == pytest.approx(60.0)
+    collector.accept("a", "m-a", now=41.0)
+    collector.accept("b", "m-b", now=42.0)
+    # after the quorum, the end of grace (t=52) comes first
+    assert collector.time_left(45.0) == pytest.approx(7.0)
+    # never negative
+    assert collector.time_left(500.0) == 0.0
+
+
+def test_time_left_is_bounded_by_the_deadline_when_grace_ends_later():
+    # Prepare: quorum at t=95 with grace 10 -> the deadline (100) is earlier
+    collector = _collector(deadline=100.0, grace=10.0)
+    collector.accept("a", "m-a", now=94.0)
+    collector.accept("b", "m-b", now=95.0)
+
+    # Execute / Assert
+    assert collector.time_left(96.0) == pytest.approx(4.0)
