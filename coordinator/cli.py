@@ -36,6 +36,14 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--registration-timeout", float, "seconds to wait for --clients devices to register"),
     ("--chunk-size", int, "MQTT payload chunk size in bytes (default 1 MiB)"),
     ("--device", str, "auto | cpu | cuda | cuda:N | mps (simulated devices)"),
+    ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
+    ("--mqtt-protocol", str, "auto | 5 | 3.1.1"),
+    ("--username", str, "MQTT username"),
+    ("--password", str, "MQTT password"),
+    ("--ca-file", str, "CA certificate for TLS (mqtts://)"),
+    ("--cert-file", str, "client certificate for mutual TLS"),
+    ("--key-file", str, "client key for mutual TLS"),
+    ("--credentials", str, "credentials.json from `edgepfl broker-config` (coordinator and device accounts)"),
     ("--out", str, "output folder (report.json, metrics.jsonl, curves.png, checkpoint)"),
 ]
 
@@ -105,22 +113,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(url: str, client_id: str, *, will=None):
-    from edge_sdk.transport import MqttSettings, MqttTransport
-
-    transport = MqttTransport(client_id, MqttSettings(url=url), will=will)
-    transport.connect()
-    return transport
-
-
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from edge_sdk.channel import Channel
     from edge_sdk.protocol import Topics
+    from edge_sdk.transport import MqttTransport
 
     from .server import Coordinator
 
     config = _run_config(args)
-    transport = _connect(config.broker or "mqtt://127.0.0.1:1883", f"{config.federation}.coordinator")
+    transport = MqttTransport(f"{config.federation}.coordinator",
+                              config.mqtt_settings(config.broker or "mqtt://127.0.0.1:1883"))
+    transport.connect()
     try:
         channel = Channel(transport, Topics(config.federation), chunk_size=config.chunk_size)
         report = Coordinator(config, channel).run()
@@ -133,6 +136,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.client import EdgeClient
     from edge_sdk.data import load_client_data, load_folder_data
+    from edge_sdk.transport import MqttSettings
 
     if args.data:
         data = load_folder_data(args.data, args.dataset, seed=args.seed)
@@ -142,7 +146,9 @@ def cmd_client(args: argparse.Namespace) -> int:
         data = load_client_data(args.dataset, num_clients=args.clients, index=args.index, partition=args.partition,
                                 seed=args.seed, alpha=args.alpha, classes_per_client=args.classes_per_client,
                                 data_dir=args.data_dir)
-    client = EdgeClient(args.client_id, data, broker=args.broker, federation=args.federation,
+    settings = MqttSettings(url=args.broker, username=args.username, password=args.password, ca_file=args.ca_file,
+                            cert_file=args.cert_file, key_file=args.key_file, protocol=args.protocol)
+    client = EdgeClient(args.client_id, data, broker=settings, federation=args.federation,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
     client.run()
     return 0
@@ -154,6 +160,15 @@ def cmd_broker(args: argparse.Namespace) -> int:
     print(f"amqtt broker on mqtt://{args.host}:{args.port} (Ctrl-C to stop)")
     _serve(args.host, args.port)
     return 0
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--username", help="MQTT username")
+    parser.add_argument("--password", help="MQTT password")
+    parser.add_argument("--ca-file", help="CA certificate for TLS (mqtts://)")
+    parser.add_argument("--cert-file", help="client certificate for mutual TLS")
+    parser.add_argument("--key-file", help="client key for mutual TLS")
+    parser.add_argument("--protocol", default="auto", help="MQTT version: auto | 5 | 3.1.1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--seed", type=int, default=0)
     client.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
     client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    _add_connection_flags(client)
     client.set_defaults(handler=cmd_client)
 
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")

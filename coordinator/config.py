@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -17,6 +18,20 @@ from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, check_chunk_size
 from edge_sdk.config import ConfigError, from_mapping, load_toml
 from edge_sdk.data import DATASETS, PARTITIONS
 from edge_sdk.models import MODEL_NAMES, default_model_for
+from edge_sdk.transport import MqttSettings
+
+
+def load_credentials(path: str, account: str) -> tuple[str, str]:
+    """(username, password) of `account` ("coordinator" or a device id) in a credentials.json
+    as written by `edgepfl broker-config`."""
+    try:
+        document = json.loads(Path(path).read_text())
+        entry = document["coordinator"] if account == "coordinator" else document["devices"][account]
+        return entry["username"], entry["password"]
+    except FileNotFoundError:
+        raise ConfigError(f"credentials file {path} does not exist") from None
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise ConfigError(f"credentials file {path} has no entry for {account!r}") from None
 
 
 @dataclass
@@ -45,11 +60,19 @@ class RunConfig:
     quorum_grace: float = 10.0
     registration_timeout: float = 300.0
     max_examples: int = 1_000_000
+    max_update_norm: float = 0.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     out: str = "runs/latest"
     broker: str | None = None
     workers: int = 0
     device: str = "auto"
+    mqtt_protocol: str = "auto"
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    credentials: str | None = None
     hyper: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,6 +96,8 @@ class RunConfig:
             (0 <= self.holdout_clients < self.clients, "holdout_clients", "zero or more and fewer than clients"),
             (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
             (self.max_examples >= 1, "max_examples", "at least 1"),
+            (self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive"),
+            (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
         ]
         for ok, key, what in checks:
@@ -90,6 +115,14 @@ class RunConfig:
     @property
     def worker_count(self) -> int:
         return self.workers or os.cpu_count() or 1
+
+    def mqtt_settings(self, url: str, account: str = "coordinator") -> MqttSettings:
+        """How this side connects: explicit username/password, else `account` in `credentials`."""
+        username, password = self.username, self.password
+        if username is None and self.credentials:
+            username, password = load_credentials(self.credentials, account)
+        return MqttSettings(url=url, username=username, password=password, ca_file=self.ca_file,
+                            cert_file=self.cert_file, key_file=self.key_file, protocol=self.mqtt_protocol)
 
     def fingerprint(self) -> str:
         """A hash of the settings that define the run's results; a resume requires the same one.

@@ -4,33 +4,34 @@ One round: select devices (seeded) -> broadcast TRAIN once -> collect validated 
 all / quorum+grace / deadline -> aggregate -> (evaluate) -> checkpoint -> one metrics line.
 There are no algorithm branches here; everything algorithm-specific sits behind
 `ServerAlgorithm`. Killed and restarted with the same `--out`, it resumes after the last
-checkpointed round and never applies or records a round twice.
+checkpointed round and never applies or records a round twice. After a broker reconnection it
+publishes its status and the outstanding request again (devices answer a repeated request with
+their cached reply, so nothing is trained or applied twice).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import from_mapping, to_plain
 from edge_sdk.data import DATASETS
-from edge_sdk.params import check_arrays
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
+from .ledger import Ledger
 from .report import MetricsLog, summarize, write_report
 from .rounds import Outcome, RoundCollector, select_clients
+from .validation import UpdateLimits, check_update
 
 log = logging.getLogger(__name__)
-
-SENDER = COORDINATOR
 
 
 class RegistrationTimeout(RuntimeError):
@@ -73,81 +74,66 @@ class Coordinator:
         self.hyper = from_mapping(algorithm_cls.Hyper, config.hyper, where=f"[algorithm.{config.algorithm}]")
         context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds, config.clients)
         self.algorithm = algorithm_cls(self.hyper, context)
+        self.limits = UpdateLimits(config.max_examples, config.max_update_norm)
         self.incarnation = new_message_id()[:12]
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.history: dict[str, Any] = {"rounds": [], "sent": {}, "received": {}, "rejections": {}, "final": None}
         self.run_id = new_message_id()[:16]
         self.completed = 0
-        self.final_eval: dict[str, dict[str, Any]] = {}
         self.holdout: frozenset[str] = frozenset()
-        self._resume()
+        self._collector: RoundCollector | None = None
+        self._outstanding: tuple[str, Envelope] | None = None  # the request being collected
+        self._status_state = "registering"
+        self._connections = getattr(channel.transport, "connections", 0)
+        self.ledger = Ledger(channel, self._resume())
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
     def checkpoint_path(self) -> Path:
         return self.out / "checkpoint.msgpack"
 
-    def _resume(self) -> None:
+    def _resume(self) -> dict[str, Any] | None:
         saved = checkpoint.load(self.checkpoint_path)
         if saved is None:
-            return
+            return None
         if saved.fingerprint != self.config.fingerprint():
             raise checkpoint.CheckpointError(
                 f"{self.out} holds run {saved.run_id} with other settings; use another --out to start a new run"
             )
-        self.run_id, self.completed, self.history = saved.run_id, saved.round, saved.history
+        self.run_id, self.completed = saved.run_id, saved.round
         self.algorithm.state = saved.state
-        for record in self.history["rounds"]:  # a crash between checkpoint and log line
+        for record in saved.history["rounds"]:  # a crash between checkpoint and log line
             self.metrics.append({"event": "round", **record})
         log.info("resuming run %s after round %d", self.run_id, self.completed)
+        return saved.history
 
     def _checkpoint(self) -> None:
-        sent, received = self._traffic_totals()
-        self.history["sent"], self.history["received"] = sent, received
-        self.history["rejections"] = self._rejection_totals()
+        history = {**self.ledger.to_history(), "config": to_plain(self.config)}
         checkpoint.save(
             self.checkpoint_path,
-            checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state, self.history),
+            checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state, history),
         )
-
-    def _traffic_totals(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Bytes by kind over the whole run, earlier incarnations included."""
-        now = self.channel.counter.by_kind()
-        merged = []
-        for direction in ("sent", "received"):
-            base = dict(self._base_traffic[direction])
-            for kind, n in now.get(direction, {}).items():
-                base[kind] = base.get(kind, 0) + n
-            merged.append(base)
-        return merged[0], merged[1]
-
-    def _rejection_totals(self) -> dict[str, int]:
-        totals = dict(self._base_rejections)
-        for reason, n in self.channel.rejections.items():
-            totals[reason] = totals.get(reason, 0) + n
-        return totals
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         started = time.time()
-        self._base_traffic = {"sent": dict(self.history["sent"]), "received": dict(self.history["received"])}
-        self._base_rejections = dict(self.history["rejections"])
+        self.ledger.event("started", incarnation=self.incarnation, after_round=self.completed)
         self.channel.transport.subscribe(self.topics.all_up())
         self._status("registering")
         self._await_devices()
         for round_ in range(self.completed + 1, self.config.rounds + 1):
             self._play_round(round_)
-        if not self.final_eval and self.completed >= self.config.rounds:
-            self.final_eval = self._evaluate(self.completed)  # resumed after the last round
+        if not self.ledger.final and self.completed >= self.config.rounds:
+            self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
         report = self._report(time.time() - started)
         write_report(self.out, report)
         self._status("finished")
         return report
 
     def _status(self, state: str) -> None:
+        self._status_state = state
         envelope = Envelope(
             Kind.STATUS,
-            SENDER,
+            COORDINATOR,
             run_id=self.run_id,
             round=self.completed,
             config={"state": state, "incarnation": self.incarnation, "rounds": self.config.rounds,
@@ -173,6 +159,7 @@ class Coordinator:
     # -- message handling ------------------------------------------------------------------
     def _serve(self, timeout: float, on_reply: Callable[[Received], None]) -> None:
         """Handle at most one message: registrations and liveness here, replies to `on_reply`."""
+        self._check_reconnection()
         received = self.channel.receive(max(0.0, timeout))
         if received is None:
             return
@@ -189,6 +176,18 @@ class Coordinator:
             else:
                 on_reply(received)
 
+    def _check_reconnection(self) -> None:
+        """After the broker connection came back, publish what devices may have missed."""
+        connections = getattr(self.channel.transport, "connections", 0)
+        if connections == self._connections:
+            return
+        self._connections = connections
+        log.warning("broker connection re-established; publishing status and the open request again")
+        self.ledger.event("coordinator_reconnected", round=self.completed + 1)
+        self._status(self._status_state)
+        if self._outstanding is not None:
+            self.channel.send(*self._outstanding)
+
     def _stale_reply(self, received: Received) -> None:
         envelope = received.envelope
         self.channel.reject(Reason.STALE, f"{envelope.kind.value} from {envelope.sender} for round {envelope.round}")
@@ -204,11 +203,13 @@ class Coordinator:
         if kind not in ("trainer", "lite") or not isinstance(examples, (int, float)) or examples < 1:
             self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
-        if self.registry.register(hello.sender, kind, int(examples), hello.config):
-            log.info("registered %s (%s, %d examples)", hello.sender, kind, examples)
+        known = hello.sender in self.registry.devices
+        self.registry.register(hello.sender, kind, int(examples), hello.config)
+        self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
+        log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
         welcome = Envelope(
             Kind.WELCOME,
-            SENDER,
+            COORDINATOR,
             run_id=self.run_id,
             round=self.completed,
             config={
@@ -229,22 +230,26 @@ class Coordinator:
         self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), welcome)
 
     def _offline(self, client_id: str) -> None:
-        if client_id in self.registry.devices:
+        if client_id in self.registry.devices and self.registry.devices[client_id].online:
             log.info("%s went offline", client_id)
+            self.ledger.event("offline", device=client_id, round=self.completed + 1)
         self.registry.mark_offline(client_id)
         if self._collector is not None:
             self._collector.mark_offline(client_id)
 
-    _collector: RoundCollector | None = None
-
-    def _collect(self, collector: RoundCollector, on_reply: Callable[[Received], None]) -> Outcome:
+    def _request(self, kind: Kind, envelope: Envelope, collector: RoundCollector,
+                 on_reply: Callable[[Received], None]) -> Outcome:
+        """Broadcast a request and collect the replies until the collector says the round is over."""
+        self._outstanding = (self.topics.broadcast(kind), envelope)
         self._collector = collector
+        self.channel.send(*self._outstanding)
         try:
             while (outcome := collector.outcome(self.clock())) is Outcome.OPEN:
                 self._serve(min(1.0, collector.time_left(self.clock())), on_reply)
             return outcome
         finally:
             self._collector = None
+            self._outstanding = None
 
     def _admit(self, received: Received, kind: Kind, round_: int, collector: RoundCollector) -> bool:
         """Round, kind, selection and duplicate checks common to every reply."""
@@ -269,15 +274,9 @@ class Coordinator:
         selected = select_clients(candidates, self.config.fraction, self.config.seed, round_)
         self._status("training")
         self.algorithm.begin_round(round_)
-        task = Envelope(
-            Kind.TRAIN,
-            SENDER,
-            run_id=self.run_id,
-            round=round_,
-            groups=self.algorithm.task_groups(round_),
-            config={"selected": selected, **self.algorithm.task_config(round_)},
-        )
-        self.channel.send(self.topics.broadcast(Kind.TRAIN), task)
+        groups = self.algorithm.task_groups(round_)
+        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
+                        config={"selected": selected, **self.algorithm.task_config(round_)})
         collector = RoundCollector(
             round_,
             frozenset(selected),
@@ -285,16 +284,15 @@ class Coordinator:
             deadline=self.clock() + self.config.round_timeout,
             grace=self.config.quorum_grace,
         )
-        outcome = self._collect(collector, lambda r: self._on_update(r, round_, collector))
+        outcome = self._request(Kind.TRAIN, task, collector, lambda r: self._on_update(r, round_, groups, collector))
         if collector.enough:
             self.algorithm.end_round(round_)
         else:
-            outcome = Outcome.DEADLINE
             log.warning("round %d: %d of %d replies, below the quorum of %d; global state unchanged",
                         round_, len(collector.replied), len(selected), collector.min_replies)
         evaluation = None
         if round_ % self.config.eval_every == 0 or round_ == self.config.rounds:
-            evaluation = self.final_eval = self._evaluate(round_)
+            evaluation = self.ledger.final = self._evaluate(round_)
         sent1, received1 = self.channel.counter.snapshot()
         accuracies = [m["accuracy"] for cid, m in (evaluation or {}).items() if cid not in self.holdout]
         global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
@@ -308,12 +306,12 @@ class Coordinator:
             bytes_up=received1 - received0,
             bytes_down=sent1 - sent0,
             seconds=self.clock() - started,
-            rejections={k: v - rejections0.get(k, 0) for k, v in self.channel.rejections.items() if v != rejections0.get(k, 0)},
+            rejections={k: v - rejections0.get(k, 0) for k, v in self.channel.rejections.items()
+                        if v != rejections0.get(k, 0)},
         )
-        entry = record.__dict__.copy()
+        entry = asdict(record)
         self.completed = round_
-        self.history["rounds"].append(entry)
-        self.history["final"] = self.final_eval
+        self.ledger.rounds.append(entry)
         self._checkpoint()
         self.metrics.append({"event": "round", **entry})
         acc = (record.personalized_accuracy or {}).get("mean")
@@ -323,25 +321,17 @@ class Coordinator:
         if self.on_round is not None:
             self.on_round(entry)
 
-    def _on_update(self, received: Received, round_: int, collector: RoundCollector) -> None:
+    def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector) -> None:
         envelope = received.envelope
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
+        registered = self.registry.devices[envelope.sender].num_examples
         try:
-            spec = self.algorithm.update_spec(round_)
-            if set(envelope.groups) != set(spec):
-                raise ProtocolError(Reason.UNEXPECTED_ARRAYS, f"groups {sorted(envelope.groups)}, want {sorted(spec)}")
-            for group, expected in spec.items():
-                check_arrays(group, envelope.groups[group], expected)
-            claimed = envelope.metrics.get("num_examples")
-            if not isinstance(claimed, (int, float)) or claimed < 1:
-                raise ProtocolError(Reason.MALFORMED, f"num_examples {claimed!r}")
-            registered = self.registry.devices[envelope.sender].num_examples
+            weight = check_update(envelope, self.algorithm.update_spec(round_), sent, registered, self.limits)
             self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"update from {envelope.sender}: {err.detail}")
             return
-        weight = min(float(claimed), registered, self.config.max_examples)
         self.algorithm.accumulate(envelope.sender, envelope.groups, envelope.metrics, weight)
         collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
@@ -352,10 +342,9 @@ class Coordinator:
         if not targets:
             return {}
         self._status("evaluating")
-        request = Envelope(Kind.EVALUATE, SENDER, run_id=self.run_id, round=round_,
+        request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
                            groups=self.algorithm.eval_groups(),
                            config={"selected": targets, "final": round_ >= self.config.rounds})
-        self.channel.send(self.topics.broadcast(Kind.EVALUATE), request)
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self.config.round_timeout, grace=0.0)
         results: dict[str, dict[str, Any]] = {}
@@ -372,7 +361,7 @@ class Coordinator:
                                         "holdout": envelope.sender in self.holdout, **envelope.metrics}
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
-        self._collect(collector, on_result)
+        self._request(Kind.EVALUATE, request, collector, on_result)
         missing = set(targets) - set(results)
         if missing:
             log.warning("round %d evaluation: no result from %s", round_, ", ".join(sorted(missing)))
@@ -380,13 +369,13 @@ class Coordinator:
 
     # -- the report ------------------------------------------------------------------------
     def _report(self, wall_seconds: float) -> dict[str, Any]:
-        rounds = self.history["rounds"]
+        rounds = self.ledger.rounds
         means = [r["personalized_accuracy"]["mean"] for r in rounds if r["personalized_accuracy"]]
-        final = self.final_eval or self.history.get("final") or {}
-        summary = summarize(m["accuracy"] for cid, m in final.items() if not m.get("holdout")) or {}
+        final = self.ledger.final or {}
+        summary = summarize(m["accuracy"] for m in final.values() if not m.get("holdout")) or {}
         holdout = summarize(m["accuracy"] for m in final.values() if m.get("holdout"))
         global_summary = summarize(m["global_accuracy"] for m in final.values() if "global_accuracy" in m)
-        sent, received = self._traffic_totals()
+        traffic = self.ledger.traffic()
         return {
             "run_id": self.run_id,
             "algorithm": self.config.algorithm,
@@ -410,10 +399,13 @@ class Coordinator:
                 "holdout_accuracy": holdout,
             },
             "communication": {
-                "bytes_up": sum(received.values()),
-                "bytes_down": sum(sent.values()),
-                "by_kind": {"up": received, "down": sent},
+                "bytes_up": sum(traffic["received"].values()),
+                "bytes_down": sum(traffic["sent"].values()),
+                "by_kind": {"up": traffic["received"], "down": traffic["sent"]},
             },
-            "rejections": self._rejection_totals(),
+            "rejections": self.ledger.rejections(),
+            "duplicates_dropped": self.ledger.duplicates(),
+            "events": self.ledger.event_counts(),
+            "event_log": self.ledger.events,
             "wall_seconds": wall_seconds,
         }

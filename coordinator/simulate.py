@@ -32,7 +32,7 @@ class WorkerSpec:
     """What one worker process needs to host its share of the virtual devices."""
 
     indices: tuple[int, ...]
-    broker: str
+    settings: dict[str, MqttSettings]  # per device id
     federation: str
     dataset: str
     data_dir: str | None
@@ -45,7 +45,6 @@ class WorkerSpec:
     device: str
     chunk_size: int
     log_level: int
-    protocol: str
 
 
 def client_id_for(index: int) -> str:
@@ -68,7 +67,7 @@ def _worker_main(spec: WorkerSpec) -> None:
                                 seed=spec.seed, alpha=spec.alpha, classes_per_client=spec.classes_per_client,
                                 data_dir=spec.data_dir)
         client_id = client_id_for(index)
-        client = EdgeClient(client_id, data, broker=MqttSettings(url=spec.broker, protocol=spec.protocol), federation=spec.federation,
+        client = EdgeClient(client_id, data, broker=spec.settings[client_id], federation=spec.federation,
                             state_dir=Path(spec.state_root) / client_id, device=spec.device,
                             chunk_size=spec.chunk_size, compute_lock=lock)
         thread = threading.Thread(target=client.run, name=client_id, daemon=True)
@@ -76,6 +75,12 @@ def _worker_main(spec: WorkerSpec) -> None:
         threads.append(thread)
     for thread in threads:
         thread.join()
+
+
+def device_settings(config: RunConfig, url: str, client_id: str) -> MqttSettings:
+    """A simulated device's connection: the shared username if one is given, else its own
+    account from `credentials`, if any."""
+    return config.mqtt_settings(url, account=client_id)
 
 
 def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
@@ -89,19 +94,21 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
         config = replace(config, federation=f"sim-{uuid.uuid4().hex[:8]}")
     broker = EmbeddedBroker().start() if config.broker is None else None
     url = broker.url if broker else config.broker
-    protocol = "3.1.1" if broker else "auto"  # amqtt speaks MQTT 3.1.1 only
+    if broker is not None:
+        config = replace(config, mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
     workers = []
     try:
         for indices in split_among_workers(config.clients, config.worker_count):
-            spec = WorkerSpec(indices, url, config.federation, config.dataset, config.data_dir, config.partition,
+            settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
+            spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
                               str(Path(config.out) / "state"), config.device, config.chunk_size,
-                              logging.getLogger().getEffectiveLevel(), protocol)
+                              logging.getLogger().getEffectiveLevel())
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
             workers.append(process)
-        transport = MqttTransport(f"{config.federation}.coordinator", MqttSettings(url=url, protocol=protocol))
+        transport = MqttTransport(f"{config.federation}.coordinator", config.mqtt_settings(url))
         transport.connect()
         try:
             coordinator = Coordinator(config, Channel(transport, Topics(config.federation), chunk_size=config.chunk_size),

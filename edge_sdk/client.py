@@ -66,6 +66,7 @@ class EdgeClient:
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
+        self._replies: dict[Kind, Envelope] = {}  # the last reply of each kind, for repeated requests
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -94,6 +95,17 @@ class EdgeClient:
     def _send(self, kind: Kind, round_: int = 0, **fields) -> None:
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
         self.channel.send(self.topics.up(self.client_id, kind), envelope)
+        if kind in (Kind.TRAIN_RES, Kind.EVAL_RES):
+            self._replies[kind] = envelope
+
+    def _answered(self, request: Envelope, reply_kind: Kind) -> bool:
+        """A request repeated (after a reconnection, or by a restarted coordinator) gets the same
+        reply again, message id included, so the work is neither redone nor applied twice."""
+        reply = self._replies.get(reply_kind)
+        if reply is None or (reply.run_id, reply.round) != (request.run_id, request.round):
+            return False
+        self.channel.send(self.topics.up(self.client_id, reply_kind), reply)
+        return True
 
     def _hello(self) -> None:
         import torch
@@ -166,7 +178,7 @@ class EdgeClient:
         return isinstance(selected, list) and self.client_id in selected
 
     def _on_train(self, envelope: Envelope) -> None:
-        if not self._current(envelope):
+        if not self._current(envelope) or self._answered(envelope, Kind.TRAIN_RES):
             return
         task = Task(envelope.round, envelope.groups, envelope.config)
         with self._compute_lock:
@@ -176,7 +188,7 @@ class EdgeClient:
         self._send(Kind.TRAIN_RES, envelope.round, groups=result.groups, metrics=result.metrics)
 
     def _on_evaluate(self, envelope: Envelope) -> None:
-        if not self._current(envelope):
+        if not self._current(envelope) or self._answered(envelope, Kind.EVAL_RES):
             return
         with self._compute_lock:
             metrics = self.algorithm.evaluate(Task(envelope.round, envelope.groups, envelope.config))

@@ -62,6 +62,7 @@ class Reason(str, Enum):
     UNKNOWN_DEVICE = "unknown_device"
     UNEXPECTED_ARRAYS = "unexpected_arrays"
     NON_FINITE = "non_finite"
+    NORM_TOO_LARGE = "norm_too_large"
     CHUNK_INVALID = "chunk_invalid"
     CHUNK_CHECKSUM = "chunk_checksum"
     CHUNK_OVERFLOW = "chunk_overflow"

@@ -25,6 +25,13 @@ Down (TRAIN and EVALUATE): group "shared" = their server average, Eq. (11): unif
 reporting clients as in the paper and the official code (`weighting="uniform"`), or weighted by
 examples (`weighting="examples"`).
 Metrics: `accuracy` of the ensemble, `global_accuracy` of global_head(body(x)).
+
+Decision (`recalibrate_bn`, default on): at evaluation, after loading the new global body, the
+device recomputes its personal BatchNorm statistics (body and projector) on its own
+un-augmented training images, with no weight change. Without it the projector's running
+statistics describe the previous local body's features: on small clients (a few batches per
+round, momentum 0.1) the personal branch then occasionally collapses to one class in
+evaluation mode although it is accurate in training mode.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from ..training import (
 )
 from .base import DeviceAlgorithm, FitResult, Task
 from .part_sharing import SHARED, model_partition
+from .repper import recalibrate_batchnorm
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class Hyper:
     projector_hidden: int | None = None
     weighting: Literal["uniform", "examples"] = "uniform"
     ensemble: Literal["prob", "logit"] = "prob"
+    recalibrate_bn: bool = True
 
     def __post_init__(self) -> None:
         if self.temperature <= 0 or self.lam < 0 or (self.lr is not None and self.lr <= 0):
@@ -211,6 +220,8 @@ class DualFedDevice(DeviceAlgorithm):
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)
         model, mode = self.model, self.hyper.ensemble
+        if self.hyper.recalibrate_bn:
+            recalibrate_batchnorm(model, self.train_x)
         with eval_mode(model):
             acc = accuracy(lambda x: ensemble(*model(x), mode), self.test_x, self.test_y)
             global_acc = accuracy(lambda x: model.global_head(model.body(x)), self.test_x, self.test_y)

@@ -28,6 +28,7 @@ Deployed model: head(phi_f). `global_accuracy`: head(P^g body(x)) (Sec. 3, infer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,11 +63,18 @@ class Hyper:
 
 
 # -- projections (Eq. 6) --------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
 def orthogonal_matrix(dim: int, seed: int) -> np.ndarray:
-    """A dim x dim orthogonal matrix from `seed`: Q of the QR of a Gaussian, with diag(R) > 0."""
+    """A dim x dim orthogonal matrix from `seed`: Q of the QR of a Gaussian, with diag(R) > 0.
+
+    Cached (read-only) because the QR is costly for large D and every device hosted in one
+    process needs the same matrix.
+    """
     gaussian = np.random.default_rng((seed, Q_STREAM)).standard_normal((dim, dim))
     q, r = np.linalg.qr(gaussian)
-    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    q.flags.writeable = False
+    return q
 
 
 def projection(q: np.ndarray, block: int, feature_dim: int) -> np.ndarray:

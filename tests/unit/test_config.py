@@ -177,6 +177,13 @@ def test_boolean_for_an_integer_key_is_rejected(tmp_path):
         build_config(path, {}, {})
 
 
+def test_negative_seed_is_rejected_up_front():
+    # A negative seed passes RunConfig today, then numpy's SeedSequence refuses it in the middle of
+    # the run (client selection, data partition); it must be a configuration error naming `seed`.
+    with pytest.raises(ConfigError, match="seed"):
+        build_config(None, {"seed": -1}, {})
+
+
 def test_string_values_from_the_command_line_are_coerced():
     config = build_config(None, {"rounds": "3", "lr": "0.2", "data_dir": "none"}, {})
     assert (config.rounds, config.lr, config.data_dir) == (3, 0.2, None)

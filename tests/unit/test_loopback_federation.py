@@ -54,6 +54,66 @@ def test_topic_matching():
     assert not topic_matches("a/+", "a/b/c") and not topic_matches("a/b/c", "a/b") and not topic_matches("a/x", "a/b")
 
 
+def test_kill_publishes_the_last_will_once_and_the_dead_client_is_silent():
+    # Prepare
+    broker = LoopbackBroker()
+    topics = Topics(FED)
+    listener = _connected(broker, "coordinator", topics.all_up())
+    will = (topics.up("dev001", Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, "dev001")))
+    device = broker.transport("dev001", will=will)
+    device.connect()
+    device.subscribe(topics.broadcast(Kind.TRAIN))
+
+    # Execute
+    broker.kill("dev001")
+    broker.kill("dev001")  # already gone: no second will
+    try:
+        device.publish(topics.up("dev001", Kind.TRAIN_RES), b"late reply from a dead process")
+    except ConnectionError:
+        pass  # refusing to publish is as good as dropping it
+    _connected(broker, "coordinator2").publish(topics.broadcast(Kind.TRAIN), b"x")
+
+    # Assert
+    heard = []
+    while not listener.incoming.empty():
+        heard.append(listener.incoming.get_nowait())
+    assert heard == [will]
+    assert device.incoming.empty()  # nothing is delivered to a dead client
+    assert not device.connected.is_set()
+
+
+def test_a_cleanly_closed_client_sends_no_will():
+    # Prepare
+    broker = LoopbackBroker()
+    topics = Topics(FED)
+    listener = _connected(broker, "coordinator", topics.all_up())
+    device = broker.transport("dev001", will=(topics.up("dev001", Kind.OFFLINE), b"will"))
+    device.connect()
+
+    # Execute
+    device.close()
+
+    # Assert
+    assert listener.incoming.empty()
+
+
+def test_retained_message_reaches_a_later_subscriber_and_can_be_cleared():
+    # Prepare
+    broker = LoopbackBroker()
+    topic = Topics(FED).broadcast(Kind.STATUS)
+    _connected(broker, "coordinator").publish(topic, b"state", retain=True)
+
+    # Execute
+    late = _connected(broker, "late", topic)
+    _connected(broker, "coordinator2").publish(topic, b"", retain=True)  # clears the retained message
+    later = _connected(broker, "later", topic)
+
+    # Assert
+    assert late.incoming.get_nowait() == (topic, b"state")
+    assert late.incoming.get_nowait() == (topic, b"")  # the clearing publish itself is routed
+    assert later.incoming.empty()
+
+
 def test_large_envelope_sent_in_128k_chunks_arrives_whole_and_is_counted():
     # Prepare: ~6 MB of float32 in two groups
     chunk_size = 128 << 10
@@ -210,3 +270,238 @@ def test_retained_message_larger_than_a_chunk_is_refused():
     big = Envelope(Kind.STATUS, "coordinator", groups={"g": {"w": np.zeros(8192, np.float32)}})
     with pytest.raises(ValueError, match="retained"):
         sender.send(topics.broadcast(Kind.STATUS), big, retain=True)
+
+
+# -- whole runs over the loopback broker ---------------------------------------------------
+
+
+class BlockingLock:
+    """A compute lock that parks its device inside its first training until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __enter__(self):
+        self.entered.set()
+        self.release.wait(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class Federation:
+    """A LoopbackBroker with a Coordinator and EdgeClient threads of one federation."""
+
+    def __init__(self, tmp_path: Path, federation: str):
+        self.tmp_path = tmp_path
+        self.topics = Topics(federation)
+        self.broker = LoopbackBroker()
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()  # devices take turns to compute: 2 cores are shared
+
+    def config(self, **changes):
+        from coordinator.config import RunConfig
+
+        settings = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64,
+                        seed=0, federation=self.topics.federation, out=str(self.tmp_path / "run"),
+                        round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0, device="cpu")
+        settings.update(changes)
+        return RunConfig(**settings)
+
+    def state_dir(self, client_id: str) -> Path:
+        return self.tmp_path / "state" / client_id
+
+    def start_device(self, index: int, clients: int, compute_lock=None) -> str:
+        from edge_sdk.client import EdgeClient
+        from edge_sdk.data import load_client_data
+
+        client_id = f"dev{index:03d}"
+        will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        data = load_client_data("digits", num_clients=clients, index=index, seed=0)
+        client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
+                            device="cpu", compute_lock=compute_lock or self.lock,
+                            transport=self.broker.transport(client_id, will=will))
+        thread = threading.Thread(target=client.run, args=(self.stop,), name=client_id, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return client_id
+
+    def coordinator(self, config):
+        from coordinator.server import Coordinator
+
+        transport = self.broker.transport("coordinator")
+        transport.connect()
+        return Coordinator(config, Channel(transport, self.topics, chunk_size=config.chunk_size))
+
+    def spy(self, kind: Kind) -> Channel:
+        """A bystander that decodes (and reassembles) every upstream message of `kind`."""
+        return Channel(_connected(self.broker, f"spy-{kind.value}", f"{self.topics.prefix}/up/+/{kind.value}"),
+                       self.topics)
+
+    def devices_exit(self, timeout: float = WAIT) -> bool:
+        for thread in self.threads:
+            thread.join(timeout)
+        return not any(t.is_alive() for t in self.threads)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(WAIT)
+
+
+@pytest.fixture
+def federation(tmp_path, request, monkeypatch):
+    import torch
+
+    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # devices take turns anyway; more threads only fight over the shared cores
+    fed = Federation(tmp_path, f"fed-{request.node.name[5:30].replace('[', '').replace(']', '')}")
+    yield fed
+    fed.shutdown()
+    torch.set_num_threads(threads)
+
+
+def _drain(channel: Channel) -> list[Envelope]:
+    out = []
+    while not channel.transport.incoming.empty():
+        received = channel.receive(timeout=0.0)
+        if received is not None:
+            out.append(received.envelope)
+    return out
+
+
+def _metrics_rounds(out: Path) -> list[int]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [entry["round"] for entry in lines if entry.get("event") == "round"]
+
+
+def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation):
+    # Prepare
+    from edge_sdk.models import build_model, statistics_keys
+
+    config = federation.config()
+    coordinator = federation.coordinator(config)
+    spy = federation.spy(Kind.TRAIN_RES)
+    devices = [federation.start_device(i, 3) for i in range(3)]
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: the run
+    assert report["rounds_completed"] == 2
+    assert [r["outcome"] for r in report["rounds"]] == ["complete", "complete"]
+    assert [r["participants"] for r in report["rounds"]] == [3, 3]
+    assert _metrics_rounds(Path(config.out)) == [1, 2]
+    assert sorted(report["final"]["per_client"]) == devices
+    assert report["rejections"] == {}
+    assert federation.devices_exit(), "devices should leave on the retained 'finished' status"
+
+    # Assert: what went up, as a bystander decoded it
+    results = _drain(spy)
+    model = build_model(config.model_name, in_channels=1, num_classes=10, image_size=8, seed=0)
+    statistics = statistics_keys(model)
+    assert statistics  # the model has BatchNorm statistics to keep home
+    assert sorted((e.sender, e.round) for e in results) == sorted((d, r) for d in devices for r in (1, 2))
+    for envelope in results:
+        keys = {key for group in envelope.groups.values() for key in group}
+        assert "head.weight" in keys and "body.0.weight" in keys
+        assert not keys & statistics, f"{envelope.sender} sent personal statistics"
+
+    # Assert: each device kept its personal state on its own disk
+    for device in devices:
+        assert (federation.state_dir(device) / "personal.msgpack").is_file()
+
+
+def test_a_device_killed_mid_round_is_not_waited_for(federation):
+    # Prepare: dev002 parks inside its first training; the others compute normally
+    config = federation.config(quorum_grace=15.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    parked = BlockingLock()
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    victim = federation.start_device(2, 3, compute_lock=parked)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(coordinator.run()), daemon=True)
+    runner.start()
+    try:
+        assert parked.entered.wait(timeout=30), "round 1 never reached the victim"
+
+        # Execute: the device's process dies; the broker publishes its Last Will
+        federation.broker.kill(victim)
+        runner.join(timeout=60)
+    finally:
+        parked.release.set()  # let the parked thread finish; its transport is gone
+
+    # Assert
+    assert not runner.is_alive(), "the run did not finish"
+    rounds = result["rounds"]
+    assert result["rounds_completed"] == 2
+    assert (rounds[0]["selected"], rounds[0]["participants"], rounds[0]["outcome"]) == (3, 2, "complete")
+    assert (rounds[1]["selected"], rounds[1]["participants"], rounds[1]["outcome"]) == (2, 2, "complete")
+    assert victim not in result["final"]["per_client"]
+    assert rounds[0]["seconds"] < config.quorum_grace  # closed by the Last Will, not by the grace period
+
+
+def test_a_run_whose_only_device_dies_still_finishes(federation):
+    # Prepare: one device, parked in round 1 and killed; round 2 has nobody to select
+    config = federation.config(clients=1, quorum_grace=15.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    parked = BlockingLock()
+    victim = federation.start_device(0, 1, compute_lock=parked)
+    result: dict = {}
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.update(coordinator.run())
+        except BaseException as exc:  # surfaced in the assertions below
+            errors.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        assert parked.entered.wait(timeout=30), "round 1 never reached the device"
+
+        # Execute
+        federation.broker.kill(victim)
+        runner.join(timeout=60)
+    finally:
+        parked.release.set()
+
+    # Assert: no round can aggregate, but the run ends with a report instead of a crash
+    assert not runner.is_alive(), "the run did not finish"
+    assert errors == [], f"the coordinator crashed: {errors!r}"
+    assert result["rounds_completed"] == 2
+    assert [r["outcome"] for r in result["rounds"]] == ["aborted", "aborted"]
+    assert [r["participants"] for r in result["rounds"]] == [0, 0]
+
+
+def test_resume_continues_the_same_run(federation):
+    # Prepare: a finished 2-round run
+    first = federation.coordinator(federation.config(rounds=2))
+    for i in range(3):
+        federation.start_device(i, 3)
+    report1 = first.run()
+    first.channel.transport.close()
+    assert report1["rounds_completed"] == 2 and federation.devices_exit()
+    federation.threads.clear()
+
+    # Execute: a new coordinator (and restarted devices) on the same out, extended to 3 rounds
+    second = federation.coordinator(federation.config(rounds=3))
+    for i in range(3):
+        federation.start_device(i, 3)
+    report2 = second.run()
+
+    # Assert
+    assert second.run_id == first.run_id
+    assert report2["run_id"] == report1["run_id"]
+    assert report2["rounds_completed"] == 3
+    assert [r["round"] for r in report2["rounds"]] == [1, 2, 3]
+    assert report2["rounds"][2]["outcome"] == "complete"
+    assert _metrics_rounds(Path(second.config.out)) == [1, 2, 3]
+    assert federation.devices_exit()

@@ -283,10 +283,15 @@ def test_non_integer_dims_are_bad_shape(shape):
     assert _reason(_with_array(raw)) is Reason.BAD_SHAPE
 
 
-def test_zero_size_array_with_a_huge_dim_is_rejected_as_bad_shape():
+@pytest.mark.parametrize(
+    "shape",
+    [[2**64 - 1, 0], [2**40, 2**40, 0], [2**40] * 3 + [0], [2**32, 2**32, 0]],
+    ids=["one-huge-dim", "two-2^40-dims", "three-2^40-dims", "two-2^32-dims"],
+)
+def test_zero_size_array_with_huge_dims_is_rejected_as_bad_shape(shape):
     # Prepare: prod(shape) == 0 so the byte count matches, but numpy cannot build the shape.
     # Anything but WireError escapes Channel._accept and kills the receiving loop.
-    raw = {"dtype": "float32", "shape": [2**64 - 1, 0], "data": b""}
+    raw = {"dtype": "float32", "shape": shape, "data": b""}
 
     # Execute / Assert
     assert _reason(_with_array(raw)) is Reason.BAD_SHAPE

@@ -1,0 +1,56 @@
+"""Checks on a device's update before anything from it is applied.
+
+Names, dtypes and shapes exactly as the algorithm expects, all values finite, the change from
+the broadcast state within a norm bound, a plausible number of examples, then the algorithm's
+own checks. The returned weight is the claimed example count, capped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_sdk.params import ArraySpec, check_arrays
+from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
+
+
+@dataclass(frozen=True)
+class UpdateLimits:
+    max_examples: int
+    max_update_norm: float  # 0 disables the bound
+
+
+def delta_norm(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
+    """L2 norm of (update - reference) over the arrays both carry under the same name and shape."""
+    total = 0.0
+    for group, arrays in update.items():
+        base = reference.get(group, {})
+        for key, value in arrays.items():
+            if key in base and base[key].shape == value.shape and value.dtype.kind == "f":
+                diff = value.astype(np.float64) - base[key].astype(np.float64)
+                total += float(np.dot(diff.ravel(), diff.ravel()))
+    return math.sqrt(total)
+
+
+def check_update(
+    envelope: Envelope,
+    spec: dict[str, ArraySpec],
+    reference: dict[str, ArrayGroup],
+    registered_examples: int,
+    limits: UpdateLimits,
+) -> float:
+    """Raise ValidationError for an update that must be rejected; else return its weight."""
+    if set(envelope.groups) != set(spec):
+        raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"groups {sorted(envelope.groups)}, want {sorted(spec)}")
+    for group, expected in spec.items():
+        check_arrays(group, envelope.groups[group], expected)
+    claimed = envelope.metrics.get("num_examples")
+    if not isinstance(claimed, (int, float)) or not claimed >= 1:
+        raise ValidationError(Reason.MALFORMED, f"num_examples {claimed!r}")
+    if limits.max_update_norm > 0:
+        norm = delta_norm(envelope.groups, reference)
+        if norm > limits.max_update_norm:
+            raise ValidationError(Reason.NORM_TOO_LARGE, f"update norm {norm:.3g} > {limits.max_update_norm:.3g}")
+    return float(min(claimed, registered_examples, limits.max_examples))
