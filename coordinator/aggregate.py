@@ -28,6 +28,9 @@ class WeightedMean:
         if self._sums and set(arrays) != set(self._sums):
             raise ValueError("every update must carry the same array names")
         for key, value in arrays.items():
+            if key in self._sums and np.shape(value) != self._sums[key].shape:
+                raise ValueError(f"{key}: shape {np.shape(value)} differs from {self._sums[key].shape}")
+        for key, value in arrays.items():
             if key not in self._sums:
                 self._sums[key] = np.zeros(value.shape, dtype=np.float64)
                 self._dtypes[key] = value.dtype

@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, coordinator, client, broker.
+"""The `edgepfl` command: simulate, coordinator, client, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, so `edgepfl --help` is instant and
 a device only imports what its subcommand needs.
@@ -162,6 +162,16 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_broker_config(args: argparse.Namespace) -> int:
+    from .broker_config import describe, generate
+
+    port = args.port if args.port is not None else (8883 if args.tls else 1883)
+    setup = generate(args.out, args.federation, args.devices, port, host=args.host, tls=args.tls, sans=args.san,
+                     user=args.user, force=args.force)
+    print(describe(setup))
+    return 0
+
+
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--username", help="MQTT username")
     parser.add_argument("--password", help="MQTT password")
@@ -207,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--host", default="127.0.0.1")
     broker.add_argument("--port", type=int, default=1883)
     broker.set_defaults(handler=cmd_broker)
+
+    broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup: accounts, ACLs, mutual TLS")
+    broker_config.add_argument("--out", required=True, help="folder for mosquitto.conf, passwords, acl, credentials")
+    broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
+    broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")
+    broker_config.add_argument("--port", type=int, help="listener port (default 1883, 8883 with --tls)")
+    broker_config.add_argument("--host", default="127.0.0.1", help="address the listener binds (0.0.0.0: all)")
+    broker_config.add_argument("--tls", action="store_true", help="mutual TLS: a CA, server and client certificates")
+    broker_config.add_argument("--san", action="append", default=[], metavar="NAME",
+                               help="extra DNS name or IP for the server certificate (repeatable)")
+    broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
+    broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
+    broker_config.set_defaults(handler=cmd_broker_config)
     return parser
 
 

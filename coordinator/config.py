@@ -84,6 +84,7 @@ class RunConfig:
             (self.partition in PARTITIONS, "partition", f"one of {', '.join(PARTITIONS)}"),
             (self.model == "auto" or self.model in MODEL_NAMES, "model", f"auto or one of {', '.join(MODEL_NAMES)}"),
             (self.alpha > 0, "alpha", "positive"),
+            (self.seed >= 0, "seed", "zero or more"),
             (self.clients >= 1, "clients", "at least 1"),
             (0 < self.fraction <= 1, "fraction", "in (0, 1]"),
             (self.rounds >= 1, "rounds", "at least 1"),

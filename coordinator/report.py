@@ -44,8 +44,11 @@ class MetricsLog:
                 return
             self.recorded.add(entry["round"])
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as handle:
+            handle.seek(0, 2)
+            torn = handle.tell() > 0 and (handle.seek(-1, 2), handle.read(1))[1] != b"\n"
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(entry, sort_keys=True) + "\n")
+            handle.write(("\n" if torn else "") + json.dumps(entry, sort_keys=True) + "\n")
             handle.flush()
 
 

@@ -12,13 +12,14 @@ their cached reply, so nothing is trained or applied twice).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from edge_sdk.channel import Channel, Received
-from edge_sdk.config import from_mapping, to_plain
+from edge_sdk.config import to_plain
 from edge_sdk.data import DATASETS
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
@@ -71,7 +72,7 @@ class Coordinator:
         self.out = Path(config.out)
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.algorithm)
-        self.hyper = from_mapping(algorithm_cls.Hyper, config.hyper, where=f"[algorithm.{config.algorithm}]")
+        self.hyper = algorithms.hyperparameters(config.algorithm, config.hyper)
         context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds, config.clients)
         self.algorithm = algorithm_cls(self.hyper, context)
         self.limits = UpdateLimits(config.max_examples, config.max_update_norm)
@@ -200,7 +201,8 @@ class Coordinator:
         except ValueError as exc:
             self.channel.reject(Reason.MALFORMED, f"HELLO: {exc}")
             return
-        if kind not in ("trainer", "lite") or not isinstance(examples, (int, float)) or examples < 1:
+        if (kind not in ("trainer", "lite") or not isinstance(examples, (int, float))
+                or not math.isfinite(examples) or examples < 1):
             self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
         known = hello.sender in self.registry.devices
@@ -280,7 +282,7 @@ class Coordinator:
         collector = RoundCollector(
             round_,
             frozenset(selected),
-            min_replies=min(self.config.min_clients, len(selected)),
+            min_replies=max(1, min(self.config.min_clients, len(selected))),
             deadline=self.clock() + self.config.round_timeout,
             grace=self.config.quorum_grace,
         )

@@ -20,6 +20,7 @@ from edge_sdk.channel import Channel
 from edge_sdk.protocol import Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 
+from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
 from .server import Coordinator
@@ -90,6 +91,7 @@ def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
 
 def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run `config` end to end and return the report (also written to `config.out`)."""
+    hyperparameters(config.algorithm, config.hyper)  # a bad key fails before anything starts
     if config.federation == "default":
         config = replace(config, federation=f"sim-{uuid.uuid4().hex[:8]}")
     broker = EmbeddedBroker().start() if config.broker is None else None

@@ -22,7 +22,7 @@ from .protocol import PROTOCOL_VERSION, ChunkError, Reason
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 16 << 10
 MAX_CHUNK_SIZE = 64 << 20
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def check_chunk_size(size: int) -> int:
@@ -78,9 +78,10 @@ def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
         raise ChunkError(Reason.CHUNK_INVALID, "chunk frame without a valid version or body")
     blob, index, count, size, data = (raw.get(k) for k in ("blob", "index", "count", "size", "data"))
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, size))
-    if not (isinstance(blob, str) and _HEX64.match(blob) and ints_ok and isinstance(data, bytes)):
+    if not (isinstance(blob, str) and _HEX64.fullmatch(blob) and ints_ok and isinstance(data, bytes)):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk fields missing or of the wrong type")
-    if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size):
+    plausible_count = count <= max(1, math.ceil(size / MIN_CHUNK_SIZE)) and (size == 0 or data)
+    if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size and plausible_count):
         raise ChunkError(Reason.CHUNK_INVALID, f"chunk {index}/{count} of a {size}-byte blob is inconsistent")
     return Chunk(blob, index, count, size, data)
 

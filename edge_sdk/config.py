@@ -61,6 +61,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         items = value.split(",") if isinstance(value, str) else list(value)
         return origin(_coerce(key, v, args[0]) if args else v for v in items)
     try:
+        if annotation in (int, float) and isinstance(value, bool):
+            raise ValueError(value)
         if annotation is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):

@@ -100,6 +100,8 @@ class LoopbackTransport:
             self.broker._subscribed(self, topic_filter)
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if not self.connected.is_set():
+            return  # a dead or closed client's messages go nowhere
         self.counter.record("sent", topic, len(payload))
         self.broker.route(topic, payload, retain=retain)
 

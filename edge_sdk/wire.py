@@ -87,6 +87,49 @@ def _number(key: str, value: Any) -> float | int:
     raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
 
 
+# msgpack header byte -> (bytes of length field, extra fixed bytes) for str/bin/ext with a length,
+# and the fixed size of numbers; see the msgpack specification.
+_LENGTH_PREFIXED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0),
+                    0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1)}
+_FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
+          0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # (length bytes, items per entry)
+
+
+def prescan(data: bytes) -> None:
+    """Walk the msgpack headers without building anything and reject a document that declares
+    more items than there are bytes left (every item takes at least one byte). This stops small
+    inputs from making the decoder preallocate large containers."""
+    pos, pending, size = 0, 1, len(data)
+    while pending:
+        if pos >= size:
+            raise WireError(Reason.MALFORMED, "truncated msgpack document")
+        byte = data[pos]
+        pos += 1
+        pending -= 1
+        if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):
+            continue
+        if 0x80 <= byte <= 0x9F:
+            pending += (byte & 0x0F) * (2 if byte <= 0x8F else 1)
+        elif 0xA0 <= byte <= 0xBF:
+            pos += byte & 0x1F
+        elif byte in _LENGTH_PREFIXED:
+            width, extra = _LENGTH_PREFIXED[byte]
+            pos += width + extra + int.from_bytes(data[pos : pos + width], "big")
+        elif byte in _FIXED:
+            pos += _FIXED[byte]
+        elif byte in _CONTAINERS:
+            width, per_entry = _CONTAINERS[byte]
+            pending += per_entry * int.from_bytes(data[pos : pos + width], "big")
+            pos += width
+        else:
+            raise WireError(Reason.MALFORMED, f"invalid msgpack header byte 0x{byte:02x}")
+        if pending > size - pos:
+            raise WireError(Reason.MALFORMED, "the document declares more items than it has bytes")
+    if pos != size:
+        raise WireError(Reason.MALFORMED, "extra bytes after the msgpack document")
+
+
 def _reject_extension(code: int, data: bytes) -> None:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
@@ -95,6 +138,7 @@ def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """msgpack bytes -> a map, with every container and string bounded; no extension types."""
     if len(data) > limits.max_message_bytes:
         raise WireError(Reason.TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_message_bytes}")
+    prescan(data)
     try:
         obj = msgpack.unpackb(
             data,
@@ -145,6 +189,8 @@ def envelope_from_dict(obj: dict[str, Any], limits: WireLimits = DEFAULT_LIMITS)
     groups = _decode_groups(_field(obj, "groups", dict), limits)
     metrics = _field(obj, "metrics", dict)
     for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise WireError(Reason.MALFORMED, f"metric name {key!r} is not a string")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WireError(Reason.MALFORMED, f"metric {key!r} is not a number")
     return Envelope(
@@ -165,8 +211,10 @@ def _decode_groups(raw: dict[str, Any], limits: WireLimits) -> dict[str, ArrayGr
     groups: dict[str, ArrayGroup] = {}
     count = 0
     for group_name, arrays in raw.items():
-        if not isinstance(arrays, dict):
-            raise WireError(Reason.MALFORMED, f"group {group_name!r} is not a map")
+        if not isinstance(arrays, dict) or not isinstance(group_name, str):
+            raise WireError(Reason.MALFORMED, f"group {group_name!r} is not a named map")
+        if not all(isinstance(key, str) for key in arrays):
+            raise WireError(Reason.MALFORMED, f"group {group_name!r} has an array name that is not a string")
         count += len(arrays)
         if count > limits.max_arrays:
             raise WireError(Reason.TOO_LARGE, f"more than {limits.max_arrays} arrays")
@@ -194,4 +242,7 @@ def decode_array(where: str, raw: Any) -> np.ndarray:
     expected = math.prod(shape) * dtype.itemsize
     if expected != len(data):
         raise WireError(Reason.BAD_SHAPE, f"array {where}: shape {shape} needs {expected} bytes, got {len(data)}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except (ValueError, OverflowError):
+        raise WireError(Reason.BAD_SHAPE, f"array {where}: shape {shape} cannot be built") from None

@@ -11,6 +11,13 @@ import importlib
 from edge_sdk.algorithms import ALGORITHM_IDS
 
 
+def hyperparameters(algorithm_id: str, values: dict) -> object:
+    """The algorithm's Hyper dataclass from `values`, naming any unknown or bad key."""
+    from edge_sdk.config import from_mapping
+
+    return from_mapping(load(algorithm_id).Hyper, values, where=f"[algorithm.{algorithm_id}]")
+
+
 def load(algorithm_id: str) -> type:
     """The server algorithm class for `algorithm_id`."""
     if algorithm_id not in ALGORITHM_IDS:

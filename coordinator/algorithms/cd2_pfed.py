@@ -14,6 +14,7 @@ from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, personal_fraction, uploa
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.params import ArraySpec
 
+from .base import ServerContext
 from .part_sharing import PartSharingServer
 
 
@@ -22,7 +23,7 @@ class CD2PFedServer(PartSharingServer):
     Hyper = CD2PFedDevice.Hyper
     device = CD2PFedDevice
 
-    def __init__(self, hyper, context):
+    def __init__(self, hyper: CD2PFedDevice.Hyper, context: ServerContext):
         super().__init__(hyper, context)
         # Full parameter shapes, from the initial state (all entries shared before round 1).
         self.shapes = {key: tuple(value.shape) for key, value in self.state[SHARED].items()}

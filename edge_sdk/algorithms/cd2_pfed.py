@@ -106,8 +106,10 @@ def channel_cuts(shapes: Mapping[str, Shape], fraction: float) -> dict[str, Cut]
     cuts: dict[str, Cut] = {}
     for key, shape in shapes.items():
         axis = split_axis(key, len(shape))
-        size = shape[axis] if axis is not None else 0
-        cuts[key] = (axis, size - personal_count(size, fraction)) if axis is not None else (None, 0)
+        if axis is None:
+            cuts[key] = (None, 0)
+        else:
+            cuts[key] = (axis, shape[axis] - personal_count(shape[axis], fraction))
     return cuts
 
 

@@ -28,7 +28,6 @@ Deployed model: head(phi_f). `global_accuracy`: head(P^g body(x)) (Sec. 3, infer
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,31 +62,32 @@ class Hyper:
 
 
 # -- projections (Eq. 6) --------------------------------------------------------------------
-@functools.lru_cache(maxsize=2)
-def orthogonal_matrix(dim: int, seed: int) -> np.ndarray:
-    """A dim x dim orthogonal matrix from `seed`: Q of the QR of a Gaussian, with diag(R) > 0.
+def orthogonal_columns(dim: int, columns: int, seed: int) -> np.ndarray:
+    """The first `columns` columns of Q, the dim x dim orthogonal matrix of Eq. (6) for `seed`.
 
-    Cached (read-only) because the QR is costly for large D and every device hosted in one
-    process needs the same matrix.
+    Q is the Q factor of the QR of a dim x dim Gaussian with the signs fixed so that diag(R) > 0.
+    Its first k columns depend only on the first k columns of the Gaussian and equal the Q factor
+    of their reduced QR, so a device computes only the columns up to its own block. The
+    factorization runs in torch under its thread settings (numpy's multi-threaded OpenBLAS took
+    minutes for D = 1408 on a loaded two-core machine).
     """
+    if not 1 <= columns <= dim:
+        raise ValueError(f"columns must lie in 1..{dim}, got {columns}")
     gaussian = np.random.default_rng((seed, Q_STREAM)).standard_normal((dim, dim))
-    q, r = np.linalg.qr(gaussian)
-    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
-    q.flags.writeable = False
-    return q
+    q, r = torch.linalg.qr(torch.from_numpy(np.ascontiguousarray(gaussian[:, :columns])))
+    return (q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)).numpy()
 
 
 def projection(q: np.ndarray, block: int, feature_dim: int) -> np.ndarray:
-    """P_b = Q[:, b d:(b + 1) d] (D x d); block 0 is the generic projection P^g."""
-    blocks = q.shape[1] // feature_dim
-    if not 0 <= block < blocks:
-        raise ValueError(f"block {block} is outside 0..{blocks - 1}")
+    """P_b = Q[:, b d:(b + 1) d] (D x d) from (a prefix of) Q; block 0 is the generic P^g."""
+    if not 0 <= block < q.shape[1] // feature_dim:
+        raise ValueError(f"block {block} is outside the {q.shape[1] // feature_dim} blocks given")
     return q[:, block * feature_dim:(block + 1) * feature_dim]
 
 
 # -- the model ------------------------------------------------------------------------------
-def shared_body(model: str, meta: DatasetMeta, seed: int) -> tuple[nn.Module, int]:
-    """The generic extractor `body` from the federation seed, and its feature dimension d."""
+def seeded_body(model: str, meta: DatasetMeta, seed: int) -> tuple[nn.Module, int]:
+    """A feature extractor initialized from `seed` (the federation seed gives the generic `body`), and d."""
     net = build_model(model, in_channels=meta.channels, num_classes=meta.num_classes,
                       image_size=meta.image_size, seed=seed)
     return net.body, net.feature_dim
@@ -170,8 +170,8 @@ class FediOSDevice(PartSharingDevice):
         meta = self.data.meta
         # The PartedNet built by the base class from the federation seed supplies the generic body.
         body, feature_dim = self.model.body, self.model.feature_dim
-        personal_body, _ = shared_body(self.settings.model, meta, self.client_seed)
-        q = orthogonal_matrix((capacity + 1) * feature_dim, seed)
+        personal_body, _ = seeded_body(self.settings.model, meta, self.client_seed)
+        q = orthogonal_columns((capacity + 1) * feature_dim, (block + 1) * feature_dim, seed)
         self.model = FediOSNet(
             body, personal_body, shared_head(feature_dim, capacity, meta.num_classes, self.settings.seed),
             projection(q, 0, feature_dim), projection(q, block, feature_dim), self.hyper.alpha,

@@ -144,3 +144,54 @@ def test_frozen_device_round_closes_at_its_deadline(mosquitto, tmp_path):
     late = [r for r in report["rounds"] if r["round"] >= 3]
     assert report["rounds_completed"] == 3
     assert all(r["outcome"] == "deadline" and r["participants"] == 2 for r in late)
+
+
+def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_path):
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=8, min_clients=2, round_timeout=30)
+    try:
+        watcher.wait_for_round(2)
+        devices[2].send_signal(signal.SIGKILL)
+        devices[2].wait(timeout=30)
+        devices[2] = spawn("-v", "client", "--broker", mosquitto.url, "--federation", FED, "--client-id", "dev2",
+                           "--dataset", "digits", "--clients", "3", "--index", "2",
+                           "--state-dir", str(tmp_path / "dev2"), "--device", "cpu")
+
+        finish(coordinator)
+        restarted_log = devices[2].communicate(timeout=60)[0]
+    finally:
+        watcher.close()
+        for process in devices:
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    assert "personal state of round" in restarted_log
+    assert report["rounds_completed"] == 8
+    assert report["rounds"][-1]["participants"] == 3, "the restarted device trains again"
+    assert "dev2" in report["final"]["per_client"]
+    assert report["events"].get("rejoined", 0) >= 1
+
+
+def test_broker_restart_mid_run_both_sides_reconnect_and_finish(mosquitto, tmp_path):
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=6, round_timeout=60)
+    try:
+        watcher.wait_for_round(2)
+        watcher.close()
+        mosquitto.stop()
+        mosquitto.start()  # same port, empty: no sessions, no retained messages
+
+        finish(coordinator)
+    finally:
+        for process in devices:
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds_completed"] == 6
+    assert report["events"].get("coordinator_reconnected", 0) >= 1
+    assert report["rounds"][-1]["participants"] == 3
+    assert recorded_rounds(out) == [1, 2, 3, 4, 5, 6]

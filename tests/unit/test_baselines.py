@@ -7,6 +7,8 @@ what goes over the wire in both directions, the server average, and each algorit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -34,15 +36,32 @@ SHARED_PARTS = {
 }
 GLOBAL_MODEL = {"fedavg_ft", "fedprox"}  # algorithms that report global_accuracy
 STATISTIC_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+FAST = {"fedrep": {"head_epochs": 1}, "fedavg_ft": {"ft_epochs": 1}}  # for the wire-level tests
 NUM_CLIENTS = 3
+MAX_TRAIN, MAX_TEST = 96, 48
 SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Single-threaded torch: these tiny models only lose time to threading."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def datas() -> list[ClientData]:
-    return [
+    """The first examples of each of 3 digits clients (dirichlet, seed 0), to keep the tests fast."""
+    parts = [
         load_client_data("digits", num_clients=NUM_CLIENTS, index=i, partition="dirichlet", seed=0)
         for i in range(NUM_CLIENTS)
+    ]
+    return [
+        dataclasses.replace(d, train_x=d.train_x[:MAX_TRAIN], train_y=d.train_y[:MAX_TRAIN],
+                            test_x=d.test_x[:MAX_TEST], test_y=d.test_y[:MAX_TEST])
+        for d in parts
     ]
 
 
@@ -81,8 +100,8 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("algorithm_id", BASELINES)
 def test_uploads_carry_exactly_the_shared_parts_and_never_a_personal_key(algorithm_id, datas) -> None:
     # Prepare
-    server = make_server(algorithm_id)
-    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas)]
+    server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
+    devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas)]
 
     # Execute
     rounds = [play_round(server, devices, r) for r in (1, 2)]
@@ -107,8 +126,8 @@ def test_uploads_carry_exactly_the_shared_parts_and_never_a_personal_key(algorit
 @pytest.mark.parametrize("algorithm_id", [a for a in BASELINES if a != "local"])
 def test_server_state_is_the_example_weighted_mean_of_the_uploads(algorithm_id, datas) -> None:
     # Prepare
-    server = make_server(algorithm_id)
-    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas)]
+    server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
+    devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas)]
 
     # Execute
     results = play_round(server, devices, 1)
@@ -123,8 +142,8 @@ def test_server_state_is_the_example_weighted_mean_of_the_uploads(algorithm_id, 
 @pytest.mark.parametrize("algorithm_id", BASELINES)
 def test_evaluation_deploys_the_global_shared_parts_with_the_personal_ones(algorithm_id, datas) -> None:
     # Prepare
-    server = make_server(algorithm_id)
-    devices = [make_device(algorithm_id, d, i) for i, d in enumerate(datas[:2])]
+    server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
+    devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas[:2])]
     play_round(server, devices, 1)
 
     # Execute
@@ -280,7 +299,7 @@ def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
 def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone(datas) -> None:
     # Prepare: twin devices; only one evaluates (and fine-tunes) between the rounds
     server = make_server("fedavg_ft")
-    evaluated, twin = make_device("fedavg_ft", datas[0]), make_device("fedavg_ft", datas[0])
+    evaluated, twin = make_device("fedavg_ft", datas[0], ft_epochs=3), make_device("fedavg_ft", datas[0], ft_epochs=3)
     play_round(server, [evaluated], 1)
     twin.fit(Task(1, make_server("fedavg_ft").task_groups(1), {}))
     calls = []
@@ -294,7 +313,7 @@ def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone
     after = [d.fit(Task(2, server.task_groups(2), {})) for d in (evaluated, twin)]
 
     # Assert
-    assert [(parts, epochs) for _, parts, epochs in calls] == [(("head",), 10)]
+    assert [(parts, epochs) for _, parts, epochs in calls] == [(("head",), 3)]
     assert calls[0][0] is not evaluated.model
     assert metrics["global_accuracy"] == global_accuracy
     for name, value in after[0].groups[SHARED].items():

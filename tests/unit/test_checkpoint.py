@@ -114,8 +114,11 @@ def _document(tmp_path) -> dict:
         lambda doc, raw: msgpack.packb({k: v for k, v in doc.items() if k != "history"}),
         lambda doc, raw: msgpack.packb({**doc, "state": [1]}),
         lambda doc, raw: msgpack.packb({**doc, "state": {"g": {"w": {"dtype": "object", "shape": [1], "data": b"x"}}}}),
+        lambda doc, raw: msgpack.packb({**doc, "state": {"g": {"w": {"dtype": "float32", "shape": [2**40, 2**40, 0],
+                                                                      "data": b""}}}}),
     ],
-    ids=["garbage", "truncated", "empty", "not-a-map", "format", "no-state", "no-history", "state-list", "bad-dtype"],
+    ids=["garbage", "truncated", "empty", "not-a-map", "format", "no-state", "no-history", "state-list", "bad-dtype",
+         "unrepresentable-shape"],
 )
 def test_corrupt_checkpoint_raises_checkpoint_error(tmp_path, corrupt):
     # Prepare

@@ -45,7 +45,8 @@ def _chunks(payload: bytes, chunk_size: int = CHUNK) -> list[Chunk]:
 def _reassembler(clock=None, drops=None, **kw) -> Reassembler:
     kw.setdefault("max_blob_bytes", 1 << 20)
     kw.setdefault("max_pending_bytes", 1 << 20)
-    return Reassembler(clock=clock or FakeClock(), on_drop=(drops.append if drops is not None else lambda r: None), **kw)
+    on_drop = drops.append if drops is not None else (lambda reason: None)
+    return Reassembler(clock=clock or FakeClock(), on_drop=on_drop, **kw)
 
 
 def _feed(reassembler: Reassembler, chunks: list[Chunk], stream: str = STREAM) -> list[bytes]:
@@ -323,7 +324,7 @@ def test_more_bytes_than_declared_is_invalid_and_drops_the_blob():
 
 
 def _frame(**changes) -> dict:
-    body = {"blob": "ab" * 32, "index": 0, "count": 2, "size": 10, "data": b"01234"}
+    body = {"blob": "ab" * 32, "index": 0, "count": 2, "size": CHUNK + 10, "data": b"01234"}
     body.update(changes)
     return {"version": PROTOCOL_VERSION, "chunk": body}
 
@@ -335,7 +336,7 @@ def _frame(**changes) -> dict:
         _frame(index=-1),
         _frame(count=0),
         _frame(size=-1),
-        _frame(data=b"x" * 11),
+        _frame(count=1, size=10, data=b"x" * 11),
         _frame(blob="short"),
         _frame(blob=5),
         _frame(index=True),
@@ -356,7 +357,7 @@ def test_inconsistent_or_mistyped_frame_is_invalid(obj):
 def test_a_well_formed_frame_is_accepted():
     # The base of the invalid-frame cases is itself valid.
     chunk = chunk_from_dict(_frame())
-    assert (chunk.index, chunk.count, chunk.size, chunk.data) == (0, 2, 10, b"01234")
+    assert (chunk.index, chunk.count, chunk.size, chunk.data) == (0, 2, CHUNK + 10, b"01234")
 
 
 def test_manifest_whose_count_cannot_match_its_size_is_invalid():

@@ -1,0 +1,290 @@
+"""`edgepfl broker-config` against a real Mosquitto: accounts, per-device topic ACLs, mutual TLS.
+
+ACL checks use a marker: the forbidden message goes first, then a permitted marker on the same
+connection. Mosquitto handles one connection's packets in order and routes each one before
+the next, so once the marker has arrived a forbidden message that got through would have
+arrived before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from brokers import require_mosquitto
+from coordinator.broker import free_port, wait_for_port
+from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
+from coordinator.config import load_credentials
+from edge_sdk.transport import Incoming, MqttSettings, MqttTransport, TransportError
+
+pytestmark = pytest.mark.integration
+
+FED = "authfed"
+DEVICES = ["dev000", "dev001", "dev002"]
+PREFIX = f"edgepfl/{FED}"
+TIMEOUT = 10.0
+
+
+class ConfiguredMosquitto:
+    """Mosquitto started with a given configuration file, listening on `port`."""
+
+    def __init__(self, config: Path, port: int):
+        self.binary = require_mosquitto()
+        self.config, self.port = config, port
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ConfiguredMosquitto":
+        self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+        if not wait_for_port("127.0.0.1", self.port, 15):
+            self.process.terminate()
+            _, stderr = self.process.communicate(timeout=10)
+            log = self.config.parent / "mosquitto.log"
+            raise RuntimeError(f"mosquitto did not start with {self.config}: {stderr}"
+                               f"{log.read_text() if log.exists() else ''}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.communicate(timeout=10)
+
+
+def start(tmp_path_factory, name: str, *, tls: bool):
+    require_mosquitto()
+    port = free_port()
+    setup = generate(tmp_path_factory.mktemp(name), FED, DEVICES, port, tls=tls)
+    return setup, ConfiguredMosquitto(setup.config, port)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    setup, broker = start(tmp_path_factory, "plain", tls=False)
+    with broker:
+        yield setup
+
+
+@pytest.fixture(scope="module")
+def mutual_tls(tmp_path_factory):
+    setup, broker = start(tmp_path_factory, "tls", tls=True)
+    with broker:
+        yield setup
+
+
+def settings(setup: BrokerSetup, account: str | None, **overrides) -> MqttSettings:
+    values: dict = {"url": setup.url, "connect_timeout": 5.0}
+    if account is not None:
+        entry = setup.accounts[account]
+        values.update(username=entry.username, password=entry.password)
+        if setup.ca_file is not None:
+            values.update(ca_file=str(setup.ca_file), cert_file=str(entry.cert_file), key_file=str(entry.key_file))
+    values.update(overrides)
+    return MqttSettings(**values)
+
+
+@pytest.fixture
+def connect():
+    """connect(setup, account, **settings) -> a connected MqttTransport, closed after the test."""
+    opened: list[MqttTransport] = []
+
+    def open_one(setup: BrokerSetup, account: str | None, **overrides) -> MqttTransport:
+        transport = MqttTransport(f"{FED}.{account}-{uuid.uuid4().hex[:6]}", settings(setup, account, **overrides))
+        transport.connect()
+        opened.append(transport)
+        return transport
+
+    yield open_one
+    for transport in opened:
+        transport.close()
+
+
+def receive_until(transport: MqttTransport, payload: bytes) -> list[Incoming]:
+    """Messages received before the one carrying `payload`, leaving out probes (see
+    `ensure_subscribed`); fails if `payload` does not come in time."""
+    before = []
+    while True:
+        try:
+            message = transport.incoming.get(timeout=TIMEOUT)
+        except queue.Empty:
+            pytest.fail(f"{payload!r} did not arrive within {TIMEOUT} s; got {before}")
+        if message.payload == payload:
+            return before
+        if not message.topic.endswith("/probe"):
+            before.append(message)
+
+
+def ensure_subscribed(receiver: MqttTransport, sender: MqttTransport, topic: str) -> None:
+    """Return once `receiver`'s subscriptions are active: a retained probe from `sender` arrives
+    live or on subscription, either way after the broker processed the subscription that matches
+    `topic` (subscribe to that one last: subscriptions are processed in order)."""
+    probe = f"probe-{uuid.uuid4().hex}".encode()
+    sender.publish(topic, probe, retain=True)
+    receive_until(receiver, probe)
+    sender.publish(topic, b"", retain=True)  # clear the retained probe
+
+
+def marker() -> bytes:
+    return f"marker-{uuid.uuid4().hex}".encode()
+
+
+def test_anonymous_connection_is_refused(plain):
+    transport = MqttTransport(f"{FED}.anonymous", settings(plain, None))
+
+    with pytest.raises(TransportError, match="refused|closed|not authori"):
+        transport.connect()
+
+
+def test_wrong_password_is_refused(plain):
+    transport = MqttTransport(f"{FED}.intruder", settings(plain, "dev000", password="not-the-password", protocol="5"))
+
+    with pytest.raises(TransportError):
+        transport.connect()
+
+
+def test_device_message_on_its_own_topic_reaches_the_coordinator(plain, connect):
+    coordinator, device = connect(plain, "coordinator"), connect(plain, "dev000")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    ensure_subscribed(coordinator, device, f"{PREFIX}/up/dev000/probe")
+    payload = marker()
+
+    device.publish(f"{PREFIX}/up/dev000/train_res", payload)
+
+    receive_until(coordinator, payload)
+
+
+def test_device_cannot_publish_under_another_device_id(plain, connect):
+    coordinator, device = connect(plain, "coordinator"), connect(plain, "dev000")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    ensure_subscribed(coordinator, device, f"{PREFIX}/up/dev000/probe")
+    done = marker()
+
+    device.publish(f"{PREFIX}/up/dev001/train_res", b"forged")
+    device.publish(f"{PREFIX}/up/dev000/hello", done)
+
+    assert receive_until(coordinator, done) == []
+
+
+def test_device_cannot_publish_downstream(plain, connect):
+    coordinator, device, other = connect(plain, "coordinator"), connect(plain, "dev000"), connect(plain, "dev001")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    other.subscribe(f"{PREFIX}/down/dev001/+")
+    other.subscribe(f"{PREFIX}/down/all/+")  # subscribed last: its probe proves both are active
+    ensure_subscribed(coordinator, device, f"{PREFIX}/up/dev000/probe")
+    ensure_subscribed(other, coordinator, f"{PREFIX}/down/all/probe")
+    first, second = marker(), marker()
+
+    device.publish(f"{PREFIX}/down/all/train", b"forged broadcast")
+    device.publish(f"{PREFIX}/down/dev001/welcome", b"forged welcome")
+    device.publish(f"{PREFIX}/up/dev000/hello", first)
+    receive_until(coordinator, first)  # the broker has routed (or dropped) both forgeries by now
+    coordinator.publish(f"{PREFIX}/down/all/status", second)
+
+    assert receive_until(other, second) == []
+
+
+def test_device_cannot_read_another_devices_downstream_topic(plain, connect):
+    coordinator, snoop, owner = connect(plain, "coordinator"), connect(plain, "dev001"), connect(plain, "dev000")
+    snoop.subscribe(f"{PREFIX}/down/dev000/+")
+    snoop.subscribe(f"{PREFIX}/down/all/+")
+    owner.subscribe(f"{PREFIX}/down/dev000/+")
+    ensure_subscribed(snoop, coordinator, f"{PREFIX}/down/all/probe")
+    ensure_subscribed(owner, coordinator, f"{PREFIX}/down/dev000/probe")
+    secret, done = marker(), marker()
+
+    coordinator.publish(f"{PREFIX}/down/dev000/welcome", secret)
+    coordinator.publish(f"{PREFIX}/down/all/status", done)
+
+    receive_until(owner, secret)  # the message was delivered, to its owner only
+    assert receive_until(snoop, done) == []
+
+
+def test_device_cannot_knock_the_coordinator_off_with_its_client_id(plain, connect):
+    coordinator = connect(plain, "coordinator")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    impostor = MqttTransport(coordinator.client_id, settings(plain, "dev000"))
+    impostor.connect()  # a takeover would close the coordinator's connection during this CONNECT
+    try:
+        ensure_subscribed(coordinator, impostor, f"{PREFIX}/up/dev000/probe")
+    finally:
+        impostor.close()
+
+    assert coordinator.connected.is_set() and coordinator.connections == 1
+
+
+def test_mutual_tls_works_with_the_generated_ca(mutual_tls, connect):
+    coordinator, device = connect(mutual_tls, "coordinator"), connect(mutual_tls, "dev002")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    ensure_subscribed(coordinator, device, f"{PREFIX}/up/dev002/probe")
+    payload = marker()
+
+    device.publish(f"{PREFIX}/up/dev002/eval_res", payload)
+
+    assert mutual_tls.url.startswith("mqtts://127.0.0.1:")
+    receive_until(coordinator, payload)
+
+
+def test_tls_with_an_unrelated_ca_is_refused(mutual_tls, tmp_path):
+    wrong_ca = certificate_authority(tmp_path / "other-ca", "unrelated CA").cert
+    transport = MqttTransport(f"{FED}.wrong-ca", settings(mutual_tls, "dev000", ca_file=str(wrong_ca), protocol="5"))
+
+    with pytest.raises(TransportError):
+        transport.connect()
+
+
+def test_tls_without_a_client_certificate_is_refused(mutual_tls):
+    transport = MqttTransport(f"{FED}.no-cert", settings(mutual_tls, "dev000", cert_file=None, key_file=None,
+                                                                   protocol="5"))
+
+    with pytest.raises(TransportError):
+        transport.connect()
+
+
+def test_credentials_file_loads_and_is_private(mutual_tls):
+    path = str(mutual_tls.credentials)
+
+    assert load_credentials(path, "coordinator") == ("coordinator", mutual_tls.accounts["coordinator"].password)
+    assert load_credentials(path, "dev001") == ("dev001", mutual_tls.accounts["dev001"].password)
+    document = json.loads(mutual_tls.credentials.read_text())
+    assert Path(document["devices"]["dev001"]["cert_file"]).exists()
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(document["devices"]["dev001"]["key_file"]).st_mode & 0o777 == 0o600
+    assert mutual_tls.accounts["dev001"].password not in mutual_tls.passwords.read_text()
+
+
+@pytest.mark.parametrize("devices, federation, port, bad", [
+    ("dev000,all", FED, 1883, "'all'"),
+    ("dev000,coordinator", FED, 1883, "'coordinator'"),
+    ("dev000,bad/id", FED, 1883, "'bad/id'"),
+    ("dev000,dev000", FED, 1883, "'dev000'"),
+    ("dev000", "fed/eration", 1883, "'fed/eration'"),
+    ("dev000", FED, 70000, "70000"),
+])
+def test_invalid_input_is_rejected_by_name(tmp_path, devices, federation, port, bad):
+    with pytest.raises(BrokerConfigError, match=bad):
+        generate(tmp_path, federation, devices, port)
+
+    assert not (tmp_path / "credentials.json").exists()
+
+
+def test_simulate_runs_against_the_generated_broker(plain, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--broker", plain.url, "--credentials",
+               str(plain.credentials), "--federation", FED, "--clients", "3", "--rounds", "1", "--dataset", "digits",
+               "--local-epochs", "1", "--workers", "1", "--registration-timeout", "60", "--round-timeout", "60",
+               "--quiet", "--out", str(out)]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds_completed"] == 1
+    assert report["rounds"][0]["participants"] == 3
+    assert sum(report["rejections"].values()) == 0
