@@ -44,6 +44,16 @@ class WeightedMean:
         return {k: (s / self.total_weight).astype(self._dtypes[k]) for k, s in self._sums.items()}
 
 
+def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
+    """`base` cut to `value`'s shape when `value` is a leading slice of it (as CD2-pFed's shared
+    entries are of the previous round's), `base` itself for equal shapes, else None."""
+    if base.shape == value.shape:
+        return base
+    if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape)):
+        return base[tuple(slice(0, s) for s in value.shape)]
+    return None
+
+
 def weighted_mean(updates: Iterable[tuple[Mapping[str, np.ndarray], float]]) -> ArrayGroup:
     """The weighted mean of (arrays, weight) pairs, by name."""
     mean = WeightedMean()

@@ -18,7 +18,10 @@ from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, check_chunk_size
 from edge_sdk.config import ConfigError, from_mapping, load_toml
 from edge_sdk.data import DATASETS, PARTITIONS
 from edge_sdk.models import MODEL_NAMES, default_model_for
+from edge_sdk.attacks import ATTACKS
 from edge_sdk.transport import MqttSettings
+
+from .robust import AggregationSettings
 
 
 def load_credentials(path: str, account: str) -> tuple[str, str]:
@@ -61,6 +64,11 @@ class RunConfig:
     registration_timeout: float = 300.0
     max_examples: int = 1_000_000
     max_update_norm: float = 0.0
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2
+    clip_norm: float = 0.0
+    adversaries: int = 0
+    attack: str = "sign_flip"
     chunk_size: int = DEFAULT_CHUNK_SIZE
     out: str = "runs/latest"
     broker: str | None = None
@@ -98,6 +106,8 @@ class RunConfig:
             (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
             (self.max_examples >= 1, "max_examples", "at least 1"),
             (self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive"),
+            (0 <= self.adversaries <= self.clients, "adversaries", "between 0 and clients"),
+            (self.attack in (*ATTACKS, "mixed"), "attack", f"one of {', '.join(ATTACKS)} or mixed"),
             (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
         ]
@@ -106,12 +116,24 @@ class RunConfig:
                 raise ConfigError(f"{key} must be {what}, got {getattr(self, key)!r}")
         try:
             check_chunk_size(self.chunk_size)
+            self.aggregation_settings
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
     @property
     def model_name(self) -> str:
         return default_model_for(DATASETS[self.dataset].image_size) if self.model == "auto" else self.model
+
+    @property
+    def aggregation_settings(self) -> AggregationSettings:
+        return AggregationSettings(self.aggregation, self.trim_fraction, self.clip_norm)
+
+    def attack_of(self, index: int) -> str | None:
+        """The attack simulated device `index` runs: the first `adversaries` devices are adversaries;
+        `mixed` gives them sign_flip, noise and nan in turn."""
+        if index >= self.adversaries:
+            return None
+        return ATTACKS[index % len(ATTACKS)] if self.attack == "mixed" else self.attack
 
     @property
     def worker_count(self) -> int:
@@ -139,6 +161,7 @@ class RunConfig:
 _DEFINING = {
     "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
     "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
+    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack",
 }
 
 

@@ -73,7 +73,8 @@ class Coordinator:
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.algorithm)
         self.hyper = algorithms.hyperparameters(config.algorithm, config.hyper)
-        context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds, config.clients)
+        context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds,
+                                config.clients, config.aggregation_settings)
         self.algorithm = algorithm_cls(self.hyper, context)
         self.limits = UpdateLimits(config.max_examples, config.max_update_norm)
         self.incarnation = new_message_id()[:12]

@@ -46,6 +46,7 @@ class WorkerSpec:
     device: str
     chunk_size: int
     log_level: int
+    attacks: dict[int, str | None]
 
 
 def client_id_for(index: int) -> str:
@@ -70,7 +71,7 @@ def _worker_main(spec: WorkerSpec) -> None:
         client_id = client_id_for(index)
         client = EdgeClient(client_id, data, broker=spec.settings[client_id], federation=spec.federation,
                             state_dir=Path(spec.state_root) / client_id, device=spec.device,
-                            chunk_size=spec.chunk_size, compute_lock=lock)
+                            chunk_size=spec.chunk_size, compute_lock=lock, attack=spec.attacks[index])
         thread = threading.Thread(target=client.run, name=client_id, daemon=True)
         thread.start()
         threads.append(thread)
@@ -106,7 +107,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
                               str(Path(config.out) / "state"), config.device, config.chunk_size,
-                              logging.getLogger().getEffectiveLevel())
+                              logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices})
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
             workers.append(process)

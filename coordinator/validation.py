@@ -15,6 +15,8 @@ import numpy as np
 from edge_sdk.params import ArraySpec, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
+from .aggregate import aligned_reference
+
 
 @dataclass(frozen=True)
 class UpdateLimits:
@@ -23,13 +25,15 @@ class UpdateLimits:
 
 
 def delta_norm(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
-    """L2 norm of (update - reference) over the arrays both carry under the same name and shape."""
+    """L2 norm of (update - reference) over the arrays both carry under the same name (the
+    reference cut to the update's shape where the update is a slice of it)."""
     total = 0.0
     for group, arrays in update.items():
         base = reference.get(group, {})
         for key, value in arrays.items():
-            if key in base and base[key].shape == value.shape and value.dtype.kind == "f":
-                diff = value.astype(np.float64) - base[key].astype(np.float64)
+            ref = aligned_reference(base[key], value) if key in base else None
+            if ref is not None and value.dtype.kind == "f":
+                diff = value.astype(np.float64) - ref.astype(np.float64)
                 total += float(np.dot(diff.ravel(), diff.ravel()))
     return math.sqrt(total)
 

@@ -14,8 +14,11 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
+
 from . import algorithms, wire
 from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
+from .attacks import corrupt
 from .channel import Channel, Received
 from .chunks import DEFAULT_CHUNK_SIZE
 from .config import from_mapping
@@ -44,6 +47,7 @@ class EdgeClient:
         hello_interval: float = 15.0,
         compute_lock: threading.Lock | None = None,
         transport=None,
+        attack: str | None = None,
     ):
         self.client_id = check_client_id(client_id)
         self.data = data
@@ -52,6 +56,9 @@ class EdgeClient:
         self.exit_on_finish = exit_on_finish
         self.hello_interval = hello_interval
         self.store = PersonalStore(state_dir)
+        self.attack = attack
+        if attack is not None:
+            log.warning("%s behaves as an adversary: its uploads are corrupted (%s)", client_id, attack)
         self._compute_lock = compute_lock or nullcontext()
         will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
         if transport is None:
@@ -185,7 +192,11 @@ class EdgeClient:
             result = self.algorithm.fit(task)
         self.rounds_trained = envelope.round
         self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, self.algorithm.personal_state()))
-        self._send(Kind.TRAIN_RES, envelope.round, groups=result.groups, metrics=result.metrics)
+        groups = result.groups
+        if self.attack is not None:
+            rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
+            groups = corrupt(self.attack, groups, envelope.groups, rng)
+        self._send(Kind.TRAIN_RES, envelope.round, groups=groups, metrics=result.metrics)
 
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self._current(envelope) or self._answered(envelope, Kind.EVAL_RES):

@@ -38,5 +38,5 @@ def supcon_loss(features: torch.Tensor, labels: torch.Tensor, temperature: float
         per_anchor = -log_prob.masked_fill(~positives, 0.0).sum(dim=1) / counts.clamp(min=1)
     else:
         pos_log_prob = log_prob.masked_fill(~positives, float("-inf"))
-        per_anchor = -(torch.logsumexp(pos_log_prob, dim=1) - torch.log(counts.clamp(min=1).float()))
+        per_anchor = -(torch.logsumexp(pos_log_prob, dim=1) - torch.log(counts.clamp(min=1).to(log_prob.dtype)))
     return per_anchor[anchors].mean()

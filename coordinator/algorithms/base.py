@@ -16,6 +16,8 @@ from edge_sdk.data import DatasetMeta
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup
 
+from ..robust import AggregationSettings, Aggregator, make_aggregator
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -26,6 +28,7 @@ class ServerContext:
     seed: int
     rounds: int
     clients: int
+    aggregation: AggregationSettings = AggregationSettings()
 
 
 class ServerAlgorithm(ABC):
@@ -38,6 +41,11 @@ class ServerAlgorithm(ABC):
         self.hyper = hyper
         self.context = context
         self.state: dict[str, ArrayGroup] = self.initial_state()
+
+    def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
+        """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one
+        round; `reference` is what was broadcast, for clipping."""
+        return make_aggregator(self.context.aggregation, reference)
 
     @abstractmethod
     def initial_state(self) -> dict[str, ArrayGroup]:

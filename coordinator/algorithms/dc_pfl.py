@@ -113,7 +113,9 @@ class DcPflServer(ServerAlgorithm):
         for name in hyper.body_model_names():
             dim = build_body(name, in_channels=meta.channels, image_size=meta.image_size)[1]
             if dim != self.dim:
-                raise ValueError(f"body_models: {name} has feature dimension {dim}, the run's model {context.model} {self.dim}")
+                raise ValueError(
+                    f"body_models: {name} has feature dimension {dim}, the run's model {context.model} {self.dim}"
+                )
         self._registration: dict[str, int] = {}
         self._reports: dict[str, ArrayGroup] = {}
         super().__init__(hyper, context)
@@ -123,7 +125,10 @@ class DcPflServer(ServerAlgorithm):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.context.seed)
             head = nn.Linear(self.dim, self.num_classes)
-        means = {"means": np.zeros((self.num_classes, self.dim), np.float32), "has_mean": np.zeros(self.num_classes, bool)}
+        means = {
+            "means": np.zeros((self.num_classes, self.dim), np.float32),
+            "has_mean": np.zeros(self.num_classes, bool),
+        }
         return {SHARED: _head_arrays(head), GLOBAL_MEANS: means}
 
     def eval_groups(self) -> dict[str, ArrayGroup]:
@@ -139,7 +144,8 @@ class DcPflServer(ServerAlgorithm):
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {STATS: stats_spec(self.num_classes, self.dim, self.hyper.mode, self.hyper.wire_dtype)}
 
-    def validate_update(self, client_id, groups, metrics, registered_examples) -> None:
+    def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
+                        registered_examples: int) -> None:
         stats = groups[STATS]
         for name, array in stats.items():
             if array.dtype.kind == "f" and not np.isfinite(array).all():
@@ -147,7 +153,8 @@ class DcPflServer(ServerAlgorithm):
         counts = np.asarray(stats["counts"])
         if (counts < 0).any() or int(counts.sum()) > registered_examples:
             raise ValidationError(
-                Reason.MALFORMED, f"{client_id}: class counts {counts.tolist()} for {registered_examples} registered examples"
+                Reason.MALFORMED,
+                f"{client_id}: class counts {counts.tolist()} for {registered_examples} registered examples",
             )
         if "cov" in stats:
             check_psd(f"{client_id}: stats/cov", stats["cov"])
@@ -159,11 +166,15 @@ class DcPflServer(ServerAlgorithm):
     def begin_round(self, round_: int) -> None:
         self._reports = {}
 
-    def accumulate(self, client_id, groups, metrics, weight) -> None:
+    def accumulate(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
+                   weight: float) -> None:
         self._reports[client_id] = {name: np.array(value) for name, value in groups[STATS].items()}
 
     def end_round(self, round_: int) -> None:
         reports = [decode_stats(self._reports[cid], self.hyper.mode) for cid in sorted(self._reports)]
+        if not reports:
+            log.warning("dc_pfl round %d: no statistics; global state unchanged", round_)
+            return
         head = _load_head(self.state[SHARED])
         optimizer = torch.optim.SGD(head.parameters(), lr=self.hyper.server_lr)
         for counts, means, _ in reports:
@@ -186,14 +197,10 @@ class DcPflServer(ServerAlgorithm):
                  round_, len(reports), int(seen.sum()), len(labels), loss)
 
     def pooled(self, reports: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
-        """Global counts [C], means [C, d], covariances [C, d, d] (Eq. 10-11) of the reports."""
-        counts = np.zeros(self.num_classes, dtype=np.int64)
-        means = np.zeros((self.num_classes, self.dim))
-        covs = np.zeros((self.num_classes, self.dim, self.dim))
-        for c in range(self.num_classes):
-            if reports:
-                counts[c], means[c], covs[c] = pool_class_stats([(n[c], m[c], s[c]) for n, m, s in reports])
-        return counts, means, covs
+        """Global counts [C], means [C, d], covariances [C, d, d] (Eq. 10-11) of a non-empty list of reports."""
+        per_class = [pool_class_stats([(n[c], m[c], s[c]) for n, m, s in reports]) for c in range(self.num_classes)]
+        counts = np.array([count for count, _, _ in per_class], dtype=np.int64)
+        return counts, np.stack([mean for _, mean, _ in per_class]), np.stack([cov for _, _, cov in per_class])
 
     def _calibrate(self, head: nn.Linear, optimizer: torch.optim.Optimizer, features: np.ndarray,
                    labels: np.ndarray, round_: int) -> float:

@@ -10,7 +10,6 @@ from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
-from ..aggregate import WeightedMean
 from .base import ServerAlgorithm
 
 
@@ -38,7 +37,7 @@ class PartSharingServer(ServerAlgorithm):
         return {SHARED: spec_of(self.state[SHARED])}
 
     def begin_round(self, round_: int) -> None:
-        self._mean = WeightedMean()
+        self._mean = self.new_aggregator(self.state[SHARED])
 
     def accumulate(self, client_id, groups, metrics, weight) -> None:
         self._mean.add(groups[SHARED], weight)

@@ -167,7 +167,9 @@ def _low_rank(cov: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return factor, residual
 
 
-def encode_stats(counts: np.ndarray, means: np.ndarray, covs: np.ndarray, mode: CovarianceMode, dtype: str) -> ArrayGroup:
+def encode_stats(
+    counts: np.ndarray, means: np.ndarray, covs: np.ndarray, mode: CovarianceMode, dtype: str
+) -> ArrayGroup:
     """The `stats` group for float64 statistics, in the covariance `mode` and wire `dtype`."""
     group: ArrayGroup = {"counts": counts.astype(np.int64), "means": means.astype(dtype)}
     if mode.kind == "full":
@@ -191,7 +193,8 @@ def decode_stats(group: ArrayGroup, mode: CovarianceMode) -> tuple[np.ndarray, n
         covs = _diag_matrices(np.asarray(group["var"], dtype=np.float64))
     else:
         factor = np.asarray(group["cov_factor"], dtype=np.float64)
-        covs = np.einsum("cdr,cer->cde", factor, factor) + _diag_matrices(np.asarray(group["cov_residual"], dtype=np.float64))
+        residual = np.asarray(group["cov_residual"], dtype=np.float64)
+        covs = np.einsum("cdr,cer->cde", factor, factor) + _diag_matrices(residual)
     return counts, means, covs
 
 
@@ -223,8 +226,8 @@ class DcPflDevice(DeviceAlgorithm):
         self.head_spec = spec_of(state_arrays(self.model, self.head_keys))
         dim, classes = self.model.feature_dim, meta.num_classes
         self.means_spec: ArraySpec = {"means": ((classes, dim), "float32"), "has_mean": ((classes,), "bool")}
-        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
-        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+        self.train_x, self.train_y = (to_device(a, self.device) for a in (self.data.train_x, self.data.train_y))
+        self.test_x, self.test_y = (to_device(a, self.device) for a in (self.data.test_x, self.data.test_y))
         log.debug("dc_pfl device with body %s (d=%d)", self.model_name, dim)
 
     # -- what travels ----------------------------------------------------------------------

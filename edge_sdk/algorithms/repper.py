@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -203,7 +203,7 @@ class RepPerDevice(DeviceAlgorithm):
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
         self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
         self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
-        self.head: nn.Module | object | None = None  # the last evaluation's fitted personal head
+        self.head: Any = None  # the last evaluation's fitted personal head
 
     # -- what travels ----------------------------------------------------------------------
     def load_shared(self, task: Task) -> None:

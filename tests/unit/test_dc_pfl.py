@@ -133,7 +133,8 @@ def test_server_round_draws_1000_virtual_features_reproducibly(monkeypatch: pyte
     uploads = {}
     for cid in ("dev001", "dev000"):
         labels = rng.integers(0, 7, size=60)
-        uploads[cid] = encode_stats(*class_statistics(rng.normal(size=(60, dim)), labels, 10), CovarianceMode("full"), "float32")
+        stats = class_statistics(rng.normal(size=(60, dim)), labels, 10)
+        uploads[cid] = encode_stats(*stats, CovarianceMode("full"), "float32")
     states = []
 
     # Execute: the same round twice, replies in different orders
@@ -221,10 +222,11 @@ def test_lowrank_keeps_the_diagonal_and_is_exact_at_full_rank() -> None:
     # Prepare
     rng = np.random.default_rng(3)
     counts, means, covs = class_statistics(rng.normal(size=(50, 6)), rng.integers(0, 2, size=50), 2)
+    low2, low6 = CovarianceMode("lowrank", 2), CovarianceMode("lowrank", 6)
 
     # Execute
-    low = decode_stats(encode_stats(counts, means, covs, CovarianceMode("lowrank", 2), "float64"), CovarianceMode("lowrank", 2))[2]
-    full = decode_stats(encode_stats(counts, means, covs, CovarianceMode("lowrank", 6), "float64"), CovarianceMode("lowrank", 6))[2]
+    low = decode_stats(encode_stats(counts, means, covs, low2, "float64"), low2)[2]
+    full = decode_stats(encode_stats(counts, means, covs, low6, "float64"), low6)[2]
 
     # Assert
     np.testing.assert_allclose(np.diagonal(low, axis1=1, axis2=2), np.diagonal(covs, axis1=1, axis2=2), atol=1e-12)

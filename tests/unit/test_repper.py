@@ -1,0 +1,187 @@
+"""Unit tests for RepPer's mechanics on tiny digits data, without a broker.
+
+Stage 1 (`fit`) uploads the body only and no classifier exists; stage 2 (`evaluate`) fits a
+personal head on the frozen global body, also on a device that never trained; personal names
+never appear in the encoded upload.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from coordinator.algorithms.base import ServerContext
+from coordinator.algorithms.repper import RepPerServer
+from edge_sdk import wire
+from edge_sdk.algorithms.base import FitResult, Task, TrainSettings
+from edge_sdk.algorithms.part_sharing import SHARED
+from edge_sdk.algorithms.repper import Hyper, RepPerDevice
+from edge_sdk.config import ConfigError, from_mapping
+from edge_sdk.data import DATASETS, ClientData, load_client_data
+from edge_sdk.models import statistics_keys
+from edge_sdk.protocol import Envelope, Kind
+
+SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+
+
+def make_device(index: int, hyper: Hyper = Hyper(), data: ClientData | None = None) -> RepPerDevice:
+    data = data or load_client_data("digits", num_clients=10, index=index, partition="dirichlet", seed=0)
+    return RepPerDevice(hyper, SETTINGS, data, "cpu", client_seed=100 + index)
+
+
+def make_server(hyper: Hyper = Hyper()) -> RepPerServer:
+    return RepPerServer(hyper, ServerContext("cnn8", DATASETS["digits"], seed=0, rounds=3, clients=10))
+
+
+def one_round(server: RepPerServer, devices: list[RepPerDevice], round_: int = 1) -> list[FitResult]:
+    server.begin_round(round_)
+    results = [device.fit(Task(round_, server.state, {"selected": []})) for device in devices]
+    for result in results:
+        server.accumulate("dev", result.groups, result.metrics, result.metrics["num_examples"])
+    server.end_round(round_)
+    return results
+
+
+def parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def test_stage_one_uploads_the_body_only_and_has_no_classifier() -> None:
+    # Prepare
+    server, device = make_server(), make_device(0)
+    before = parameters(device.model.body)
+
+    # Execute
+    result = device.fit(Task(1, server.state, {"selected": ["dev000"]}))
+
+    # Assert
+    assert set(result.groups) == {SHARED}
+    uploaded = set(result.groups[SHARED])
+    assert all(key.startswith("body.") for key in uploaded)
+    assert uploaded.isdisjoint(statistics_keys(device.model))
+    assert {k: v[0] for k, v in server.update_spec(1)[SHARED].items()} == {
+        k: tuple(v.shape) for k, v in result.groups[SHARED].items()}
+    assert [name for name, _ in device.model.named_children()] == ["body", "projector"]
+    assert not any(True for _ in device.model.projector.parameters())
+    assert device.head is None
+    assert np.isfinite(result.metrics["loss"])
+    assert any(not torch.equal(before[k], v) for k, v in parameters(device.model.body).items())
+
+
+def test_evaluation_fits_a_head_on_the_frozen_global_body() -> None:
+    # Prepare
+    server, devices = make_server(), [make_device(0), make_device(1)]
+    one_round(server, devices)
+    device = devices[0]
+
+    # Execute
+    metrics = device.evaluate(Task(1, server.state, {"selected": [], "final": True}))
+
+    # Assert: the body is exactly the global one; a linear head was fitted on its features
+    body = device.model.state_dict()
+    assert all(np.array_equal(body[k].numpy(), v) for k, v in server.state[SHARED].items())
+    assert isinstance(device.head, nn.Linear) and device.head.in_features == device.model.feature_dim
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["accuracy"] > 0.5
+    assert metrics["global_accuracy"] == metrics["accuracy"]
+    assert metrics["num_test"] == device.data.num_test
+
+
+def test_a_never_selected_device_fits_its_head_and_gets_an_accuracy() -> None:
+    # Prepare: devices 0 and 1 train; device 2 never does (a holdout device)
+    server, trainers, newcomer = make_server(), [make_device(0), make_device(1)], make_device(2)
+    one_round(server, trainers)
+    batchnorm = newcomer.model.body[1]
+
+    # Execute
+    metrics = newcomer.evaluate(Task(1, server.state, {"selected": [], "final": True}))
+
+    # Assert: its own BatchNorm statistics were computed from its data; its head was fitted
+    assert batchnorm.running_mean.abs().sum() > 0
+    assert isinstance(newcomer.head, nn.Linear)
+    assert 0.5 < metrics["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("head", ["mlp", "svm", "lr", "mlp_sklearn"])
+def test_every_head_kind_predicts(head: str) -> None:
+    # Prepare
+    server, device = make_server(), make_device(3, Hyper(head=head))
+
+    # Execute
+    metrics = device.evaluate(Task(0, server.state, {"selected": []}))
+
+    # Assert
+    assert device.head is not None
+    assert 0.5 < metrics["accuracy"] <= 1.0
+
+
+def test_a_single_class_device_still_gets_a_sklearn_head() -> None:
+    # Prepare
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 1, 8, 8)).astype(np.float32)
+    y = np.full(12, 3, dtype=np.int64)
+    data = ClientData(x[:8], y[:8], x[8:], y[8:], DATASETS["digits"])
+    device = make_device(0, Hyper(head="lr"), data)
+
+    # Execute
+    metrics = device.evaluate(Task(0, make_server().state, {"selected": []}))
+
+    # Assert
+    assert metrics["accuracy"] == 1.0
+
+
+def test_personal_names_never_appear_in_the_encoded_upload() -> None:
+    # Prepare
+    server, device = make_server(), make_device(0)
+    result = device.fit(Task(1, server.state, {"selected": ["dev000"]}))
+
+    # Execute
+    payload = wire.encode(Envelope(Kind.TRAIN_RES, "dev000", groups=result.groups, metrics=result.metrics))
+
+    # Assert: keys travel as msgpack strings; the shared ones are there, the personal ones not
+    assert device.partition.personal
+    for key in device.partition.shared:
+        assert msgpack.packb(key) in payload
+    for key in device.partition.personal:
+        assert msgpack.packb(key) not in payload
+        assert key.encode() not in payload
+
+
+def test_server_takes_the_example_weighted_mean_of_the_bodies() -> None:
+    # Prepare
+    server = make_server()
+    first = {k: np.full_like(v, 1.0) for k, v in server.state[SHARED].items()}
+    second = {k: np.full_like(v, 5.0) for k, v in server.state[SHARED].items()}
+
+    # Execute
+    server.begin_round(1)
+    server.accumulate("a", {SHARED: first}, {"num_examples": 30}, 30.0)
+    server.accumulate("b", {SHARED: second}, {"num_examples": 10}, 10.0)
+    server.end_round(1)
+
+    # Assert: (30 * 1 + 10 * 5) / 40 = 2
+    assert all(np.allclose(v, 2.0) for v in server.state[SHARED].values())
+
+
+def test_a_configured_projector_is_shared_and_the_head_still_sits_on_the_body() -> None:
+    # Prepare
+    hyper = Hyper(projection_dim=16)
+    server, device = make_server(hyper), make_device(0, hyper)
+
+    # Execute
+    result = device.fit(Task(1, server.state, {"selected": ["dev000"]}))
+    device.evaluate(Task(1, server.state, {"selected": []}))
+
+    # Assert
+    assert any(key.startswith("projector.") for key in result.groups[SHARED])
+    assert set(result.groups[SHARED]) == set(server.state[SHARED])
+    assert device.head.in_features == device.model.feature_dim
+
+
+@pytest.mark.parametrize("values", [{"variant": "sideways"}, {"temperature": "0"}, {"head": "tree"}])
+def test_bad_hyperparameters_are_rejected(values: dict[str, str]) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError):
+        from_mapping(Hyper, values)
