@@ -24,7 +24,7 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--local-epochs", int, "local epochs per round"),
     ("--batch-size", int, "local batch size"),
     ("--lr", float, "local learning rate"),
-    ("--model", str, "auto | cnn8 | cnn28 | cnn32 | resnet18 | mobilenet_v3_small"),
+    ("--model", str, "auto | cnn8 | cnn8_wide | cnn28 | cnn32 | resnet18 | mobilenet_v3_small"),
     ("--seed", int, "the run's seed (selection, partition, initialization)"),
     ("--broker", str, "mqtt://host:port of an existing broker (simulate: default embedded amqtt)"),
     ("--federation", str, "federation name (topic namespace)"),

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -89,6 +90,25 @@ def accuracy(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y
     if len(y) == 0:
         return float("nan")
     return float((predict(forward, x).argmax(dim=1) == y).float().mean())
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(module: nn.Module, x: torch.Tensor) -> None:
+    """Recompute every BatchNorm layer's running statistics as the average over `x` (no training)."""
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    if not layers or len(x) < 2:
+        return
+    momenta = [layer.momentum for layer in layers]
+    was_training = module.training
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None  # cumulative average over the batches
+    module.train()
+    for idx in batches(len(x), 512, shuffle=False):
+        module(x[idx])
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+    module.train(was_training)
 
 
 def state_arrays(module: nn.Module, keys: tuple[str, ...] | list[str]) -> dict[str, np.ndarray]:

@@ -48,23 +48,9 @@ from ..augment import two_views
 from ..data import DatasetMeta
 from ..losses import supcon_loss
 from ..models import build_body
-from ..params import check_arrays, spec_of
-from ..protocol import ArrayGroup
-from ..training import (
-    LossFn,
-    accuracy,
-    cross_entropy_loss,
-    eval_mode,
-    load_arrays,
-    pick_device,
-    predict,
-    run_epochs,
-    state_arrays,
-    to_device,
-)
-from .base import DeviceAlgorithm, FitResult, Task
-from .part_sharing import SHARED, model_partition
-from .repper import recalibrate_batchnorm
+from ..training import LossFn, accuracy, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
+from .base import FitResult, Task
+from .part_sharing import SHARED, PartSharingDevice
 
 log = logging.getLogger(__name__)
 
@@ -140,41 +126,17 @@ def parameters_of(model: nn.Module, parts: tuple[str, ...]) -> list[nn.Parameter
     return [p for name in parts for p in getattr(model, name).parameters()]
 
 
-class DualFedDevice(DeviceAlgorithm):
+class DualFedDevice(PartSharingDevice):
     """Stage (a) trains the main branch, stage (b) the global classifier; both heads predict."""
 
     id = "dualfed"
     Hyper = Hyper
+    shared_parts = SHARED_PARTS
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device = pick_device(self.device_name)
-        self.model = build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed).to(self.device)
-        self.partition = model_partition(self.model, SHARED_PARTS)
-        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
-        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
-        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
-
-    # -- what travels ----------------------------------------------------------------------
-    def load_shared(self, task: Task) -> None:
-        if SHARED in task.groups:
-            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
-            load_arrays(self.model, task.groups[SHARED])
-
-    def shared_state(self) -> ArrayGroup:
-        return state_arrays(self.model, self.partition.shared)
-
-    def personal_state(self) -> ArrayGroup:
-        return state_arrays(self.model, self.partition.personal)
-
-    def load_personal_state(self, arrays: ArrayGroup) -> None:
-        check_arrays("personal", arrays, spec_of(self.personal_state()))
-        load_arrays(self.model, arrays)
+    def build_network(self) -> DualFedNet:
+        return build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed)
 
     # -- local training --------------------------------------------------------------------
-    def generator(self, round_: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
-
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         lr = self.settings.lr if self.hyper.lr is None else self.hyper.lr
         return torch.optim.SGD(params, lr=lr, momentum=self.hyper.momentum)

@@ -38,10 +38,9 @@ from torch import nn
 
 from ..data import DatasetMeta
 from ..models import build_model
-from ..params import spec_of
-from ..training import LossFn, accuracy, eval_mode, state_arrays
+from ..training import LossFn, accuracy, eval_mode
 from .base import Task
-from .part_sharing import PartSharingDevice, model_partition
+from .part_sharing import PartSharingDevice
 
 Q_STREAM = 0xF1D105
 """Second word of the seed of Q's Gaussian draw, so that Q has a random stream of its own."""
@@ -164,20 +163,18 @@ class FediOSDevice(PartSharingDevice):
     Hyper = Hyper
     shared_parts = ("body", "head")
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def build_network(self) -> FediOSNet:
         block, capacity, seed = parse_assignment(self.assignment, self.settings.seed)
         meta = self.data.meta
-        # The PartedNet built by the base class from the federation seed supplies the generic body.
-        body, feature_dim = self.model.body, self.model.feature_dim
+        # The PartedNet of the federation seed supplies the generic body.
+        generic = super().build_network()
+        body, feature_dim = generic.body, generic.feature_dim
         personal_body, _ = seeded_body(self.settings.model, meta, self.client_seed)
         q = orthogonal_columns((capacity + 1) * feature_dim, (block + 1) * feature_dim, seed)
-        self.model = FediOSNet(
+        return FediOSNet(
             body, personal_body, shared_head(feature_dim, capacity, meta.num_classes, self.settings.seed),
             projection(q, 0, feature_dim), projection(q, block, feature_dim), self.hyper.alpha,
-        ).to(self.device)
-        self.partition = model_partition(self.model, self.shared_parts)
-        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
+        )
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
         params = self.model.parameters() if params is None else params

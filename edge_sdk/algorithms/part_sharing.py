@@ -43,19 +43,19 @@ class PartSharingDevice(DeviceAlgorithm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        meta = self.data.meta
         self.device = pick_device(self.device_name)
-        self.model = build_model(
-            self.settings.model,
-            in_channels=meta.channels,
-            num_classes=meta.num_classes,
-            image_size=meta.image_size,
-            seed=self.settings.seed,
-        ).to(self.device)
+        self.model = self.build_network().to(self.device)
         self.partition = model_partition(self.model, self.shared_parts)
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
         self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
         self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+
+    def build_network(self) -> torch.nn.Module:
+        """The device's network, identical on every device for the run's seed; its top-level
+        children are the parts that `shared_parts` names."""
+        meta = self.data.meta
+        return build_model(self.settings.model, in_channels=meta.channels, num_classes=meta.num_classes,
+                           image_size=meta.image_size, seed=self.settings.seed)
 
     # -- what travels ----------------------------------------------------------------------
     def load_shared(self, task: Task) -> None:

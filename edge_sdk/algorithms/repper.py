@@ -44,35 +44,21 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..augment import two_views
 from ..data import DatasetMeta
 from ..losses import supcon_loss
 from ..models import build_body
-from ..params import check_arrays, spec_of
-from ..protocol import ArrayGroup
-from ..training import (
-    LossFn,
-    batches,
-    cross_entropy_loss,
-    eval_mode,
-    load_arrays,
-    pick_device,
-    predict,
-    run_epochs,
-    state_arrays,
-    to_device,
-)
-from .base import DeviceAlgorithm, FitResult, Task
-from .part_sharing import SHARED, model_partition
+from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
+from .base import FitResult, Task
+from .part_sharing import SHARED, PartSharingDevice
 
 log = logging.getLogger(__name__)
 
 HeadKind = Literal["linear", "mlp", "svm", "lr", "mlp_sklearn"]
 
 FEATURE_BATCH = 512
-"""Batch size for feature extraction and BatchNorm recalibration (no gradients)."""
+"""Batch size for feature extraction (no gradients)."""
 
 
 @dataclass(frozen=True)
@@ -126,25 +112,6 @@ def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> Rep
         return RepPerNet(body, feature_dim, hyper.projection_dim)
 
 
-@torch.no_grad()
-def recalibrate_batchnorm(module: nn.Module, x: torch.Tensor) -> None:
-    """Recompute every BatchNorm layer's running statistics as the average over `x` (no training)."""
-    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
-    if not layers or len(x) < 2:
-        return
-    momenta = [layer.momentum for layer in layers]
-    was_training = module.training
-    for layer in layers:
-        layer.reset_running_stats()
-        layer.momentum = None  # cumulative average over the batches
-    module.train()
-    for idx in batches(len(x), FEATURE_BATCH, shuffle=False):
-        module(x[idx])
-    for layer, momentum in zip(layers, momenta):
-        layer.momentum = momentum
-    module.train(was_training)
-
-
 Predictor = Callable[[torch.Tensor], torch.Tensor]
 """Features [N, d] -> predicted labels [N]."""
 
@@ -189,42 +156,21 @@ def fit_sklearn_head(kind: str, features: np.ndarray, labels: np.ndarray, *, hid
         return estimators[kind]().fit(features, labels)
 
 
-class RepPerDevice(DeviceAlgorithm):
+class RepPerDevice(PartSharingDevice):
     """Stage 1 in `fit` (contrastive body training), stage 2 in `evaluate` (personal head)."""
 
     id = "repper"
     Hyper = Hyper
+    shared_parts = SHARED_PARTS
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.device = pick_device(self.device_name)
-        self.model = build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed).to(self.device)
-        self.partition = model_partition(self.model, SHARED_PARTS)
-        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
-        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
-        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
         self.head: Any = None  # the last evaluation's fitted personal head
 
-    # -- what travels ----------------------------------------------------------------------
-    def load_shared(self, task: Task) -> None:
-        if SHARED in task.groups:
-            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
-            load_arrays(self.model, task.groups[SHARED])
-
-    def shared_state(self) -> ArrayGroup:
-        return state_arrays(self.model, self.partition.shared)
-
-    def personal_state(self) -> ArrayGroup:
-        return state_arrays(self.model, self.partition.personal)
-
-    def load_personal_state(self, arrays: ArrayGroup) -> None:
-        check_arrays("personal", arrays, spec_of(self.personal_state()))
-        load_arrays(self.model, arrays)
+    def build_network(self) -> RepPerNet:
+        return build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed)
 
     # -- stage 1: common representation learning -------------------------------------------
-    def generator(self, round_: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
-
     def contrastive_loss(self, generator: torch.Generator) -> LossFn:
         """Eq. (4)-(5) on two augmented views of every image of the batch."""
         channels = self.data.meta.channels

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from edge_sdk.models.cnn import cnn8, cnn28, cnn32
+from edge_sdk.models.cnn import cnn8, cnn8_wide, cnn28, cnn32
 from edge_sdk.models.torchvision_models import mobilenet_v3_small_body, resnet18_body
 
 __all__ = [
@@ -37,6 +37,7 @@ _BodyBuilder = Callable[[int, int], tuple[nn.Module, int]]
 # name -> (builder, the image sizes it accepts; None when any size works)
 _REGISTRY: dict[str, tuple[_BodyBuilder, tuple[int, ...] | None]] = {
     "cnn8": (lambda c, s: cnn8(c), (8,)),
+    "cnn8_wide": (lambda c, s: cnn8_wide(c), (8,)),
     "cnn28": (lambda c, s: cnn28(c), (28,)),
     "cnn32": (lambda c, s: cnn32(c), (32,)),
     "resnet18": (lambda c, s: resnet18_body(c), None),

@@ -33,6 +33,21 @@ def cnn8(in_channels: int) -> tuple[nn.Module, int]:
     return body, feature_dim
 
 
+def cnn8_wide(in_channels: int) -> tuple[nn.Module, int]:
+    """A wider 8x8 body (64 and 128 channels) with cnn8's 128 features: a second architecture for
+    algorithms whose devices may differ in body (DC-PFL)."""
+    feature_dim = 128
+    body = nn.Sequential(
+        *_conv_bn_relu(in_channels, 64, kernel_size=3, padding=1),
+        *_conv_bn_relu(64, 128, kernel_size=3, padding=1),
+        nn.MaxPool2d(2),  # 128 x 4 x 4
+        nn.Flatten(),
+        nn.Linear(128 * 4 * 4, feature_dim),
+        nn.ReLU(inplace=True),
+    )
+    return body, feature_dim
+
+
 def _fedavg_cnn(in_channels: int, flat_dim: int) -> tuple[nn.Module, int]:
     """PFLlib's FedAvgCNN feature extractor with BatchNorm; `flat_dim` depends on the image size."""
     feature_dim = 512

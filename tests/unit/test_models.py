@@ -31,12 +31,12 @@ CASES = [
     ("mobilenet_v3_small", 1, 28),
     ("mobilenet_v3_small", 3, 32),
 ]
-EXPECTED_FEATURES = {"cnn8": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512, "mobilenet_v3_small": 576}
+EXPECTED_FEATURES = {"cnn8": 128, "cnn8_wide": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512, "mobilenet_v3_small": 576}
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def test_model_names_are_the_registry() -> None:
-    assert MODEL_NAMES == ("cnn8", "cnn28", "cnn32", "resnet18", "mobilenet_v3_small")
+    assert MODEL_NAMES == ("cnn8", "cnn8_wide", "cnn28", "cnn32", "resnet18", "mobilenet_v3_small")
 
 
 @pytest.mark.parametrize(("name", "channels", "size"), CASES)
@@ -60,7 +60,7 @@ def test_model_maps_inputs_to_logits_and_features(name: str, channels: int, size
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_build_body_returns_the_feature_dim(name: str) -> None:
     # Prepare
-    size = {"cnn8": 8, "cnn28": 28}.get(name, 32)
+    size = {"cnn8": 8, "cnn8_wide": 8, "cnn28": 28}.get(name, 32)
 
     # Execute
     body, feature_dim = build_body(name, in_channels=3, image_size=size)
