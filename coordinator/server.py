@@ -138,8 +138,8 @@ class Coordinator:
             COORDINATOR,
             run_id=self.run_id,
             round=self.completed,
-            config={"state": state, "incarnation": self.incarnation, "rounds": self.config.rounds,
-                    "algorithm": self.config.algorithm},
+            config={"state": state, "incarnation": self.incarnation, "epoch": self._connections,
+                    "rounds": self.config.rounds, "algorithm": self.config.algorithm},
         )
         self.channel.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 

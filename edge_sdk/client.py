@@ -69,7 +69,7 @@ class EdgeClient:
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
         self.rounds_trained = 0
-        self._incarnation: str | None = None
+        self._announcement: tuple | None = None
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
@@ -148,14 +148,15 @@ class EdgeClient:
             self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
 
     def _on_status(self, status: Envelope) -> None:
-        incarnation = status.config.get("incarnation")
+        # a new coordinator process, or the coordinator back from a broker outage: register again
+        announcement = (status.config.get("incarnation"), status.config.get("epoch"))
         if status.config.get("state") == "finished":
             if status.run_id == self.run_id and self.exit_on_finish:
                 log.info("%s: run %s finished", self.client_id, self.run_id)
                 self._finished = True
             return
-        if incarnation != self._incarnation:
-            self._incarnation = incarnation
+        if announcement != self._announcement:
+            self._announcement = announcement
             self._hello()
 
     def _on_welcome(self, welcome: Envelope) -> None:

@@ -11,6 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -22,10 +25,22 @@ pytestmark = pytest.mark.integration
 FED = "faults"
 
 
+LOGS = Path(tempfile.mkdtemp(prefix="edgepfl-faults-"))
+
+
 def spawn(*args: str) -> subprocess.Popen:
+    """A CLI process whose output goes to a file (a pipe nobody reads could block it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = open(LOGS / f"{uuid.uuid4().hex}.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
+    process.log = log
+    return process
+
+
+def output_of(process: subprocess.Popen) -> str:
+    process.log.seek(0)
+    return process.log.read()
 
 
 def start_devices(url: str, tmp_path, count: int) -> list[subprocess.Popen]:
@@ -36,35 +51,54 @@ def start_devices(url: str, tmp_path, count: int) -> list[subprocess.Popen]:
     ]
 
 
-def start_coordinator(url: str, out, rounds: int, **flags: str) -> subprocess.Popen:
+def start_coordinator(url: str, out, rounds: int, **flags) -> subprocess.Popen:
+    flags = {"clients": 3, "local_epochs": 1, **flags}
     extra = [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     return spawn("coordinator", "--broker", url, "--federation", FED, "--algorithm", "fedavg", "--dataset", "digits",
-                 "--clients", "3", "--rounds", str(rounds), "--local-epochs", "1", "--out", str(out), *extra)
+                 "--rounds", str(rounds), "--out", str(out), *extra)
 
 
 class StatusWatcher:
-    """Follows the coordinator's STATUS messages through a subscription."""
+    """Follows the coordinator's STATUS messages and the devices' HELLOs through a subscription."""
 
     def __init__(self, url: str):
         self.transport = MqttTransport("faults.watcher", MqttSettings(url=url))
         self.transport.connect()
         self.channel = Channel(self.transport, Topics(FED))
         self.transport.subscribe(Topics(FED).broadcast(Kind.STATUS))
+        self.transport.subscribe(f"edgepfl/{FED}/up/+/hello")
+
+    def _next(self, timeout: float, what: str):
+        received = self.channel.receive(timeout)
+        assert received is not None, f"nothing within {timeout} s while waiting for {what}"
+        return received.envelope
 
     def wait_for_round(self, completed: int, timeout: float = 120.0):
         """Block until a status says at least `completed` rounds are done; returns that status."""
         while True:
-            received = self.channel.receive(timeout)
-            assert received is not None, f"no status with {completed} completed rounds within {timeout} s"
-            if received.envelope.round >= completed:
-                return received.envelope
+            envelope = self._next(timeout, f"{completed} completed rounds")
+            if envelope.kind is Kind.STATUS and envelope.round >= completed:
+                return envelope
+
+    def wait_for_hello(self, client_id: str, timeout: float = 120.0) -> None:
+        while True:
+            envelope = self._next(timeout, f"a HELLO from {client_id}")
+            if envelope.kind is Kind.HELLO and envelope.sender == client_id:
+                return
 
     def close(self) -> None:
         self.transport.close()
 
 
+def restart_device(url: str, tmp_path, index: int, count: int, *flags: str) -> subprocess.Popen:
+    return spawn(*flags, "client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}",
+                 "--dataset", "digits", "--clients", str(count), "--index", str(index),
+                 "--state-dir", str(tmp_path / f"dev{index}"), "--device", "cpu")
+
+
 def finish(process: subprocess.Popen, timeout: float = 240) -> str:
-    output, _ = process.communicate(timeout=timeout)
+    process.wait(timeout=timeout)
+    output = output_of(process)
     assert process.returncode == 0, output
     return output
 
@@ -150,25 +184,27 @@ def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_pa
     out = tmp_path / "run"
     devices = start_devices(mosquitto.url, tmp_path, 3)
     watcher = StatusWatcher(mosquitto.url)
-    coordinator = start_coordinator(mosquitto.url, out, rounds=8, min_clients=2, round_timeout=30)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=12, min_clients=2, round_timeout=30, local_epochs=4)
     try:
         watcher.wait_for_round(2)
         devices[2].send_signal(signal.SIGKILL)
         devices[2].wait(timeout=30)
-        devices[2] = spawn("-v", "client", "--broker", mosquitto.url, "--federation", FED, "--client-id", "dev2",
-                           "--dataset", "digits", "--clients", "3", "--index", "2",
-                           "--state-dir", str(tmp_path / "dev2"), "--device", "cpu")
+        devices[2] = restart_device(mosquitto.url, tmp_path, 2, 3, "-v")
+        watcher.wait_for_hello("dev2")
+        rejoined_after = watcher.wait_for_round(0).round
 
         finish(coordinator)
-        restarted_log = devices[2].communicate(timeout=60)[0]
+        devices[2].wait(timeout=60)
+        restarted_log = output_of(devices[2])
     finally:
         watcher.close()
         for process in devices:
             process.kill()
 
     report = json.loads((out / "report.json").read_text())
+    assert rejoined_after < 11, "the device came back with rounds to spare"
     assert "personal state of round" in restarted_log
-    assert report["rounds_completed"] == 8
+    assert report["rounds_completed"] == 12
     assert report["rounds"][-1]["participants"] == 3, "the restarted device trains again"
     assert "dev2" in report["final"]["per_client"]
     assert report["events"].get("rejoined", 0) >= 1
@@ -195,3 +231,46 @@ def test_broker_restart_mid_run_both_sides_reconnect_and_finish(mosquitto, tmp_p
     assert report["events"].get("coordinator_reconnected", 0) >= 1
     assert report["rounds"][-1]["participants"] == 3
     assert recorded_rounds(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_chaos_kills_restarts_and_a_broker_restart(mosquitto, tmp_path):
+    """20 rounds; devices killed and restarted at seeded moments; the broker restarted once."""
+    import random
+
+    rng = random.Random(7)
+    out = tmp_path / "run"
+    count = 4
+    devices = start_devices(mosquitto.url, tmp_path, count)
+    watcher = StatusWatcher(mosquitto.url)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=20, clients=count, min_clients=2, round_timeout=20,
+                                    quorum_grace=5, local_epochs=3)
+    kills = 0
+    try:
+        for round_ in (2, 5, 10, 13):
+            watcher.wait_for_round(round_)
+            victim = rng.randrange(count)
+            devices[victim].send_signal(signal.SIGKILL)
+            devices[victim].wait(timeout=30)
+            kills += 1
+            devices[victim] = restart_device(mosquitto.url, tmp_path, victim, count)
+            watcher.wait_for_hello(f"dev{victim}")
+            if round_ == 5:
+                watcher.wait_for_round(7)
+                watcher.close()
+                mosquitto.stop()
+                mosquitto.start()
+                watcher = StatusWatcher(mosquitto.url)
+
+        finish(coordinator, timeout=400)
+    finally:
+        watcher.close()
+        for process in devices:
+            process.kill()
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds_completed"] == 20
+    assert recorded_rounds(out) == list(range(1, 21))
+    assert report["events"].get("offline", 0) >= kills
+    assert report["events"].get("rejoined", 0) >= kills
+    assert report["events"].get("coordinator_reconnected", 0) >= 1
+    assert report["final"]["personalized_accuracy"]["mean"] > 0.8
