@@ -32,15 +32,20 @@ class Kind(str, Enum):
     HELLO = "hello"  # up: a device registers (capabilities, device type, examples)
     OFFLINE = "offline"  # up: the device's MQTT Last Will; the broker sends it on a lost connection
     TRAIN_RES = "train_res"  # up: the result of local training (shared arrays or statistics)
-    EVAL_RES = "eval_res"  # up: personalized evaluation metrics
+    EVAL_RES = "eval_res"  # up: personalized evaluation metrics (and, if allowed, class prototypes)
+    FETCH = "fetch"  # up: a device asks for a released artifact by sha256
     WELCOME = "welcome"  # down, per device: registration accepted, the run's settings
     TRAIN = "train"  # down, broadcast: one round's task and the shared state
     EVALUATE = "evaluate"  # down, broadcast: evaluate the deployed model
     STATUS = "status"  # down, broadcast, retained: the coordinator's state
+    RELEASE = "release"  # down, broadcast, retained: manifest of the released representation
+    ARTIFACT = "artifact"  # down, per device: the released bytes (chunked), answering FETCH
+    PROTOTYPES = "prototypes"  # down, broadcast, retained: pooled global class means
 
 
-UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES})
-DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS})
+UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT,
+                        Kind.PROTOTYPES})
 
 
 class Reason(str, Enum):
@@ -67,6 +72,7 @@ class Reason(str, Enum):
     CHUNK_CHECKSUM = "chunk_checksum"
     CHUNK_OVERFLOW = "chunk_overflow"
     CHUNK_EXPIRED = "chunk_expired"
+    UNKNOWN_ARTIFACT = "unknown_artifact"
 
 
 class ProtocolError(Exception):

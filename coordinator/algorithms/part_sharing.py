@@ -31,7 +31,7 @@ class PartSharingServer(ServerAlgorithm):
             image_size=meta.image_size,
             seed=self.context.seed,
         )
-        return {SHARED: state_arrays(model, model_partition(model, self.device.shared_parts).shared)}
+        return {SHARED: state_arrays(model, model_partition(model, self.device.shared_parts, self.device.share_statistics).shared)}
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {SHARED: spec_of(self.state[SHARED])}

@@ -8,7 +8,7 @@ evaluation and sends nothing but metrics up.
 from __future__ import annotations
 
 from edge_sdk.algorithms.part_sharing import SHARED, model_partition
-from edge_sdk.algorithms.repper import SHARED_PARTS, RepPerDevice, build_network
+from edge_sdk.algorithms.repper import RepPerDevice, build_network
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
@@ -18,10 +18,12 @@ from .part_sharing import PartSharingServer
 class RepPerServer(PartSharingServer):
     id = "repper"
     Hyper = RepPerDevice.Hyper
+    device = RepPerDevice
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         network = build_network(self.context.model, self.context.meta, self.hyper, self.context.seed)
-        return {SHARED: state_arrays(network, model_partition(network, SHARED_PARTS).shared)}
+        partition = model_partition(network, RepPerDevice.shared_parts, RepPerDevice.share_statistics)
+        return {SHARED: state_arrays(network, partition.shared)}
 
 
 SERVER = RepPerServer

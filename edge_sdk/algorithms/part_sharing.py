@@ -31,21 +31,24 @@ SHARED = "shared"
 """The group name of the shared parameters, down (global) and up (local update)."""
 
 
-def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...]) -> Partition:
-    return partition_by_parts(model.state_dict().keys(), shared_parts, statistics_keys(model))
+def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...], share_statistics: bool = False) -> Partition:
+    """Shared parts' keys are shared; BatchNorm running statistics only with `share_statistics`."""
+    statistics = () if share_statistics else statistics_keys(model)
+    return partition_by_parts(model.state_dict().keys(), shared_parts, statistics)
 
 
 class PartSharingDevice(DeviceAlgorithm):
     """A model whose `shared_parts` are federated and whose other parts are personal."""
 
     shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
+    share_statistics: ClassVar[bool] = False
     deploys_global_model: ClassVar[bool] = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = pick_device(self.device_name)
         self.model = self.build_network().to(self.device)
-        self.partition = model_partition(self.model, self.shared_parts)
+        self.partition = model_partition(self.model, self.shared_parts, self.share_statistics)
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
         self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
         self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)

@@ -16,18 +16,21 @@ epochs of SGD with momentum 0.9 and the run's `--lr`, the paper's eta_c), or `sv
 `lr` (logistic regression) or `mlp_sklearn` with scikit-learn. It reports the test accuracy of
 that head. Intermediate evaluations are the same procedure: a probe of the current body.
 
-Partition: shared = `body` (and `projector` when `projection_dim` > 0) without BatchNorm
-running statistics; personal = the body's BatchNorm running statistics. The head is refitted at
-every evaluation and kept in memory only (`head`), so it is not part of the persisted state.
+Partition: shared = `body` (and `projector` when `projection_dim` > 0) including the body's
+BatchNorm running statistics (Decision below); personal: nothing but the head, which is
+refitted at every evaluation and kept in memory only (`head`).
 Up (TRAIN_RES): group "shared" = the body after local training, and num_examples, loss.
 Down (TRAIN and EVALUATE): group "shared" = the global body. In stage 2 only metrics go up.
 
 Decisions where the paper is open:
+- BatchNorm running statistics are shared here (averaged like the weights), unlike in the other
+  algorithms: the frozen body is released to weak devices (ONNX, no torch) that cannot recompute
+  them, so the representation must carry its own normalization statistics.
 - The head sees the body output r (as in Khosla et al.'s linear evaluation);
   `normalize_features=true` feeds z = r / ||r|| instead (slower to fit at the same lr).
-- `recalibrate_bn` (default on): before extracting features the device recomputes its personal
-  BatchNorm statistics on its own training images with the frozen body (no weight changes).
-  A device that never trained would otherwise normalize with the initial statistics (0, 1).
+- `recalibrate_bn` (default on): before extracting features a trainer device recomputes the
+  BatchNorm statistics on its own training images with the frozen body (no weight changes), a
+  local adaptation the next round's global statistics overwrite.
 - `global_accuracy` is the probe itself: the deployed model is the global body with the
   personal head, and there is no global classifier, so it equals `accuracy`.
 - `projection_dim` > 0 adds a shared projection MLP, Linear(d, d)-ReLU-Linear(d, p), used only
@@ -162,6 +165,7 @@ class RepPerDevice(PartSharingDevice):
     id = "repper"
     Hyper = Hyper
     shared_parts = SHARED_PARTS
+    share_statistics = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,0 +1,160 @@
+"""The protocol state machine every device shares, trainer or weak: no torch here.
+
+A session connects with its Last Will set, subscribes to the broadcast and its own downstream
+topics, registers with HELLO (again after a reconnection, and whenever the retained STATUS
+announces a new coordinator incarnation or connection epoch), joins the run a WELCOME names,
+and answers requests. A repeated request gets the cached reply, message id included, so work
+is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
+(`join`) and which downstream kinds it handles (`handlers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import wire
+from .channel import Channel, Received
+from .chunks import DEFAULT_CHUNK_SIZE
+from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
+from .transport import MqttSettings, MqttTransport
+
+log = logging.getLogger(__name__)
+
+
+class DeviceSession:
+    """One device's connection to a federation. `run()` blocks until the run finishes or `stop`."""
+
+    def __init__(
+        self,
+        client_id: str,
+        *,
+        broker: MqttSettings | str = "mqtt://127.0.0.1:1883",
+        federation: str = "default",
+        state_dir: str | Path = "edgepfl-state",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        exit_on_finish: bool = True,
+        hello_interval: float = 15.0,
+        transport=None,
+    ):
+        self.client_id = check_client_id(client_id)
+        self.topics = Topics(federation)
+        self.state_dir = Path(state_dir)
+        self.exit_on_finish = exit_on_finish
+        self.hello_interval = hello_interval
+        will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        if transport is None:
+            settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
+            transport = MqttTransport(f"{federation}.{client_id}", settings, will=will)
+        self.channel = Channel(transport, self.topics, chunk_size=chunk_size)
+        self.run_id: str | None = None
+        self.joined = False
+        self._announcement: tuple | None = None
+        self._last_hello = float("-inf")
+        self._connections_at_hello = 0
+        self._finished = False
+        self._replies: dict[Kind, Envelope] = {}
+
+    # -- what subclasses provide -----------------------------------------------------------
+    def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
+        """(metrics with num_examples, config with device_type and capabilities) for HELLO."""
+        raise NotImplementedError
+
+    def join(self, welcome: Envelope) -> None:
+        """Set up for the run WELCOME describes (called once per run)."""
+        raise NotImplementedError
+
+    def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
+        """Handlers of the downstream kinds beyond STATUS and WELCOME."""
+        return {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        self.channel.transport.connect()
+        handlers = {Kind.STATUS: self._on_status, Kind.WELCOME: self._on_welcome, **self.handlers()}
+        try:
+            for topic_filter in self.topics.device_subscriptions(self.client_id):
+                self.channel.transport.subscribe(topic_filter)
+            self._hello()
+            while not stop.is_set() and not self._finished:
+                received = self.channel.receive(timeout=0.5)
+                if received is not None:
+                    self._dispatch(received, handlers)
+                elif self._should_hello():
+                    self._hello()
+        finally:
+            self.channel.transport.close()
+
+    def _dispatch(self, received: Received, handlers: dict[Kind, Callable[[Envelope], None]]) -> None:
+        envelope = received.envelope
+        handler = handlers.get(envelope.kind)
+        if handler is None:
+            return
+        try:
+            handler(envelope)
+        except ProtocolError as err:
+            self.channel.reject(err.reason, f"{envelope.kind.value} round {envelope.round}: {err.detail}")
+        except (ValueError, KeyError, TypeError) as exc:  # e.g. a WELCOME naming an unknown algorithm
+            self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
+
+    # -- registration ----------------------------------------------------------------------
+    def _should_hello(self) -> bool:
+        """Register again after a reconnection (the coordinator saw our Last Will), or while no
+        coordinator has answered yet."""
+        reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
+        unanswered = not self.joined and time.monotonic() - self._last_hello > self.hello_interval
+        return reconnected or unanswered
+
+    def _hello(self) -> None:
+        self._last_hello = time.monotonic()
+        self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
+        metrics, config = self.hello()
+        self.send(Kind.HELLO, metrics=metrics, config=config)
+
+    def _on_status(self, status: Envelope) -> None:
+        # a new coordinator process, or the coordinator back from a broker outage: register again
+        announcement = (status.config.get("incarnation"), status.config.get("epoch"))
+        if status.config.get("state") == "finished":
+            if status.run_id == self.run_id and self.exit_on_finish:
+                log.info("%s: run %s finished", self.client_id, self.run_id)
+                self._finished = True
+            return
+        if announcement != self._announcement:
+            self._announcement = announcement
+            self._hello()
+
+    def _on_welcome(self, welcome: Envelope) -> None:
+        if self.joined and welcome.run_id == self.run_id:
+            return  # a repeated registration within the same run
+        self.join(welcome)
+        self.run_id, self.joined = welcome.run_id, True
+        log.info("%s: joined run %s", self.client_id, self.run_id)
+
+    # -- requests and replies --------------------------------------------------------------
+    def send(self, kind: Kind, round_: int = 0, **fields) -> None:
+        envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
+        self.channel.send(self.topics.up(self.client_id, kind), envelope)
+        if kind in (Kind.TRAIN_RES, Kind.EVAL_RES):
+            self._replies[kind] = envelope
+
+    def current(self, envelope: Envelope) -> bool:
+        """True if a request belongs to the joined run and selects this device (re-registers if
+        it belongs to a run this device has not joined)."""
+        if not self.joined or envelope.run_id != self.run_id:
+            self._hello()
+            return False
+        selected = envelope.config.get("selected")
+        return isinstance(selected, list) and self.client_id in selected
+
+    def answered(self, request: Envelope, reply_kind: Kind) -> bool:
+        """A request repeated (after a reconnection, or by a restarted coordinator) gets the same
+        reply again, message id included."""
+        reply = self._replies.get(reply_kind)
+        if reply is None or (reply.run_id, reply.round) != (request.run_id, request.round):
+            return False
+        self.channel.send(self.topics.up(self.client_id, reply_kind), reply)
+        return True
