@@ -11,6 +11,13 @@ import logging
 import sys
 from typing import Any
 
+def bool_flag(value: str) -> bool:
+    """`--flag`, `--flag true` or `--flag false`."""
+    if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1", "yes")
+
+
 RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--algorithm", str, "algorithm id (fedavg, ...)"),
     ("--dataset", str, "digits | fmnist | mnist | cifar10 | cifar100"),
@@ -39,6 +46,9 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--aggregation", str, "mean | median | trimmed_mean (robust rules hold every update of a round)"),
     ("--trim-fraction", float, "share of the largest and of the smallest values dropped by trimmed_mean"),
     ("--clip-norm", float, "clip each update's change to this L2 norm before aggregating (0: off)"),
+    ("--lite-fraction", float, "simulate: this share of the devices are weak ones (ONNX + scikit-learn head)"),
+    ("--head", str, "svm | lr | mlp | ncm: the weak devices' personal head"),
+    ("--release", bool_flag, "export and publish the representation after training (RepPer always does)"),
     ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
     ("--attack", str, "sign_flip | noise | nan | mixed (what the adversaries do)"),
     ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
@@ -57,7 +67,10 @@ def _add_run_flags(parser: argparse.ArgumentParser, *, workers: bool) -> None:
     parser.add_argument("--config", help="TOML file with the same keys as these flags")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="algorithm hyperparameter (repeatable)")
     for flag, kind, text in RUN_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=text)
+        if kind is bool_flag:
+            parser.add_argument(flag, type=kind, nargs="?", const=True, default=None, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=text)
     if workers:
         parser.add_argument("--workers", type=int, default=None, help="device worker processes (default: cores)")
 

@@ -67,6 +67,9 @@ class RunConfig:
     aggregation: str = "mean"
     trim_fraction: float = 0.2
     clip_norm: float = 0.0
+    release: bool = False
+    lite_fraction: float = 0.0
+    head: str = "svm"
     adversaries: int = 0
     attack: str = "sign_flip"
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -107,6 +110,8 @@ class RunConfig:
             (self.max_examples >= 1, "max_examples", "at least 1"),
             (self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive"),
             (0 <= self.adversaries <= self.clients, "adversaries", "between 0 and clients"),
+            (0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)"),
+            (self.head in ("svm", "lr", "mlp", "ncm"), "head", "svm, lr, mlp or ncm"),
             (self.attack in (*ATTACKS, "mixed"), "attack", f"one of {', '.join(ATTACKS)} or mixed"),
             (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
@@ -114,6 +119,8 @@ class RunConfig:
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"{key} must be {what}, got {getattr(self, key)!r}")
+        if self.lite_devices >= self.clients:
+            raise ConfigError(f"lite_fraction {self.lite_fraction} leaves no trainer device among {self.clients}")
         try:
             check_chunk_size(self.chunk_size)
             self.aggregation_settings
@@ -134,6 +141,11 @@ class RunConfig:
         if index >= self.adversaries:
             return None
         return ATTACKS[index % len(ATTACKS)] if self.attack == "mixed" else self.attack
+
+    @property
+    def lite_devices(self) -> int:
+        """How many simulated devices are weak ones: the last ones by index."""
+        return int(round(self.lite_fraction * self.clients))
 
     @property
     def worker_count(self) -> int:
@@ -161,7 +173,7 @@ class RunConfig:
 _DEFINING = {
     "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
     "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
-    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack",
+    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack", "lite_fraction", "head",
 }
 
 

@@ -28,6 +28,7 @@ from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
 from .ledger import Ledger
+from .release import PROTOTYPES, PrototypePool, Release, export_release
 from .report import MetricsLog, summarize, write_report
 from .rounds import Outcome, RoundCollector, select_clients
 from .validation import UpdateLimits, check_update
@@ -86,6 +87,7 @@ class Coordinator:
         self._outstanding: tuple[str, Envelope] | None = None  # the request being collected
         self._status_state = "registering"
         self._connections = getattr(channel.transport, "connections", 0)
+        self.release: Release | None = None
         self.ledger = Ledger(channel, self._resume())
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -126,6 +128,8 @@ class Coordinator:
             self._play_round(round_)
         if not self.ledger.final and self.completed >= self.config.rounds:
             self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
+        if self.config.release or self.algorithm.releases_representation:
+            self._release_phase()
         report = self._report(time.time() - started)
         write_report(self.out, report)
         self._status("finished")
@@ -145,7 +149,7 @@ class Coordinator:
 
     def _await_devices(self) -> None:
         deadline = self.clock() + self.config.registration_timeout
-        while len(self.registry.online("trainer")) < self.config.clients and self.clock() < deadline:
+        while len(self.registry.online()) < self.config.clients and self.clock() < deadline:
             self._serve(min(1.0, deadline - self.clock()), on_reply=self._stale_reply)
         have = len(self.registry.online("trainer"))
         if have < self.config.min_clients:
@@ -170,6 +174,8 @@ class Coordinator:
             self._register(envelope)
         elif envelope.kind is Kind.OFFLINE:
             self._offline(envelope.sender)
+        elif envelope.kind is Kind.FETCH:
+            self._serve_fetch(envelope)
         elif envelope.kind in (Kind.TRAIN_RES, Kind.EVAL_RES):
             if envelope.run_id != self.run_id:
                 self.channel.reject(Reason.WRONG_RUN, f"{envelope.sender}: run {envelope.run_id!r}")
@@ -189,6 +195,18 @@ class Coordinator:
         self._status(self._status_state)
         if self._outstanding is not None:
             self.channel.send(*self._outstanding)
+
+    def _serve_fetch(self, fetch: Envelope) -> None:
+        """Send the released artifact to a registered device that asks for it by sha256."""
+        wanted = fetch.config.get("sha256")
+        if fetch.sender not in self.registry.devices:
+            self.channel.reject(Reason.UNKNOWN_DEVICE, f"FETCH from {fetch.sender}, never registered")
+        elif self.release is None or wanted != self.release.sha256:
+            self.channel.reject(Reason.UNKNOWN_ARTIFACT, f"FETCH of {str(wanted)[:16]!r} from {fetch.sender}")
+        else:
+            artifact = Envelope(Kind.ARTIFACT, COORDINATOR, run_id=self.run_id, round=self.completed,
+                                groups=self.release.artifact(), config={"sha256": self.release.sha256})
+            self.channel.send(self.topics.down(fetch.sender, Kind.ARTIFACT), artifact)
 
     def _stale_reply(self, received: Received) -> None:
         envelope = received.envelope
@@ -339,15 +357,19 @@ class Coordinator:
         collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
     # -- evaluation ------------------------------------------------------------------------
-    def _evaluate(self, round_: int) -> dict[str, dict[str, Any]]:
-        """Every online device evaluates the model it would deploy on its own test split."""
-        targets = self.registry.online()
+    def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
+                  prototypes: PrototypePool | None = None) -> dict[str, dict[str, Any]]:
+        """Devices evaluate the model they would deploy on their own test split: the trainers,
+        and the weak devices once a representation is released. With `prototypes`, the class
+        statistics weak devices send along are validated and pooled into it."""
+        if targets is None:
+            targets = self.registry.online() if self.release else self.registry.online("trainer")
         if not targets:
             return {}
         self._status("evaluating")
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
                            groups=self.algorithm.eval_groups(),
-                           config={"selected": targets, "final": round_ >= self.config.rounds})
+                           config={"selected": targets, "final": round_ >= self.config.rounds, "phase": phase})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self.config.round_timeout, grace=0.0)
         results: dict[str, dict[str, Any]] = {}
@@ -360,6 +382,13 @@ class Coordinator:
             if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
                 self.channel.reject(Reason.MALFORMED, f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
                 return
+            if prototypes is not None and PROTOTYPES in envelope.groups:
+                try:
+                    prototypes.check(envelope.groups[PROTOTYPES], self.registry.devices[envelope.sender].num_examples)
+                except ProtocolError as err:
+                    self.channel.reject(err.reason, f"prototypes from {envelope.sender}: {err.detail}")
+                    return
+                prototypes.add(envelope.groups[PROTOTYPES])
             results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender),
                                         "holdout": envelope.sender in self.holdout, **envelope.metrics}
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
@@ -370,6 +399,33 @@ class Coordinator:
             log.warning("round %d evaluation: no result from %s", round_, ", ".join(sorted(missing)))
         return results
 
+    # -- after training: the released representation --------------------------------------
+    def _release_phase(self) -> None:
+        """Export and publish the representation; pool the weak devices' class prototypes and
+        publish them; then evaluate the whole fleet, weak devices included."""
+        self.release = export_release(self.out)
+        manifest = Envelope(Kind.RELEASE, COORDINATOR, run_id=self.run_id, round=self.completed,
+                            config=self.release.manifest())
+        self.channel.send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
+        self.ledger.event("released", round=self.completed, sha256=self.release.sha256, size=len(self.release.data))
+        self.metrics.append({"event": "release", "round": self.completed, "sha256": self.release.sha256,
+                             "bytes": len(self.release.data), "path": str(self.release.path)})
+        lite = self.registry.online("lite")
+        if lite:
+            meta = DATASETS[self.config.dataset]
+            pool = PrototypePool(meta.num_classes, int(self.release.metadata["feature_dim"]))
+            self._evaluate(self.completed, targets=lite, phase="prototypes", prototypes=pool)
+            if pool.devices:
+                published = Envelope(Kind.PROTOTYPES, COORDINATOR, run_id=self.run_id, round=self.completed,
+                                     groups={PROTOTYPES: pool.result()}, config={"devices": pool.devices})
+                self.channel.send(self.topics.broadcast(Kind.PROTOTYPES), published, retain=True)
+                log.info("published global prototypes pooled from %d devices", pool.devices)
+        self.ledger.final = self._evaluate(self.completed, phase="final")
+        self._checkpoint()
+        summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
+        self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
+                             "devices": len(self.ledger.final)})
+
     # -- the report ------------------------------------------------------------------------
     def _report(self, wall_seconds: float) -> dict[str, Any]:
         rounds = self.ledger.rounds
@@ -378,6 +434,8 @@ class Coordinator:
         summary = summarize(m["accuracy"] for m in final.values() if not m.get("holdout")) or {}
         holdout = summarize(m["accuracy"] for m in final.values() if m.get("holdout"))
         global_summary = summarize(m["global_accuracy"] for m in final.values() if "global_accuracy" in m)
+        by_kind = {kind: summarize(m["accuracy"] for m in final.values() if m.get("kind") == kind and not m.get("holdout"))
+                   for kind in sorted({m.get("kind") for m in final.values()})}
         traffic = self.ledger.traffic()
         return {
             "run_id": self.run_id,
@@ -400,7 +458,9 @@ class Coordinator:
                 "per_client": {cid: final[cid] for cid in sorted(final)},
                 "global_accuracy": global_summary["mean"] if global_summary else None,
                 "holdout_accuracy": holdout,
+                "by_kind": by_kind,
             },
+            "release": self.release.manifest() | {"path": str(self.release.path)} if self.release else None,
             "communication": {
                 "bytes_up": sum(traffic["received"].values()),
                 "bytes_down": sum(traffic["sent"].values()),

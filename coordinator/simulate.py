@@ -47,6 +47,8 @@ class WorkerSpec:
     chunk_size: int
     log_level: int
     attacks: dict[int, str | None]
+    lite_heads: dict[int, str]  # weak devices: index -> head kind
+    models_dir: str
 
 
 def client_id_for(index: int) -> str:
@@ -59,6 +61,7 @@ def _worker_main(spec: WorkerSpec) -> None:
 
     from edge_sdk.client import EdgeClient
     from edge_sdk.data import load_client_data
+    from edge_sdk.lite import LiteClient
 
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -69,9 +72,14 @@ def _worker_main(spec: WorkerSpec) -> None:
                                 seed=spec.seed, alpha=spec.alpha, classes_per_client=spec.classes_per_client,
                                 data_dir=spec.data_dir)
         client_id = client_id_for(index)
-        client = EdgeClient(client_id, data, broker=spec.settings[client_id], federation=spec.federation,
-                            state_dir=Path(spec.state_root) / client_id, device=spec.device,
-                            chunk_size=spec.chunk_size, compute_lock=lock, attack=spec.attacks[index])
+        session = {"broker": spec.settings[client_id], "federation": spec.federation,
+                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.chunk_size}
+        if index in spec.lite_heads:
+            client = LiteClient(client_id, data, head=spec.lite_heads[index],
+                                model_path=Path(spec.models_dir) / f"{client_id}.onnx", **session)
+        else:
+            client = EdgeClient(client_id, data, device=spec.device, compute_lock=lock, attack=spec.attacks[index],
+                                **session)
         thread = threading.Thread(target=client.run, name=client_id, daemon=True)
         thread.start()
         threads.append(thread)
@@ -107,7 +115,9 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
                               str(Path(config.out) / "state"), config.device, config.chunk_size,
-                              logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices})
+                              logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices},
+                              {i: config.head for i in indices if i >= config.clients - config.lite_devices},
+                              str(Path(config.out) / "models"))
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
             workers.append(process)

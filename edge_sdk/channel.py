@@ -55,6 +55,7 @@ class Channel:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         limits: wire.WireLimits = wire.DEFAULT_LIMITS,
         reassembly_budget: int | None = None,
+        repeatable: frozenset[Kind] = frozenset(),
     ):
         self.transport = transport
         self.topics = topics
@@ -62,6 +63,7 @@ class Channel:
         self.limits = limits
         self.rejections: Counter[str] = Counter()
         self.duplicates = 0
+        self.repeatable = repeatable | {Kind.OFFLINE}  # passed on even when seen before
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._reassembler = Reassembler(
             max_blob_bytes=limits.max_message_bytes,
@@ -119,8 +121,8 @@ class Channel:
         except ProtocolError as err:
             self.reject(err.reason, f"{topic}: {err.detail}")
             return None
-        if envelope.kind is not Kind.OFFLINE and self._is_duplicate(envelope):
-            return None  # (a Last Will is the same bytes every time; marking offline is idempotent)
+        if envelope.kind not in self.repeatable and self._is_duplicate(envelope):
+            return None
         return Received(topic, address, envelope)
 
     def _check_sender(self, address: TopicAddress, envelope: Envelope) -> None:

@@ -79,7 +79,7 @@ class EdgeClient(DeviceSession):
             log.info("%s: personal state of round %d restored", self.client_id, saved.round)
 
     def _on_train(self, envelope: Envelope) -> None:
-        if not self.current(envelope) or self.answered(envelope, Kind.TRAIN_RES):
+        if not self.current(envelope) or self.answered(envelope):
             return
         task = Task(envelope.round, envelope.groups, envelope.config)
         with self._compute_lock:
@@ -90,11 +90,11 @@ class EdgeClient(DeviceSession):
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)
-        self.send(Kind.TRAIN_RES, envelope.round, groups=groups, metrics=result.metrics)
+        self.send(Kind.TRAIN_RES, envelope.round, request=envelope, groups=groups, metrics=result.metrics)
 
     def _on_evaluate(self, envelope: Envelope) -> None:
-        if not self.current(envelope) or self.answered(envelope, Kind.EVAL_RES):
+        if not self.current(envelope) or self.answered(envelope):
             return
         with self._compute_lock:
             metrics = self.algorithm.evaluate(Task(envelope.round, envelope.groups, envelope.config))
-        self.send(Kind.EVAL_RES, envelope.round, metrics=metrics)
+        self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)

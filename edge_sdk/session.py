@@ -3,8 +3,8 @@
 A session connects with its Last Will set, subscribes to the broadcast and its own downstream
 topics, registers with HELLO (again after a reconnection, and whenever the retained STATUS
 announces a new coordinator incarnation or connection epoch), joins the run a WELCOME names,
-and answers requests. A repeated request gets the cached reply, message id included, so work
-is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
+and answers requests. A repeated request (same message id) gets the cached reply, message id
+included, so work is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
 (`join`) and which downstream kinds it handles (`handlers`).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_clien
 from .transport import MqttSettings, MqttTransport
 
 log = logging.getLogger(__name__)
+
+MAX_CACHED_REPLIES = 16
 
 
 class DeviceSession:
@@ -49,14 +52,17 @@ class DeviceSession:
         if transport is None:
             settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
             transport = MqttTransport(f"{federation}.{client_id}", settings, will=will)
-        self.channel = Channel(transport, self.topics, chunk_size=chunk_size)
+        # repeated requests reach `answered`, which sends the cached reply (a Last Will is the same
+        # bytes every time, and marking a device offline is idempotent)
+        self.channel = Channel(transport, self.topics, chunk_size=chunk_size,
+                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}))
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
-        self._replies: dict[Kind, Envelope] = {}
+        self._replies: OrderedDict[str, Envelope] = OrderedDict()  # request msg_id -> our reply
 
     # -- what subclasses provide -----------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
@@ -135,11 +141,14 @@ class DeviceSession:
         log.info("%s: joined run %s", self.client_id, self.run_id)
 
     # -- requests and replies --------------------------------------------------------------
-    def send(self, kind: Kind, round_: int = 0, **fields) -> None:
+    def send(self, kind: Kind, round_: int = 0, *, request: Envelope | None = None, **fields) -> None:
+        """Publish an envelope; a reply to `request` is kept so a repeat of it gets the same one."""
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
         self.channel.send(self.topics.up(self.client_id, kind), envelope)
-        if kind in (Kind.TRAIN_RES, Kind.EVAL_RES):
-            self._replies[kind] = envelope
+        if request is not None:
+            self._replies[request.msg_id] = envelope
+            while len(self._replies) > MAX_CACHED_REPLIES:
+                self._replies.popitem(last=False)
 
     def current(self, envelope: Envelope) -> bool:
         """True if a request belongs to the joined run and selects this device (re-registers if
@@ -150,11 +159,11 @@ class DeviceSession:
         selected = envelope.config.get("selected")
         return isinstance(selected, list) and self.client_id in selected
 
-    def answered(self, request: Envelope, reply_kind: Kind) -> bool:
-        """A request repeated (after a reconnection, or by a restarted coordinator) gets the same
-        reply again, message id included."""
-        reply = self._replies.get(reply_kind)
-        if reply is None or (reply.run_id, reply.round) != (request.run_id, request.round):
+    def answered(self, request: Envelope) -> bool:
+        """A request repeated (QoS 1 redelivery, or re-published after a broker outage) gets the
+        same reply again, message id included; True if it was one."""
+        reply = self._replies.get(request.msg_id)
+        if reply is None:
             return False
-        self.channel.send(self.topics.up(self.client_id, reply_kind), reply)
+        self.channel.send(self.topics.up(self.client_id, reply.kind), reply)
         return True

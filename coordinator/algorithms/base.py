@@ -36,6 +36,8 @@ class ServerAlgorithm(ABC):
 
     id: ClassVar[str]
     Hyper: ClassVar[type] = NoHyper
+    releases_representation: ClassVar[bool] = False
+    """True when the algorithm's product is a frozen representation to release after training."""
 
     def __init__(self, hyper: Any, context: ServerContext):
         self.hyper = hyper

@@ -19,6 +19,7 @@ class RepPerServer(PartSharingServer):
     id = "repper"
     Hyper = RepPerDevice.Hyper
     device = RepPerDevice
+    releases_representation = True
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         network = build_network(self.context.model, self.context.meta, self.hyper, self.context.seed)
