@@ -61,7 +61,6 @@ def _worker_main(spec: WorkerSpec) -> None:
 
     from edge_sdk.client import EdgeClient
     from edge_sdk.data import load_client_data
-    from edge_sdk.lite import LiteClient
 
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -75,6 +74,8 @@ def _worker_main(spec: WorkerSpec) -> None:
         session = {"broker": spec.settings[client_id], "federation": spec.federation,
                    "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.chunk_size}
         if index in spec.lite_heads:
+            from edge_sdk.lite import LiteClient
+
             client = LiteClient(client_id, data, head=spec.lite_heads[index],
                                 model_path=Path(spec.models_dir) / f"{client_id}.onnx", **session)
         else:
