@@ -51,6 +51,7 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--release", bool_flag, "export and publish the representation after training (RepPer always does)"),
     ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
     ("--attack", str, "sign_flip | noise | nan | mixed (what the adversaries do)"),
+    ("--amp", bool_flag, "automatic mixed precision on CUDA devices"),
     ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
     ("--mqtt-protocol", str, "auto | 5 | 3.1.1"),
     ("--username", str, "MQTT username"),
@@ -166,7 +167,7 @@ def cmd_client(args: argparse.Namespace) -> int:
                                 data_dir=args.data_dir)
     settings = MqttSettings(url=args.broker, username=args.username, password=args.password, ca_file=args.ca_file,
                             cert_file=args.cert_file, key_file=args.key_file, protocol=args.protocol)
-    client = EdgeClient(args.client_id, data, broker=settings, federation=args.federation,
+    client = EdgeClient(args.client_id, data, broker=settings, federation=args.federation, amp=args.amp,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
     client.run()
     return 0
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--seed", type=int, default=0)
     client.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
     client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    client.add_argument("--amp", action="store_true", help="automatic mixed precision on CUDA")
     _add_connection_flags(client)
     client.set_defaults(handler=cmd_client)
 

@@ -77,6 +77,7 @@ class RunConfig:
     broker: str | None = None
     workers: int = 0
     device: str = "auto"
+    amp: bool = False
     mqtt_protocol: str = "auto"
     username: str | None = None
     password: str | None = None

@@ -44,6 +44,7 @@ class WorkerSpec:
     seed: int
     state_root: str
     device: str
+    amp: bool
     chunk_size: int
     log_level: int
     attacks: dict[int, str | None]
@@ -79,8 +80,8 @@ def _worker_main(spec: WorkerSpec) -> None:
             client = LiteClient(client_id, data, head=spec.lite_heads[index],
                                 model_path=Path(spec.models_dir) / f"{client_id}.onnx", **session)
         else:
-            client = EdgeClient(client_id, data, device=spec.device, compute_lock=lock, attack=spec.attacks[index],
-                                **session)
+            client = EdgeClient(client_id, data, device=spec.device, amp=spec.amp, compute_lock=lock,
+                                attack=spec.attacks[index], **session)
         thread = threading.Thread(target=client.run, name=client_id, daemon=True)
         thread.start()
         threads.append(thread)
@@ -115,7 +116,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
             spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
-                              str(Path(config.out) / "state"), config.device, config.chunk_size,
+                              str(Path(config.out) / "state"), config.device, config.amp, config.chunk_size,
                               logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices},
                               {i: config.head for i in indices if i >= config.clients - config.lite_devices},
                               str(Path(config.out) / "models"))

@@ -23,6 +23,7 @@ from .data import ClientData
 from .protocol import Envelope, Kind
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
+from .training import mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class EdgeClient(DeviceSession):
         device: str = "auto",
         compute_lock: threading.Lock | None = None,
         attack: str | None = None,
+        amp: bool = False,
         **session: Any,
     ):
         super().__init__(client_id, **session)
@@ -48,6 +50,7 @@ class EdgeClient(DeviceSession):
         if attack is not None:
             log.warning("%s behaves as an adversary: its uploads are corrupted (%s)", client_id, attack)
         self._compute_lock = compute_lock or nullcontext()
+        self.amp = amp
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
         self.rounds_trained = 0
@@ -56,7 +59,7 @@ class EdgeClient(DeviceSession):
         import torch
 
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
-        config = {"device_type": "trainer", "accelerator": self.device, "torch": torch.__version__,
+        config = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp, "torch": torch.__version__,
                   "dataset": self.data.meta.name, "algorithms": list(algorithms.ALGORITHM_IDS)}
         return metrics, config
 
@@ -82,7 +85,7 @@ class EdgeClient(DeviceSession):
         if not self.current(envelope) or self.answered(envelope):
             return
         task = Task(envelope.round, envelope.groups, envelope.config)
-        with self._compute_lock:
+        with self._compute_lock, mixed_precision(self.amp):
             result = self.algorithm.fit(task)
         self.rounds_trained = envelope.round
         self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, self.algorithm.personal_state()))

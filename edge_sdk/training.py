@@ -7,6 +7,8 @@ copied without blocking.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, Iterator
 
 import numpy as np
@@ -64,19 +66,46 @@ def run_epochs(
     batch_size: int,
     generator: torch.Generator,
 ) -> float:
-    """Minimize `loss_fn` over (x, y) for `epochs`; returns the mean loss of the last epoch."""
+    """Minimize `loss_fn` over (x, y) for `epochs`; returns the mean loss of the last epoch.
+
+    Inside `mixed_precision(True)` on a CUDA device the forward pass runs under autocast (fp16)
+    with a gradient scaler. The loss is summed on the device and read once per epoch, so the
+    loop does not synchronize with the GPU at every batch.
+    """
+    amp = _AMP.get() and x.device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda") if amp else None
     mean_loss = float("nan")
     for _ in range(epochs):
-        total, count = 0.0, 0
+        total, count = torch.zeros((), device=x.device), 0
         for idx in batches(len(y), batch_size, shuffle=True, generator=generator):
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(x[idx], y[idx])
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(idx)
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                loss = loss_fn(x[idx], y[idx])
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            total += loss.detach().float() * len(idx)
             count += len(idx)
-        mean_loss = total / max(count, 1)
+        mean_loss = float(total) / max(count, 1)
     return mean_loss
+
+
+_AMP: contextvars.ContextVar[bool] = contextvars.ContextVar("edgepfl_amp", default=False)
+
+
+@contextlib.contextmanager
+def mixed_precision(enabled: bool):
+    """Within the block, `run_epochs` on CUDA uses automatic mixed precision (a device-local
+    choice: the same run may have AMP on a GPU device and full precision elsewhere)."""
+    token = _AMP.set(enabled)
+    try:
+        yield
+    finally:
+        _AMP.reset(token)
 
 
 @torch.no_grad()

@@ -1,0 +1,34 @@
+"""GPU smoke test: a trainer device's local round on CUDA with AMP, where CUDA exists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.algorithms.base import ServerContext
+from coordinator.algorithms.fedavg import FedAvgServer
+from edge_sdk.algorithms.base import NoHyper, Task, TrainSettings
+from edge_sdk.algorithms.fedavg import FedAvgDevice
+from edge_sdk.data import load_client_data
+from edge_sdk.training import mixed_precision, pick_device
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def test_fedavg_round_on_cuda_with_amp_returns_host_arrays():
+    data = load_client_data("digits", num_clients=2, index=0, seed=0)
+    settings = TrainSettings(model="cnn8", rounds=1, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+    server = FedAvgServer(NoHyper(), ServerContext("cnn8", data.meta, seed=0, rounds=1, clients=2))
+    device = FedAvgDevice(NoHyper(), settings, data, "cuda", client_seed=1)
+
+    with mixed_precision(True):
+        result = device.fit(Task(1, server.state, {"selected": ["dev0"]}))
+    metrics = device.evaluate(Task(1, server.state, {"selected": ["dev0"]}))
+
+    assert pick_device("auto").type == "cuda"
+    assert next(device.model.parameters()).device.type == "cuda"
+    assert device.train_x.is_cuda
+    assert np.isfinite(result.metrics["loss"])
+    assert all(isinstance(a, np.ndarray) and np.isfinite(a).all() for a in result.groups["shared"].values())
+    assert 0.0 <= metrics["accuracy"] <= 1.0
