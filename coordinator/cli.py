@@ -51,6 +51,7 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--release", bool_flag, "export and publish the representation after training (RepPer always does)"),
     ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
     ("--attack", str, "sign_flip | noise | nan | mixed (what the adversaries do)"),
+    ("--upload-codec", str, "fp32 | fp16 | int8: how devices encode their uploads (changes from the broadcast)"),
     ("--amp", bool_flag, "automatic mixed precision on CUDA devices"),
     ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
     ("--mqtt-protocol", str, "auto | 5 | 3.1.1"),

@@ -19,6 +19,7 @@ from edge_sdk.config import ConfigError, from_mapping, load_toml
 from edge_sdk.data import DATASETS, PARTITIONS
 from edge_sdk.models import MODEL_NAMES, default_model_for
 from edge_sdk.attacks import ATTACKS
+from edge_sdk.codecs import CODECS
 from edge_sdk.transport import MqttSettings
 
 from .robust import AggregationSettings
@@ -78,6 +79,7 @@ class RunConfig:
     workers: int = 0
     device: str = "auto"
     amp: bool = False
+    upload_codec: str = "fp32"
     mqtt_protocol: str = "auto"
     username: str | None = None
     password: str | None = None
@@ -113,6 +115,7 @@ class RunConfig:
             (0 <= self.adversaries <= self.clients, "adversaries", "between 0 and clients"),
             (0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)"),
             (self.head in ("svm", "lr", "mlp", "ncm"), "head", "svm, lr, mlp or ncm"),
+            (self.upload_codec in CODECS, "upload_codec", f"one of {', '.join(CODECS)}"),
             (self.attack in (*ATTACKS, "mixed"), "attack", f"one of {', '.join(ATTACKS)} or mixed"),
             (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
@@ -174,7 +177,7 @@ class RunConfig:
 _DEFINING = {
     "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
     "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
-    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack", "lite_fraction", "head",
+    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack", "lite_fraction", "head", "upload_codec",
 }
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import to_plain
 from edge_sdk.data import DATASETS
@@ -245,6 +246,7 @@ class Coordinator:
                     "batch_size": self.config.batch_size,
                     "lr": self.config.lr,
                     "seed": self.config.seed,
+                    "upload_codec": self.config.upload_codec,
                 },
             },
         )
@@ -347,8 +349,10 @@ class Coordinator:
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
         registered = self.registry.devices[envelope.sender].num_examples
+        spec = self.algorithm.update_spec(round_)
         try:
-            weight = check_update(envelope, self.algorithm.update_spec(round_), sent, registered, self.limits)
+            envelope = replace(envelope, groups=codecs.decode(self.config.upload_codec, envelope.groups, sent, spec))
+            weight = check_update(envelope, spec, sent, registered, self.limits)
             self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"update from {envelope.sender}: {err.detail}")

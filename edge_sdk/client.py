@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, codecs
 from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from .attacks import corrupt
 from .config import from_mapping
@@ -89,7 +89,7 @@ class EdgeClient(DeviceSession):
             result = self.algorithm.fit(task)
         self.rounds_trained = envelope.round
         self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, self.algorithm.personal_state()))
-        groups = result.groups
+        groups = codecs.encode(self.algorithm.settings.upload_codec, result.groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)

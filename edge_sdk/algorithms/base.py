@@ -30,6 +30,7 @@ class TrainSettings:
     batch_size: int
     lr: float
     seed: int
+    upload_codec: str = "fp32"
 
 
 @dataclass

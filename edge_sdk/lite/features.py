@@ -27,7 +27,7 @@ PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CP
 
 
 class RepresentationError(ValueError):
-    """A model that does not follow the representation contract (input `input`, output `features`)."""
+    """A model onnxruntime cannot load, or one without the contract's `input` and `features`."""
 
 
 def choose_providers(providers: str | Sequence[str] = "auto") -> list[str]:
@@ -55,7 +55,10 @@ class FeatureExtractor:
 
     def __init__(self, model: bytes | str | Path, providers: str | Sequence[str] = "auto"):
         source = model if isinstance(model, bytes) else str(model)
-        self.session = ort.InferenceSession(source, providers=choose_providers(providers))
+        try:
+            self.session = ort.InferenceSession(source, providers=choose_providers(providers))
+        except Exception as exc:  # onnxruntime's binding errors share no base class below Exception
+            raise RepresentationError(f"onnxruntime cannot load the representation: {exc}") from exc
         inputs = [i.name for i in self.session.get_inputs()]
         outputs = [o.name for o in self.session.get_outputs()]
         if INPUT_NAME not in inputs or OUTPUT_NAME not in outputs:

@@ -1,0 +1,294 @@
+"""The weak-device client: personalize a released representation with onnxruntime and scikit-learn.
+
+A lite device never trains the representation. It registers (HELLO), joins a run (WELCOME),
+learns of the run's released representation from the retained RELEASE manifest, fetches the
+ONNX bytes it does not have yet (FETCH -> ARTIFACT, verified against the manifest's sha256 and
+cached under `<state_dir>/artifacts/<sha256>.onnx`), and on EVALUATE embeds its train and test
+splits, fits its personal head (global PROTOTYPES help the `ncm` head), writes the
+personalized model (body + head, one ONNX file) atomically and reports its test accuracy, with
+its class means when it shares prototypes. Nothing in its import chain imports torch.
+
+Retained manifests and prototypes may belong to another run, or arrive before WELCOME: the
+latest of each kind is kept and used once the device has joined the run it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from ..data import ClientData
+from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
+from ..session import DeviceSession
+from ..store import write_atomic
+from .compose import compose
+from .features import FeatureExtractor
+from .heads import HEADS, Head, Prototypes, class_statistics, fit_head
+
+log = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Release:
+    """A RELEASE manifest: which bytes make the run's representation."""
+
+    run_id: str
+    round: int
+    sha256: str
+    size: int
+    metadata: dict[str, Any]
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> "Release":
+        config = envelope.config
+        sha, size = config.get("sha256"), config.get("size")
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            raise ProtocolError(Reason.MALFORMED, f"release sha256 {sha!r} is not 64 lowercase hex digits")
+        if not isinstance(size, int) or size < 1 or config.get("format") != "onnx":
+            raise ProtocolError(Reason.MALFORMED, f"release of size {size!r} and format {config.get('format')!r}")
+        metadata = config.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ProtocolError(Reason.MALFORMED, "release metadata is not a mapping")
+        return cls(envelope.run_id, envelope.round, sha, size, metadata)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The last evaluation: the head, its test predictions and the personalized model's path."""
+
+    round: int
+    accuracy: float
+    head: Head
+    predictions: np.ndarray
+    model_path: Path
+
+
+class LiteClient(DeviceSession):
+    """One weak device. `run()` blocks until the run finishes or `stop` is set."""
+
+    def __init__(
+        self,
+        client_id: str,
+        data: ClientData,
+        *,
+        head: str = "svm",
+        providers: str | list[str] = "auto",
+        share_prototypes: bool = True,
+        model_path: str | Path | None = None,
+        seed: int = 0,
+        max_fetches: int = 3,
+        fetch_timeout: float = 60.0,
+        **session: Any,
+    ):
+        super().__init__(client_id, **session)
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r}; known heads: {', '.join(HEADS)}")
+        self.data = data
+        self.head_kind = head
+        self.providers = providers
+        self.share_prototypes = share_prototypes
+        self.model_path = Path(model_path) if model_path is not None else self.state_dir / "personalized.onnx"
+        self.seed = seed
+        self.max_fetches = max_fetches
+        self.fetch_timeout = fetch_timeout
+        self.release: Release | None = None
+        self.prototypes: Prototypes | None = None
+        self.evaluation: Evaluation | None = None
+        self._unjoined: dict[Kind, Envelope] = {}  # the latest RELEASE / PROTOTYPES of another run
+        self._body: bytes | None = None
+        self._loaded: str | None = None  # sha256 of the representation in `_extractor`
+        self._extractor: FeatureExtractor | None = None
+        self._features: tuple[str, np.ndarray, np.ndarray] | None = None  # (sha256, train, test)
+        self._waiting: Envelope | None = None  # an EVALUATE that arrived before the artifact
+        self._fetches: Counter[str] = Counter()
+        self._fetched_at: dict[str, float] = {}
+
+    # -- the session's hooks ---------------------------------------------------------------
+    def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
+        metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
+        config = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
+                  "onnxruntime": ort.__version__, "dataset": self.data.meta.name}
+        return metrics, config
+
+    def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
+        return {Kind.RELEASE: self._on_release, Kind.ARTIFACT: self._on_artifact,
+                Kind.PROTOTYPES: self._on_prototypes, Kind.EVALUATE: self._on_evaluate}
+
+    def join(self, welcome: Envelope) -> None:
+        # the session records the run after `join` returns; a FETCH sent from here needs it now
+        self.run_id = welcome.run_id
+        self.release, self.prototypes, self._waiting = None, None, None
+        early = {kind: env for kind, env in self._unjoined.items() if env.run_id == welcome.run_id}
+        self._unjoined = {kind: env for kind, env in self._unjoined.items() if kind not in early}
+        if Kind.PROTOTYPES in early:
+            self.prototypes = self._parse_prototypes(early[Kind.PROTOTYPES])
+        if Kind.RELEASE in early:
+            self._activate(Release.from_envelope(early[Kind.RELEASE]))
+
+    # -- the released representation -------------------------------------------------------
+    def artifact_path(self, sha256: str) -> Path:
+        return self.state_dir / "artifacts" / f"{sha256}.onnx"
+
+    @property
+    def ready(self) -> bool:
+        """True when the joined run's released representation is loaded."""
+        return self.release is not None and self._loaded == self.release.sha256
+
+    def _on_release(self, envelope: Envelope) -> None:
+        release = Release.from_envelope(envelope)
+        if not self.joined or envelope.run_id != self.run_id:
+            self._unjoined[Kind.RELEASE] = envelope
+            return
+        self._activate(release)
+
+    def _activate(self, release: Release) -> None:
+        if self.release == release and self.ready:
+            return  # the retained manifest again (after a reconnection)
+        self.release = release
+        log.info("%s: release %s of round %d (%d bytes)", self.client_id, release.sha256[:12], release.round,
+                 release.size)
+        if self._load_cached(release):
+            self._answer_waiting()
+        else:
+            self._fetch(release)
+
+    def _load_cached(self, release: Release) -> bool:
+        path = self.artifact_path(release.sha256)
+        if not path.exists():
+            return False
+        body = path.read_bytes()
+        if hashlib.sha256(body).hexdigest() != release.sha256:
+            log.warning("%s: cached artifact %s is damaged; fetching it again", self.client_id, path)
+            path.unlink()
+            return False
+        self._load(body, release.sha256)
+        return True
+
+    def _load(self, body: bytes, sha256: str) -> None:
+        self._extractor = FeatureExtractor(body, self.providers)
+        self._body, self._loaded = body, sha256
+
+    def _fetch(self, release: Release, *, again: bool = False) -> None:
+        """Ask for the artifact, unless a request is in flight (younger than `fetch_timeout`) and
+        `again` (the last answer was damaged) is not set."""
+        sha = release.sha256
+        if not again and time.monotonic() - self._fetched_at.get(sha, float("-inf")) < self.fetch_timeout:
+            return
+        if self._fetches[sha] >= self.max_fetches:
+            log.error("%s: artifact %s not received intact after %d requests", self.client_id, sha[:12],
+                      self._fetches[sha])
+            return
+        self._fetches[sha] += 1
+        self._fetched_at[sha] = time.monotonic()
+        self.send(Kind.FETCH, release.round, config={"sha256": sha})
+
+    def _on_artifact(self, envelope: Envelope) -> None:
+        release = self.release
+        sha = envelope.config.get("sha256")
+        if release is None or envelope.run_id != self.run_id or sha != release.sha256:
+            raise ValidationError(Reason.UNKNOWN_ARTIFACT, f"artifact {sha!r} is not the joined run's release")
+        if self.ready:
+            return  # a second answer to a repeated FETCH
+        data = envelope.groups.get("artifact", {}).get("onnx")
+        if data is None or data.dtype != np.uint8 or data.ndim != 1:
+            raise ProtocolError(Reason.MALFORMED, "an artifact carries group 'artifact' with a uint8 vector 'onnx'")
+        body = data.tobytes()
+        digest = hashlib.sha256(body).hexdigest()
+        if digest != release.sha256 or len(body) != release.size:
+            self.channel.reject(Reason.CHUNK_CHECKSUM, f"artifact {release.sha256[:12]}: {len(body)} bytes "
+                                f"hashing to {digest[:12]}, the manifest says {release.size}")
+            self._fetch(release, again=True)
+            return
+        self._load(body, release.sha256)
+        write_atomic(self.artifact_path(release.sha256), body)
+        log.info("%s: artifact %s cached", self.client_id, release.sha256[:12])
+        self._answer_waiting()
+
+    # -- global prototypes -----------------------------------------------------------------
+    def _on_prototypes(self, envelope: Envelope) -> None:
+        prototypes = self._parse_prototypes(envelope)
+        if not self.joined or envelope.run_id != self.run_id:
+            self._unjoined[Kind.PROTOTYPES] = envelope
+            return
+        self.prototypes = prototypes
+
+    def _parse_prototypes(self, envelope: Envelope) -> Prototypes:
+        group = envelope.groups.get("prototypes", {})
+        counts, means = group.get("counts"), group.get("means")
+        classes = self.data.meta.num_classes
+        if counts is None or means is None:
+            raise ProtocolError(Reason.MALFORMED, "prototypes carry 'counts' and 'means'")
+        if counts.shape != (classes,) or means.ndim != 2 or means.shape[0] != classes:
+            raise ProtocolError(Reason.BAD_SHAPE, f"prototypes {list(counts.shape)}/{list(means.shape)} for "
+                                f"{classes} classes")
+        if not np.issubdtype(counts.dtype, np.integer) or not np.issubdtype(means.dtype, np.floating):
+            raise ProtocolError(Reason.BAD_DTYPE, f"prototypes of dtypes {counts.dtype}/{means.dtype}")
+        if not np.isfinite(means).all() or (counts < 0).any():
+            raise ProtocolError(Reason.NON_FINITE, "prototypes with non-finite means or negative counts")
+        return counts.astype(np.int64), means.astype(np.float32)
+
+    def _global_prototypes(self, feature_dim: int) -> Prototypes | None:
+        if self.prototypes is not None and self.prototypes[1].shape[1] != feature_dim:
+            log.warning("%s: global prototypes have %d features, the representation %d: ignored", self.client_id,
+                        self.prototypes[1].shape[1], feature_dim)
+            return None
+        return self.prototypes
+
+    # -- evaluation ------------------------------------------------------------------------
+    def _on_evaluate(self, envelope: Envelope) -> None:
+        if not self.current(envelope) or self.answered(envelope, Kind.EVAL_RES):
+            return
+        if self.ready:
+            self._evaluate(envelope)
+            return
+        self._waiting = envelope
+        log.info("%s: evaluation of round %d waits for the artifact", self.client_id, envelope.round)
+        if self.release is not None:
+            self._fetch(self.release)  # unless a request is in flight: its answer may have been lost
+
+    def _answer_waiting(self) -> None:
+        request, self._waiting = self._waiting, None
+        if request is not None and request.run_id == self.run_id and not self.answered(request, Kind.EVAL_RES):
+            self._evaluate(request)
+
+    def _embedded(self) -> tuple[np.ndarray, np.ndarray]:
+        """Train and test features, embedded once per artifact."""
+        sha = self.release.sha256
+        if self._features is None or self._features[0] != sha:
+            started = time.perf_counter()
+            train = self._extractor.embed(self.data.train_x)
+            test = self._extractor.embed(self.data.test_x)
+            log.info("%s: %d images embedded in %.2f s", self.client_id, len(train) + len(test),
+                     time.perf_counter() - started)
+            self._features = (sha, train, test)
+        return self._features[1], self._features[2]
+
+    def _evaluate(self, request: Envelope) -> None:
+        train, test = self._embedded()
+        classes = self.data.meta.num_classes
+        head = fit_head(self.head_kind, train, self.data.train_y, num_classes=classes,
+                        prototypes=self._global_prototypes(train.shape[1]), seed=self.seed)
+        predictions = head.predict(test)
+        accuracy = float(np.mean(predictions == self.data.test_y)) if self.data.num_test else 0.0
+        compose(self._body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
+                metadata={**self._extractor.metadata, "head": head.kind})
+        groups = {}
+        if self.share_prototypes:
+            counts, means = class_statistics(train, self.data.train_y, classes)
+            groups["prototypes"] = {"counts": counts, "means": means}
+        self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path)
+        log.info("%s: %s head, accuracy %.4f on %d test examples", self.client_id, head.kind, accuracy,
+                 self.data.num_test)
+        self.send(Kind.EVAL_RES, request.round, groups=groups,
+                  metrics={"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train})
