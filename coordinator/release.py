@@ -4,7 +4,8 @@ After training, an algorithm whose global state holds a whole body (RepPer; any 
 request) has that body exported to ONNX. The coordinator publishes a small retained manifest
 (sha256, size, metadata), so devices that join later still see it, and sends the bytes to each
 device that asks (FETCH), chunked, on the device's own topic. Weak devices report class counts
-and feature means; `PrototypePool` pools them, weighted by counts, into global prototypes.
+and feature means; `PrototypePool` pools them, weighted by counts, into global prototypes that
+go out with the final evaluation.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ class PrototypePool:
         counts, means = arrays.get("counts"), arrays.get("means")
         if set(arrays) != {"counts", "means"} or counts is None or means is None:
             raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"prototypes must be counts and means, got {sorted(arrays)}")
-        if counts.shape != (self.num_classes,) or counts.dtype.kind not in "iu":
-            raise ValidationError(Reason.BAD_SHAPE, f"counts {counts.dtype}{list(counts.shape)}, want int[{self.num_classes}]")
-        if means.shape != (self.num_classes, self.dim) or means.dtype.kind != "f":
+        if counts.dtype.kind not in "iu" or means.dtype.kind != "f":
+            raise ValidationError(Reason.BAD_DTYPE, f"counts {counts.dtype}, means {means.dtype}: want int, float")
+        if counts.shape != (self.num_classes,):
+            raise ValidationError(Reason.BAD_SHAPE, f"counts {list(counts.shape)}, want [{self.num_classes}]")
+        if means.shape != (self.num_classes, self.dim):
             raise ValidationError(Reason.BAD_SHAPE,
                                   f"means {means.dtype}{list(means.shape)}, want float[{self.num_classes}, {self.dim}]")
         if not np.isfinite(means).all():

@@ -22,7 +22,7 @@ from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import to_plain
 from edge_sdk.data import DATASETS
-from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
+from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
@@ -194,13 +194,17 @@ class Coordinator:
         log.warning("broker connection re-established; publishing status and the open request again")
         self.ledger.event("coordinator_reconnected", round=self.completed + 1)
         self._status(self._status_state)
+        if self.release is not None:
+            self._publish_release()
         if self._outstanding is not None:
             self.channel.send(*self._outstanding)
 
     def _serve_fetch(self, fetch: Envelope) -> None:
         """Send the released artifact to a registered device that asks for it by sha256."""
         wanted = fetch.config.get("sha256")
-        if fetch.sender not in self.registry.devices:
+        if fetch.run_id != self.run_id:
+            self.channel.reject(Reason.WRONG_RUN, f"FETCH from {fetch.sender} for run {fetch.run_id!r}")
+        elif fetch.sender not in self.registry.devices:
             self.channel.reject(Reason.UNKNOWN_DEVICE, f"FETCH from {fetch.sender}, never registered")
         elif self.release is None or wanted != self.release.sha256:
             self.channel.reject(Reason.UNKNOWN_ARTIFACT, f"FETCH of {str(wanted)[:16]!r} from {fetch.sender}")
@@ -277,8 +281,11 @@ class Coordinator:
     def _admit(self, received: Received, kind: Kind, round_: int, collector: RoundCollector) -> bool:
         """Round, kind, selection and duplicate checks common to every reply."""
         envelope = received.envelope
-        if envelope.kind is not kind or envelope.round != round_:
-            self.channel.reject(Reason.STALE, f"{envelope.kind.value} from {envelope.sender} for round {envelope.round}")
+        request = self._outstanding[1] if self._outstanding else None
+        if (envelope.kind is not kind or envelope.round != round_ or request is None
+                or envelope.config.get("in_reply_to") != request.msg_id):
+            self.channel.reject(Reason.STALE, f"{envelope.kind.value} from {envelope.sender} for round {envelope.round}"
+                                f" is not a reply to the open request")
             return False
         reason = collector.check(envelope.sender, envelope.msg_id)
         if reason is Reason.DUPLICATE:
@@ -362,7 +369,8 @@ class Coordinator:
 
     # -- evaluation ------------------------------------------------------------------------
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
-                  prototypes: PrototypePool | None = None) -> dict[str, dict[str, Any]]:
+                  prototypes: PrototypePool | None = None,
+                  extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
         and the weak devices once a representation is released. With `prototypes`, the class
         statistics weak devices send along are validated and pooled into it."""
@@ -372,7 +380,7 @@ class Coordinator:
             return {}
         self._status("evaluating")
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
-                           groups=self.algorithm.eval_groups(),
+                           groups={**self.algorithm.eval_groups(), **(extra_groups or {})},
                            config={"selected": targets, "final": round_ >= self.config.rounds, "phase": phase})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self.config.round_timeout, grace=0.0)
@@ -404,27 +412,30 @@ class Coordinator:
         return results
 
     # -- after training: the released representation --------------------------------------
-    def _release_phase(self) -> None:
-        """Export and publish the representation; pool the weak devices' class prototypes and
-        publish them; then evaluate the whole fleet, weak devices included."""
-        self.release = export_release(self.out)
+    def _publish_release(self) -> None:
+        """The retained manifest: devices that join (or reconnect) later still see it."""
         manifest = Envelope(Kind.RELEASE, COORDINATOR, run_id=self.run_id, round=self.completed,
                             config=self.release.manifest())
         self.channel.send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
+
+    def _release_phase(self) -> None:
+        """Export and publish the representation; pool the weak devices' class prototypes; then
+        evaluate the whole fleet, weak devices included, sending the pooled prototypes along."""
+        self.release = export_release(self.out)
+        self._publish_release()
         self.ledger.event("released", round=self.completed, sha256=self.release.sha256, size=len(self.release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": self.release.sha256,
                              "bytes": len(self.release.data), "path": str(self.release.path)})
         lite = self.registry.online("lite")
+        extra: dict[str, ArrayGroup] = {}
         if lite:
             meta = DATASETS[self.config.dataset]
             pool = PrototypePool(meta.num_classes, int(self.release.metadata["feature_dim"]))
             self._evaluate(self.completed, targets=lite, phase="prototypes", prototypes=pool)
             if pool.devices:
-                published = Envelope(Kind.PROTOTYPES, COORDINATOR, run_id=self.run_id, round=self.completed,
-                                     groups={PROTOTYPES: pool.result()}, config={"devices": pool.devices})
-                self.channel.send(self.topics.broadcast(Kind.PROTOTYPES), published, retain=True)
-                log.info("published global prototypes pooled from %d devices", pool.devices)
-        self.ledger.final = self._evaluate(self.completed, phase="final")
+                extra = {PROTOTYPES: pool.result()}
+                log.info("global prototypes pooled from %d devices go out with the final evaluation", pool.devices)
+        self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
         self._checkpoint()
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,

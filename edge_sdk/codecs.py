@@ -58,7 +58,7 @@ def decode(codec: str, groups: dict[str, ArrayGroup], sent: dict[str, ArrayGroup
         spec = expected.get(group, {})
         out[group] = {}
         for key, value in arrays.items():
-            if key.endswith(SCALE_SUFFIX):
+            if codec == "int8" and key.endswith(SCALE_SUFFIX):
                 continue
             if key not in spec or np.dtype(spec[key][1]).kind != "f":
                 out[group][key] = value

@@ -40,7 +40,7 @@ class Kind(str, Enum):
     STATUS = "status"  # down, broadcast, retained: the coordinator's state
     RELEASE = "release"  # down, broadcast, retained: manifest of the released representation
     ARTIFACT = "artifact"  # down, per device: the released bytes (chunked), answering FETCH
-    PROTOTYPES = "prototypes"  # down, broadcast, retained: pooled global class means
+    PROTOTYPES = "prototypes"  # TEMPORARY until the lite client takes prototypes from EVALUATE
 
 
 UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH})

@@ -142,7 +142,10 @@ class DeviceSession:
 
     # -- requests and replies --------------------------------------------------------------
     def send(self, kind: Kind, round_: int = 0, *, request: Envelope | None = None, **fields) -> None:
-        """Publish an envelope; a reply to `request` is kept so a repeat of it gets the same one."""
+        """Publish an envelope. A reply to `request` names it (`in_reply_to`) and is kept, so a
+        repeat of the request gets the same reply."""
+        if request is not None:
+            fields["config"] = {**fields.get("config", {}), "in_reply_to": request.msg_id}
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
         self.channel.send(self.topics.up(self.client_id, kind), envelope)
         if request is not None:

@@ -186,6 +186,8 @@ def envelope_from_dict(obj: dict[str, Any], limits: WireLimits = DEFAULT_LIMITS)
     if round_ < 0:
         raise WireError(Reason.MALFORMED, f"negative round {round_}")
     timestamp = _field(obj, "timestamp", (int, float))
+    if isinstance(timestamp, bool):
+        raise WireError(Reason.MALFORMED, "field 'timestamp' has type bool")
     groups = _decode_groups(_field(obj, "groups", dict), limits)
     metrics = _field(obj, "metrics", dict)
     for key, value in metrics.items():

@@ -19,9 +19,10 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -50,7 +51,7 @@ class Release:
     metadata: dict[str, Any]
 
     @classmethod
-    def from_envelope(cls, envelope: Envelope) -> "Release":
+    def from_envelope(cls, envelope: Envelope) -> Release:
         config = envelope.config
         sha, size = config.get("sha256"), config.get("size")
         if not isinstance(sha, str) or not _SHA256.match(sha):
@@ -247,7 +248,7 @@ class LiteClient(DeviceSession):
 
     # -- evaluation ------------------------------------------------------------------------
     def _on_evaluate(self, envelope: Envelope) -> None:
-        if not self.current(envelope) or self.answered(envelope, Kind.EVAL_RES):
+        if not self.current(envelope) or self.answered(envelope):
             return
         if self.ready:
             self._evaluate(envelope)
@@ -259,7 +260,7 @@ class LiteClient(DeviceSession):
 
     def _answer_waiting(self) -> None:
         request, self._waiting = self._waiting, None
-        if request is not None and request.run_id == self.run_id and not self.answered(request, Kind.EVAL_RES):
+        if request is not None and request.run_id == self.run_id and not self.answered(request):
             self._evaluate(request)
 
     def _embedded(self) -> tuple[np.ndarray, np.ndarray]:
@@ -290,5 +291,5 @@ class LiteClient(DeviceSession):
         self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path)
         log.info("%s: %s head, accuracy %.4f on %d test examples", self.client_id, head.kind, accuracy,
                  self.data.num_test)
-        self.send(Kind.EVAL_RES, request.round, groups=groups,
+        self.send(Kind.EVAL_RES, request.round, request=request, groups=groups,
                   metrics={"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train})

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import onnx
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 from sklearn.svm import LinearSVC
+
+from .compose import ncm_head_to_onnx, sklearn_head_to_onnx
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class Head(Protocol):
 
     def predict(self, features: np.ndarray) -> np.ndarray: ...
 
-    def to_onnx(self, feature_dim: int) -> Any: ...
+    def to_onnx(self, feature_dim: int) -> onnx.ModelProto: ...
 
 
 def class_statistics(features: np.ndarray, labels: np.ndarray, num_classes: int) -> Prototypes:
@@ -72,9 +75,7 @@ class SklearnHead:
     def predict(self, features: np.ndarray) -> np.ndarray:
         return self.estimator.predict(np.asarray(features, dtype=np.float32)).astype(np.int64)
 
-    def to_onnx(self, feature_dim: int) -> Any:
-        from .compose import sklearn_head_to_onnx  # skl2onnx loads only when a model is written
-
+    def to_onnx(self, feature_dim: int) -> onnx.ModelProto:
         return sklearn_head_to_onnx(self.estimator, feature_dim, self.num_classes)
 
 
@@ -94,9 +95,7 @@ class NcmHead:
         distances = (x * x).sum(1, keepdims=True) - 2.0 * x @ means.T + (means * means).sum(1)
         return classes[np.argmin(distances, axis=1)].astype(np.int64)
 
-    def to_onnx(self, feature_dim: int) -> Any:
-        from .compose import ncm_head_to_onnx
-
+    def to_onnx(self, feature_dim: int) -> onnx.ModelProto:
         if self.means.shape[1] != feature_dim:
             raise ValueError(f"class means have {self.means.shape[1]} features, the body gives {feature_dim}")
         return ncm_head_to_onnx(self.means, self.present)

@@ -1,0 +1,169 @@
+"""Shared helpers of the systems benchmarks (transport, scale, overhead): brokers and machine info.
+
+Not a benchmark itself. The scripts run as `python benchmarks/<name>.py`, so this module is
+imported as `_brokers` from the script's own folder; nothing in the package imports it.
+
+- `Mosquitto`: a Mosquitto process on a free loopback port with a config written here (the
+  lines every benchmark needs plus any `extra` ones), as a context manager.
+- `broker(kind, workdir)`: "mosquitto" (the above), "amqtt" (`coordinator.broker.EmbeddedBroker`)
+  or an external `mqtt://host:port` URL; yields `(url, mqtt_protocol)`.
+- `machine_info()`: what the JSON results record about the machine, without the hostname.
+- `raise_fd_limit()`: lift the soft RLIMIT_NOFILE to the hard limit (children inherit it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
+
+
+def mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
+
+
+def mosquitto_version() -> str | None:
+    binary = mosquitto_binary()
+    if binary is None:
+        return None
+    try:
+        out = subprocess.run([binary, "-h"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = (out.stdout or out.stderr).splitlines()
+    return first[0].strip() if first else None
+
+
+class Mosquitto:
+    """A Mosquitto process on a free loopback port; `extra` config lines are appended."""
+
+    def __init__(self, workdir: Path, extra: str = "", port: int | None = None):
+        binary = mosquitto_binary()
+        if binary is None:
+            raise RuntimeError("mosquitto is not installed (apt-get install mosquitto), or pass --broker mqtt://host:port")
+        self.binary = binary
+        self.port = port or free_port()
+        self.workdir = Path(workdir)
+        self.extra = extra
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "mosquitto.conf"
+
+    def start(self) -> "Mosquitto":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            f"log_dest file {self.workdir / 'mosquitto.log'}\n{self.extra}\n"
+        )
+        self.process = subprocess.Popen([self.binary, "-c", str(self.config_path)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        if not wait_for_port("127.0.0.1", self.port, 15):
+            self.stop()
+            raise RuntimeError(f"mosquitto did not start on port {self.port}; see {self.workdir / 'mosquitto.log'}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+            self.process = None
+
+    def __enter__(self) -> "Mosquitto":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def broker(kind: str, workdir: Path, *, mosquitto_extra: str = "") -> Iterator[tuple[str, str]]:
+    """`(url, mqtt_protocol)` of a running broker: "mosquitto", "amqtt" or a mqtt:// URL."""
+    if kind == "mosquitto":
+        with Mosquitto(workdir / "mosquitto", extra=mosquitto_extra) as started:
+            yield started.url, "auto"
+    elif kind == "amqtt":
+        with EmbeddedBroker() as started:
+            yield started.url, "3.1.1"  # amqtt speaks MQTT 3.1.1 only
+    elif "://" in kind:
+        yield kind, "auto"
+    else:
+        raise ValueError(f"unknown broker {kind!r}: mosquitto, amqtt or mqtt://host:port")
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Lift the soft open-files limit to the hard one; returns the (soft, hard) now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def _ram_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # not installed, or no metadata
+        return None
+
+
+def machine_info() -> dict:
+    """Date, hardware and software versions, the command line; no hostname."""
+    try:
+        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "ram_bytes": _ram_bytes(),
+        "cpu_model": _cpu_model(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "onnxruntime": _version("onnxruntime"),
+        "numpy": _version("numpy"),
+        "msgpack": _version("msgpack"),
+        "paho_mqtt": _version("paho-mqtt"),
+        "amqtt": _version("amqtt"),
+        "mosquitto": mosquitto_version(),
+        "load_average_at_start": load,
+        "command": [Path(sys.executable).name, *sys.argv],
+    }

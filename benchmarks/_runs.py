@@ -1,0 +1,339 @@
+"""Shared helpers of the learning benchmarks (accuracy, communication): cached federated runs.
+
+Not a benchmark itself. The scripts run as `python benchmarks/<name>.py`, so this module is
+imported as `_runs` from the script's own folder; nothing in the package imports it.
+
+- `Setting`: a data setting by name: `dir0.1` (Dirichlet alpha 0.1), `shards2` (2 classes per
+  device), `domains`, `iid`; with `@<fraction>` for the participation (`dir0.1@0.2`).
+- `bench_config(...)`: a `RunConfig` with what every benchmark run needs on top of the defaults:
+  every selected device must reply before a round is aggregated (`min_clients` = all, a long
+  `round_timeout`), because the CLI's quorum defaults (1 reply + 10 s grace) close heavy rounds
+  early and would silently drop slow devices from the numbers.
+- `RunCache`: runs a `RunConfig` through `coordinator.simulate.run_simulation` in a folder named
+  by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out). A run
+  whose report already has enough rounds is reused; an interrupted run resumes from its
+  checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
+  its last round). Shorter requests read the per-round records of a longer run.
+- `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
+- `machine_info()`: date, cores, RAM, CPU model, versions, load average, command line (no hostname).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import RunConfig
+from coordinator.simulate import run_simulation
+
+log = logging.getLogger("benchmarks")
+
+DEFAULT_CACHE = "benchmarks/results/runs"
+"""Where finished runs are kept, shared by accuracy.py and communication.py."""
+
+
+# -- settings ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """A data partition and a participation fraction, named like `dir0.1@0.2`."""
+
+    partition: str
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    fraction: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "Setting":
+        name, _, fraction = text.partition("@")
+        fraction_value = float(fraction) if fraction else 1.0
+        if name.startswith("dir"):
+            return cls("dirichlet", alpha=float(name[3:]), fraction=fraction_value)
+        if name.startswith("shards"):
+            return cls("shards", classes_per_client=int(name[6:] or 2), fraction=fraction_value)
+        if name in ("domains", "iid"):
+            return cls(name, fraction=fraction_value)
+        raise ValueError(f"unknown setting {text!r}: dir<alpha>, shards<k>, domains or iid, optionally @<fraction>")
+
+    @property
+    def partition_name(self) -> str:
+        if self.partition == "dirichlet":
+            return f"dir{self.alpha:g}"
+        if self.partition == "shards":
+            return f"shards{self.classes_per_client}"
+        return self.partition
+
+    @property
+    def name(self) -> str:
+        return f"{self.partition_name}@{self.fraction:g}"
+
+    @property
+    def label(self) -> str:
+        """For table headers, e.g. `Dir(0.1), C=0.2`."""
+        data = {"dirichlet": f"Dir({self.alpha:g})", "shards": f"{self.classes_per_client} cls/dev",
+                "domains": "domains", "iid": "IID"}[self.partition]
+        return f"{data}, C={self.fraction:g}"
+
+    def fields(self) -> dict[str, Any]:
+        return {"partition": self.partition, "alpha": self.alpha, "classes_per_client": self.classes_per_client,
+                "fraction": self.fraction}
+
+
+def bench_config(**fields: Any) -> RunConfig:
+    """A RunConfig for a benchmark run: all selected devices must reply, rounds never time out
+    in practice, two device workers, and a test for every `RunConfig` field asked for."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    missing = sorted(set(fields) - known)
+    if missing:
+        raise ValueError(f"this checkout's RunConfig has no field {', '.join(missing)}")
+    defaults = {"workers": 2, "round_timeout": 3600.0, "quorum_grace": 0.0, "registration_timeout": 600.0}
+    merged = {**defaults, **fields}
+    merged.setdefault("min_clients", merged.get("clients", RunConfig.clients))
+    return RunConfig(**merged)
+
+
+def has_field(name: str) -> bool:
+    return name in {f.name for f in dataclasses.fields(RunConfig)}
+
+
+# -- a run, cut at the rounds asked for -----------------------------------------------------
+@dataclass
+class RunView:
+    """The report of a run as of round `rounds` (the run itself may have gone further)."""
+
+    config: RunConfig
+    report: dict[str, Any]
+    out: Path
+    rounds: int
+    cached: bool
+    seconds: float  # this call's wall time (0 when reused)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return [r for r in self.report["rounds"] if r["round"] <= self.rounds]
+
+    @property
+    def exact(self) -> bool:
+        """True when the run stopped at `rounds`, so its checkpoint and device states are of that round."""
+        return self.report["rounds_completed"] == self.rounds
+
+    def personalized(self) -> dict[str, float | None]:
+        """Mean, std and min over devices of the personalized accuracy at round `rounds`."""
+        if self.exact:
+            final = self.report["final"]["personalized_accuracy"]
+            return {"mean": final["mean"], "std": final["std"], "min": final["min"]}
+        record = self.records[-1]["personalized_accuracy"] or {}
+        return {"mean": record.get("mean"), "std": record.get("std"), "min": record.get("min")}
+
+    def best_mean(self) -> float | None:
+        means = [r["personalized_accuracy"]["mean"] for r in self.records if r["personalized_accuracy"]]
+        return max(means) if means else None
+
+    def global_accuracy(self) -> float | None:
+        if self.exact:
+            return self.report["final"]["global_accuracy"]
+        return self.records[-1].get("global_accuracy")
+
+    def holdout(self) -> dict[str, Any] | None:
+        return self.report["final"].get("holdout_accuracy") if self.exact else None
+
+    def run_seconds(self) -> float:
+        """Seconds of the rounds up to `rounds` (the coordinator's round timer)."""
+        return sum(r["seconds"] for r in self.records)
+
+    # -- traffic ------------------------------------------------------------------------
+    def traffic(self) -> dict[str, float]:
+        """Per-round bytes, from `communication.by_kind` (whole run) apportioned per round.
+
+        up_train: TRAIN_RES bytes per round; up_train_per_device: per participating device;
+        down_train: TRAIN bytes per round as the coordinator publishes them (one broadcast);
+        down_train_delivered: the same times the devices subscribed (the broker's fan-out);
+        eval_per_round: EVALUATE + EVAL_RES bytes per evaluation; total_*: rounds[] sums
+        (everything, evaluation and control included), per round.
+        """
+        report = self.report
+        by_kind = report["communication"]["by_kind"]
+        completed = max(1, report["rounds_completed"])
+        participants = sum(r["participants"] for r in report["rounds"]) or 1
+        evaluations = sum(1 for r in report["rounds"] if r["personalized_accuracy"]) or 1
+        up_train = by_kind["up"].get("train_res", 0)
+        down_train = by_kind["down"].get("train", 0)
+        evaluation = by_kind["down"].get("evaluate", 0) + by_kind["up"].get("eval_res", 0)
+        return {
+            "up_train": up_train / completed,
+            "up_train_per_device": up_train / participants,
+            "down_train": down_train / completed,
+            "down_train_delivered": down_train / completed * report["clients"],
+            "eval_per_round": evaluation / evaluations,
+            "total_up": sum(r["bytes_up"] for r in report["rounds"]) / completed,
+            "total_down": sum(r["bytes_down"] for r in report["rounds"]) / completed,
+        }
+
+    def rounds_to(self, target: float) -> dict[str, Any]:
+        """The first round whose mean personalized accuracy reaches `target`, and the training
+        traffic until then: uploads plus the TRAIN broadcasts as delivered to every device."""
+        traffic = self.traffic()
+        report = self.report
+        participants = sum(r["participants"] for r in report["rounds"]) or 1
+        per_device_up = report["communication"]["by_kind"]["up"].get("train_res", 0) / participants
+        down_delivered = traffic["down_train_delivered"]
+        up = down = 0.0
+        for record in self.records:
+            up += record["participants"] * per_device_up
+            down += down_delivered
+            mean = (record["personalized_accuracy"] or {}).get("mean")
+            if mean is not None and mean >= target:
+                return {"reached": True, "round": record["round"], "mb_up": up / 1e6, "mb_down": down / 1e6,
+                        "mb_total": (up + down) / 1e6, "accuracy": mean}
+        return {"reached": False, "round": None, "rounds_run": len(self.records), "mb_up": None, "mb_down": None,
+                "mb_total": None, "accuracy": self.best_mean()}
+
+
+# -- the cache --------------------------------------------------------------------------------
+def run_folder_name(config: RunConfig) -> str:
+    setting = Setting(config.partition, config.alpha, config.classes_per_client, config.fraction)
+    return f"{config.algorithm}-{config.dataset}-{setting.partition_name}-f{config.fraction:g}-s{config.seed}-{config.fingerprint()}"
+
+
+class RunCache:
+    """Finished runs under `root`, one folder per fingerprint; see the module docstring."""
+
+    def __init__(self, root: str | Path, *, broker: str | None = None, fresh: bool = False):
+        self.root = Path(root)
+        self.broker = broker
+        self.fresh = fresh
+        self.failures: list[dict[str, Any]] = []
+        self._cleared: set[Path] = set()
+
+    def folder(self, config: RunConfig) -> Path:
+        return self.root / run_folder_name(config)
+
+    def run(self, config: RunConfig) -> RunView | None:
+        """The run of `config` as of `config.rounds` rounds (None, logged, if it failed)."""
+        out = self.folder(config)
+        config = dataclasses.replace(config, out=str(out), broker=self.broker)
+        report_path = out / "report.json"
+        if self.fresh and out not in self._cleared:  # --fresh: recompute once per invocation
+            shutil.rmtree(out, ignore_errors=True)
+            self._cleared.add(out)
+        if report_path.exists():
+            report = json.loads(report_path.read_text())
+            if report["rounds_completed"] >= config.rounds:
+                return RunView(config, report, out, config.rounds, cached=True, seconds=0.0)
+            log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.rounds)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+        started = time.monotonic()
+        try:
+            report = run_simulation(config)
+        except Exception as exc:  # noqa: BLE001  (one failed run must not end a long benchmark)
+            log.exception("run %s failed", out.name)
+            self.failures.append({"run": out.name, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        seconds = time.monotonic() - started
+        if report["rounds_completed"] < config.rounds:
+            self.failures.append({"run": out.name, "error": f"stopped after {report['rounds_completed']} rounds"})
+            return None
+        return RunView(config, report, out, config.rounds, cached=False, seconds=seconds)
+
+
+# -- formatting and machine info -----------------------------------------------------------
+def mean_std(values: list[float | None]) -> dict[str, Any]:
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return {"mean": None, "std": None, "n": 0}
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    return {"mean": mean, "std": std, "n": len(xs)}
+
+
+def pct(cell: dict[str, Any] | None, *, with_std: bool = True) -> str:
+    """`85.31 ± 1.20` (percent) for a mean_std cell; `-` when empty."""
+    if not cell or cell.get("mean") is None:
+        return "-"
+    if with_std and cell.get("n", 0) > 1:
+        return f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}"
+    return f"{100 * cell['mean']:.2f}"
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _ram_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001  (absent or broken: recorded as unknown)
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the results record about the machine and the command; no hostname."""
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "ram_gib": _ram_gib(),
+        "cpu_model": _cpu_model(),
+        "gpu": gpu,
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "onnxruntime": _version("onnxruntime"),
+        "sklearn": _version("sklearn"),
+        "load_average_at_start": load,
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def setup_logging() -> None:
+    """Progress lines of the benchmark on stderr; the library (and the device workers, which
+    inherit the root level) only warns."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(logging.INFO)
+    logging.getLogger("amqtt").setLevel(logging.ERROR)
+    logging.getLogger("transitions").setLevel(logging.ERROR)
+
+
+def write_outputs(out: Path, name: str, document: dict[str, Any], markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(document, indent=2, default=str))
+    (out / f"{name}.md").write_text(markdown)

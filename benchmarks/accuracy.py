@@ -1,0 +1,486 @@
+"""Personalized accuracy of every algorithm on Fashion-MNIST, over MQTT (RepPer's Tables 2 and 3, Fig. 6).
+
+Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker):
+1. Table 2 layout: the mean personalized accuracy over devices at the last round, mean ± std over
+   seeds, for every algorithm (rows) under every setting (columns): Dirichlet alpha 0.1 and 0.5,
+   2 classes per device (shards), feature skew (domains); participation 0.2 and 1.0.
+2. Table 3 layout: MLP, SVM and LR heads (scikit-learn, `edge_sdk.algorithms.repper.fit_sklearn_head`)
+   fitted on each device's train features of the final body of FedAvg, LG-FedAvg, FedRep and
+   RepPer, scored on its test split. Global bodies (FedAvg, FedRep, RepPer) come from the run's
+   checkpoint with BatchNorm statistics recomputed on the device's train split; LG-FedAvg's body
+   is personal and comes from `<run>/state/<device>/personal.msgpack`.
+3. Fig. 6, new clients: `--holdout` devices never train; their accuracy as the run reports it
+   (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedRep keeps an
+   untrained head), and the accuracy of an LR head the benchmark fits on the final body.
+4. The target of issue 5: on Dirichlet 0.1 with 20 devices, FedPer, FedRep, RepPer and DualFed
+   beat FedAvg by >= 5 points at the same round budget.
+
+Runs are cached in --cache by their settings' fingerprint: re-running resumes or reuses them,
+and asking for more rounds extends finished runs. The full run (on a quiet 2-core machine about
+a day; subsets with --algorithms/--settings/--seeds share the cache):
+
+    python benchmarks/accuracy.py --rounds 20 --local-epochs 1 --seeds 0,1,2 --out benchmarks/results
+
+Quick smoke run (digits, fedavg and repper, one setting, one seed, 2 rounds):
+
+    python benchmarks/accuracy.py --quick --out /tmp/acc
+
+Writes accuracy.json, accuracy.md and accuracy_curves.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
+
+from _runs import (  # noqa: E402  (the script's own folder)
+    DEFAULT_CACHE,
+    RunCache,
+    RunView,
+    Setting,
+    bench_config,
+    machine_info,
+    mean_std,
+    pct,
+    setup_logging,
+    write_outputs,
+)
+
+from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
+
+log = logging.getLogger("benchmarks")
+
+NAMES = {
+    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
+    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
+    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
+}
+FULL_SETTINGS = "dir0.1@0.2,dir0.1@1,dir0.5@0.2,dir0.5@1,shards2@0.2,shards2@1,domains@0.2,domains@1"
+HEAD_ALGORITHMS = ("fedavg", "lg_fedavg", "fedrep", "repper")
+HEAD_KINDS = {"MLP": "mlp_sklearn", "SVM": "svm", "LR": "lr"}
+HEAD_HIDDEN = 128
+PERSONAL_BODY = {"lg_fedavg"}
+"""Algorithms whose body is personal (read from the device's store, not the checkpoint)."""
+TARGET_ALGORITHMS = ("fedper", "fedrep", "repper", "dualfed")
+TARGET_MARGIN = 0.05
+PFLLIB = {
+    "source": "PFLlib benchmark (Zhang et al., JMLR 2025; pfllib.com/benchmark.html), as quoted in issue 5",
+    "setting": "Fashion-MNIST, 20 clients, Dirichlet 0.1, 4-layer CNN, 2,000 rounds",
+    "accuracy": {"FedAvg": 85.85, "FedPer": 97.44, "FedRep": 97.56, "FedRoD": 97.52, "FedProto": 97.40},
+}
+PAPERS_NOTE = (
+    "None of the five seed papers (RepPer, DualFed, DC-PFL, CD2-pFed, FediOS; /work/shared/papers) reports "
+    "Fashion-MNIST. Their nearest tables: RepPer Table 2 (CIFAR-10, 20 clients, C=0.2, E=10, 100 rounds, "
+    "ResNet-34): FedAvg 72.58/66.56, FedAvg+FT 72.62/69.41, FedRep 67.04/61.08, LG-FedAvg 75.67/73.62, "
+    "RepPer 84.98/81.04 (alpha 1/0.5); RepPer Table 3 (heads on CIFAR-10, MLP/SVM/LR): FedAvg "
+    "72.64/68.66/68.79, LG-FedAvg 74.64/59.82/60.05, FedRep 73.03/70.71/71.14, RepPer 86.22/82.67/83.78."
+)
+
+
+# -- arguments -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="digits, fedavg and repper, dir0.5@1, seed 0, 2 rounds, holdout 2 (a smoke test)")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
+    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    parser.add_argument("--dataset", default="fmnist")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
+    parser.add_argument("--settings", default=FULL_SETTINGS,
+                        help="comma-separated dir<alpha>|shards<k>|domains|iid, each @<fraction>")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=1)
+    parser.add_argument("--no-heads", action="store_true", help="skip the heads table")
+    parser.add_argument("--head-settings", help="settings of the heads table (default: every setting run)")
+    parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
+    parser.add_argument("--holdout-setting", default="dir0.5@1")
+    parser.add_argument("--holdout-algorithms", default="repper,fedavg_ft,fedrep")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 10, 2, 1
+        args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
+        args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
+    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    return args
+
+
+def listed(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed: int, **extra: Any):
+    return bench_config(algorithm=algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
+                        rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
+                        seed=seed, workers=args.workers, eval_every=args.eval_every, **setting.fields(), **extra)
+
+
+# -- heads on the final body -------------------------------------------------------------------
+def device_index(client_id: str) -> int:
+    return int(client_id.removeprefix("dev"))
+
+
+def load_body(view: RunView, client_id: str):
+    """The body device `client_id` deploys at the end of the run, BatchNorm statistics as stored."""
+    import torch
+
+    from coordinator.checkpoint import load as load_checkpoint
+    from edge_sdk.data import DATASETS
+    from edge_sdk.models import build_body
+    from edge_sdk.store import PersonalStore
+
+    config = view.config
+    meta = DATASETS[config.dataset]
+    body, _ = build_body(config.model_name, in_channels=meta.channels, image_size=meta.image_size)
+    if config.algorithm in PERSONAL_BODY:
+        state = PersonalStore(view.out / "state" / client_id).load()
+        if state is None:
+            raise FileNotFoundError(f"no personal state for {client_id} in {view.out / 'state'}")
+        arrays = state.arrays
+    else:
+        checkpoint = load_checkpoint(view.out / "checkpoint.msgpack")
+        arrays = {k: v for group in checkpoint.state.values() for k, v in group.items()}
+    weights = {k.removeprefix("body."): torch.from_numpy(np.array(v)) for k, v in arrays.items() if k.startswith("body.")}
+    missing, unexpected = body.load_state_dict(weights, strict=False)
+    not_statistics = [k for k in missing if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    if not_statistics or unexpected:
+        raise ValueError(f"{view.out.name}: body of {client_id} lacks {not_statistics} / has extra {unexpected}")
+    return body
+
+
+def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per device: accuracy of each head kind fitted on its train features of the final body.
+    Cached in the run's folder (heads.json) by round, devices and kinds."""
+    import torch
+
+    from edge_sdk.algorithms.repper import fit_sklearn_head
+    from edge_sdk.data import load_client_data
+    from edge_sdk.training import predict, recalibrate_batchnorm
+
+    config = view.config
+    cache_path = view.out / "heads.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    round_ = view.report["rounds_completed"]
+    results: dict[str, dict[str, float]] = {}
+    for client_id in client_ids:
+        key = f"{round_}/{client_id}"
+        done = cache.get(key, {})
+        if all(kind in done for kind in kinds):
+            results[client_id] = {name: done[name] for name in kinds}
+            continue
+        index = device_index(client_id)
+        data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
+                                seed=config.seed, alpha=config.alpha, classes_per_client=config.classes_per_client,
+                                data_dir=config.data_dir)
+        body = load_body(view, client_id)
+        train_x, test_x = torch.from_numpy(data.train_x), torch.from_numpy(data.test_x)
+        if config.algorithm not in PERSONAL_BODY:
+            recalibrate_batchnorm(body, train_x)  # BatchNorm statistics are the device's own
+        body.eval()
+        train_f, test_f = predict(body, train_x).numpy(), predict(body, test_x).numpy()
+        for name, kind in kinds.items():
+            if name in done:
+                continue
+            head = fit_sklearn_head(kind, train_f, data.train_y, hidden=HEAD_HIDDEN, seed=config.seed * 1000 + index)
+            done[name] = float((head.predict(test_f) == data.test_y).mean()) if len(data.test_y) else float("nan")
+        cache[key] = done
+        cache_path.write_text(json.dumps(cache, indent=2))
+        results[client_id] = {name: done[name] for name in kinds}
+    return results
+
+
+# -- the three experiments ---------------------------------------------------------------------
+def run_grid(args, cache: RunCache, algorithms, settings, seeds) -> tuple[list[dict], dict[tuple, RunView]]:
+    rows, views = [], {}
+    total, done = len(algorithms) * len(settings) * len(seeds), 0
+    for setting in settings:
+        for algorithm in algorithms:
+            for seed in seeds:
+                done += 1
+                view = cache.run(run_config(args, algorithm, setting, seed))
+                if view is None:
+                    rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "failed"})
+                    log.info("[%d/%d] %s %s seed %d: failed", done, total, algorithm, setting.name, seed)
+                    continue
+                views[(algorithm, setting.name, seed)] = view
+                accuracy = view.personalized()
+                traffic = view.traffic()
+                rows.append({
+                    "algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "ok",
+                    "rounds": view.rounds, "rounds_in_run": view.report["rounds_completed"],
+                    "personalized_accuracy": accuracy, "best_mean": view.best_mean(),
+                    "global_accuracy": view.global_accuracy(),
+                    "mb_up_per_round": traffic["up_train"] / 1e6, "mb_down_per_round": traffic["down_train"] / 1e6,
+                    "round_seconds": view.run_seconds(), "wall_seconds": view.seconds,
+                    "cached": view.cached, "run": view.out.name,
+                })
+                log.info("[%d/%d] %s %s seed %d: %.4f%s", done, total, algorithm, setting.name, seed,
+                         accuracy["mean"] if accuracy["mean"] is not None else float("nan"),
+                         " (cached)" if view.cached else f" ({view.seconds:.0f} s)")
+    return rows, views
+
+
+def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dict[str, dict]]:
+    """setting -> algorithm -> mean ± std over seeds of the runs' mean accuracy."""
+    cells: dict[str, dict[str, list]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append(row[key]["mean"])
+    return {s: {a: mean_std(v) for a, v in algorithms.items()} for s, algorithms in cells.items()}
+
+
+def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> dict[str, Any]:
+    wanted = {s.name for s in settings}
+    per_run, cells = [], {}
+    for (algorithm, setting, seed), view in sorted(views.items()):
+        if algorithm not in HEAD_ALGORITHMS or setting not in wanted:
+            continue
+        trainers = [cid for cid, m in view.report["final"]["per_client"].items() if not m.get("holdout")]
+        log.info("heads: %s %s seed %d (%d devices)", algorithm, setting, seed, len(trainers))
+        try:
+            results = fit_heads(view, trainers, HEAD_KINDS)
+        except (OSError, ValueError) as exc:
+            log.warning("heads: %s %s seed %d: %s", algorithm, setting, seed, exc)
+            continue
+        means = {name: float(np.nanmean([r[name] for r in results.values()])) for name in HEAD_KINDS}
+        per_run.append({"algorithm": algorithm, "setting": setting, "seed": seed, "heads": means,
+                        "round_of_body": view.report["rounds_completed"], "in_run": view.personalized()["mean"]})
+        for name, value in means.items():
+            cells.setdefault(setting, {}).setdefault(algorithm, {}).setdefault(name, []).append(value)
+    table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
+    return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
+
+
+def holdout_experiment(args, cache: RunCache, seeds: list[int]) -> dict[str, Any]:
+    setting = Setting.parse(args.holdout_setting)
+    rows = []
+    for algorithm in listed(args.holdout_algorithms):
+        for seed in seeds:
+            view = cache.run(run_config(args, algorithm, setting, seed, holdout_clients=args.holdout))
+            if view is None:
+                rows.append({"algorithm": algorithm, "seed": seed, "status": "failed"})
+                continue
+            held = sorted(cid for cid, m in view.report["final"]["per_client"].items() if m.get("holdout"))
+            lr_head = None
+            if algorithm not in PERSONAL_BODY and held:
+                try:
+                    results = fit_heads(view, held, {"LR": "lr"})
+                    lr_head = float(np.nanmean([r["LR"] for r in results.values()]))
+                except (OSError, ValueError) as exc:
+                    log.warning("holdout heads: %s seed %d: %s", algorithm, seed, exc)
+            reported = view.holdout() or {}
+            rows.append({"algorithm": algorithm, "seed": seed, "status": "ok", "holdout_devices": held,
+                         "holdout_accuracy": reported.get("mean"), "holdout_lr_head": lr_head,
+                         "trainers_accuracy": view.personalized()["mean"], "run": view.out.name})
+            log.info("holdout %s seed %d: new clients %.4f (LR head %s), trainers %.4f", algorithm, seed,
+                     reported.get("mean") or float("nan"), f"{lr_head:.4f}" if lr_head is not None else "-",
+                     view.personalized()["mean"] or float("nan"))
+    summary = {}
+    for algorithm in listed(args.holdout_algorithms):
+        ok = [r for r in rows if r["algorithm"] == algorithm and r["status"] == "ok"]
+        summary[algorithm] = {k: mean_std([r[k] for r in ok])
+                              for k in ("holdout_accuracy", "holdout_lr_head", "trainers_accuracy")}
+    return {"setting": setting.name, "holdout_clients": args.holdout, "clients": args.clients, "rows": rows,
+            "table": summary}
+
+
+def target_check(args, accuracy_table: dict[str, dict[str, dict]]) -> dict[str, Any]:
+    description = ("fmnist, Dirichlet 0.1, 20 devices: FedPer, FedRep, RepPer and DualFed beat FedAvg's "
+                   f"personalized accuracy by >= {100 * TARGET_MARGIN:.0f} points at the same round budget")
+    if args.dataset != "fmnist" or args.clients != 20:
+        return {"description": description, "evaluated": False, "why": f"{args.dataset} with {args.clients} devices"}
+    results = {}
+    for setting, cells in accuracy_table.items():
+        if not setting.startswith("dir0.1@") or "fedavg" not in cells:
+            continue
+        fedavg = cells["fedavg"]["mean"]
+        rows = {}
+        for algorithm in TARGET_ALGORITHMS:
+            mean = (cells.get(algorithm) or {}).get("mean")
+            rows[algorithm] = {"mean": mean, "delta": None if mean is None else mean - fedavg,
+                               "met": mean is not None and mean - fedavg >= TARGET_MARGIN}
+        results[setting] = {"fedavg": fedavg, "rows": rows, "met": all(r["met"] for r in rows.values()),
+                            "complete": all(r["mean"] is not None for r in rows.values())}
+    if not results:
+        return {"description": description, "evaluated": False, "why": "no dir0.1 run of fedavg"}
+    return {"description": description, "evaluated": True, "rounds": args.rounds, "by_setting": results,
+            "met": all(r["met"] for r in results.values())}
+
+
+# -- outputs ---------------------------------------------------------------------------------
+def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms: list[str]) -> str:
+    seeds = listed(args.seeds)
+    acc = document["table"]
+    lines = [
+        "## Personalized accuracy (RepPer Table 2 layout)",
+        "",
+        f"{args.dataset}, {args.clients} devices, model {document['config']['model']}, **{args.rounds} rounds x "
+        f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
+        f"{', '.join(seeds)} of the mean personalized accuracy over devices (%) at round {args.rounds}. "
+        "C = fraction of devices per round. Over MQTT (every byte through the broker).",
+        "",
+        "| method | " + " | ".join(s.label for s in settings) + " |",
+        "|---|" + "---|" * len(settings),
+    ]
+    for algorithm in algorithms:
+        cells = [pct(acc.get(s.name, {}).get(algorithm)) for s in settings]
+        lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
+    reference_column = next((i for i, s in enumerate(settings) if s.partition == "dirichlet" and s.alpha == 0.1
+                             and s.fraction == 1.0), None)
+    if reference_column is not None and args.dataset == "fmnist":
+        for method, value in PFLLIB["accuracy"].items():
+            cells = ["" for _ in settings]
+            cells[reference_column] = f"{value:.2f}"
+            lines.append(f"| *{method}, PFLlib, 2,000 rounds (cited)* | " + " | ".join(cells) + " |")
+    lines += ["", f"Cited rows: {PFLLIB['source']}; {PFLLIB['setting']}. {PAPERS_NOTE}", ""]
+
+    target = document["target"]
+    lines += ["### Target", "", f"{target['description']}: "]
+    if not target["evaluated"]:
+        lines[-1] += f"not evaluated ({target['why']})."
+    else:
+        for setting, result in target["by_setting"].items():
+            deltas = ", ".join(f"{NAMES[a]} {'+' if (r['delta'] or 0) >= 0 else ''}"
+                               f"{100 * r['delta']:.2f}" if r["delta"] is not None else f"{NAMES[a]} -"
+                               for a, r in result["rows"].items())
+            verdict = "**met**" if result["met"] else ("**not met**" if result["complete"] else "incomplete")
+            lines.append(f"- {Setting.parse(setting).label}, {args.rounds} rounds: FedAvg {100 * result['fedavg']:.2f}; "
+                         f"points over FedAvg: {deltas} -> {verdict}")
+    lines.append("")
+
+    heads = document.get("heads")
+    if heads and heads["table"]:
+        lines += ["## Heads on the final body (RepPer Table 3 layout)", "",
+                  "scikit-learn heads fitted on each device's train features of the final body, mean test "
+                  "accuracy over devices (%), mean ± std over seeds. MLP: one hidden layer of "
+                  f"{HEAD_HIDDEN}; SVM: linear; LR: logistic regression. Global bodies get the device's own "
+                  "BatchNorm statistics (recomputed on its train split); LG-FedAvg's body is the device's own. "
+                  "'in run' is the algorithm's own personalized accuracy for comparison.", ""]
+        for setting in settings:
+            cells = heads["table"].get(setting.name)
+            if not cells:
+                continue
+            lines += [f"**{setting.label}**, {args.rounds} rounds", "",
+                      "| method | MLP | SVM | LR | in run |", "|---|---|---|---|---|"]
+            for algorithm in HEAD_ALGORITHMS:
+                if algorithm in cells:
+                    lines.append(f"| {NAMES[algorithm]} | " + " | ".join(pct(cells[algorithm][n]) for n in HEAD_KINDS)
+                                 + f" | {pct(acc.get(setting.name, {}).get(algorithm))} |")
+            lines.append("")
+
+    holdout = document.get("holdout")
+    if holdout:
+        setting = Setting.parse(holdout["setting"])
+        lines += ["## New clients (RepPer Fig. 6)", "",
+                  f"{holdout['holdout_clients']} of {holdout['clients']} devices never train (the last ids); "
+                  f"{setting.label} among the others, {args.rounds} rounds. 'reported': the run's "
+                  "`final.holdout_accuracy` (RepPer fits its personal head, FedAvg+FT fine-tunes the head, FedAvg "
+                  "deploys the global model, FedRep keeps its untrained initial head); 'LR head': a logistic "
+                  "regression the benchmark fits on the final body's features of each new device. Mean ± std "
+                  "over seeds (%).", "",
+                  "| method | new clients, reported | new clients, LR head | training devices |", "|---|---|---|---|"]
+        for algorithm, cells in holdout["table"].items():
+            lines.append(f"| {NAMES[algorithm]} | {pct(cells['holdout_accuracy'])} | {pct(cells['holdout_lr_head'])} "
+                         f"| {pct(cells['trainers_accuracy'])} |")
+        lines.append("")
+    if document["failures"]:
+        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    machine = document["machine"]
+    lines += [f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
+              f"Command: `{machine['command']}`", ""]
+    return "\n".join(lines)
+
+
+def plot_curves(path: Path, views: dict[tuple, RunView], settings: list[Setting], algorithms: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [s for s in settings if any(k[1] == s.name for k in views)]
+    if not shown:
+        return
+    columns = min(4, len(shown))
+    rows = (len(shown) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    for ax, setting in zip(axes.flat, shown):
+        for algorithm in algorithms:
+            curves = [[(r["personalized_accuracy"] or {}).get("mean", np.nan) for r in view.records]
+                      for (a, s, _), view in views.items() if a == algorithm and s == setting.name]
+            if not curves:
+                continue
+            length = min(len(c) for c in curves)
+            mean = np.nanmean([c[:length] for c in curves], axis=0)
+            ax.plot(range(1, length + 1), mean, label=NAMES[algorithm])
+        ax.set(title=setting.label, xlabel="round", ylabel="mean personalized accuracy")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging()
+    algorithms = listed(args.algorithms)
+    unknown = [a for a in algorithms + listed(args.holdout_algorithms) if a not in ALGORITHM_IDS]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+    settings = [Setting.parse(s) for s in listed(args.settings)]
+    seeds = [int(s) for s in listed(args.seeds)]
+    out = Path(args.out)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
+    machine = machine_info()
+
+    rows, views = run_grid(args, cache, algorithms, settings, seeds)
+    accuracy_table = table(rows)
+    head_settings = [Setting.parse(s) for s in listed(args.head_settings)] if args.head_settings else settings
+    heads = None if args.no_heads else heads_experiment(views, head_settings)
+    holdout = holdout_experiment(args, cache, seeds) if args.holdout > 0 else None
+    model = run_config(args, algorithms[0], settings[0], seeds[0]).model_name
+    document = {
+        "benchmark": "accuracy",
+        "machine": machine,
+        "config": {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
+                   "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "model": model,
+                   "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
+                   "eval_every": args.eval_every, "workers": args.workers, "broker": args.broker or "embedded amqtt",
+                   "cache": args.cache, "quick": args.quick},
+        "runs": rows,
+        "table": accuracy_table,
+        "heads": heads,
+        "holdout": holdout,
+        "target": target_check(args, accuracy_table),
+        "reference": {"pfllib": PFLLIB, "papers": PAPERS_NOTE},
+        "failures": cache.failures,
+    }
+    write_outputs(out, "accuracy", document, markdown(args, document, settings, algorithms))
+    plot_curves(out / "accuracy_curves.png", views, settings, algorithms)
+    log.info("wrote %s", out / "accuracy.md")
+    if cache.failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""Coordinator scale: 100, 500 and 1,000 devices, each a real MQTT connection, through Mosquitto.
+
+Full run (tens of minutes on a quiet machine; Mosquitto installed; about 4 GB of free memory):
+
+    python benchmarks/scale.py --out benchmarks/results
+
+Quick (a smoke test, well under a minute): `python benchmarks/scale.py --quick --out DIR` (20 and
+50 devices, 2 rounds, the 0.15M-parameter cnn8). `--broker mqtt://host:port` uses an existing
+broker instead of starting Mosquitto with the config written here.
+
+The coordinator is the real `coordinator.server.Coordinator` (fedavg) on a `Channel` over
+`MqttTransport`, alone in its own process so that its memory is its own. The devices are a
+lightweight `DeviceSession` subclass defined here (registers with HELLO, answers TRAIN at once
+with an update of exactly the broadcast names, shapes and dtypes, and EVALUATE with a fixed
+accuracy), hosted as threads in several device processes, one MQTT connection each. Default
+model: cnn32 on CIFAR-100's shape (924,804 parameters, 3.7 MB of float32), so every device
+uploads a ~1M-parameter update; the coordinator only needs the dataset's shape, never its data.
+
+Per device count it records: the time to register all devices (from starting the device
+processes, and from their first connection attempt), per round the latency (`begin_round` to the
+end of `end_round`: broadcast, collection, validation and aggregation), the aggregation time
+(inside `accumulate` and `end_round`, measured by wrapping the server algorithm's methods), the
+validation time (`check_update`), the coordinator's peak RSS during the round (the kernel's
+high-water mark, VmHWM, reset at `begin_round` through /proc/self/clear_refs) and its growth
+over the RSS before round 1, as a multiple of the model's size, the backlog of the coordinator's
+incoming queue, and whether every update arrived (participants == devices; the quorum is set to
+all devices so a round waits for every update until `--round-timeout`). Evaluation runs once,
+after the last round, outside the measured round latency.
+
+Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from edge_sdk.protocol import Envelope, Kind
+from edge_sdk.session import DeviceSession
+from edge_sdk.transport import MqttSettings
+
+from _brokers import broker, machine_info, raise_fd_limit
+
+MB = 1_000_000
+EXAMPLES = 100
+
+# Mosquitto settings for many clients, written out so they are visible: no connection cap (the
+# open-files limit is lifted by this script; Mosquitto inherits it), and Mosquitto 2.0's
+# defaults for in-flight and queued QoS 1 messages per client, stated explicitly.
+MOSQUITTO_CONF = "max_connections -1\nmax_inflight_messages 20\nmax_queued_messages 1000\nmax_queued_bytes 0\n"
+
+
+class TinyDevice(DeviceSession):
+    """A device that does no work: HELLO, then an update shaped exactly like the broadcast."""
+
+    def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
+        return {"num_examples": EXAMPLES}, {"device_type": "trainer", "algorithms": ["fedavg"]}
+
+    def join(self, welcome: Envelope) -> None:
+        self.trained = 0
+
+    def handlers(self):
+        return {Kind.TRAIN: self._on_train, Kind.EVALUATE: self._on_evaluate}
+
+    def _on_train(self, task: Envelope) -> None:
+        if not self.current(task) or self.answered(task):
+            return
+        # the "trained" model is the broadcast one: same names, shapes and dtypes as update_spec
+        self.send(Kind.TRAIN_RES, task.round, request=task, groups=task.groups,
+                  metrics={"num_examples": EXAMPLES, "loss": 0.0})
+        self.trained += 1
+
+    def _on_evaluate(self, request: Envelope) -> None:
+        if not self.current(request) or self.answered(request):
+            return
+        self.send(Kind.EVAL_RES, request.round, request=request, metrics={"accuracy": 0.5, "num_examples": EXAMPLES})
+
+
+def client_id_for(index: int) -> str:
+    return f"dev{index:04d}"
+
+
+def _devices_main(indices: list[int], url: str, protocol: str, federation: str, chunk_size: int, results) -> None:
+    """One device process: its devices as threads, each with its own MQTT connection."""
+    raise_fd_limit()
+    started = time.monotonic()
+    devices = [TinyDevice(client_id_for(i), broker=MqttSettings(url=url, protocol=protocol, connect_timeout=60),
+                          federation=federation, state_dir="unused", chunk_size=chunk_size) for i in indices]
+    errors: list[str] = []
+
+    def run(device: TinyDevice) -> None:
+        try:
+            device.run()
+        except Exception as exc:  # a device that cannot connect is reported, not fatal
+            errors.append(f"{device.client_id}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(d,), name=d.client_id, daemon=True) for d in devices]
+    connect_started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    connected_at = None
+    while connected_at is None and any(t.is_alive() for t in threads):
+        if all(d.channel.transport.connected.is_set() for d in devices):
+            connected_at = time.monotonic()
+        else:
+            time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    results.put({"devices": len(devices), "process_started_at": started, "connect_started_at": connect_started,
+                 "all_connected_at": connected_at, "trained": sum(getattr(d, "trained", 0) for d in devices),
+                 "errors": errors, "rejections": sum(sum(d.channel.rejections.values()) for d in devices)})
+
+
+def _read_status(field: str) -> int:
+    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _coordinator_main(config_fields: dict, conn) -> None:
+    """The coordinator process: the real Coordinator with its algorithm's methods timed."""
+    import coordinator.server as server_module
+    from coordinator.config import RunConfig
+    from coordinator.server import Coordinator
+    from edge_sdk.channel import Channel
+    from edge_sdk.protocol import Topics
+    from edge_sdk.transport import MqttTransport
+
+    config = RunConfig(**config_fields)
+    transport = MqttTransport(f"{config.federation}.coordinator", config.mqtt_settings(config.broker))
+    transport.connect()
+    coordinator = Coordinator(config, Channel(transport, Topics(config.federation), chunk_size=config.chunk_size))
+    algorithm = coordinator.algorithm
+    model_bytes = sum(a.nbytes for group in algorithm.state.values() for a in group.values())
+    model_params = sum(a.size for group in algorithm.state.values() for a in group.values())
+    rounds: list[dict] = []
+    current: dict = {}
+    marks: dict = {"rss_after_start": _read_status("VmRSS")}
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                current[name] = current.get(name, 0.0) + time.perf_counter() - began
+
+        return wrapper
+
+    await_devices = coordinator._await_devices
+
+    def await_devices_timed() -> None:
+        marks["registering_at"] = time.monotonic()
+        conn.send(("registering", None))
+        await_devices()
+        marks["registered_at"] = time.monotonic()
+        marks["rss_before_round_1"] = _read_status("VmRSS")
+
+    begin_round, accumulate, end_round = algorithm.begin_round, algorithm.accumulate, algorithm.end_round
+
+    def begin_round_timed(round_: int) -> None:
+        current.clear()
+        current.update(round=round_, peak_reset=_reset_peak(), rss_at_begin=_read_status("VmRSS"),
+                       began_at=time.monotonic(), accumulated=0, max_backlog=0)
+        begin_round(round_)
+
+    def accumulate_timed(*args, **kwargs) -> None:
+        current["max_backlog"] = max(current["max_backlog"], transport.incoming.qsize())
+        if current["accumulated"] == 0:
+            current["first_update_at"] = time.monotonic() - current["began_at"]
+        timed("accumulate_seconds", accumulate)(*args, **kwargs)
+        current["accumulated"] += 1
+
+    def end_round_timed(round_: int) -> None:
+        timed("end_round_seconds", end_round)(round_)
+        current["ended_at"] = time.monotonic()
+        current["peak_rss"] = _read_status("VmHWM")
+        current["rss_at_end"] = _read_status("VmRSS")
+        rounds.append(dict(current))
+
+    coordinator._await_devices = await_devices_timed
+    algorithm.begin_round, algorithm.accumulate, algorithm.end_round = begin_round_timed, accumulate_timed, end_round_timed
+    server_module.check_update = timed("validation_seconds", server_module.check_update)
+    try:
+        report = coordinator.run()
+        conn.send(("done", {
+            "marks": marks, "rounds": rounds, "model_bytes": model_bytes, "model_params": model_params,
+            "report_rounds": report["rounds"], "rejections": report["rejections"],
+            "dropped_incoming": transport.dropped_incoming, "peak_rss_lifetime": _read_status("VmHWM"),
+            "duplicates": report.get("duplicates_dropped"), "wall_seconds": report["wall_seconds"],
+        }))
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        transport.close()
+
+
+def _sample_rss(pid: int, stop: threading.Event, samples: list, started: float) -> None:
+    import psutil
+
+    process = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            samples.append((time.monotonic() - started, process.memory_info().rss))
+        except psutil.Error:
+            return
+        stop.wait(0.05)
+
+
+def run_scale(devices: int, url: str, protocol: str, args, workdir: Path) -> dict:
+    federation = f"scale{devices}-{uuid.uuid4().hex[:6]}"
+    processes = args.processes or max(1, min(16, math.ceil(devices / 125)))
+    config = dict(algorithm="fedavg", dataset=args.dataset, model=args.model, clients=devices, rounds=args.rounds,
+                  eval_every=args.rounds, min_clients=devices, quorum_grace=0.0, round_timeout=args.round_timeout,
+                  registration_timeout=args.registration_timeout, federation=federation, broker=url,
+                  mqtt_protocol=protocol, chunk_size=args.chunk_size, out=str(workdir / federation), seed=0)
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    coordinator = context.Process(target=_coordinator_main, args=(config, child), name="coordinator", daemon=True)
+    coordinator.start()
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+    started = time.monotonic()
+    sampler = threading.Thread(target=_sample_rss, args=(coordinator.pid, stop, samples, started), daemon=True)
+    sampler.start()
+    results = context.Queue()
+    workers: list = []
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the coordinator did not start within 120 s")
+        message, detail = parent.recv()
+        if message != "registering":
+            raise RuntimeError(f"coordinator: {detail}")
+        devices_started = time.monotonic()
+        shares = [list(range(w, devices, processes)) for w in range(processes)]
+        for share in shares:
+            worker = context.Process(target=_devices_main, args=(share, url, protocol, federation, args.chunk_size, results),
+                                     daemon=True)
+            worker.start()
+            workers.append(worker)
+        limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
+        if not parent.poll(limit):
+            raise RuntimeError(f"the coordinator did not finish within {limit:.0f} s")
+        message, detail = parent.recv()
+        if message != "done":
+            raise RuntimeError(f"coordinator: {detail}")
+        device_stats = [results.get(timeout=60) for _ in workers]
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+        coordinator.join(timeout=30)
+        if coordinator.is_alive():
+            coordinator.terminate()
+    return summarize(devices, processes, detail, device_stats, devices_started, samples, started)
+
+
+def summarize(devices: int, processes: int, detail: dict, device_stats: list[dict], devices_started: float,
+              samples: list, started: float) -> dict:
+    marks, model_bytes = detail["marks"], detail["model_bytes"]
+    baseline = marks["rss_before_round_1"]
+    records = {r["round"]: r for r in detail["report_rounds"]}
+    rounds = []
+    for r in detail["rounds"]:
+        record = records.get(r["round"], {})
+        rounds.append({
+            "round": r["round"],
+            "participants": record.get("participants"),
+            "outcome": record.get("outcome"),
+            "all_updates_received": record.get("participants") == devices,
+            "latency_seconds": r["ended_at"] - r["began_at"],
+            "first_update_after_seconds": r.get("first_update_at"),
+            "aggregation_seconds": r.get("accumulate_seconds", 0.0) + r.get("end_round_seconds", 0.0),
+            "accumulate_seconds": r.get("accumulate_seconds", 0.0),
+            "end_round_seconds": r.get("end_round_seconds", 0.0),
+            "validation_seconds": r.get("validation_seconds", 0.0),
+            "coordinator_round_seconds": record.get("seconds"),
+            "peak_rss_bytes": r["peak_rss"],
+            "rss_at_begin_bytes": r["rss_at_begin"],
+            "rss_at_end_bytes": r["rss_at_end"],
+            "round_growth_over_model": (r["peak_rss"] - r["rss_at_begin"]) / model_bytes,
+            "peak_over_baseline_over_model": (r["peak_rss"] - baseline) / model_bytes,
+            "peak_measured": r["peak_reset"],
+            "max_incoming_backlog": r["max_backlog"],
+            "bytes_up": record.get("bytes_up"),
+            "bytes_down": record.get("bytes_down"),
+            "rejections": record.get("rejections"),
+        })
+    connected = [s["all_connected_at"] for s in device_stats if s["all_connected_at"] is not None]
+    worst = max((r["peak_over_baseline_over_model"] for r in rounds), default=None)
+    return {
+        "devices": devices,
+        "device_processes": processes,
+        "model_params": detail["model_params"],
+        "model_bytes": model_bytes,
+        "registration_seconds": marks["registered_at"] - devices_started,
+        "registration_after_first_connect_seconds": marks["registered_at"] - min(s["connect_started_at"] for s in device_stats),
+        "all_connected_seconds": (max(connected) - devices_started) if len(connected) == len(device_stats) else None,
+        "rss_after_start_bytes": marks["rss_after_start"],
+        "rss_before_round_1_bytes": baseline,
+        "peak_rss_bytes": max((r["peak_rss_bytes"] for r in rounds), default=None),
+        "peak_over_baseline_over_model": worst,
+        "rounds": rounds,
+        "all_updates_received": bool(rounds) and all(r["all_updates_received"] for r in rounds),
+        "rejections": detail["rejections"],
+        "dropped_incoming": detail["dropped_incoming"],
+        "device_errors": [e for s in device_stats for e in s["errors"]][:20],
+        "device_rejections": sum(s["rejections"] for s in device_stats),
+        "updates_sent": sum(s["trained"] for s in device_stats),
+        "coordinator_wall_seconds": detail["wall_seconds"],
+        "rss_samples": [(round(t - (devices_started - started), 3), rss) for t, rss in samples[::max(1, len(samples) // 2000)]],
+    }
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
+             f"{s['rounds']} rounds, chunk size {s['chunk_size']} bytes, broker {s['broker']}; "
+             "memory: coordinator RSS, growth as multiples of the model's bytes", "",
+             "| devices | register all s | round | participants | round latency s | aggregation s | validation s "
+             "| peak RSS MB | round growth / model | peak over baseline / model | incoming backlog | all received |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        if "error" in run:
+            lines.append(f"| {run['devices']} | failed: {run['error']} |||||||||||")
+            continue
+        for r in run["rounds"]:
+            lines.append(
+                f"| {run['devices']} | {run['registration_seconds']:.1f} | {r['round']} | {r['participants']} "
+                f"| {r['latency_seconds']:.2f} | {r['aggregation_seconds']:.3f} | {r['validation_seconds']:.3f} "
+                f"| {r['peak_rss_bytes'] / MB:.0f} | {r['round_growth_over_model']:.2f} "
+                f"| {r['peak_over_baseline_over_model']:.2f} | {r['max_incoming_backlog']} "
+                f"| {'yes' if r['all_updates_received'] else 'NO'} |")
+    t = result["targets"]
+    lines += ["", "## Targets", ""]
+    if t["largest_devices"] is None:
+        lines.append("- no run completed")
+    else:
+        lines += [
+            f"- coordinator memory at {t['largest_devices']} devices: peak {t['peak_over_baseline_over_model']:.2f}x the model "
+            f"above the RSS before round 1 (target <= 3x): {'met' if t['memory_met'] else 'missed'}",
+            f"- every update received at every device count and round: {'yes' if t['no_update_lost'] else 'NO'}",
+        ]
+    lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+              f"{result['machine']['load_average_at_start']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for run in result["runs"]:
+        if run.get("rss_samples"):
+            t, rss = zip(*run["rss_samples"])
+            ax.plot(t, [(x - run["rss_before_round_1_bytes"]) / run["model_bytes"] for x in rss],
+                    label=f"{run['devices']} devices")
+    ax.axhline(3, color="grey", linestyle="--", linewidth=1, label="target: 3x the model")
+    ax.set(xlabel="seconds since the device processes started",
+           ylabel="coordinator RSS - RSS before round 1 (models)", title="Coordinator memory")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20 and 50 devices, 2 rounds, cnn8: a smoke test")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--broker", help="mqtt://host:port (default: start Mosquitto with the config written here)")
+    parser.add_argument("--devices", help="comma-separated device counts (default 100,500,1000; quick 20,50)")
+    parser.add_argument("--rounds", type=int, help="rounds per device count (default 3, quick 2)")
+    parser.add_argument("--dataset", help="the dataset whose shape sizes the model (default cifar100, quick digits)")
+    parser.add_argument("--model", help="default cnn32 (0.92M parameters on cifar100), quick cnn8")
+    parser.add_argument("--processes", type=int, default=0, help="device processes (default: one per 125 devices)")
+    parser.add_argument("--chunk-size", type=int, default=1 << 20)
+    parser.add_argument("--round-timeout", type=float, default=600.0)
+    parser.add_argument("--registration-timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    args.devices = [int(n) for n in (args.devices or ("20,50" if args.quick else "100,500,1000")).split(",")]
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.dataset = args.dataset or ("digits" if args.quick else "cifar100")
+    args.model = args.model or ("cnn8" if args.quick else "cnn32")
+    if args.quick:
+        args.round_timeout = min(args.round_timeout, 60.0)
+        args.registration_timeout = min(args.registration_timeout, 60.0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fd_limit = raise_fd_limit()
+    result: dict = {"machine": machine_info(),
+                    "settings": {"quick": args.quick, "devices": args.devices, "rounds": args.rounds,
+                                 "dataset": args.dataset, "model": args.model, "chunk_size": args.chunk_size,
+                                 "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
+                                 "mosquitto_conf": None if args.broker else MOSQUITTO_CONF,
+                                 "open_files_limit": list(fd_limit)},
+                    "runs": []}
+    with tempfile.TemporaryDirectory(prefix="edgepfl-scale-") as workdir, \
+            broker(args.broker or "mosquitto", Path(workdir), mosquitto_extra=MOSQUITTO_CONF) as (url, protocol):
+        for devices in args.devices:
+            try:
+                run = run_scale(devices, url, protocol, args, Path(workdir))
+            except (RuntimeError, OSError, EOFError) as exc:
+                run = {"devices": devices, "error": f"{type(exc).__name__}: {exc}"}
+            result["runs"].append(run)
+            rounds = run.get("rounds", [])
+            print(f"{devices} devices: " + (run["error"] if "error" in run else
+                  f"registered in {run['registration_seconds']:.1f} s; rounds " + ", ".join(
+                      f"{r['latency_seconds']:.2f} s ({r['participants']}/{devices}, peak +{r['peak_over_baseline_over_model']:.2f} models)"
+                      for r in rounds)), flush=True)
+    done = [r for r in result["runs"] if "error" not in r]
+    largest = max(done, key=lambda r: r["devices"]) if done else None
+    result["targets"] = {
+        "largest_devices": largest["devices"] if largest else None,
+        "peak_over_baseline_over_model": largest["peak_over_baseline_over_model"] if largest else None,
+        "memory_max_models": 3.0,
+        "memory_met": bool(largest) and largest["peak_over_baseline_over_model"] <= 3.0,
+        "no_update_lost": bool(done) and len(done) == len(result["runs"]) and all(r["all_updates_received"] for r in done),
+    }
+    (out / "scale.json").write_text(json.dumps(result, indent=2))
+    (out / "scale.md").write_text(markdown(result))
+    plot(result, out / "scale.png")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The weak-device client over a real Mosquitto, with the test playing the coordinator.
+
+A cnn8 body exported to ONNX (torch is used here, in the test, to build the fixture) is the
+released representation. The devices learn of it from the retained RELEASE manifest, fetch it
+(a corrupted copy is rejected and fetched again), answer EVALUATE with their accuracy and class
+means, and write a personalized ONNX model whose labels are their own predictions. One device
+runs in a subprocess where torch cannot be imported at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from edge_sdk.channel import Channel
+from edge_sdk.data import DATASETS, load_client_data
+from edge_sdk.lite import LiteClient, class_statistics
+from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
+from edge_sdk.transport import MqttSettings, MqttTransport
+
+pytestmark = pytest.mark.integration
+
+FEDERATION = "lite"
+TOPICS = Topics(FEDERATION)
+RUN = "run-lite"
+CLIENTS = 3
+REPO = Path(__file__).resolve().parents[2]
+
+TORCHLESS_RUNNER = """
+import importlib.abc, json, logging, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    # torch is not installed as far as this process can tell (sys.modules["torch"] = None would
+    # also block it, but scipy probes sys.modules["torch"] for array types and breaks on None)
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "torchvision"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+logging.basicConfig(level=logging.INFO)
+import edge_sdk.lite
+imported_on_import = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchvision"))
+from edge_sdk.data import load_client_data
+
+url, state_dir, out = sys.argv[1:4]
+data = load_client_data("digits", num_clients=3, index=2, seed=0)
+client = edge_sdk.lite.LiteClient("dev2", data, head="lr", broker=url, federation="lite", state_dir=state_dir)
+client.run()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchvision"))
+with open(out, "w") as handle:
+    json.dump({"on_import": imported_on_import, "at_exit": loaded, "accuracy": client.evaluation.accuracy}, handle)
+"""
+
+
+@pytest.fixture(scope="module")
+def representation(tmp_path_factory) -> bytes:
+    """An untrained cnn8 body as a representation ONNX model (input `input`, output `features`)."""
+    import torch
+
+    from edge_sdk.models import build_body
+
+    meta = DATASETS["digits"]
+    torch.manual_seed(0)
+    body, feature_dim = build_body("cnn8", in_channels=meta.channels, image_size=meta.image_size)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter is enough here
+        torch.onnx.export(body.eval(), torch.zeros(2, meta.channels, meta.image_size, meta.image_size), buffer,
+                          input_names=["input"], output_names=["features"], opset_version=17, dynamo=False,
+                          dynamic_axes={"input": {0: "batch"}, "features": {0: "batch"}})
+    model = onnx.load_from_string(buffer.getvalue())
+    metadata = {"input_shape": [meta.channels, meta.image_size, meta.image_size],
+                "normalization": {"mean": list(meta.mean), "std": list(meta.std)}, "feature_dim": feature_dim,
+                "class_names": list(meta.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
+                "weights_sha256": "0" * 64, "dataset": "digits", "model": "cnn8",
+                "format": "edgepfl-representation/1"}
+    onnx.helper.set_model_props(model, {key: json.dumps(value) for key, value in metadata.items()})
+    return model.SerializeToString()
+
+
+class StandIn:
+    """The coordinator's side of the release protocol, played by hand over its own connection."""
+
+    def __init__(self, url: str):
+        self.transport = MqttTransport(f"{FEDERATION}.{COORDINATOR}", MqttSettings(url=url))
+        self.transport.connect()
+        self.transport.subscribe(TOPICS.all_up())
+        self.channel = Channel(self.transport, TOPICS)
+        self.backlog: list[Envelope] = []
+
+    def send(self, kind: Kind, to: str | None = None, *, retain: bool = False, run_id: str = RUN,
+             **fields) -> Envelope:
+        envelope = Envelope(kind, COORDINATOR, run_id=run_id, **fields)
+        topic = TOPICS.broadcast(kind) if to is None else TOPICS.down(to, kind)
+        self.channel.send(topic, envelope, retain=retain)
+        return envelope
+
+    def release(self, body: bytes, *, run_id: str = RUN) -> Envelope:
+        config = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body), "format": "onnx",
+                  "metadata": {"feature_dim": 128}}
+        return self.send(Kind.RELEASE, retain=True, run_id=run_id, round=3, config=config)
+
+    def artifact(self, to: str, body: bytes, sha256: str) -> None:
+        self.send(Kind.ARTIFACT, to, round=3, config={"sha256": sha256},
+                  groups={"artifact": {"onnx": np.frombuffer(body, dtype=np.uint8)}})
+
+    def expect(self, kind: Kind, sender: str, timeout: float = 30.0) -> Envelope:
+        """The next message of `kind` from `sender`; others wait in the backlog."""
+        for envelope in self.backlog:
+            if (envelope.kind, envelope.sender) == (kind, sender):
+                self.backlog.remove(envelope)
+                return envelope
+        while True:
+            received = self.channel.receive(timeout=timeout)
+            if received is None:
+                raise AssertionError(f"no {kind.value} from {sender} within {timeout} s")
+            if (received.envelope.kind, received.envelope.sender) == (kind, sender):
+                return received.envelope
+            self.backlog.append(received.envelope)
+
+    def welcome(self, sender: str) -> Envelope:
+        hello = self.expect(Kind.HELLO, sender)
+        self.send(Kind.WELCOME, sender, config={"settings": {}, "hyper": {}})
+        return hello
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@pytest.fixture
+def stand_in(mosquitto):
+    coordinator = StandIn(mosquitto.url)
+    yield coordinator
+    coordinator.close()
+
+
+def start(client: LiteClient, stop: threading.Event) -> threading.Thread:
+    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
+    thread.start()
+    return thread
+
+
+def lite_client(url: str, index: int, state_dir: Path, **options) -> LiteClient:
+    data = load_client_data("digits", num_clients=CLIENTS, index=index, seed=0)
+    return LiteClient(f"dev{index}", data, broker=url, federation=FEDERATION, state_dir=state_dir / f"dev{index}",
+                      **options)
+
+
+def test_a_device_fetches_verifies_personalizes_and_reports(mosquitto, stand_in, representation, tmp_path):
+    # Prepare: the retained manifest is an older run's
+    stop = threading.Event()
+    sha = hashlib.sha256(representation).hexdigest()
+    stand_in.release(b"an older run's representation", run_id="run-old")
+    client = lite_client(mosquitto.url, 0, tmp_path, head="svm")
+    thread = start(client, stop)
+    corrupted = bytearray(representation)
+    corrupted[len(corrupted) // 2] ^= 0xFF
+
+    # Execute
+    hello = stand_in.welcome("dev0")
+    stand_in.release(representation)
+    first_fetch = stand_in.expect(Kind.FETCH, "dev0")
+    stand_in.send(Kind.EVALUATE, round=3, config={"selected": ["dev0"]})  # before the artifact
+    stand_in.artifact("dev0", bytes(corrupted), sha)
+    second_fetch = stand_in.expect(Kind.FETCH, "dev0")
+    stand_in.artifact("dev0", representation, sha)
+    reply = stand_in.expect(Kind.EVAL_RES, "dev0", timeout=60)
+    stop.set()
+    thread.join(timeout=30)
+
+    # Assert: registration and fetching
+    assert hello.config["device_type"] == "lite" and hello.config["head"] == "svm"
+    assert hello.config["heads"] == ["svm", "lr", "mlp", "ncm"]
+    assert hello.metrics == {"num_examples": client.data.num_train, "num_test": client.data.num_test}
+    assert first_fetch.config == second_fetch.config == {"sha256": sha}
+    assert first_fetch.run_id == RUN
+    assert client.channel.rejections["chunk_checksum"] == 1
+    assert (tmp_path / "dev0" / "artifacts" / f"{sha}.onnx").read_bytes() == representation
+    # the reply
+    assert reply.round == 3 and reply.metrics["accuracy"] >= 0.8
+    assert reply.metrics["num_test"] == client.data.num_test and reply.metrics["num_train"] == client.data.num_train
+    assert reply.metrics["accuracy"] == pytest.approx(client.evaluation.accuracy)
+    # prototypes: class counts and means, never per-example features
+    assert list(reply.groups) == ["prototypes"]
+    prototypes = reply.groups["prototypes"]
+    assert set(prototypes) == {"counts", "means"}
+    assert prototypes["counts"].shape == (10,) and prototypes["counts"].dtype == np.int64
+    assert prototypes["means"].shape == (10, 128) and prototypes["means"].dtype == np.float32
+    assert prototypes["counts"].sum() == client.data.num_train
+    np.testing.assert_array_equal(prototypes["counts"], client.data.class_counts())
+    # the personalized model gives the device's own predictions
+    path = tmp_path / "dev0" / "personalized.onnx"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    labels, probabilities = session.run(["label", "probabilities"], {"input": client.data.test_x})
+    np.testing.assert_array_equal(labels, client.evaluation.predictions)
+    assert probabilities.shape == (client.data.num_test, 10)
+    assert json.loads(session.get_modelmeta().custom_metadata_map["head"]) == "svm"
+
+
+def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, stand_in, representation,
+                                                                     tmp_path):
+    # Prepare: the release and the global prototypes were published (retained) long before
+    stop = threading.Event()
+    sha = hashlib.sha256(representation).hexdigest()
+    stand_in.release(representation)
+    counts, means = global_prototypes(representation)
+    stand_in.send(Kind.PROTOTYPES, retain=True, round=3, groups={"prototypes": {"counts": counts, "means": means}})
+    client = lite_client(mosquitto.url, 1, tmp_path, head="ncm", share_prototypes=False)
+    thread = start(client, stop)
+
+    # Execute
+    stand_in.welcome("dev1")
+    fetch = stand_in.expect(Kind.FETCH, "dev1")
+    stand_in.artifact("dev1", representation, sha)
+    stand_in.send(Kind.EVALUATE, round=4, config={"selected": ["dev1"]})
+    reply = stand_in.expect(Kind.EVAL_RES, "dev1", timeout=60)
+    stop.set()
+    thread.join(timeout=30)
+
+    # Assert
+    assert fetch.config == {"sha256": sha}
+    assert client.prototypes is not None
+    np.testing.assert_array_equal(client.prototypes[0], counts)
+    assert reply.round == 4 and reply.groups == {}
+    assert reply.metrics["accuracy"] >= 0.8
+
+
+def global_prototypes(representation: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Pooled class means over every device's training split, as the coordinator would pool them."""
+    from edge_sdk.lite import FeatureExtractor
+
+    extractor = FeatureExtractor(representation, providers="CPUExecutionProvider")
+    statistics = [class_statistics(extractor.embed(data.train_x), data.train_y, 10)
+                  for data in (load_client_data("digits", num_clients=CLIENTS, index=i, seed=0) for i in range(CLIENTS))]
+    counts = np.sum([c for c, _ in statistics], axis=0)
+    sums = np.sum([c[:, None] * m.astype(np.float64) for c, m in statistics], axis=0)
+    return counts.astype(np.int64), (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+
+
+def test_the_lite_client_runs_where_torch_cannot_be_imported(mosquitto, stand_in, representation, tmp_path):
+    # Prepare
+    sha = hashlib.sha256(representation).hexdigest()
+    stand_in.release(representation)
+    out = tmp_path / "result.json"
+    runner = tmp_path / "runner.py"
+    runner.write_text(TORCHLESS_RUNNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, str(runner), mosquitto.url, str(tmp_path / "dev2"), str(out)],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    # Execute
+    try:
+        stand_in.welcome("dev2")
+        stand_in.expect(Kind.FETCH, "dev2")
+        stand_in.artifact("dev2", representation, sha)
+        stand_in.send(Kind.EVALUATE, round=3, config={"selected": ["dev2"]})
+        reply = stand_in.expect(Kind.EVAL_RES, "dev2", timeout=60)
+        stand_in.send(Kind.STATUS, retain=True, round=3, config={"state": "finished"})
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+
+    # Assert
+    assert process.returncode == 0, output
+    result = json.loads(out.read_text())
+    assert result["on_import"] == [] and result["at_exit"] == []
+    assert reply.metrics["accuracy"] == pytest.approx(result["accuracy"]) and result["accuracy"] >= 0.8
+    assert (tmp_path / "dev2" / "personalized.onnx").exists()
