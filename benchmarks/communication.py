@@ -1,0 +1,396 @@
+"""Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL statistics.
+
+Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker), from
+each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`):
+1. Bytes per round of every algorithm with the default model, on digits (10 devices, 2 rounds)
+   and Fashion-MNIST (the runs of part 2): uploads (TRAIN_RES), the TRAIN broadcast as the
+   coordinator publishes it and as the broker delivers it to every device, and evaluation.
+2. DualFed's Table 8 layout: rounds and MB until the mean personalized accuracy first reaches
+   --target (0.90) on Fashion-MNIST, Dirichlet 0.1, 20 devices, full participation; MB = uploads
+   + the TRAIN broadcasts delivered to the 20 devices (evaluation traffic left out); or "not
+   reached in N rounds". Target of issue 5: RepPer and DualFed reach 90% with fewer MB than FedAvg.
+3. Upload codecs (`RunConfig.upload_codec`: fp32, fp16, int8 on the change from the broadcast)
+   on --codec-algorithms: MB up per round and the accuracy they cost.
+4. DC-PFL's statistics (`--set covariance=full|diag|lowrank:8`, `transport=fp32|fp16`): bytes up
+   per device and round, and accuracy.
+
+Runs are cached by fingerprint in --cache (shared with accuracy.py: with the same rounds and local
+epochs, part 2 reuses accuracy.py's dir0.1@1 seed-0 runs). Full run (a quiet 2-core machine: about
+half a day; --algorithms and friends run subsets against the same cache):
+
+    python benchmarks/communication.py --rounds 20 --local-epochs 1 --target 0.9 --out benchmarks/results
+
+Quick smoke run (digits, fedavg and repper, 2 rounds, int8 uploads, two DC-PFL modes):
+
+    python benchmarks/communication.py --quick --out /tmp/comm
+
+Writes communication.json, communication.md and communication_curves.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
+
+from _runs import (  # noqa: E402
+    DEFAULT_CACHE,
+    RunCache,
+    RunView,
+    Setting,
+    bench_config,
+    has_field,
+    machine_info,
+    setup_logging,
+    write_outputs,
+)
+
+from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
+
+log = logging.getLogger("benchmarks")
+
+NAMES = {
+    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
+    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
+    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
+}
+CODECS = ("fp32", "fp16", "int8")
+DC_MODES = [("full", "fp32"), ("full", "fp16"), ("diag", "fp32"), ("diag", "fp16"), ("lowrank:8", "fp32"),
+            ("lowrank:8", "fp16")]
+TARGET_ALGORITHMS = ("repper", "dualfed")
+DUALFED_TABLE8 = ("DualFed paper Table 8 (MB to a target accuracy; PACS 85%, DomainNet 75%, Office-Home 70%): "
+                  "FedAvg 1920.93/2008.52/2538.72, FedPer 1658.47/1658.47/2007.62, FedRep 2705.92/3316.94/3753.37, "
+                  "DualFed 611.21/873.27/1225.59.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="digits only, fedavg and repper, 2 rounds (a smoke test)")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
+    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
+    parser.add_argument("--dataset", default="fmnist", help="dataset of parts 2-4")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--setting", default="dir0.1@1", help="data setting of parts 2-4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=20, help="round budget of parts 2-4")
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--target", type=float, default=0.90, help="mean personalized accuracy to reach")
+    parser.add_argument("--digits-rounds", type=int, default=2, help="rounds of the short digits runs of part 1")
+    parser.add_argument("--codec-algorithms", default="fedavg,repper,dualfed")
+    parser.add_argument("--dc-modes", default=",".join(f"{c}/{t}" for c, t in DC_MODES),
+                        help="DC-PFL covariance/transport pairs ('' to skip)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dataset, args.clients, args.setting, args.rounds, args.local_epochs = "digits", 10, "dir0.5@1", 2, 1
+        args.algorithms, args.target, args.digits_rounds = "fedavg,repper", 0.5, 2
+        args.codec_algorithms, args.dc_modes = "fedavg", "full/fp32,lowrank:4/fp16"
+    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    return args
+
+
+def listed(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def config_for(args, algorithm: str, *, dataset: str | None = None, clients: int | None = None,
+               setting: str | None = None, rounds: int | None = None, **extra: Any):
+    return bench_config(algorithm=algorithm, dataset=dataset or args.dataset, data_dir=args.data_dir,
+                        clients=clients or args.clients, rounds=rounds or args.rounds, local_epochs=args.local_epochs,
+                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, workers=args.workers,
+                        **Setting.parse(setting or args.setting).fields(), **extra)
+
+
+def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:
+    traffic = view.traffic()
+    return {
+        "algorithm": algorithm, "model": view.config.model_name, "clients": view.config.clients,
+        "rounds": view.report["rounds_completed"],
+        "mb_up_per_round": traffic["up_train"] / 1e6,
+        "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,
+        "mb_down_per_round": traffic["down_train"] / 1e6,
+        "mb_down_delivered_per_round": traffic["down_train_delivered"] / 1e6,
+        "mb_eval_per_evaluation": traffic["eval_per_round"] / 1e6,
+        "mb_total_up_per_round": traffic["total_up"] / 1e6,
+        "mb_total_down_per_round": traffic["total_down"] / 1e6,
+        "by_kind": view.report["communication"]["by_kind"],
+        "run": view.out.name,
+    }
+
+
+# -- the four parts ----------------------------------------------------------------------------
+def per_round(args, cache: RunCache, algorithms: list[str], main_views: dict[str, RunView]) -> dict[str, list]:
+    tables: dict[str, list] = {"digits": []}
+    for algorithm in algorithms:
+        if args.dataset == "digits" and algorithm in main_views:
+            view = main_views[algorithm]
+        else:
+            view = cache.run(config_for(args, algorithm, dataset="digits", clients=10, setting="dir0.5@1",
+                                        rounds=args.digits_rounds))
+        if view is not None:
+            tables["digits"].append(traffic_row(algorithm, view))
+            log.info("per round, digits: %s %.3f MB up", algorithm, tables["digits"][-1]["mb_up_per_round"])
+    if args.dataset != "digits":
+        tables[args.dataset] = [traffic_row(a, v) for a, v in main_views.items()]
+    return tables
+
+
+def to_target(args, views: dict[str, RunView]) -> dict[str, Any]:
+    rows = []
+    for algorithm, view in views.items():
+        reached = view.rounds_to(args.target)
+        rows.append({"algorithm": algorithm, **reached, "final_accuracy": view.personalized()["mean"],
+                     "rounds_run": view.rounds, "run": view.out.name})
+    by = {r["algorithm"]: r for r in rows}
+    check: dict[str, Any] = {
+        "description": f"RepPer and DualFed reach {100 * args.target:.0f}% with fewer MB than FedAvg "
+                       f"({args.dataset}, {Setting.parse(args.setting).label}, {args.clients} devices)",
+        "evaluated": args.dataset == "fmnist" and args.clients == 20 and args.setting.startswith("dir0.1"),
+    }
+    if "fedavg" in by and all(a in by for a in TARGET_ALGORITHMS):
+        fedavg = by["fedavg"]
+        verdicts = {}
+        for algorithm in TARGET_ALGORITHMS:
+            row = by[algorithm]
+            if not row["reached"]:
+                verdicts[algorithm] = False
+            elif not fedavg["reached"]:
+                verdicts[algorithm] = True  # FedAvg did not get there within the budget at all
+            else:
+                verdicts[algorithm] = row["mb_total"] < fedavg["mb_total"]
+        check.update({"by_algorithm": verdicts, "met": all(verdicts.values()),
+                      "fedavg_reached": fedavg["reached"]})
+    else:
+        check.update({"met": None, "why": "fedavg, repper or dualfed not run"})
+    return {"target": args.target, "setting": args.setting, "dataset": args.dataset, "clients": args.clients,
+            "rounds": args.rounds, "local_epochs": args.local_epochs, "rows": rows, "check": check}
+
+
+def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, Any]:
+    if not has_field("upload_codec"):
+        return {"available": False, "rows": [],
+                "note": "this checkout has no upload codec (RunConfig.upload_codec): not implemented"}
+    rows = []
+    for algorithm in listed(args.codec_algorithms):
+        baseline = None
+        for codec in CODECS:
+            view = main_views.get(algorithm) if codec == "fp32" else None
+            view = view or cache.run(config_for(args, algorithm, upload_codec=codec))
+            if view is None:
+                rows.append({"algorithm": algorithm, "codec": codec, "status": "failed"})
+                continue
+            traffic = view.traffic()
+            accuracy = view.personalized()["mean"]
+            row = {"algorithm": algorithm, "codec": codec, "status": "ok",
+                   "mb_up_per_round": traffic["up_train"] / 1e6,
+                   "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,
+                   "accuracy": accuracy, "run": view.out.name}
+            if codec == "fp32":
+                baseline = row
+            if baseline is not None:
+                row["up_ratio"] = row["mb_up_per_round"] / baseline["mb_up_per_round"]
+                row["accuracy_delta"] = None if accuracy is None else accuracy - baseline["accuracy"]
+            rows.append(row)
+            log.info("codec %s %s: %.3f MB up per round, accuracy %.4f", algorithm, codec, row["mb_up_per_round"],
+                     accuracy if accuracy is not None else float("nan"))
+    return {"available": True, "rows": rows}
+
+
+def dc_pfl_modes(args, cache: RunCache, main_views: dict[str, RunView]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in listed(args.dc_modes):
+        covariance, _, transport = mode.partition("/")
+        transport = transport or "fp32"
+        default = covariance == "full" and transport == "fp32"
+        view = main_views.get("dc_pfl") if default else None
+        view = view or cache.run(config_for(args, "dc_pfl",
+                                            hyper={} if default else {"covariance": covariance, "transport": transport}))
+        if view is None:
+            rows.append({"covariance": covariance, "transport": transport, "status": "failed"})
+            continue
+        traffic = view.traffic()
+        rows.append({"covariance": covariance, "transport": transport, "status": "ok",
+                     "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,
+                     "mb_up_per_round": traffic["up_train"] / 1e6,
+                     "mb_down_per_round": traffic["down_train"] / 1e6,
+                     "accuracy": view.personalized()["mean"], "run": view.out.name})
+        log.info("dc_pfl %s/%s: %.1f KB up per device-round, accuracy %.4f", covariance, transport,
+                 rows[-1]["kb_up_per_device_round"], rows[-1]["accuracy"] or float("nan"))
+    return rows
+
+
+# -- outputs ----------------------------------------------------------------------------------
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(args, document: dict[str, Any]) -> str:
+    setting = Setting.parse(args.setting)
+    lines = ["## Bytes per round (default models)", "",
+             "Measured at the coordinator from report.json. 'up': TRAIN_RES per round (all participants); "
+             "'down, published': the TRAIN broadcast the coordinator publishes once per round; 'down, delivered': "
+             "that broadcast times the devices subscribed (what the broker sends out; every device receives it, "
+             "selected or not); 'eval': EVALUATE + EVAL_RES per evaluation (a benchmark cost, every round here).", ""]
+    for dataset, rows in document["per_round"].items():
+        if not rows:
+            continue
+        first = rows[0]
+        source = (f"short runs, {args.digits_rounds} rounds, Dir(0.5), C=1" if dataset == "digits"
+                  else f"the runs of the next table, {setting.label}")
+        lines += [f"**{dataset}**, {first['clients']} devices, model {first['model']} ({source})", "",
+                  "| method | MB up / round | KB up / device-round | MB down / round, published | "
+                  "MB down / round, delivered | MB eval / evaluation |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {NAMES[r['algorithm']]} | {fmt(r['mb_up_per_round'])} | {fmt(r['kb_up_per_device_round'], 1)} "
+                         f"| {fmt(r['mb_down_per_round'])} | {fmt(r['mb_down_delivered_per_round'])} "
+                         f"| {fmt(r['mb_eval_per_evaluation'])} |")
+        lines.append("")
+
+    target = document["to_target"]
+    lines += [f"## MB until {100 * args.target:.0f}% personalized accuracy (DualFed Table 8 layout)", "",
+              f"{args.dataset}, {setting.label}, {args.clients} devices, {args.local_epochs} local epoch(s), seed "
+              f"{args.seed}, budget **{args.rounds} rounds**. MB = uploads + TRAIN broadcasts as delivered to every "
+              "device, summed until the first round whose mean personalized accuracy over devices reaches the "
+              "target (evaluation traffic left out).", "",
+              "| method | rounds to target | MB up | MB down (delivered) | MB total | accuracy at the budget |",
+              "|---|---|---|---|---|---|"]
+    for r in target["rows"]:
+        if r["reached"]:
+            lines.append(f"| {NAMES[r['algorithm']]} | {r['round']} | {fmt(r['mb_up'], 1)} | {fmt(r['mb_down'], 1)} "
+                         f"| {fmt(r['mb_total'], 1)} | {fmt(r['final_accuracy'], 4)} |")
+        else:
+            best = r["accuracy"]
+            lines.append(f"| {NAMES[r['algorithm']]} | not reached in {r['rounds_run']} rounds (best {fmt(best, 4)}) "
+                         f"| - | - | - | {fmt(r['final_accuracy'], 4)} |")
+    check = target["check"]
+    verdict = ("not evaluated" if not check["evaluated"] else
+               "**met**" if check.get("met") else "**not met**" if check.get("met") is False else "incomplete")
+    lines += ["", f"Target: {check['description']}: {verdict}"
+              + (f" ({', '.join(f'{NAMES[a]}: {v}' for a, v in check.get('by_algorithm', {}).items())}; "
+                 f"FedAvg reached it: {check.get('fedavg_reached')})" if "by_algorithm" in check else "")
+              + ".", "", f"For scale: {DUALFED_TABLE8} Those count ResNet-sized models; ours are the small CNNs.", ""]
+
+    codec = document["codecs"]
+    lines += ["## Upload codecs", ""]
+    if not codec["available"]:
+        lines += [codec["note"], ""]
+    else:
+        lines += [f"`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
+                  f"{args.dataset}, {setting.label}, {args.rounds} rounds.", "",
+                  "| method | codec | MB up / round | KB up / device-round | vs fp32 | accuracy | accuracy vs fp32 |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in codec["rows"]:
+            if r["status"] != "ok":
+                lines.append(f"| {NAMES[r['algorithm']]} | {r['codec']} | failed | | | | |")
+                continue
+            ratio = r.get("up_ratio")
+            delta = r.get("accuracy_delta")
+            lines.append(f"| {NAMES[r['algorithm']]} | {r['codec']} | {fmt(r['mb_up_per_round'])} "
+                         f"| {fmt(r['kb_up_per_device_round'], 1)} | {'-' if ratio is None else f'{ratio:.2f}x'} "
+                         f"| {fmt(r['accuracy'], 4)} | {'-' if delta is None else f'{100 * delta:+.2f} pts'} |")
+        lines.append("")
+
+    if document["dc_pfl"]:
+        lines += ["## DC-PFL class statistics", "",
+                  f"Uploads are class counts, means and covariances for every class (`--set covariance=...`, "
+                  f"`--set transport=...`); {args.dataset}, {setting.label}, {args.rounds} rounds.", "",
+                  "| covariance | transport | KB up / device-round | MB up / round | accuracy |", "|---|---|---|---|---|"]
+        for r in document["dc_pfl"]:
+            if r["status"] != "ok":
+                lines.append(f"| {r['covariance']} | {r['transport']} | failed | | |")
+                continue
+            lines.append(f"| {r['covariance']} | {r['transport']} | {fmt(r['kb_up_per_device_round'], 1)} "
+                         f"| {fmt(r['mb_up_per_round'])} | {fmt(r['accuracy'], 4)} |")
+        lines.append("")
+    if document["failures"]:
+        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    machine = document["machine"]
+    lines += [f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
+              f"Command: `{machine['command']}`", ""]
+    return "\n".join(lines)
+
+
+def plot(path: Path, views: dict[str, RunView], target: float) -> None:
+    """Mean personalized accuracy against cumulative training MB (uploads + delivered broadcasts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algorithm, view in views.items():
+        traffic = view.traffic()
+        participants = sum(r["participants"] for r in view.report["rounds"]) or 1
+        per_device = view.report["communication"]["by_kind"]["up"].get("train_res", 0) / participants
+        xs, ys, total = [], [], 0.0
+        for record in view.records:
+            total += record["participants"] * per_device + traffic["down_train_delivered"]
+            mean = (record["personalized_accuracy"] or {}).get("mean")
+            if mean is not None:
+                xs.append(total / 1e6)
+                ys.append(mean)
+        ax.plot(xs, ys, marker=".", label=NAMES[algorithm])
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel="cumulative MB (uploads + delivered TRAIN broadcasts)", ylabel="mean personalized accuracy",
+           xscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging()
+    algorithms = listed(args.algorithms)
+    unknown = [a for a in algorithms + listed(args.codec_algorithms) if a not in ALGORITHM_IDS]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+    out = Path(args.out)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
+    machine = machine_info()
+
+    main_views: dict[str, RunView] = {}
+    for algorithm in algorithms:
+        view = cache.run(config_for(args, algorithm))
+        if view is not None:
+            main_views[algorithm] = view
+            log.info("%s %s: %.4f after %d rounds%s", algorithm, args.setting, view.personalized()["mean"] or 0,
+                     view.rounds, " (cached)" if view.cached else f" ({view.seconds:.0f} s)")
+    document = {
+        "benchmark": "communication",
+        "machine": machine,
+        "config": {"dataset": args.dataset, "clients": args.clients, "setting": args.setting, "seed": args.seed,
+                   "rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
+                   "lr": args.lr, "target": args.target, "algorithms": algorithms, "workers": args.workers,
+                   "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick},
+        "per_round": per_round(args, cache, algorithms, main_views),
+        "to_target": to_target(args, main_views),
+        "codecs": codecs(args, cache, main_views),
+        "dc_pfl": dc_pfl_modes(args, cache, main_views),
+        "reference": {"dualfed_table8": DUALFED_TABLE8},
+    }
+    document["failures"] = cache.failures
+    write_outputs(out, "communication", document, markdown(args, document))
+    if main_views:
+        plot(out / "communication_curves.png", main_views, args.target)
+    log.info("wrote %s", out / "communication.md")
+    if cache.failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
