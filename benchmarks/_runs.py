@@ -215,6 +215,7 @@ class RunCache:
         self.fresh = fresh
         self.failures: list[dict[str, Any]] = []
         self._cleared: set[Path] = set()
+        self._failed: set[Path] = set()
 
     def folder(self, config: RunConfig) -> Path:
         return self.root / run_folder_name(config)
@@ -222,6 +223,8 @@ class RunCache:
     def run(self, config: RunConfig) -> RunView | None:
         """The run of `config` as of `config.rounds` rounds (None, logged, if it failed)."""
         out = self.folder(config)
+        if out in self._failed:  # failed earlier in this invocation: not tried twice
+            return None
         config = dataclasses.replace(config, out=str(out), broker=self.broker)
         report_path = out / "report.json"
         if self.fresh and out not in self._cleared:  # --fresh: recompute once per invocation
@@ -240,10 +243,12 @@ class RunCache:
         except Exception as exc:  # noqa: BLE001  (one failed run must not end a long benchmark)
             log.exception("run %s failed", out.name)
             self.failures.append({"run": out.name, "error": f"{type(exc).__name__}: {exc}"})
+            self._failed.add(out)
             return None
         seconds = time.monotonic() - started
         if report["rounds_completed"] < config.rounds:
             self.failures.append({"run": out.name, "error": f"stopped after {report['rounds_completed']} rounds"})
+            self._failed.add(out)
             return None
         return RunView(config, report, out, config.rounds, cached=False, seconds=seconds)
 

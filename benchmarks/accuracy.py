@@ -373,6 +373,10 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
                   f"{HEAD_HIDDEN}; SVM: linear; LR: logistic regression. Global bodies get the device's own "
                   "BatchNorm statistics (recomputed on its train split); LG-FedAvg's body is the device's own. "
                   "'in run' is the algorithm's own personalized accuracy for comparison.", ""]
+        later = sorted({r["round_of_body"] for r in heads["runs"] if r["round_of_body"] != args.rounds})
+        if later:
+            lines += [f"Some bodies come from runs extended past {args.rounds} rounds (rounds {later}): "
+                      "their heads sit on a later body than the accuracy table's.", ""]
         for setting in settings:
             cells = heads["table"].get(setting.name)
             if not cells:

@@ -89,13 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.90, help="mean personalized accuracy to reach")
     parser.add_argument("--digits-rounds", type=int, default=2, help="rounds of the short digits runs of part 1")
     parser.add_argument("--codec-algorithms", default="fedavg,repper,dualfed")
+    parser.add_argument("--codecs", default=",".join(CODECS), help="upload codecs to compare (fp32 is the baseline)")
     parser.add_argument("--dc-modes", default=",".join(f"{c}/{t}" for c, t in DC_MODES),
                         help="DC-PFL covariance/transport pairs ('' to skip)")
     args = parser.parse_args(argv)
     if args.quick:
         args.dataset, args.clients, args.setting, args.rounds, args.local_epochs = "digits", 10, "dir0.5@1", 2, 1
         args.algorithms, args.target, args.digits_rounds = "fedavg,repper", 0.5, 2
-        args.codec_algorithms, args.dc_modes = "fedavg", "full/fp32,lowrank:4/fp16"
+        args.codec_algorithms, args.codecs, args.dc_modes = "fedavg", "fp32,int8", "full/fp32,lowrank:4/fp16"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     return args
 
@@ -184,7 +185,7 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
     rows = []
     for algorithm in listed(args.codec_algorithms):
         baseline = None
-        for codec in CODECS:
+        for codec in ["fp32"] + [c for c in listed(args.codecs) if c != "fp32"]:
             view = main_views.get(algorithm) if codec == "fp32" else None
             view = view or cache.run(config_for(args, algorithm, upload_codec=codec))
             if view is None:
@@ -198,7 +199,7 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
                    "accuracy": accuracy, "run": view.out.name}
             if codec == "fp32":
                 baseline = row
-            if baseline is not None:
+            if baseline is not None and row is not baseline:
                 row["up_ratio"] = row["mb_up_per_round"] / baseline["mb_up_per_round"]
                 row["accuracy_delta"] = None if accuracy is None else accuracy - baseline["accuracy"]
             rows.append(row)
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in algorithms + listed(args.codec_algorithms) if a not in ALGORITHM_IDS]
     if unknown:
         raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+    bad_codecs = [c for c in listed(args.codecs) if c not in CODECS]
+    if bad_codecs:
+        raise SystemExit(f"unknown codec(s) {', '.join(bad_codecs)}; known: {', '.join(CODECS)}")
     out = Path(args.out)
     cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
     machine = machine_info()

@@ -155,21 +155,41 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.client import EdgeClient
+
+    client = EdgeClient(args.client_id, _device_data(args), broker=_mqtt_settings(args), federation=args.federation,
+                        amp=args.amp,
+                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
+    client.run()
+    return 0
+
+
+def _device_data(args: argparse.Namespace):
+    """A device's own data (--data) or its partition of a known dataset (--index)."""
     from edge_sdk.data import load_client_data, load_folder_data
-    from edge_sdk.transport import MqttSettings
 
     if args.data:
-        data = load_folder_data(args.data, args.dataset, seed=args.seed)
-    else:
-        if args.index is None:
-            raise SystemExit("edgepfl client: give --index (a partition of --dataset) or --data (your own data)")
-        data = load_client_data(args.dataset, num_clients=args.clients, index=args.index, partition=args.partition,
-                                seed=args.seed, alpha=args.alpha, classes_per_client=args.classes_per_client,
-                                data_dir=args.data_dir)
-    settings = MqttSettings(url=args.broker, username=args.username, password=args.password, ca_file=args.ca_file,
-                            cert_file=args.cert_file, key_file=args.key_file, protocol=args.protocol)
-    client = EdgeClient(args.client_id, data, broker=settings, federation=args.federation, amp=args.amp,
-                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
+        return load_folder_data(args.data, args.dataset, seed=args.seed)
+    if args.index is None:
+        raise SystemExit(f"edgepfl {args.command}: give --index (a partition of --dataset) or --data (your own data)")
+    return load_client_data(args.dataset, num_clients=args.clients, index=args.index, partition=args.partition,
+                            seed=args.seed, alpha=args.alpha, classes_per_client=args.classes_per_client,
+                            data_dir=args.data_dir)
+
+
+def _mqtt_settings(args: argparse.Namespace):
+    from edge_sdk.transport import MqttSettings
+
+    return MqttSettings(url=args.broker, username=args.username, password=args.password, ca_file=args.ca_file,
+                        cert_file=args.cert_file, key_file=args.key_file, protocol=args.protocol)
+
+
+def cmd_lite_client(args: argparse.Namespace) -> int:
+    from edge_sdk.lite import LiteClient
+
+    providers = args.providers if args.providers == "auto" else args.providers.split(",")
+    client = LiteClient(args.client_id, _device_data(args), head=args.head, providers=providers,
+                        share_prototypes=not args.no_prototypes, broker=_mqtt_settings(args),
+                        federation=args.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     client.run()
     return 0
 
@@ -201,6 +221,24 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", default="auto", help="MQTT version: auto | 5 | 3.1.1")
 
 
+def _add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """What every device command takes: where the broker is, who it is, where its data is."""
+    parser.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    parser.add_argument("--federation", default="default")
+    parser.add_argument("--client-id", required=True)
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--data", help="this device's own data: an .npz with x, y or an ImageFolder directory")
+    parser.add_argument("--partition", default="iid")
+    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--classes-per-client", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=10, help="number of partitions of --dataset")
+    parser.add_argument("--index", type=int, help="which partition of --dataset is this device's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
+    _add_connection_flags(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepfl", description="Personalized federated learning over MQTT")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
@@ -216,23 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.set_defaults(handler=cmd_coordinator)
 
     client = sub.add_parser("client", help="run one trainer device")
-    client.add_argument("--broker", default="mqtt://127.0.0.1:1883")
-    client.add_argument("--federation", default="default")
-    client.add_argument("--client-id", required=True)
-    client.add_argument("--dataset", default="digits")
-    client.add_argument("--data-dir")
-    client.add_argument("--data", help="this device's own data: an .npz with x, y or an ImageFolder directory")
-    client.add_argument("--partition", default="iid")
-    client.add_argument("--alpha", type=float, default=0.5)
-    client.add_argument("--classes-per-client", type=int, default=2)
-    client.add_argument("--clients", type=int, default=10, help="number of partitions of --dataset")
-    client.add_argument("--index", type=int, help="which partition of --dataset is this device's")
-    client.add_argument("--seed", type=int, default=0)
-    client.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
+    _add_device_flags(client)
     client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     client.add_argument("--amp", action="store_true", help="automatic mixed precision on CUDA")
-    _add_connection_flags(client)
     client.set_defaults(handler=cmd_client)
+
+    lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + scikit-learn head, no torch)")
+    _add_device_flags(lite)
+    lite.add_argument("--head", default="svm", choices=["svm", "lr", "mlp", "ncm"], help="the personal head")
+    lite.add_argument("--providers", default="auto", help="ONNX Runtime providers, comma-separated, or auto")
+    lite.add_argument("--no-prototypes", action="store_true", help="do not report class counts and means")
+    lite.set_defaults(handler=cmd_lite_client)
 
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
     broker.add_argument("--host", default="127.0.0.1")

@@ -40,12 +40,10 @@ class Kind(str, Enum):
     STATUS = "status"  # down, broadcast, retained: the coordinator's state
     RELEASE = "release"  # down, broadcast, retained: manifest of the released representation
     ARTIFACT = "artifact"  # down, per device: the released bytes (chunked), answering FETCH
-    PROTOTYPES = "prototypes"  # TEMPORARY until the lite client takes prototypes from EVALUATE
 
 
 UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH})
-DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT,
-                        Kind.PROTOTYPES})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT})
 
 
 class Reason(str, Enum):

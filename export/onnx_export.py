@@ -69,6 +69,8 @@ class ExportResult:
     sha256: str
     size_bytes: int
     max_abs_diff: float
+    metadata: dict[str, Any]
+    """The metadata_props as written (decoded)."""
 
 
 def weights_sha256(module: nn.Module) -> str:
@@ -92,6 +94,7 @@ def torch_to_onnx(module: nn.Module, example: torch.Tensor, *, input_name: str, 
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx")
         torch.onnx.export(
             module, (example,), buffer, dynamo=False, opset_version=opset, do_constant_folding=True,
             input_names=[input_name], output_names=[output_name],
@@ -127,7 +130,7 @@ def run_batched(session: ort.InferenceSession, x: np.ndarray, batch_size: int = 
 
 def _reference(module: nn.Module, x: np.ndarray, batch_size: int = CHECK_BATCH) -> np.ndarray:
     with torch.no_grad():
-        return np.concatenate([module(torch.from_numpy(np.ascontiguousarray(x[i:i + batch_size]))).numpy()
+        return np.concatenate([module(torch.from_numpy(np.array(x[i:i + batch_size]))).numpy()
                                for i in range(0, len(x), batch_size)])
 
 
@@ -191,14 +194,15 @@ def export_module(
 
         model = convert_float_to_float16(model, keep_io_types=True)
         OnnxModel.graph_topological_sort(model.graph)  # the converter appends its input casts
-    set_metadata(model, {"format": FORMAT, **metadata, "weights_sha256": weights_sha256(reference)})
+    written = {"format": FORMAT, **metadata, "weights_sha256": weights_sha256(reference)}
+    set_metadata(model, written)
     model.producer_name = "edgepfl"
     onnx.checker.check_model(model)
     data = model.SerializeToString()
     checks = randoms if check_inputs is None else [*randoms, ("check_inputs", np.asarray(check_inputs, np.float32))]
     worst = _parity(reference, cpu_session(data), checks, tolerance, fp16)
     write_atomic(path, data)
-    result = ExportResult(path, hashlib.sha256(data).hexdigest(), len(data), worst)
+    result = ExportResult(path, hashlib.sha256(data).hexdigest(), len(data), worst, written)
     log.info("exported %s (%s, %d bytes, max |onnx - torch| %.3g)", path, "fp16" if fp16 else "fp32",
              result.size_bytes, worst)
     return result

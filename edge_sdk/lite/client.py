@@ -4,12 +4,13 @@ A lite device never trains the representation. It registers (HELLO), joins a run
 learns of the run's released representation from the retained RELEASE manifest, fetches the
 ONNX bytes it does not have yet (FETCH -> ARTIFACT, verified against the manifest's sha256 and
 cached under `<state_dir>/artifacts/<sha256>.onnx`), and on EVALUATE embeds its train and test
-splits, fits its personal head (global PROTOTYPES help the `ncm` head), writes the
+splits, fits its personal head (the global prototypes an EVALUATE may carry help the `ncm`
+head), writes the
 personalized model (body + head, one ONNX file) atomically and reports its test accuracy, with
 its class means when it shares prototypes. Nothing in its import chain imports torch.
 
-Retained manifests and prototypes may belong to another run, or arrive before WELCOME: the
-latest of each kind is kept and used once the device has joined the run it names.
+A retained manifest may belong to another run, or arrive before WELCOME: the latest is kept
+and used once the device has joined the run it names.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class LiteClient(DeviceSession):
         self.release: Release | None = None
         self.prototypes: Prototypes | None = None
         self.evaluation: Evaluation | None = None
-        self._unjoined: dict[Kind, Envelope] = {}  # the latest RELEASE / PROTOTYPES of another run
+        self._unjoined: Envelope | None = None  # the latest RELEASE of a run not joined (yet)
         self._body: bytes | None = None
         self._loaded: str | None = None  # sha256 of the representation in `_extractor`
         self._extractor: FeatureExtractor | None = None
@@ -123,19 +124,15 @@ class LiteClient(DeviceSession):
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
-        return {Kind.RELEASE: self._on_release, Kind.ARTIFACT: self._on_artifact,
-                Kind.PROTOTYPES: self._on_prototypes, Kind.EVALUATE: self._on_evaluate}
+        return {Kind.RELEASE: self._on_release, Kind.ARTIFACT: self._on_artifact, Kind.EVALUATE: self._on_evaluate}
 
     def join(self, welcome: Envelope) -> None:
         # the session records the run after `join` returns; a FETCH sent from here needs it now
         self.run_id = welcome.run_id
         self.release, self.prototypes, self._waiting = None, None, None
-        early = {kind: env for kind, env in self._unjoined.items() if env.run_id == welcome.run_id}
-        self._unjoined = {kind: env for kind, env in self._unjoined.items() if kind not in early}
-        if Kind.PROTOTYPES in early:
-            self.prototypes = self._parse_prototypes(early[Kind.PROTOTYPES])
-        if Kind.RELEASE in early:
-            self._activate(Release.from_envelope(early[Kind.RELEASE]))
+        early, self._unjoined = self._unjoined, None
+        if early is not None and early.run_id == welcome.run_id:
+            self._activate(Release.from_envelope(early))
 
     # -- the released representation -------------------------------------------------------
     def artifact_path(self, sha256: str) -> Path:
@@ -149,7 +146,7 @@ class LiteClient(DeviceSession):
     def _on_release(self, envelope: Envelope) -> None:
         release = Release.from_envelope(envelope)
         if not self.joined or envelope.run_id != self.run_id:
-            self._unjoined[Kind.RELEASE] = envelope
+            self._unjoined = envelope
             return
         self._activate(release)
 
@@ -216,14 +213,7 @@ class LiteClient(DeviceSession):
         log.info("%s: artifact %s cached", self.client_id, release.sha256[:12])
         self._answer_waiting()
 
-    # -- global prototypes -----------------------------------------------------------------
-    def _on_prototypes(self, envelope: Envelope) -> None:
-        prototypes = self._parse_prototypes(envelope)
-        if not self.joined or envelope.run_id != self.run_id:
-            self._unjoined[Kind.PROTOTYPES] = envelope
-            return
-        self.prototypes = prototypes
-
+    # -- global prototypes (pooled by the coordinator, sent with the final EVALUATE) ---------
     def _parse_prototypes(self, envelope: Envelope) -> Prototypes:
         group = envelope.groups.get("prototypes", {})
         counts, means = group.get("counts"), group.get("means")
@@ -235,8 +225,10 @@ class LiteClient(DeviceSession):
                                 f"{classes} classes")
         if not np.issubdtype(counts.dtype, np.integer) or not np.issubdtype(means.dtype, np.floating):
             raise ProtocolError(Reason.BAD_DTYPE, f"prototypes of dtypes {counts.dtype}/{means.dtype}")
-        if not np.isfinite(means).all() or (counts < 0).any():
-            raise ProtocolError(Reason.NON_FINITE, "prototypes with non-finite means or negative counts")
+        if not np.isfinite(means).all():
+            raise ProtocolError(Reason.NON_FINITE, "prototype means are not finite")
+        if (counts < 0).any():
+            raise ProtocolError(Reason.MALFORMED, "negative prototype counts")
         return counts.astype(np.int64), means.astype(np.float32)
 
     def _global_prototypes(self, feature_dim: int) -> Prototypes | None:
@@ -250,6 +242,8 @@ class LiteClient(DeviceSession):
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
+        if "prototypes" in envelope.groups:
+            self.prototypes = self._parse_prototypes(envelope)
         if self.ready:
             self._evaluate(envelope)
             return
@@ -283,7 +277,7 @@ class LiteClient(DeviceSession):
         predictions = head.predict(test)
         accuracy = float(np.mean(predictions == self.data.test_y)) if self.data.num_test else 0.0
         compose(self._body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
-                metadata={**self._extractor.metadata, "head": head.kind})
+                metadata={"head": head.kind})  # compose keeps the body's metadata
         groups = {}
         if self.share_prototypes:
             counts, means = class_statistics(train, self.data.train_y, classes)

@@ -1,6 +1,6 @@
 """The weak-device client over a real Mosquitto, with the test playing the coordinator.
 
-A cnn8 body exported to ONNX (torch is used here, in the test, to build the fixture) is the
+A cnn8 body exported to ONNX (torch and `export` are used here, to build the fixture) is the
 released representation. The devices learn of it from the retained RELEASE manifest, fetch it
 (a corrupted copy is rejected and fetched again), answer EVALUATE with their accuracy and class
 means, and write a personalized ONNX model whose labels are their own predictions. One device
@@ -10,17 +10,14 @@ runs in a subprocess where torch cannot be imported at all.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 
@@ -67,28 +64,22 @@ with open(out, "w") as handle:
 
 @pytest.fixture(scope="module")
 def representation(tmp_path_factory) -> bytes:
-    """An untrained cnn8 body as a representation ONNX model (input `input`, output `features`)."""
+    """An untrained cnn8 body exported as a representation (input `input`, output `features`)."""
     import torch
 
     from edge_sdk.models import build_body
+    from export.onnx_export import export_module
 
     meta = DATASETS["digits"]
     torch.manual_seed(0)
     body, feature_dim = build_body("cnn8", in_channels=meta.channels, image_size=meta.image_size)
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter is enough here
-        torch.onnx.export(body.eval(), torch.zeros(2, meta.channels, meta.image_size, meta.image_size), buffer,
-                          input_names=["input"], output_names=["features"], opset_version=17, dynamo=False,
-                          dynamic_axes={"input": {0: "batch"}, "features": {0: "batch"}})
-    model = onnx.load_from_string(buffer.getvalue())
     metadata = {"input_shape": [meta.channels, meta.image_size, meta.image_size],
                 "normalization": {"mean": list(meta.mean), "std": list(meta.std)}, "feature_dim": feature_dim,
                 "class_names": list(meta.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
-                "weights_sha256": "0" * 64, "dataset": "digits", "model": "cnn8",
-                "format": "edgepfl-representation/1"}
-    onnx.helper.set_model_props(model, {key: json.dumps(value) for key, value in metadata.items()})
-    return model.SerializeToString()
+                "dataset": "digits", "model": "cnn8"}
+    path = tmp_path_factory.mktemp("release") / "representation.onnx"
+    export_module(body, (meta.channels, meta.image_size, meta.image_size), path, metadata=metadata)
+    return path.read_bytes()
 
 
 class StandIn:
@@ -212,12 +203,12 @@ def test_a_device_fetches_verifies_personalizes_and_reports(mosquitto, stand_in,
 
 def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, stand_in, representation,
                                                                      tmp_path):
-    # Prepare: the release and the global prototypes were published (retained) long before
+    # Prepare: the release was published (retained) long before; the final evaluation carries the
+    # global prototypes
     stop = threading.Event()
     sha = hashlib.sha256(representation).hexdigest()
     stand_in.release(representation)
     counts, means = global_prototypes(representation)
-    stand_in.send(Kind.PROTOTYPES, retain=True, round=3, groups={"prototypes": {"counts": counts, "means": means}})
     client = lite_client(mosquitto.url, 1, tmp_path, head="ncm", share_prototypes=False)
     thread = start(client, stop)
 
@@ -225,7 +216,8 @@ def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, 
     stand_in.welcome("dev1")
     fetch = stand_in.expect(Kind.FETCH, "dev1")
     stand_in.artifact("dev1", representation, sha)
-    stand_in.send(Kind.EVALUATE, round=4, config={"selected": ["dev1"]})
+    stand_in.send(Kind.EVALUATE, round=4, config={"selected": ["dev1"]},
+                  groups={"prototypes": {"counts": counts, "means": means}})
     reply = stand_in.expect(Kind.EVAL_RES, "dev1", timeout=60)
     stop.set()
     thread.join(timeout=30)
@@ -236,6 +228,9 @@ def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, 
     np.testing.assert_array_equal(client.prototypes[0], counts)
     assert reply.round == 4 and reply.groups == {}
     assert reply.metrics["accuracy"] >= 0.8
+    session = ort.InferenceSession(str(tmp_path / "dev1" / "personalized.onnx"), providers=["CPUExecutionProvider"])
+    labels = session.run(["label"], {"input": client.data.test_x})[0]
+    np.testing.assert_array_equal(labels, client.evaluation.predictions)
 
 
 def global_prototypes(representation: bytes) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,311 @@
+"""Composing a released body with a personal head into one ONNX model.
+
+For every head kind the composed model's `label` must be what the Python pipeline (torch body,
+then the estimator's `predict`) says, and `probabilities` must have one column per class of the
+dataset that sums to 1, zeros for classes the head never saw. `edge_sdk.lite.compose` must work
+where torch cannot be imported at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from threadpoolctl import threadpool_limits
+from sklearn.dummy import DummyClassifier
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LogisticRegression
+from sklearn.neural_network import MLPClassifier
+from sklearn.svm import LinearSVC
+
+from edge_sdk.data import load_dataset
+from edge_sdk.lite.compose import ComposeError, compose, ncm_head_to_onnx, sklearn_head_to_onnx
+from edge_sdk.lite.heads import HEADS, class_statistics, fit_head
+from edge_sdk.models import build_body
+from edge_sdk.training import recalibrate_batchnorm
+from export import compose_torch_head, export_module
+
+CLASSES = 10
+TRAIN = slice(0, 1200)
+TEST = slice(1200, None)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    """BLAS/OpenMP threads only fight over the shared cores here (a 0.04 s logistic regression
+    fit takes seconds with them), so this module runs with one."""
+    with threadpool_limits(1):
+        yield
+
+
+class Setup:
+    """A cnn8 body exported to ONNX, digits images and the torch body's features of them."""
+
+    def __init__(self, directory: Path):
+        pool = load_dataset("digits")
+        self.x, self.y = np.array(pool.x), np.array(pool.y)
+        torch.manual_seed(0)
+        body, self.dim = build_body("cnn8", in_channels=1, image_size=8)
+        recalibrate_batchnorm(body, torch.from_numpy(self.x[:512]))
+        self.body = body.eval()
+        with torch.no_grad():
+            self.features = self.body(torch.from_numpy(self.x)).numpy()
+        self.body_path = export_module(self.body, (1, 8, 8), directory / "body.onnx",
+                                       metadata={"model": "cnn8", "dataset": "digits"}).path
+
+    def train(self, classes: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        features, labels = self.features[TRAIN], self.y[TRAIN]
+        keep = np.ones(len(labels), bool) if classes is None else np.isin(labels, classes)
+        return features[keep], labels[keep]
+
+    def run(self, path: Path) -> tuple[np.ndarray, np.ndarray]:
+        runner = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        label, probabilities = runner.run(["label", "probabilities"], {"input": self.x[TEST]})
+        return label, probabilities
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("compose"))
+
+
+def fitted(estimator, features: np.ndarray, labels: np.ndarray):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # a few iterations short is fine here
+        return estimator.fit(features, labels)
+
+
+def assert_probabilities(probabilities: np.ndarray, absent: list[int] = ()) -> None:
+    assert probabilities.dtype == np.float32 and probabilities.shape[1] == CLASSES
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    assert (probabilities >= 0).all()
+    assert not probabilities[:, list(absent)].any()
+
+
+ESTIMATORS = {
+    "svm": lambda: LinearSVC(C=0.1, random_state=0),
+    "lr": lambda: LogisticRegression(max_iter=2000),
+    "mlp": lambda: MLPClassifier(hidden_layer_sizes=(64,), max_iter=300, random_state=0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_a_sklearn_head_composes_and_predicts_like_python(setup: Setup, tmp_path: Path, kind: str) -> None:
+    # Prepare
+    estimator = fitted(ESTIMATORS[kind](), *setup.train())
+
+    # Execute
+    path = compose(setup.body_path, sklearn_head_to_onnx(estimator, setup.dim, CLASSES), tmp_path / "model.onnx",
+                   num_classes=CLASSES, metadata={"head": kind})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    expected = estimator.predict(setup.features[TEST])
+    agreement = float(np.mean(label == expected))
+    assert label.dtype == np.int64
+    assert agreement == 1.0 if kind == "lr" else agreement >= 0.99, f"{kind}: {agreement:.4f}"
+    assert_probabilities(probabilities)
+    if kind == "svm":  # softmax of the decision function (documented in edge_sdk/lite/compose.py)
+        scores = estimator.decision_function(setup.features[TEST])
+        softmax = np.exp(scores - scores.max(1, keepdims=True))
+        np.testing.assert_allclose(probabilities, softmax / softmax.sum(1, keepdims=True), atol=1e-4)
+    else:
+        np.testing.assert_allclose(probabilities, estimator.predict_proba(setup.features[TEST]), atol=1e-4)
+    metadata = {p.key: json.loads(p.value) for p in onnx.load(str(path)).metadata_props}
+    body_metadata = {p.key: json.loads(p.value) for p in onnx.load(str(setup.body_path)).metadata_props}
+    assert metadata == {**body_metadata, "head": kind, "format": "edgepfl-personalized/1", "num_classes": CLASSES}
+
+
+def test_an_ncm_head_picks_the_nearest_present_class_mean(setup: Setup, tmp_path: Path) -> None:
+    # Prepare
+    features, labels = setup.train()
+    _, means = class_statistics(features, labels, CLASSES)
+    present = np.ones(CLASSES, bool)
+    present[[0, 9]] = False
+
+    # Execute
+    path = compose(setup.body_path, ncm_head_to_onnx(means, present), tmp_path / "ncm.onnx",
+                   num_classes=CLASSES, metadata={"head": "ncm"})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    classes = np.flatnonzero(present)
+    test = setup.features[TEST].astype(np.float64)
+    distances = ((test[:, None, :] - means[classes][None].astype(np.float64)) ** 2).sum(axis=2)
+    np.testing.assert_array_equal(label, classes[distances.argmin(axis=1)])
+    assert_probabilities(probabilities, absent=[0, 9])
+    scores = -distances
+    softmax = np.exp(scores - scores.max(1, keepdims=True))
+    np.testing.assert_allclose(probabilities[:, classes], softmax / softmax.sum(1, keepdims=True), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_the_lite_heads_compose_and_predict_like_their_python_side(setup: Setup, tmp_path: Path, kind: str) -> None:
+    # Prepare
+    head = fit_head(kind, *setup.train(), num_classes=CLASSES, seed=0)
+
+    # Execute
+    path = compose(setup.body_path, head.to_onnx(setup.dim), tmp_path / f"{kind}.onnx", num_classes=CLASSES,
+                   metadata={"head": kind})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    agreement = float(np.mean(label == head.predict(setup.features[TEST])))
+    assert agreement == 1.0 if kind in ("lr", "ncm") else agreement >= 0.99, f"{kind}: {agreement:.4f}"
+    assert_probabilities(probabilities)
+
+
+@pytest.mark.parametrize(
+    ("make", "classes"),
+    [(lambda: LogisticRegression(max_iter=2000), [1, 4, 7]), (lambda: LinearSVC(C=0.1, random_state=0), [3, 5]),
+     (lambda: MLPClassifier(hidden_layer_sizes=(32,), max_iter=300, random_state=0), [2, 8])],
+    ids=["lr-three-classes", "svm-binary", "mlp-binary"],
+)
+def test_a_head_trained_on_a_subset_of_classes_maps_to_the_right_columns(
+    setup: Setup, tmp_path: Path, make, classes: list[int]
+) -> None:
+    # Prepare
+    estimator = fitted(make(), *setup.train(classes))
+    absent = [c for c in range(CLASSES) if c not in classes]
+
+    # Execute
+    path = compose(setup.body_path, sklearn_head_to_onnx(estimator, setup.dim, CLASSES), tmp_path / "subset.onnx",
+                   num_classes=CLASSES, metadata={"head": "subset"})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    np.testing.assert_array_equal(label, estimator.predict(setup.features[TEST]))
+    assert set(np.unique(label)) <= set(classes)
+    assert_probabilities(probabilities, absent=absent)
+    if isinstance(estimator, LinearSVC):  # binary: scores (0, s), so P(classes_[1]) = sigmoid(s)
+        score = estimator.decision_function(setup.features[TEST])
+        np.testing.assert_allclose(probabilities[:, classes[1]], 1 / (1 + np.exp(-score)), atol=1e-5)
+    else:
+        np.testing.assert_allclose(probabilities[:, classes], estimator.predict_proba(setup.features[TEST]),
+                                   atol=1e-4)
+
+
+def test_a_constant_dummy_head_gives_its_prior_everywhere(setup: Setup, tmp_path: Path) -> None:
+    # Prepare
+    features, labels = setup.train([6])
+    estimator = DummyClassifier(strategy="most_frequent").fit(features, labels)
+
+    # Execute
+    path = compose(setup.body_path, sklearn_head_to_onnx(estimator, setup.dim, CLASSES), tmp_path / "dummy.onnx",
+                   num_classes=CLASSES, metadata={"head": "dummy"})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    assert (label == 6).all()
+    expected = np.zeros((len(label), CLASSES), np.float32)
+    expected[:, 6] = 1.0
+    np.testing.assert_array_equal(probabilities, expected)
+
+
+def test_a_torch_linear_head_composes(setup: Setup, tmp_path: Path) -> None:
+    # Prepare
+    torch.manual_seed(1)
+    head = torch.nn.Linear(setup.dim, CLASSES)
+
+    # Execute
+    path = compose_torch_head(setup.body_path, head, tmp_path / "torch.onnx", num_classes=CLASSES,
+                              metadata={"owner": "dev000"})
+
+    # Assert
+    label, probabilities = setup.run(path)
+    with torch.no_grad():
+        logits = head(torch.from_numpy(setup.features[TEST]))
+    np.testing.assert_array_equal(label, logits.argmax(dim=1).numpy())
+    np.testing.assert_allclose(probabilities, logits.softmax(dim=1).numpy(), atol=1e-5)
+    metadata = {p.key: json.loads(p.value) for p in onnx.load(str(path)).metadata_props}
+    assert metadata["head"] == "torch" and metadata["owner"] == "dev000" and metadata["model"] == "cnn8"
+
+
+def test_a_head_with_the_wrong_number_of_classes_is_refused(setup: Setup, tmp_path: Path) -> None:
+    # Prepare
+    estimator = fitted(LogisticRegression(max_iter=200), *setup.train())
+
+    # Execute / Assert
+    with pytest.raises(ComposeError, match="class indices in 0..4"):
+        sklearn_head_to_onnx(estimator, setup.dim, 5)
+    with pytest.raises(ComposeError, match="gives 10 probabilities, the dataset has 12 classes"):
+        compose(setup.body_path, sklearn_head_to_onnx(estimator, setup.dim, CLASSES), tmp_path / "bad.onnx",
+                num_classes=12, metadata={})
+    with pytest.raises(ComposeError, match=r"maps \[N, 128\] to \[7\]"):
+        compose_torch_head(setup.body_path, torch.nn.Linear(setup.dim, 7), tmp_path / "bad.onnx",
+                           num_classes=CLASSES, metadata={})
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_a_body_at_a_newer_opset_takes_an_opset_17_head(setup: Setup, tmp_path: Path) -> None:
+    # Prepare
+    body18 = export_module(setup.body, (1, 8, 8), tmp_path / "body18.onnx", metadata={}, opset=18).path
+    _, means = class_statistics(*setup.train(), CLASSES)
+
+    # Execute
+    path = compose(body18, ncm_head_to_onnx(means, np.ones(CLASSES, bool)), tmp_path / "ncm18.onnx",
+                   num_classes=CLASSES, metadata={"head": "ncm"})
+
+    # Assert
+    model = onnx.load(str(path))
+    assert {o.domain or "ai.onnx": o.version for o in model.opset_import}["ai.onnx"] == 18
+    label, probabilities = setup.run(path)
+    assert float(np.mean(label == setup.y[TEST])) > 0.5
+    assert_probabilities(probabilities)
+
+
+TORCH_FREE = """
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision"):
+            raise ImportError(f"{name} is not installed on this device")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+import numpy as np
+import onnxruntime as ort
+from sklearn.linear_model import LogisticRegression
+from edge_sdk.lite.compose import compose, ncm_head_to_onnx, sklearn_head_to_onnx
+
+body, out = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+features, labels = rng.standard_normal((60, 128)).astype(np.float32), np.arange(60) % 3
+heads = {"lr": sklearn_head_to_onnx(LogisticRegression().fit(features, labels), 128, 10),
+         "ncm": ncm_head_to_onnx(rng.standard_normal((10, 128)), np.arange(10) < 4)}
+for kind, head in heads.items():
+    path = compose(body, head, f"{out}/{kind}.onnx", num_classes=10, metadata={"head": kind})
+    runner = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    label, probabilities = runner.run(None, {"input": rng.standard_normal((5, 1, 8, 8)).astype(np.float32)})
+    assert label.shape == (5,) and probabilities.shape == (5, 10), kind
+loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "torchvision"))
+assert not loaded, loaded
+print("torch-free ok")
+"""
+
+
+def test_lite_compose_works_where_torch_cannot_be_imported(setup: Setup, tmp_path: Path) -> None:
+    # Prepare: an import hook makes torch unimportable. (`sys.modules["torch"] = None` cannot be
+    # used: scipy, under scikit-learn, probes sys.modules["torch"] and fails on the None.)
+    script = tmp_path / "torch_free.py"
+    script.write_text(textwrap.dedent(TORCH_FREE))
+
+    # Execute
+    done = subprocess.run([sys.executable, str(script), str(setup.body_path), str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    # Assert
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch-free ok" in done.stdout
