@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
 
@@ -94,17 +94,23 @@ class Mosquitto:
         self.stop()
 
 
+class RunningBroker(NamedTuple):
+    url: str
+    protocol: str  # the MqttSettings.protocol to use with it
+    pid: int | None  # the broker's process, when started here
+
+
 @contextlib.contextmanager
-def broker(kind: str, workdir: Path, *, mosquitto_extra: str = "") -> Iterator[tuple[str, str]]:
-    """`(url, mqtt_protocol)` of a running broker: "mosquitto", "amqtt" or a mqtt:// URL."""
+def broker(kind: str, workdir: Path, *, mosquitto_extra: str = "") -> Iterator[RunningBroker]:
+    """A running broker: "mosquitto", "amqtt" (both started here) or an external mqtt:// URL."""
     if kind == "mosquitto":
         with Mosquitto(workdir / "mosquitto", extra=mosquitto_extra) as started:
-            yield started.url, "auto"
+            yield RunningBroker(started.url, "auto", started.process.pid if started.process else None)
     elif kind == "amqtt":
         with EmbeddedBroker() as started:
-            yield started.url, "3.1.1"  # amqtt speaks MQTT 3.1.1 only
+            yield RunningBroker(started.url, "3.1.1", None)  # amqtt speaks MQTT 3.1.1 only
     elif "://" in kind:
-        yield kind, "auto"
+        yield RunningBroker(kind, "auto", None)
     else:
         raise ValueError(f"unknown broker {kind!r}: mosquitto, amqtt or mqtt://host:port")
 

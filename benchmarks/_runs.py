@@ -203,7 +203,9 @@ class RunView:
 # -- the cache --------------------------------------------------------------------------------
 def run_folder_name(config: RunConfig) -> str:
     setting = Setting(config.partition, config.alpha, config.classes_per_client, config.fraction)
-    return f"{config.algorithm}-{config.dataset}-{setting.partition_name}-f{config.fraction:g}-s{config.seed}-{config.fingerprint()}"
+    evaluation = "" if config.eval_every == 1 else f"-e{config.eval_every}"  # not in the fingerprint
+    return (f"{config.algorithm}-{config.dataset}-{setting.partition_name}-f{config.fraction:g}-s{config.seed}"
+            f"{evaluation}-{config.fingerprint()}")
 
 
 class RunCache:

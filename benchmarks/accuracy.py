@@ -107,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=5,
+                        help="evaluate every N rounds and after the last (FedAvg+FT fine-tunes at every evaluation)")
     parser.add_argument("--no-heads", action="store_true", help="skip the heads table")
     parser.add_argument("--head-settings", help="settings of the heads table (default: every setting run)")
     parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
@@ -115,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout-algorithms", default="repper,fedavg_ft,fedrep")
     args = parser.parse_args(argv)
     if args.quick:
-        args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 10, 2, 1
+        args.dataset, args.clients, args.rounds, args.local_epochs, args.eval_every = "digits", 10, 2, 1, 1
         args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
@@ -427,13 +428,15 @@ def plot_curves(path: Path, views: dict[tuple, RunView], settings: list[Setting]
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
     for ax, setting in zip(axes.flat, shown):
         for algorithm in algorithms:
-            curves = [[(r["personalized_accuracy"] or {}).get("mean", np.nan) for r in view.records]
-                      for (a, s, _), view in views.items() if a == algorithm and s == setting.name]
-            if not curves:
-                continue
-            length = min(len(c) for c in curves)
-            mean = np.nanmean([c[:length] for c in curves], axis=0)
-            ax.plot(range(1, length + 1), mean, label=NAMES[algorithm])
+            by_round: dict[int, list[float]] = {}
+            for (a, s, _), view in views.items():
+                if a == algorithm and s == setting.name:
+                    for record in view.records:
+                        if record["personalized_accuracy"]:
+                            by_round.setdefault(record["round"], []).append(record["personalized_accuracy"]["mean"])
+            if by_round:
+                xs = sorted(by_round)
+                ax.plot(xs, [float(np.mean(by_round[x])) for x in xs], marker=".", label=NAMES[algorithm])
         ax.set(title=setting.label, xlabel="round", ylabel="mean personalized accuracy")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(shown):]:

@@ -559,7 +559,7 @@ def main() -> None:
         for name in brokers:
             label = "external" if "://" in name else name
             try:
-                with broker(name, Path(workdir)) as (url, protocol):
+                with broker(name, Path(workdir)) as (url, protocol, _):
                     for chunk_size in chunk_sizes:
                         transfers += bench_transfers(label, url, protocol, chunk_size, sizes, repeats, args.timeout,
                                                      raw_sizes if chunk_size == DEFAULT_CHUNK_SIZE else [])

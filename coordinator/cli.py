@@ -194,6 +194,17 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import json
+
+    from export.run import export_run
+
+    summary = export_run(args.run, args.out, part=args.part, quantize=args.quantize, fp16=args.fp16,
+                         calibration_size=args.calibration_size, data_dir=args.data_dir)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from .broker import _serve
 
@@ -266,6 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     lite.add_argument("--no-prototypes", action="store_true", help="do not report class counts and means")
     lite.set_defaults(handler=cmd_lite_client)
 
+    export = sub.add_parser("export", help="export a run's frozen representation to ONNX (checked against PyTorch)")
+    export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")
+    export.add_argument("--out", required=True, help="the ONNX file to write (int8: also <stem>.int8.onnx)")
+    export.add_argument("--part", default="body", help="which part to export (body)")
+    export.add_argument("--quantize", choices=["int8"], help="also write a static int8 QDQ model, per channel")
+    export.add_argument("--fp16", action="store_true", help="store the weights in float16")
+    export.add_argument("--calibration-size", type=int, default=256, help="real images for calibration and checks")
+    export.add_argument("--data-dir", help="where the run's dataset is (default: as the run had it)")
+    export.set_defaults(handler=cmd_export)
+
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
     broker.add_argument("--host", default="127.0.0.1")
     broker.add_argument("--port", type=int, default=1883)
@@ -295,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.handler(args)
-    except (ConfigError, DatasetNotFoundError, ValueError) as exc:
+    except (ConfigError, DatasetNotFoundError, ValueError, FileNotFoundError) as exc:
         print(f"edgepfl {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    QuantFormat,
+    QuantType,
+    quantize_static,
+)
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from edge_sdk.store import write_atomic

@@ -62,7 +62,7 @@ def _listed(keys: set[str]) -> str:
 def _body_arrays(state: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The `body.*` arrays of every global state group, with the prefix stripped."""
     arrays: dict[str, np.ndarray] = {}
-    for group, values in state.items():
+    for values in state.values():
         for key, value in values.items():
             if not key.startswith("body."):
                 continue

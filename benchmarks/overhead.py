@@ -1,0 +1,452 @@
+"""MQTT overhead: the same federated training over MQTT and in-process, wall time per round.
+
+Full run (a few minutes on a quiet machine; Mosquitto installed, and Fashion-MNIST in
+/usr/share/datasets/fashion-mnist or --data-dir):
+
+    python benchmarks/overhead.py --out benchmarks/results
+
+Quick (a smoke test, well under a minute): `python benchmarks/overhead.py --quick --out DIR`
+(digits, 3 devices, 2 rounds). `--broker mqtt://host:port` replaces the two broker variants by
+that broker.
+
+The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 devices, iid,
+5 rounds of 2 local epochs, evaluation every round, seed 0, on the CPU (`--device`), devices in
+`--workers` processes (default: one per core), one torch thread each. Variants:
+
+- `amqtt`, `mosquitto`: `coordinator.simulate.run_simulation(RunConfig(...))`, the product path:
+  the coordinator in this process, the devices (`EdgeClient`) in worker processes, each with its
+  own MQTT connection, through the embedded amqtt broker or a Mosquitto started here.
+- `inprocess`: the baseline, a plain loop with the same computation and the same process layout:
+  the same worker processes host the same devices (`EdgeClient`s, built from the WELCOME the real
+  `Coordinator` writes, training through their own TRAIN and EVALUATE handlers; only `send` is
+  replaced, so their replies are handed back as Python objects instead of being published); this
+  process runs the same server algorithm object (selection, `check_update`, `accumulate`,
+  `end_round`, the checkpoint every round) and hands tasks and replies to the workers over
+  multiprocessing pipes. No encoding, chunking, broker or MQTT client anywhere. Why this and not
+  the LoopbackBroker: the loopback broker is in-memory, so every device would have to live in this
+  one process, and the devices' Python work would then share one GIL instead of spreading over
+  the worker processes the MQTT runs use: the baseline would be slower than the real layout and
+  flatter the ratio.
+- `loopback` (optional, `--variants`): the same `Coordinator` and `EdgeClient`s over
+  `edge_sdk.loopback.LoopbackBroker`, all in this process, devices as threads with one compute
+  lock per would-be worker: the protocol without the network, under one GIL.
+
+Round time is the coordinator's own per-round `seconds` (selection to the end of that round's
+evaluation) and, in the loop, the same span. The ratio is MQTT / in-process per round; the
+headline is the ratio of the summed round times. Identical computation is checked by the final
+personalized accuracy, which should agree across variants. Time the coordinator spends in
+`Channel.send` and `Channel` receive processing is measured per round to show where a gap comes from.
+
+Writes overhead.json, overhead.md and overhead.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import replace
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from coordinator.config import RunConfig
+from edge_sdk.channel import Channel
+
+from _brokers import broker, machine_info
+
+MB = 1_000_000
+
+
+# -- timing the coordinator's messaging ------------------------------------------------------
+class ChannelTimer:
+    """Seconds the coordinator's Channel spends sending (encode, chunk, publish calls) and
+    accepting (unpack, reassemble, decode, checks) messages, per round."""
+
+    def __init__(self) -> None:
+        self.seconds = {"send": 0.0, "accept": 0.0}
+        self._originals = (Channel.send, Channel._accept)
+
+    def __enter__(self) -> "ChannelTimer":
+        send, accept = self._originals
+
+        def timed(name, fn):
+            def wrapper(channel, *args, **kwargs):
+                if "coordinator" not in channel.transport.client_id:
+                    return fn(channel, *args, **kwargs)
+                started = time.perf_counter()
+                try:
+                    return fn(channel, *args, **kwargs)
+                finally:
+                    self.seconds[name] += time.perf_counter() - started
+
+            return wrapper
+
+        Channel.send, Channel._accept = timed("send", send), timed("accept", accept)
+        return self
+
+    def take(self) -> dict[str, float]:
+        taken = dict(self.seconds)
+        self.seconds = {"send": 0.0, "accept": 0.0}
+        return taken
+
+    def __exit__(self, *exc: object) -> None:
+        Channel.send, Channel._accept = self._originals
+
+
+def _round_entry(entry: dict, timer: ChannelTimer) -> dict:
+    messaging = timer.take()
+    return {"round": entry["round"], "seconds": entry["seconds"], "participants": entry["participants"],
+            "accuracy": (entry.get("personalized_accuracy") or {}).get("mean"), "bytes_up": entry["bytes_up"],
+            "bytes_down": entry["bytes_down"], "coordinator_send_seconds": messaging["send"],
+            "coordinator_accept_seconds": messaging["accept"]}
+
+
+# -- the MQTT variants -----------------------------------------------------------------------
+def run_mqtt(config: RunConfig) -> dict:
+    from coordinator.simulate import run_simulation
+
+    rounds: list[dict] = []
+    with ChannelTimer() as timer:
+        started = time.monotonic()
+        report = run_simulation(config, on_round=lambda entry: rounds.append(_round_entry(entry, timer)))
+        wall = time.monotonic() - started
+    return {"rounds": rounds, "wall_seconds": wall,
+            "final_accuracy": report["final"]["personalized_accuracy"]["mean"],
+            "bytes_up": report["communication"]["bytes_up"], "bytes_down": report["communication"]["bytes_down"],
+            "rejections": report["rejections"]}
+
+
+# -- the loopback variant --------------------------------------------------------------------
+def run_loopback(config: RunConfig) -> dict:
+    import torch
+
+    from coordinator.server import Coordinator
+    from coordinator.simulate import client_id_for, split_among_workers
+    from edge_sdk.client import EdgeClient
+    from edge_sdk.data import load_client_data
+    from edge_sdk.loopback import LoopbackBroker
+    from edge_sdk.protocol import Topics
+
+    torch.set_num_threads(1)
+    hub = LoopbackBroker()
+    federation = config.federation
+    threads = []
+    for indices in split_among_workers(config.clients, config.worker_count):
+        lock = threading.Lock()
+        for index in indices:
+            data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
+                                    seed=config.seed, alpha=config.alpha, data_dir=config.data_dir)
+            client_id = client_id_for(index)
+            client = EdgeClient(client_id, data, device=config.device, compute_lock=lock, federation=federation,
+                                state_dir=Path(config.out) / "state" / client_id, chunk_size=config.chunk_size,
+                                transport=hub.transport(f"{federation}.{client_id}"))
+            threads.append(threading.Thread(target=client.run, name=client_id, daemon=True))
+    transport = hub.transport(f"{federation}.coordinator")
+    transport.connect()
+    rounds: list[dict] = []
+    with ChannelTimer() as timer:
+        coordinator = Coordinator(config, Channel(transport, Topics(federation), chunk_size=config.chunk_size),
+                                  on_round=lambda entry: rounds.append(_round_entry(entry, timer)))
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        report = coordinator.run()
+        wall = time.monotonic() - started
+    for thread in threads:
+        thread.join(timeout=30)
+    return {"rounds": rounds, "wall_seconds": wall, "final_accuracy": report["final"]["personalized_accuracy"]["mean"],
+            "bytes_up": report["communication"]["bytes_up"], "bytes_down": report["communication"]["bytes_down"],
+            "rejections": report["rejections"]}
+
+
+# -- the in-process baseline -----------------------------------------------------------------
+def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
+    """A worker process of the plain loop: the same devices as simulate's worker, no wire."""
+    import torch
+
+    from coordinator.simulate import client_id_for
+    from edge_sdk.client import EdgeClient
+    from edge_sdk.data import load_client_data
+    from edge_sdk.loopback import LoopbackBroker
+    from edge_sdk.protocol import Envelope
+
+    class DirectClient(EdgeClient):
+        """An EdgeClient whose replies are kept as Python objects instead of being published."""
+
+        outbox: list
+
+        def send(self, kind, round_=0, *, request=None, **fields) -> None:
+            self.outbox.append(Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields))
+
+    torch.set_num_threads(1)
+    unused = LoopbackBroker()
+    clients = []
+    for index in indices:
+        data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
+                                seed=config.seed, alpha=config.alpha, data_dir=config.data_dir)
+        client_id = client_id_for(index)
+        client = DirectClient(client_id, data, device=config.device, federation=config.federation,
+                              state_dir=Path(config.out) / "state" / client_id, transport=unused.transport(client_id))
+        client.outbox = []
+        clients.append(client)
+    conn.send([(c.client_id, *c.hello()) for c in clients])
+    handlers = {"welcome": lambda c: c._on_welcome, "train": lambda c: c._on_train, "evaluate": lambda c: c._on_evaluate}
+    while True:
+        command, payload = conn.recv()
+        if command == "stop":
+            return
+        replies = []
+        for client in clients:
+            envelope = payload[client.client_id] if command == "welcome" else payload
+            client.outbox.clear()
+            handlers[command](client)(envelope)
+            replies += client.outbox
+        conn.send(replies)
+
+
+def run_inprocess(config: RunConfig) -> dict:
+    from coordinator.rounds import select_clients
+    from coordinator.server import Coordinator
+    from coordinator.simulate import split_among_workers
+    from coordinator.validation import UpdateLimits, check_update
+    from edge_sdk import wire
+    from edge_sdk.loopback import LoopbackBroker
+    from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
+
+    started = time.monotonic()
+    context = multiprocessing.get_context("spawn")
+    workers, conns = [], []
+    for indices in split_among_workers(config.clients, config.worker_count):
+        parent, child = context.Pipe()
+        process = context.Process(target=_direct_worker, args=(config, indices, child), daemon=True)
+        process.start()
+        workers.append(process)
+        conns.append(parent)
+    try:
+        # the real Coordinator, on a loopback channel, writes the WELCOMEs and holds the server algorithm
+        hub = LoopbackBroker()
+        topics = Topics(config.federation)
+        listener = hub.transport("listener")
+        listener.connect()
+        listener.subscribe(f"{topics.prefix}/down/+/{Kind.WELCOME.value}")
+        transport = hub.transport(f"{config.federation}.coordinator")
+        transport.connect()
+        coordinator = Coordinator(config, Channel(transport, topics))
+        algorithm = coordinator.algorithm
+        examples: dict[str, int] = {}
+        welcomes: list[dict] = []
+        for conn in conns:
+            welcome: dict = {}
+            for client_id, metrics, capabilities in conn.recv():
+                coordinator._register(Envelope(Kind.HELLO, client_id, metrics=metrics, config=capabilities))
+                examples[client_id] = int(metrics["num_examples"])
+                welcome[client_id] = wire.decode(listener.incoming.get(timeout=10).payload)
+            welcomes.append(welcome)
+        for conn, welcome in zip(conns, welcomes):
+            conn.send(("welcome", welcome))
+        for conn in conns:
+            conn.recv()
+        limits = UpdateLimits(config.max_examples, config.max_update_norm)
+
+        def broadcast(command: str, envelope: Envelope, on_reply) -> None:
+            for conn in conns:
+                conn.send((command, envelope))
+            pending = list(conns)
+            while pending:
+                for conn in wait(pending):
+                    pending.remove(conn)
+                    for reply in conn.recv():
+                        on_reply(reply)
+
+        rounds: list[dict] = []
+        devices = sorted(examples)
+        accuracy = None
+        for round_ in range(1, config.rounds + 1):
+            began = time.monotonic()
+            selected = select_clients(devices, config.fraction, config.seed, round_)
+            algorithm.begin_round(round_)
+            groups = algorithm.task_groups(round_)
+            task = Envelope(Kind.TRAIN, COORDINATOR, run_id=coordinator.run_id, round=round_, groups=groups,
+                            config={"selected": selected, **algorithm.task_config(round_)})
+            replied = []
+
+            def on_update(reply: Envelope) -> None:
+                weight = check_update(reply, algorithm.update_spec(round_), groups, examples[reply.sender], limits)
+                algorithm.validate_update(reply.sender, reply.groups, reply.metrics, examples[reply.sender])
+                algorithm.accumulate(reply.sender, reply.groups, reply.metrics, weight)
+                replied.append(reply.sender)
+
+            broadcast("train", task, on_update)
+            algorithm.end_round(round_)
+            results: dict[str, float] = {}
+            request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=coordinator.run_id, round=round_,
+                               groups=algorithm.eval_groups(),
+                               config={"selected": devices, "final": round_ >= config.rounds, "phase": "round"})
+            broadcast("evaluate", request, lambda reply: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
+            seconds = time.monotonic() - began
+            accuracy = statistics.fmean(results.values())
+            coordinator.completed = round_
+            coordinator._checkpoint()
+            rounds.append({"round": round_, "seconds": seconds, "participants": len(replied), "accuracy": accuracy})
+        wall = time.monotonic() - started
+        for conn in conns:
+            conn.send(("stop", None))
+        return {"rounds": rounds, "wall_seconds": wall, "final_accuracy": accuracy}
+    finally:
+        for process in workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+
+
+# -- the report ------------------------------------------------------------------------------
+def compare(results: dict[str, dict], baseline: str) -> dict:
+    base = results.get(baseline)
+    out = {}
+    for name, result in results.items():
+        if name == baseline or "rounds" not in result or not base or "rounds" not in base:
+            continue
+        per_round = [m["seconds"] / b["seconds"] for m, b in zip(result["rounds"], base["rounds"])]
+        total = sum(r["seconds"] for r in result["rounds"]) / sum(r["seconds"] for r in base["rounds"])
+        later = result["rounds"][1:], base["rounds"][1:]
+        out[name] = {
+            "ratio": total,
+            "ratio_per_round": per_round,
+            "ratio_after_round_1": (sum(r["seconds"] for r in later[0]) / sum(r["seconds"] for r in later[1])
+                                    if later[1] else None),
+            "gap_seconds_per_round": [m["seconds"] - b["seconds"] for m, b in zip(result["rounds"], base["rounds"])],
+            "coordinator_messaging_seconds_per_round": [r.get("coordinator_send_seconds", 0.0)
+                                                        + r.get("coordinator_accept_seconds", 0.0)
+                                                        for r in result["rounds"]],
+        }
+    return out
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"fedavg, {s['dataset']}, model {s['model']}, {s['clients']} devices, {s['rounds']} rounds x "
+             f"{s['local_epochs']} local epochs, {s['workers']} worker processes, device {s['device']}, seed {s['seed']}", "",
+             "| variant | round | seconds | ratio to in-process | coordinator send s | coordinator receive s | MB up | MB down "
+             "| accuracy |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, run in result["variants"].items():
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error']} ||||||||")
+            continue
+        ratios = result["ratios"].get(name, {}).get("ratio_per_round", [])
+        for i, r in enumerate(run["rounds"]):
+            ratio = f"{ratios[i]:.3f}" if i < len(ratios) else "1" if name == result["baseline"] else "-"
+            lines.append(
+                f"| {name} | {r['round']} | {r['seconds']:.2f} | {ratio} | {r.get('coordinator_send_seconds', 0):.3f} "
+                f"| {r.get('coordinator_accept_seconds', 0):.3f} | {(r.get('bytes_up') or 0) / MB:.2f} "
+                f"| {(r.get('bytes_down') or 0) / MB:.2f} | {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 4)} |")
+    lines += ["", "| variant | sum of round seconds | ratio (sum) | ratio after round 1 | final accuracy | whole run s |",
+              "|---|---|---|---|---|---|"]
+    for name, run in result["variants"].items():
+        if "error" in run:
+            continue
+        ratio = result["ratios"].get(name, {})
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| {name} | {sum(r['seconds'] for r in run['rounds']):.2f} "
+                     f"| {fmt(ratio.get('ratio', 1.0 if name == result['baseline'] else None))} "
+                     f"| {fmt(ratio.get('ratio_after_round_1'))} | {fmt(run['final_accuracy'])} | {run['wall_seconds']:.1f} |")
+    t = result["targets"]
+    lines += ["", "## Target", "",
+              f"- MQTT / in-process wall time per round <= {t['max_ratio']} ({s['dataset']}, {s['clients']} devices): "
+              + ", ".join(f"{k} {v:.3f} ({'met' if v <= t['max_ratio'] else 'missed'})" for k, v in t["ratios"].items()),
+              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+              f"{result['machine']['load_average_at_start']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [n for n, r in result["variants"].items() if "rounds" in r]
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        rounds = result["variants"][name]["rounds"]
+        ax.bar([r["round"] + (i - (len(names) - 1) / 2) * width for r in rounds], [r["seconds"] for r in rounds],
+               width=width, label=name)
+    ax.set(xlabel="round", ylabel="seconds (selection to end of evaluation)", title="Round wall time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="digits, 3 devices, 2 rounds: a smoke test")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--broker", help="mqtt://host:port: the only MQTT variant (default: amqtt and Mosquitto)")
+    parser.add_argument("--variants", default="amqtt,mosquitto,inprocess",
+                        help="comma-separated: amqtt, mosquitto, inprocess, loopback")
+    parser.add_argument("--dataset", help="default fmnist (quick: digits)")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--clients", type=int, help="default 10 (quick: 3)")
+    parser.add_argument("--rounds", type=int, help="default 5 (quick: 2)")
+    parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0, help="device worker processes (default: one per core)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = args.variants.split(",")
+    if args.broker:
+        variants = ["external" if v in ("amqtt", "mosquitto") else v for v in variants]
+        variants = list(dict.fromkeys(variants))
+    workers = args.workers or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="edgepfl-overhead-") as workdir:
+        base = RunConfig(algorithm="fedavg", dataset=args.dataset or ("digits" if args.quick else "fmnist"),
+                         data_dir=args.data_dir, clients=args.clients or (3 if args.quick else 10),
+                         rounds=args.rounds or (2 if args.quick else 5), local_epochs=args.local_epochs,
+                         seed=args.seed, workers=workers, device=args.device, eval_every=1, round_timeout=600.0,
+                         registration_timeout=300.0, quorum_grace=0.0)
+        base = replace(base, min_clients=base.clients)
+        result: dict = {"machine": machine_info(), "baseline": "inprocess",
+                        "settings": {"quick": args.quick, "dataset": base.dataset, "model": base.model_name,
+                                     "clients": base.clients, "rounds": base.rounds, "local_epochs": base.local_epochs,
+                                     "workers": workers, "device": base.device, "seed": base.seed,
+                                     "variants": variants, "broker": args.broker},
+                        "variants": {}}
+        for name in variants:
+            config = replace(base, out=str(Path(workdir) / name), federation=f"overhead-{uuid.uuid4().hex[:8]}")
+            print(f"{name} ...", flush=True)
+            try:
+                if name == "inprocess":
+                    run = run_inprocess(config)
+                elif name == "loopback":
+                    run = run_loopback(config)
+                elif name == "amqtt":
+                    run = run_mqtt(config)  # broker=None: run_simulation starts the embedded amqtt broker
+                else:
+                    with broker(args.broker or name, Path(workdir) / name) as (url, protocol, _):
+                        run = run_mqtt(replace(config, broker=url, mqtt_protocol=protocol))
+            except Exception as exc:  # a variant that fails is reported, the others still run
+                run = {"error": f"{type(exc).__name__}: {exc}"}
+            result["variants"][name] = run
+            print(f"{name}: " + (run["error"] if "error" in run else
+                  ", ".join(f"{r['seconds']:.2f}" for r in run["rounds"]) + f" s per round, accuracy {run['final_accuracy']}"),
+                  flush=True)
+    result["ratios"] = compare(result["variants"], "inprocess")
+    result["targets"] = {"max_ratio": 1.15,
+                         "ratios": {name: r["ratio"] for name, r in result["ratios"].items() if name != "loopback"}}
+    (out / "overhead.json").write_text(json.dumps(result, indent=2))
+    (out / "overhead.md").write_text(markdown(result))
+    plot(result, out / "overhead.png")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
