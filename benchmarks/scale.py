@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
 import queue
 import tempfile
 import threading
@@ -287,34 +286,56 @@ def _coordinator_main(config_fields: dict, max_pending_blobs: int, flow_control_
         transport.close()
 
 
-def _sample_rss(pid: int, stop: threading.Event, samples: list, started: float) -> None:
+def _sample_rss(pids: dict[str, int | None], stop: threading.Event, samples: dict[str, list], started: float) -> None:
+    """RSS of the coordinator (and the broker, when started here) every 50 ms."""
     import psutil
 
-    process = psutil.Process(pid)
-    while not stop.is_set():
-        try:
-            samples.append((time.monotonic() - started, process.memory_info().rss))
-        except psutil.Error:
-            return
+    processes = {name: psutil.Process(pid) for name, pid in pids.items() if pid is not None}
+    while not stop.is_set() and processes:
+        now = time.monotonic() - started
+        for name, process in list(processes.items()):
+            try:
+                samples.setdefault(name, []).append((now, process.memory_info().rss))
+            except psutil.Error:
+                del processes[name]
         stop.wait(0.05)
 
 
-def run_scale(devices: int, url: str, protocol: str, args, workdir: Path) -> dict:
+def broker_dropped(url: str, protocol: str) -> int | None:
+    """Mosquitto's $SYS count of messages it dropped (queues full), or None if not published."""
+    from edge_sdk.transport import MqttTransport
+
+    transport = MqttTransport(f"scale-sys-{uuid.uuid4().hex[:6]}", MqttSettings(url=url, protocol=protocol))
+    try:
+        transport.connect()
+        transport.subscribe("$SYS/broker/publish/messages/dropped", qos=0)
+        message = transport.incoming.get(timeout=3)
+        return int(message.payload)
+    except (queue.Empty, ValueError, OSError):
+        return None
+    finally:
+        transport.close()
+
+
+def run_scale(devices: int, running, args, workdir: Path) -> dict:
+    url, protocol, broker_pid = running
     federation = f"scale{devices}-{uuid.uuid4().hex[:6]}"
     processes = args.processes or max(1, min(16, math.ceil(devices / 125)))
     config = dict(algorithm="fedavg", dataset=args.dataset, model=args.model, clients=devices, rounds=args.rounds,
                   eval_every=args.rounds, min_clients=devices, quorum_grace=0.0, round_timeout=args.round_timeout,
                   registration_timeout=args.registration_timeout, federation=federation, broker=url,
                   mqtt_protocol=protocol, chunk_size=args.chunk_size, out=str(workdir / federation), seed=0)
+    dropped_before = broker_dropped(url, protocol)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    coordinator = context.Process(target=_coordinator_main, args=(config, args.max_pending_blobs, args.flow_control_bytes, child),
-                                  name="coordinator", daemon=True)
+    coordinator = context.Process(target=_coordinator_main, name="coordinator", daemon=True,
+                                  args=(config, args.max_pending_blobs, args.flow_control_bytes, child))
     coordinator.start()
-    samples: list[tuple[float, int]] = []
+    samples: dict[str, list] = {}
     stop = threading.Event()
     started = time.monotonic()
-    sampler = threading.Thread(target=_sample_rss, args=(coordinator.pid, stop, samples, started), daemon=True)
+    sampler = threading.Thread(target=_sample_rss, daemon=True,
+                               args=({"coordinator": coordinator.pid, "broker": broker_pid}, stop, samples, started))
     sampler.start()
     results = context.Queue()
     workers: list = []
@@ -325,10 +346,10 @@ def run_scale(devices: int, url: str, protocol: str, args, workdir: Path) -> dic
         if message != "registering":
             raise RuntimeError(f"coordinator: {detail}")
         devices_started = time.monotonic()
-        shares = [list(range(w, devices, processes)) for w in range(processes)]
-        for share in shares:
-            worker = context.Process(target=_devices_main, args=(share, url, protocol, federation, args.chunk_size, results),
-                                     daemon=True)
+        for w in range(processes):
+            worker = context.Process(target=_devices_main, daemon=True,
+                                     args=(list(range(w, devices, processes)), url, protocol, federation,
+                                           args.chunk_size, results))
             worker.start()
             workers.append(worker)
         limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
@@ -347,7 +368,15 @@ def run_scale(devices: int, url: str, protocol: str, args, workdir: Path) -> dic
         coordinator.join(timeout=30)
         if coordinator.is_alive():
             coordinator.terminate()
-    return summarize(devices, processes, detail, device_stats, devices_started, samples, started)
+    dropped_after = broker_dropped(url, protocol)
+    summary = summarize(devices, processes, detail, device_stats, devices_started, samples.get("coordinator", []),
+                        started)
+    broker_rss = [rss for _, rss in samples.get("broker", [])]
+    summary["broker_peak_rss_bytes"] = max(broker_rss) if broker_rss else None
+    summary["broker_rss_before_bytes"] = broker_rss[0] if broker_rss else None
+    summary["broker_dropped_messages"] = (dropped_after - dropped_before
+                                          if dropped_after is not None and dropped_before is not None else None)
+    return summary
 
 
 def summarize(devices: int, processes: int, detail: dict, device_stats: list[dict], devices_started: float,
@@ -484,6 +513,11 @@ def main() -> None:
     parser.add_argument("--max-pending-blobs", type=int, default=0,
                         help="experiment: override the coordinator Channel's reassembly limit on partly received "
                              "chunked messages (default: the project's own, 64)")
+    parser.add_argument("--flow-control-bytes", type=int, default=0,
+                        help="experiment: bound the coordinator's incoming queue to this many bytes, blocking the "
+                             "MQTT network thread when full (default: the project's queue, bounded in messages only)")
+    parser.add_argument("--mosquitto-max-queued", type=int, default=1000,
+                        help="Mosquitto's max_queued_messages per client (default 1000, Mosquitto's own; 0: no limit)")
     parser.add_argument("--registration-timeout", type=float, default=300.0)
     args = parser.parse_args()
     args.devices = [int(n) for n in (args.devices or ("20,50" if args.quick else "100,500,1000")).split(",")]
@@ -496,19 +530,21 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fd_limit = raise_fd_limit()
+    conf = mosquitto_conf(args.mosquitto_max_queued)
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": args.quick, "devices": args.devices, "rounds": args.rounds,
                                  "dataset": args.dataset, "model": args.model, "chunk_size": args.chunk_size,
                                  "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
                                  "max_pending_blobs_override": args.max_pending_blobs or None,
-                                 "mosquitto_conf": None if args.broker else MOSQUITTO_CONF,
+                                 "mosquitto_conf": None if args.broker else conf,
+                                 "flow_control_bytes": args.flow_control_bytes or None,
                                  "open_files_limit": list(fd_limit)},
                     "runs": []}
     with tempfile.TemporaryDirectory(prefix="edgepfl-scale-") as workdir, \
-            broker(args.broker or "mosquitto", Path(workdir), mosquitto_extra=MOSQUITTO_CONF) as (url, protocol):
+            broker(args.broker or "mosquitto", Path(workdir), mosquitto_extra=conf) as running:
         for devices in args.devices:
             try:
-                run = run_scale(devices, url, protocol, args, Path(workdir))
+                run = run_scale(devices, running, args, Path(workdir))
             except (RuntimeError, OSError, EOFError) as exc:
                 run = {"devices": devices, "error": f"{type(exc).__name__}: {exc}"}
             result["runs"].append(run)
