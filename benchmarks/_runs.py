@@ -235,7 +235,7 @@ class RunCache:
         if report_path.exists():
             report = json.loads(report_path.read_text())
             if report["rounds_completed"] >= config.rounds:
-                return RunView(config, report, out, config.rounds, cached=True, seconds=0.0)
+                return self._checked(RunView(config, report, out, config.rounds, cached=True, seconds=0.0))
             log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.rounds)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
@@ -252,7 +252,25 @@ class RunCache:
             self.failures.append({"run": out.name, "error": f"stopped after {report['rounds_completed']} rounds"})
             self._failed.add(out)
             return None
-        return RunView(config, report, out, config.rounds, cached=False, seconds=seconds)
+        return self._checked(RunView(config, report, out, config.rounds, cached=False, seconds=seconds))
+
+    def _checked(self, view: RunView) -> RunView | None:
+        """The view, or None when the run is not a clean measurement (a device missing from a
+        round, no final accuracy): then its folder is moved aside to `<name>.failed-<time>` so
+        that the next invocation starts it afresh instead of resuming a broken run."""
+        problems = [f"round {r['round']}: {r['participants']} of {r['selected']} devices replied ({r['outcome']})"
+                    for r in view.records if r["participants"] < r["selected"]]
+        if view.personalized()["mean"] is None:
+            problems.append("no personalized accuracy")
+        if not problems:
+            return view
+        aside = view.out.with_name(f"{view.out.name}.failed-{time.strftime('%Y%m%dT%H%M%S')}")
+        view.out.rename(aside)
+        log.warning("run %s is not a clean measurement (%s); moved to %s", view.out.name, "; ".join(problems[:3]),
+                    aside.name)
+        self.failures.append({"run": view.out.name, "error": "; ".join(problems[:3]), "moved_to": aside.name})
+        self._failed.add(view.out)
+        return None
 
 
 # -- formatting and machine info -----------------------------------------------------------

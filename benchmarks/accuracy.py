@@ -107,8 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=5,
-                        help="evaluate every N rounds and after the last (FedAvg+FT fine-tunes at every evaluation)")
+    parser.add_argument("--eval-every", type=int, default=1,
+                        help="evaluate every N rounds and after the last (runs with N > 1 are cached apart and "
+                             "are not shared with communication.py, which needs every round)")
     parser.add_argument("--no-heads", action="store_true", help="skip the heads table")
     parser.add_argument("--head-settings", help="settings of the heads table (default: every setting run)")
     parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
@@ -116,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout-algorithms", default="repper,fedavg_ft,fedrep")
     args = parser.parse_args(argv)
     if args.quick:
-        args.dataset, args.clients, args.rounds, args.local_epochs, args.eval_every = "digits", 10, 2, 1, 1
+        args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 10, 2, 1
         args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)

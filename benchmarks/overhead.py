@@ -1,6 +1,6 @@
 """MQTT overhead: the same federated training over MQTT and in-process, wall time per round.
 
-Full run (a few minutes on a quiet machine; Mosquitto installed, and Fashion-MNIST in
+Full run (about 8 minutes on 2 cores; Mosquitto installed, and Fashion-MNIST in
 /usr/share/datasets/fashion-mnist or --data-dir):
 
     python benchmarks/overhead.py --out benchmarks/results

@@ -1,8 +1,15 @@
 """Coordinator scale: 100, 500 and 1,000 devices, each a real MQTT connection, through Mosquitto.
 
-Full run (tens of minutes on a quiet machine; Mosquitto installed; about 4 GB of free memory):
+Full run (Mosquitto installed; about 8 GB of free memory; 5 to 15 minutes: a round that loses
+an update lasts until --round-timeout, 180 s):
 
     python benchmarks/scale.py --out benchmarks/results
+
+The configuration the measurements recommend (uploads in one MQTT message, the coordinator's
+incoming queue bounded in bytes, Mosquitto's per-client queue unbounded), as an experiment:
+
+    python benchmarks/scale.py --chunk-size 8388608 --flow-control-bytes 16000000 \
+        --mosquitto-max-queued 0 --out benchmarks/results/scale-flow-control
 
 Quick (a smoke test, well under a minute): `python benchmarks/scale.py --quick --out DIR` (20 and
 50 devices, 2 rounds, the 0.15M-parameter cnn8). `--broker mqtt://host:port` uses an existing
@@ -23,9 +30,19 @@ end of `end_round`: broadcast, collection, validation and aggregation), the aggr
 validation time (`check_update`), the coordinator's peak RSS during the round (the kernel's
 high-water mark, VmHWM, reset at `begin_round` through /proc/self/clear_refs) and its growth
 over the RSS before round 1, as a multiple of the model's size, the backlog of the coordinator's
-incoming queue, and whether every update arrived (participants == devices; the quorum is set to
-all devices so a round waits for every update until `--round-timeout`). Evaluation runs once,
-after the last round, outside the measured round latency.
+incoming queue and of the reassembly (partly received chunked messages), the rejections, and
+whether every update arrived (updates accepted == devices; the quorum is set to all devices so
+a round waits for every update until `--round-timeout`). Also the broker's RSS and Mosquitto's
+$SYS count of dropped messages. Evaluation runs once, after the last round, outside the measured
+round latency. The simulated devices use an MQTT keepalive of 300 s (`--device-keepalive`):
+hundreds of them share a few cores here, and a device's PINGRESP waits behind the broadcast its
+process has not read yet.
+
+Experiments (benchmark-side patches of the coordinator process, to measure a proposed change
+before it is made): `--flow-control-bytes` bounds the coordinator transport's incoming queue in
+bytes and blocks the MQTT network thread when it is full; `--max-pending-blobs` overrides the
+coordinator Channel's reassembly limit; `--chunk-size` above the update size sends every
+update as one MQTT message; `--mosquitto-max-queued 0` lifts Mosquitto's per-client queue limit.
 
 Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
 """
@@ -135,11 +152,13 @@ def client_id_for(index: int) -> str:
     return f"dev{index:04d}"
 
 
-def _devices_main(indices: list[int], url: str, protocol: str, federation: str, chunk_size: int, results) -> None:
+def _devices_main(indices: list[int], url: str, protocol: str, federation: str, chunk_size: int, keepalive: int,
+                  results) -> None:
     """One device process: its devices as threads, each with its own MQTT connection."""
     raise_fd_limit()
     started = time.monotonic()
-    devices = [TinyDevice(client_id_for(i), broker=MqttSettings(url=url, protocol=protocol, connect_timeout=60),
+    settings = MqttSettings(url=url, protocol=protocol, connect_timeout=60, keepalive=keepalive)
+    devices = [TinyDevice(client_id_for(i), broker=settings,
                           federation=federation, state_dir="unused", chunk_size=chunk_size) for i in indices]
     errors: list[str] = []
 
@@ -349,7 +368,7 @@ def run_scale(devices: int, running, args, workdir: Path) -> dict:
         for w in range(processes):
             worker = context.Process(target=_devices_main, daemon=True,
                                      args=(list(range(w, devices, processes)), url, protocol, federation,
-                                           args.chunk_size, results))
+                                           args.chunk_size, args.device_keepalive, results))
             worker.start()
             workers.append(worker)
         limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
@@ -503,11 +522,15 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--broker", help="mqtt://host:port (default: start Mosquitto with the config written here)")
     parser.add_argument("--devices", help="comma-separated device counts (default 100,500,1000; quick 20,50)")
-    parser.add_argument("--rounds", type=int, help="rounds per device count (default 3, quick 2)")
+    parser.add_argument("--rounds", type=int, help="rounds per device count (default 2)")
     parser.add_argument("--dataset", help="the dataset whose shape sizes the model (default cifar100, quick digits)")
     parser.add_argument("--model", help="default cnn32 (0.92M parameters on cifar100), quick cnn8")
     parser.add_argument("--processes", type=int, default=0, help="device processes (default: one per 125 devices)")
     parser.add_argument("--chunk-size", type=int, default=1 << 20)
+    parser.add_argument("--device-keepalive", type=int, default=300,
+                        help="MQTT keepalive of the simulated devices in seconds (default 300, not the SDK's 30: "
+                             "hundreds of devices share a few cores here, so a device's PINGRESP can wait behind "
+                             "megabytes of broadcast its process has not read yet; a real device has its own CPU)")
     parser.add_argument("--round-timeout", type=float, default=180.0,
                         help="seconds a round waits for every update (a lost update shows as a round this long)")
     parser.add_argument("--max-pending-blobs", type=int, default=0,
@@ -521,7 +544,7 @@ def main() -> None:
     parser.add_argument("--registration-timeout", type=float, default=300.0)
     args = parser.parse_args()
     args.devices = [int(n) for n in (args.devices or ("20,50" if args.quick else "100,500,1000")).split(",")]
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.rounds = args.rounds or 2
     args.dataset = args.dataset or ("digits" if args.quick else "cifar100")
     args.model = args.model or ("cnn8" if args.quick else "cnn32")
     if args.quick:
@@ -535,6 +558,7 @@ def main() -> None:
                     "settings": {"quick": args.quick, "devices": args.devices, "rounds": args.rounds,
                                  "dataset": args.dataset, "model": args.model, "chunk_size": args.chunk_size,
                                  "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
+                                 "device_keepalive": args.device_keepalive,
                                  "max_pending_blobs_override": args.max_pending_blobs or None,
                                  "mosquitto_conf": None if args.broker else conf,
                                  "flow_control_bytes": args.flow_control_bytes or None,

@@ -1,6 +1,6 @@
 """Wire and MQTT transport throughput: encode/decode MB/s, payloads through Mosquitto and amqtt.
 
-Full run (about 5-10 minutes on a quiet machine; Mosquitto installed):
+Full run (about a minute; Mosquitto installed):
 
     python benchmarks/transport.py --out benchmarks/results
 

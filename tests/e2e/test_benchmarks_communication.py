@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_communication_quick_writes_bytes_target_codecs_and_dc_pfl_modes(tmp_path):
     command = [sys.executable, "benchmarks/communication.py", "--quick", "--out", str(tmp_path)]
 
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

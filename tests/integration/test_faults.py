@@ -44,11 +44,7 @@ def output_of(process: subprocess.Popen) -> str:
 
 
 def start_devices(url: str, tmp_path, count: int) -> list[subprocess.Popen]:
-    return [
-        spawn("client", "--broker", url, "--federation", FED, "--client-id", f"dev{i}", "--dataset", "digits",
-              "--clients", str(count), "--index", str(i), "--state-dir", str(tmp_path / f"dev{i}"), "--device", "cpu")
-        for i in range(count)
-    ]
+    return [device_process(url, tmp_path, i, count) for i in range(count)]
 
 
 def start_coordinator(url: str, out, rounds: int, **flags) -> subprocess.Popen:
@@ -90,7 +86,7 @@ class StatusWatcher:
         self.transport.close()
 
 
-def restart_device(url: str, tmp_path, index: int, count: int, *flags: str) -> subprocess.Popen:
+def device_process(url: str, tmp_path, index: int, count: int, *flags: str) -> subprocess.Popen:
     return spawn(*flags, "client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}",
                  "--dataset", "digits", "--clients", str(count), "--index", str(index),
                  "--state-dir", str(tmp_path / f"dev{index}"), "--device", "cpu")
@@ -189,7 +185,7 @@ def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_pa
         watcher.wait_for_round(2)
         devices[2].send_signal(signal.SIGKILL)
         devices[2].wait(timeout=30)
-        devices[2] = restart_device(mosquitto.url, tmp_path, 2, 3, "-v")
+        devices[2] = device_process(mosquitto.url, tmp_path, 2, 3, "-v")
         watcher.wait_for_hello("dev2")
         rejoined_after = watcher.wait_for_round(0).round
 
@@ -252,7 +248,7 @@ def test_chaos_kills_restarts_and_a_broker_restart(mosquitto, tmp_path):
             devices[victim].send_signal(signal.SIGKILL)
             devices[victim].wait(timeout=30)
             kills += 1
-            devices[victim] = restart_device(mosquitto.url, tmp_path, victim, count)
+            devices[victim] = device_process(mosquitto.url, tmp_path, victim, count)
             watcher.wait_for_hello(f"dev{victim}")
             if round_ == 5:
                 watcher.wait_for_round(7)
