@@ -134,8 +134,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from edge_sdk.channel import Channel
-    from edge_sdk.protocol import Topics
     from edge_sdk.transport import MqttTransport
 
     from .server import Coordinator
@@ -145,8 +143,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                               config.mqtt_settings(config.broker or "mqtt://127.0.0.1:1883"))
     transport.connect()
     try:
-        channel = Channel(transport, Topics(config.federation), chunk_size=config.chunk_size)
-        report = Coordinator(config, channel).run()
+        report = Coordinator(config, config.coordinator_channel(transport)).run()
     finally:
         transport.close()
     print(_summary(report, config.out))

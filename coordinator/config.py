@@ -20,6 +20,8 @@ from edge_sdk.data import DATASETS, PARTITIONS
 from edge_sdk.models import MODEL_NAMES, default_model_for
 from edge_sdk.attacks import ATTACKS
 from edge_sdk.codecs import CODECS
+from edge_sdk.channel import Channel
+from edge_sdk.protocol import Topics
 from edge_sdk.transport import MqttSettings
 
 from .robust import AggregationSettings
@@ -154,6 +156,12 @@ class RunConfig:
     @property
     def worker_count(self) -> int:
         return self.workers or os.cpu_count() or 1
+
+    def coordinator_channel(self, transport) -> Channel:
+        """The coordinator's channel: room to reassemble an upload from every device at once
+        (chunked uploads of a whole fleet interleave at the broker)."""
+        return Channel(transport, Topics(self.federation), chunk_size=self.chunk_size,
+                       max_pending_blobs=2 * self.clients + 64)
 
     def mqtt_settings(self, url: str, account: str = "coordinator") -> MqttSettings:
         """How this side connects: explicit username/password, else `account` in `credentials`."""

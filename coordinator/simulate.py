@@ -16,8 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from edge_sdk.channel import Channel
-from edge_sdk.protocol import Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 
 from .algorithms import hyperparameters
@@ -126,8 +124,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
         transport = MqttTransport(f"{config.federation}.coordinator", config.mqtt_settings(url))
         transport.connect()
         try:
-            coordinator = Coordinator(config, Channel(transport, Topics(config.federation), chunk_size=config.chunk_size),
-                                      on_round=on_round)
+            coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
             report = coordinator.run()
         finally:
             transport.close()

@@ -55,6 +55,7 @@ class Channel:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         limits: wire.WireLimits = wire.DEFAULT_LIMITS,
         reassembly_budget: int | None = None,
+        max_pending_blobs: int = 64,
         repeatable: frozenset[Kind] = frozenset(),
     ):
         self.transport = transport
@@ -68,6 +69,7 @@ class Channel:
         self._reassembler = Reassembler(
             max_blob_bytes=limits.max_message_bytes,
             max_pending_bytes=reassembly_budget or 2 * limits.max_message_bytes,
+            max_pending_blobs=max_pending_blobs,
             on_drop=self._count_drop,
         )
 

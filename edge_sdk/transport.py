@@ -8,6 +8,7 @@ paho reconnects with exponential backoff. MQTT 5 is used where the broker speaks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import ssl
@@ -165,7 +166,8 @@ class MqttTransport:
         client, self._client = self._client, None
         if client is not None:
             client.disconnect()
-            client.loop_stop()
+            with contextlib.suppress(AttributeError):  # paho 2.2: the network thread may clear itself first
+                client.loop_stop()
         self.connected.clear()
 
     # -- operations ------------------------------------------------------------------------
