@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import json
 import logging
 import math
@@ -223,10 +224,23 @@ class RunCache:
         return self.root / run_folder_name(config)
 
     def run(self, config: RunConfig) -> RunView | None:
-        """The run of `config` as of `config.rounds` rounds (None, logged, if it failed)."""
+        """The run of `config` as of `config.rounds` rounds (None, logged, if it failed).
+
+        A lock file beside the run's folder keeps two benchmark processes from driving the same
+        run at once: the second waits for the first and then reuses its result."""
         out = self.folder(config)
         if out in self._failed:  # failed earlier in this invocation: not tried twice
             return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f".{out.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("%s is in use by another benchmark process; waiting", out.name)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._run_locked(config, out)
+
+    def _run_locked(self, config: RunConfig, out: Path) -> RunView | None:
         config = dataclasses.replace(config, out=str(out), broker=self.broker)
         report_path = out / "report.json"
         if self.fresh and out not in self._cleared:  # --fresh: recompute once per invocation

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -64,21 +65,25 @@ class StatusWatcher:
         self.transport.subscribe(Topics(FED).broadcast(Kind.STATUS))
         self.transport.subscribe(f"edgepfl/{FED}/up/+/hello")
 
-    def _next(self, timeout: float, what: str):
-        received = self.channel.receive(timeout)
-        assert received is not None, f"nothing within {timeout} s while waiting for {what}"
+    def _next(self, deadline: float, what: str):
+        """The next status or HELLO; fails once `deadline` (time.monotonic) has passed."""
+        remaining = deadline - time.monotonic()
+        received = self.channel.receive(max(0.0, remaining)) if remaining > 0 else None
+        assert received is not None, f"timed out waiting for {what}"
         return received.envelope
 
     def wait_for_round(self, completed: int, timeout: float = 120.0):
         """Block until a status says at least `completed` rounds are done; returns that status."""
+        deadline = time.monotonic() + timeout
         while True:
-            envelope = self._next(timeout, f"{completed} completed rounds")
+            envelope = self._next(deadline, f"{completed} completed rounds")
             if envelope.kind is Kind.STATUS and envelope.round >= completed:
                 return envelope
 
     def wait_for_hello(self, client_id: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            envelope = self._next(timeout, f"a HELLO from {client_id}")
+            envelope = self._next(deadline, f"a HELLO from {client_id}")
             if envelope.kind is Kind.HELLO and envelope.sender == client_id:
                 return
 
@@ -238,8 +243,9 @@ def test_chaos_kills_restarts_and_a_broker_restart(mosquitto, tmp_path):
     count = 4
     devices = start_devices(mosquitto.url, tmp_path, count)
     watcher = StatusWatcher(mosquitto.url)
-    coordinator = start_coordinator(mosquitto.url, out, rounds=20, clients=count, min_clients=2, round_timeout=20,
-                                    quorum_grace=5, local_epochs=3)
+    # rounds slow enough (about 2 s each) for the kill schedule to happen while the run goes on
+    coordinator = start_coordinator(mosquitto.url, out, rounds=20, clients=count, min_clients=2, round_timeout=30,
+                                    quorum_grace=5, local_epochs=8)
     kills, victims = 0, set()
     try:
         for round_ in (2, 5, 10, 13):
