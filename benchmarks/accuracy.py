@@ -4,11 +4,12 @@ Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unle
 1. Table 2 layout: the mean personalized accuracy over devices at the last round, mean ± std over
    seeds, for every algorithm (rows) under every setting (columns): Dirichlet alpha 0.1 and 0.5,
    2 classes per device (shards), feature skew (domains); participation 0.2 and 1.0.
-2. Table 3 layout: MLP, SVM and LR heads (scikit-learn, `edge_sdk.algorithms.repper.fit_sklearn_head`)
-   fitted on each device's train features of the final body of FedAvg, LG-FedAvg, FedRep and
-   RepPer, scored on its test split. Global bodies (FedAvg, FedRep, RepPer) come from the run's
-   checkpoint with BatchNorm statistics recomputed on the device's train split; LG-FedAvg's body
-   is personal and comes from `<run>/state/<device>/personal.msgpack`.
+2. Table 3 layout: MLP, SVM and LR heads (the weak devices' numpy heads, through
+   `edge_sdk.algorithms.repper.fit_lite_head`) fitted on each device's train features of the
+   final body of FedAvg, LG-FedAvg, FedRep and RepPer, scored on its test split. Global bodies
+   (FedAvg, FedRep, RepPer) come from the run's checkpoint with BatchNorm statistics recomputed
+   on the device's train split; LG-FedAvg's body is personal and comes from
+   `<run>/state/<device>/personal.msgpack`.
 3. Fig. 6, new clients: `--holdout` devices never train; their accuracy as the run reports it
    (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedRep keeps an
    untrained head), and the accuracy of an LR head the benchmark fits on the final body.
@@ -169,15 +170,15 @@ def load_body(view: RunView, client_id: str):
 
 def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> dict[str, dict[str, float]]:
     """Per device: accuracy of each head kind fitted on its train features of the final body.
-    Cached in the run's folder (heads.json) by round, devices and kinds."""
+    Cached in the run's folder (lite_heads.json) by round, devices and kinds."""
     import torch
 
-    from edge_sdk.algorithms.repper import fit_sklearn_head
+    from edge_sdk.algorithms.repper import fit_lite_head
     from edge_sdk.data import load_client_data
     from edge_sdk.training import predict, recalibrate_batchnorm
 
     config = view.config
-    cache_path = view.out / "heads.json"
+    cache_path = view.out / "lite_heads.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     round_ = view.report["rounds_completed"]
     results: dict[str, dict[str, float]] = {}
@@ -200,7 +201,8 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
         for name, kind in kinds.items():
             if name in done:
                 continue
-            head = fit_sklearn_head(kind, train_f, data.train_y, hidden=HEAD_HIDDEN, seed=config.seed * 1000 + index)
+            head = fit_lite_head(kind, train_f, data.train_y, data.meta.num_classes, hidden=HEAD_HIDDEN,
+                                 seed=config.seed * 1000 + index)
             done[name] = float((head.predict(test_f) == data.test_y).mean()) if len(data.test_y) else float("nan")
         cache[key] = done
         cache_path.write_text(json.dumps(cache, indent=2))
@@ -370,8 +372,8 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
     heads = document.get("heads")
     if heads and heads["table"]:
         lines += ["## Heads on the final body (RepPer Table 3 layout)", "",
-                  "scikit-learn heads fitted on each device's train features of the final body, mean test "
-                  "accuracy over devices (%), mean ± std over seeds. MLP: one hidden layer of "
+                  "The weak devices' numpy heads fitted on each device's train features of the final body, mean "
+                  "test accuracy over devices (%), mean ± std over seeds. MLP: one hidden layer of "
                   f"{HEAD_HIDDEN}; SVM: linear; LR: logistic regression. Global bodies get the device's own "
                   "BatchNorm statistics (recomputed on its train split); LG-FedAvg's body is the device's own. "
                   "'in run' is the algorithm's own personalized accuracy for comparison.", ""]

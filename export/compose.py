@@ -1,10 +1,10 @@
 """Compose a released body with a torch head into one personalized ONNX model.
 
-Weak devices compose scikit-learn and nearest-class-mean heads with `edge_sdk.lite.compose`
-(re-exported here as `compose`); a trainer device that fitted a torch head (RepPer's `linear`
-or `mlp`) uses `compose_torch_head`: the head is exported to ONNX on its own (input
-`features`, output its logits), `label` = ArgMax and `probabilities` = Softmax of the logits
-are appended, and the result is merged with the body like any other head.
+Weak devices compose their numpy heads (dense layers, nearest class mean) with
+`edge_sdk.lite.compose` (re-exported here as `compose`); a trainer device that fitted a torch
+head (RepPer's `linear` or `mlp`) uses `compose_torch_head`: the head is exported to ONNX on
+its own (input `features`, output its logits), `label` = ArgMax and `probabilities` = Softmax of
+the logits are appended, and the result is merged with the body like any other head.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ Stage 2, PCL (every evaluation, Eq. (6) and (9)): the body is frozen. Every devi
 not (held-out devices included), loads the latest global body and fits a personal head on the
 features of its own training split: `linear` or `mlp` in torch (cross-entropy, `head_epochs`
 epochs of SGD with momentum 0.9 and the run's `--lr`, the paper's eta_c), or `svm` (linear),
-`lr` (logistic regression) or `mlp_sklearn` with scikit-learn. It reports the test accuracy of
-that head. Intermediate evaluations are the same procedure: a probe of the current body.
+`lr` (logistic regression) or `mlp_sklearn` (one hidden layer, Adam), the numpy heads weak
+devices fit (`edge_sdk.lite.heads`; `mlp_sklearn` is its `mlp`). It reports the test accuracy
+of that head. Intermediate evaluations are the same procedure: a probe of the current body.
 
 Partition: shared = `body` (and `projector` when `projection_dim` > 0) including the body's
 BatchNorm running statistics (Decision below); personal: nothing but the head, which is
@@ -40,7 +41,6 @@ Decisions where the paper is open:
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -139,24 +139,16 @@ def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, clas
     return head
 
 
-def fit_sklearn_head(kind: str, features: np.ndarray, labels: np.ndarray, *, hidden: int, seed: int):
-    """A scikit-learn head: `svm` (linear SVM), `lr` (logistic regression) or `mlp_sklearn`."""
-    from sklearn.dummy import DummyClassifier
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neural_network import MLPClassifier
-    from sklearn.svm import LinearSVC
+LITE_HEADS = {"svm": "svm", "lr": "lr", "mlp_sklearn": "mlp"}
+"""RepPer's head kinds fitted by `edge_sdk.lite.heads`, and their names there."""
 
-    if len(np.unique(labels)) < 2:  # a single class: every estimator but the constant one refuses
-        return DummyClassifier(strategy="most_frequent").fit(features, labels)
-    estimators = {
-        "svm": lambda: LinearSVC(random_state=seed),
-        "lr": lambda: LogisticRegression(max_iter=1000),
-        "mlp_sklearn": lambda: MLPClassifier(hidden_layer_sizes=(hidden,), max_iter=500, random_state=seed),
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        return estimators[kind]().fit(features, labels)
+
+def fit_lite_head(kind: str, features: np.ndarray, labels: np.ndarray, num_classes: int, *, hidden: int, seed: int):
+    """A weak device's numpy head (`edge_sdk.lite.heads.fit_head`) for RepPer's head `kind`, one
+    of `LITE_HEADS`; it has `predict(features)`."""
+    from ..lite.heads import fit_head
+
+    return fit_head(LITE_HEADS[kind], features, labels, num_classes=num_classes, seed=seed, hidden=hidden)
 
 
 class RepPerDevice(PartSharingDevice):
@@ -211,10 +203,10 @@ class RepPerDevice(PartSharingDevice):
                                   batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed)
             self.head = head
             return lambda f: predict(head, f).argmax(dim=1)
-        estimator = fit_sklearn_head(hyper.head, features.cpu().numpy(), self.data.train_y,
-                                     hidden=hyper.head_hidden, seed=seed)
-        self.head = estimator
-        return lambda f: torch.as_tensor(estimator.predict(f.cpu().numpy()), device=f.device)
+        lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.data.meta.num_classes,
+                                  hidden=hyper.head_hidden, seed=seed)
+        self.head = lite_head
+        return lambda f: torch.as_tensor(lite_head.predict(f.cpu().numpy()), device=f.device)
 
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)

@@ -1,4 +1,4 @@
-"""The weak-device client: personalize a released representation with onnxruntime and scikit-learn.
+"""The weak-device client: personalize a released representation with onnxruntime and a numpy head.
 
 A lite device never trains the representation. It registers (HELLO), joins a run (WELCOME),
 learns of the run's released representation from the retained RELEASE manifest, fetches the
@@ -7,7 +7,8 @@ cached under `<state_dir>/artifacts/<sha256>.onnx`), and on EVALUATE embeds its 
 splits, fits its personal head (the global prototypes an EVALUATE may carry help the `ncm`
 head), writes the
 personalized model (body + head, one ONNX file) atomically and reports its test accuracy, with
-its class means when it shares prototypes. Nothing in its import chain imports torch.
+its class means when it shares prototypes. Nothing in its import chain imports torch,
+scikit-learn or scipy.
 
 A retained manifest may belong to another run, or arrive before WELCOME: the latest is kept
 and used once the device has joined the run it names.

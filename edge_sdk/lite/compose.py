@@ -5,19 +5,17 @@ A head model takes `features` [N, d] and outputs `label` (int64 [N], a class ind
 zeros for classes the head never saw). `merge_body_and_head` wires the body's `features` into
 the head's input, so the composed model maps `input` images to `label` and `probabilities`.
 
-Heads come from scikit-learn (`sklearn_head_to_onnx`, through skl2onnx), from class means
-(`ncm_head_to_onnx`, written with onnx.helper) or from any ONNX model that outputs per-class
-scores (`scores_to_classifier`, which the torch-side export uses for torch heads).
+Heads are written with onnx.helper: dense layers for the linear and MLP heads
+(`dense_head_to_onnx`), class means (`ncm_head_to_onnx`), or any ONNX model that outputs
+per-class scores (`scores_to_classifier`, which the torch-side export uses for torch heads).
 
 Decisions:
-- A LinearSVC has no predict_proba: its `probabilities` are the softmax of its decision
-  function scores over the classes it saw (a binary SVM's single score s becomes the pair
-  (0, s), so P(classes_[1]) = sigmoid(s)). They rank classes like the SVM does and sum to 1,
-  but are not calibrated. `label` is skl2onnx's, which reproduces `predict`.
-- An estimator fitted on a subset of the classes gets its K columns scattered into C by a
-  0/1 matrix product (exact: each output is one input times 1 plus zeros).
-- A constant DummyClassifier (skl2onnx cannot convert it) is written as its predict_proba row
-  repeated for every input, `label` its argmax.
+- Every head's `probabilities` is the softmax of its scores. For a linear SVM, which has no
+  probabilities of its own, they rank classes like the SVM does and sum to 1, but are not
+  calibrated (a binary SVM's single score s is the pair (0, s), so P(class 1) = sigmoid(s)).
+- A head fitted on a subset of the classes gets its K columns scattered into C by a 0/1 matrix
+  product (exact: each output is one input times 1 plus zeros); `label` is the class index of
+  the highest score (ArgMax, then Gather).
 - The composed model's metadata is the body's, then the caller's (e.g. `head`), then `format`
   "edgepfl-personalized/1" and `num_classes`, JSON-encoded like the body's.
 
@@ -28,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +48,7 @@ BATCH = "batch"
 OPSET = 17
 FORMAT = "edgepfl-personalized/1"
 HEAD_PREFIX = "head/"
-_RAW_LABEL, _RAW_SCORES = "raw_label", "raw_scores"
+_RAW_SCORES = "raw_scores"
 
 
 class ComposeError(ValueError):
@@ -136,49 +134,33 @@ def _check_classes(classes: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 # -- heads ----------------------------------------------------------------------------------
-def scores_to_classifier(
-    model: onnx.ModelProto,
-    *,
-    scores: str,
-    classes: np.ndarray,
-    num_classes: int,
-    softmax: bool = True,
-    label: str | None = None,
-) -> onnx.ModelProto:
+def scores_to_classifier(model: onnx.ModelProto, *, scores: str, classes: np.ndarray,
+                         num_classes: int) -> onnx.ModelProto:
     """A copy of `model` whose outputs are `label` and `probabilities` over `num_classes` classes.
 
     `scores` names an output [N, K] with one column per entry of `classes` (class indices, in
-    column order): `probabilities` is its softmax (or the scores themselves with
-    `softmax=False`, for outputs that are already probabilities) scattered into C columns;
-    `label` is the output `label` names cast to int64, or `classes[argmax(scores)]`.
+    column order): `probabilities` is its softmax scattered into C columns, `label` is
+    `classes[argmax(scores)]`.
     """
     classes = _check_classes(classes, num_classes)
     model = _copy(model)
     graph = model.graph
     outputs = {value.name for value in graph.output}
-    if scores not in outputs or (label is not None and label not in outputs):
-        raise ComposeError(f"the head model has outputs {sorted(outputs)}, not {scores!r}"
-                           + (f" and {label!r}" if label else ""))
-    for old, new in ((scores, _RAW_SCORES), (label, _RAW_LABEL)):
-        if old is not None and old != new:
-            _rename(graph, old, new)
-    column = _RAW_SCORES
-    if softmax:
-        graph.node.append(helper.make_node("Softmax", [_RAW_SCORES], ["classes/softmax"], axis=1))
-        column = "classes/softmax"
+    if scores not in outputs:
+        raise ComposeError(f"the head model has outputs {sorted(outputs)}, not {scores!r}")
+    if scores != _RAW_SCORES:
+        _rename(graph, scores, _RAW_SCORES)
+    graph.node.append(helper.make_node("Softmax", [_RAW_SCORES], ["classes/softmax"], axis=1))
     if np.array_equal(classes, np.arange(num_classes)):
-        graph.node.append(helper.make_node("Identity", [column], [PROBABILITIES]))
+        graph.node.append(helper.make_node("Identity", ["classes/softmax"], [PROBABILITIES]))
     else:
         scatter = np.zeros((classes.size, num_classes), dtype=np.float32)
         scatter[np.arange(classes.size), classes] = 1.0
         graph.initializer.append(numpy_helper.from_array(scatter, "classes/scatter"))
-        graph.node.append(helper.make_node("MatMul", [column, "classes/scatter"], [PROBABILITIES]))
-    if label is None:
-        graph.initializer.append(numpy_helper.from_array(classes, "classes/index"))
-        graph.node.append(helper.make_node("ArgMax", [_RAW_SCORES], ["classes/argmax"], axis=1, keepdims=0))
-        graph.node.append(helper.make_node("Gather", ["classes/index", "classes/argmax"], [LABEL], axis=0))
-    else:
-        graph.node.append(helper.make_node("Cast", [_RAW_LABEL], [LABEL], to=TensorProto.INT64))
+        graph.node.append(helper.make_node("MatMul", ["classes/softmax", "classes/scatter"], [PROBABILITIES]))
+    graph.initializer.append(numpy_helper.from_array(classes, "classes/index"))
+    graph.node.append(helper.make_node("ArgMax", [_RAW_SCORES], ["classes/argmax"], axis=1, keepdims=0))
+    graph.node.append(helper.make_node("Gather", ["classes/index", "classes/argmax"], [LABEL], axis=0))
     del graph.output[:]
     graph.output.extend([
         helper.make_tensor_value_info(LABEL, TensorProto.INT64, [BATCH]),
@@ -200,61 +182,36 @@ def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
                              ir_version=helper.find_min_ir_version_for(opsets))
 
 
-def _constant_head(row: np.ndarray, classes: np.ndarray, feature_dim: int, num_classes: int) -> onnx.ModelProto:
-    """Every input gets the probability row `row` [K] (over `classes`)."""
-    graph = helper.make_graph(
-        [
-            helper.make_node("Shape", [FEATURES], ["constant/batch"], start=0, end=1),
-            helper.make_node("Concat", ["constant/batch", "constant/width"], ["constant/shape"], axis=0),
-            helper.make_node("Expand", ["constant/row", "constant/shape"], [_RAW_SCORES]),
-        ],
-        "constant_head",
-        [_features_input(feature_dim)],
-        [helper.make_tensor_value_info(_RAW_SCORES, TensorProto.FLOAT, [BATCH, row.size])],
-        [numpy_helper.from_array(row.astype(np.float32).reshape(1, -1), "constant/row"),
-         numpy_helper.from_array(np.array([row.size], dtype=np.int64), "constant/width")],
-    )
-    return scores_to_classifier(_model(graph), scores=_RAW_SCORES, classes=classes, num_classes=num_classes,
-                                softmax=False)
-
-
-def _binary_scores_to_pairs(model: onnx.ModelProto, scores: str) -> None:
-    """Replace a binary classifier's single score column s [N, 1] by (0, s) [N, 2], in place."""
-    graph = model.graph
-    _rename(graph, scores, "binary/score")
-    graph.initializer.append(numpy_helper.from_array(np.array([[0.0, 1.0]], dtype=np.float32), "binary/pair"))
-    graph.node.append(helper.make_node("MatMul", ["binary/score", "binary/pair"], [scores]))
-    for index, value in enumerate(graph.output):
-        if value.name == "binary/score":
-            graph.output[index].CopyFrom(helper.make_tensor_value_info(scores, TensorProto.FLOAT, [BATCH, 2]))
-
-
-def sklearn_head_to_onnx(estimator: Any, feature_dim: int, num_classes: int) -> onnx.ModelProto:
-    """A fitted scikit-learn classifier (LinearSVC, LogisticRegression, MLPClassifier, or a
-    constant DummyClassifier) as a head model: input `features` [N, feature_dim], outputs
-    `label` and `probabilities` [N, num_classes]. Its `classes_` must be class indices."""
-    classes = _check_classes(estimator.classes_, num_classes)
-    if type(estimator).__name__ == "DummyClassifier":
-        if estimator.strategy not in ("most_frequent", "prior", "constant"):
-            raise ComposeError(f"a DummyClassifier with strategy {estimator.strategy!r} is random: not convertible")
-        row = np.asarray(estimator.predict_proba(np.zeros((1, feature_dim), dtype=np.float32))[0])
-        return _constant_head(row, classes, feature_dim, num_classes)
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import FloatTensorType
-
-    has_proba = hasattr(estimator, "predict_proba")
-    options = {id(estimator): {"zipmap": False}} if has_proba else None
-    model = convert_sklearn(estimator, initial_types=[(FEATURES, FloatTensorType([None, feature_dim]))],
-                            options=options, target_opset=OPSET)
-    _dedupe_opsets(model)
-    outputs = [value.name for value in model.graph.output]
-    if outputs != [LABEL, PROBABILITIES]:
-        raise ComposeError(f"skl2onnx gave outputs {outputs} for {type(estimator).__name__}, "
-                           f"expected {[LABEL, PROBABILITIES]}")
-    if not has_proba and classes.size == 2:
-        _binary_scores_to_pairs(model, PROBABILITIES)
-    return scores_to_classifier(model, scores=PROBABILITIES, label=LABEL, classes=classes, num_classes=num_classes,
-                                softmax=not has_proba)
+def dense_head_to_onnx(layers: Sequence[tuple[np.ndarray, np.ndarray]], classes: np.ndarray,
+                       num_classes: int) -> onnx.ModelProto:
+    """Dense layers (weights [in, out], bias [out]; ReLU between them, Gemm each) as a head model:
+    the last layer's columns score `classes` (class indices), `probabilities` is their softmax
+    over `num_classes` columns and `label` the class of the highest score."""
+    if not layers:
+        raise ComposeError("a dense head needs at least one layer")
+    nodes, initializers, value, width = [], [], FEATURES, np.shape(layers[0][0])[0]
+    for index, (weights, bias) in enumerate(layers):
+        weights, bias = np.asarray(weights, dtype=np.float32), np.asarray(bias, dtype=np.float32)
+        if weights.ndim != 2 or weights.shape[0] != width or bias.shape != weights.shape[1:]:
+            raise ComposeError(f"layer {index}: weights [{width}, out] and bias [out] expected, "
+                               f"got {list(weights.shape)} and {list(bias.shape)}")
+        width = weights.shape[1]
+        if not (np.isfinite(weights).all() and np.isfinite(bias).all()):
+            raise ComposeError(f"layer {index}: weights and bias must be finite")
+        if index:
+            nodes.append(helper.make_node("Relu", [value], [f"dense/relu{index}"]))
+            value = f"dense/relu{index}"
+        output = _RAW_SCORES if index == len(layers) - 1 else f"dense/layer{index}"
+        nodes.append(helper.make_node("Gemm", [value, f"dense/weights{index}", f"dense/bias{index}"], [output]))
+        initializers += [numpy_helper.from_array(weights, f"dense/weights{index}"),
+                         numpy_helper.from_array(bias, f"dense/bias{index}")]
+        value = output
+    if width != np.size(classes):
+        raise ComposeError(f"the last layer scores {width} classes, {np.size(classes)} are named")
+    graph = helper.make_graph(nodes, "dense_head", [_features_input(np.shape(layers[0][0])[0])],
+                              [helper.make_tensor_value_info(_RAW_SCORES, TensorProto.FLOAT, [BATCH, width])],
+                              initializers)
+    return scores_to_classifier(_model(graph), scores=_RAW_SCORES, classes=classes, num_classes=num_classes)
 
 
 def ncm_head_to_onnx(means: np.ndarray, present: np.ndarray) -> onnx.ModelProto:

@@ -118,7 +118,7 @@ def test_every_head_kind_predicts(head: str) -> None:
     assert 0.5 < metrics["accuracy"] <= 1.0
 
 
-def test_a_single_class_device_still_gets_a_sklearn_head() -> None:
+def test_a_single_class_device_still_gets_a_numpy_head() -> None:
     # Prepare
     rng = np.random.default_rng(0)
     x = rng.normal(size=(12, 1, 8, 8)).astype(np.float32)
