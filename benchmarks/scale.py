@@ -1,22 +1,17 @@
 """Coordinator scale: 100, 500 and 1,000 devices, each a real MQTT connection, through Mosquitto.
 
-Full run (Mosquitto installed; about 8 GB of free memory; 5 to 15 minutes: a round that loses
-an update lasts until --round-timeout, 180 s):
+Full run (Mosquitto installed; about 8 GB of free memory; 5 to 20 minutes on 2 cores; a round
+that loses an update lasts until --round-timeout, 180 s):
 
     python benchmarks/scale.py --out benchmarks/results
-
-The configuration the measurements recommend (uploads in one MQTT message, the coordinator's
-incoming queue bounded in bytes, Mosquitto's per-client queue unbounded), as an experiment:
-
-    python benchmarks/scale.py --chunk-size 8388608 --flow-control-bytes 16000000 \
-        --mosquitto-max-queued 0 --out benchmarks/results/scale-flow-control
 
 Quick (a smoke test, well under a minute): `python benchmarks/scale.py --quick --out DIR` (20 and
 50 devices, 2 rounds, the 0.15M-parameter cnn8). `--broker mqtt://host:port` uses an existing
 broker instead of starting Mosquitto with the config written here.
 
-The coordinator is the real `coordinator.server.Coordinator` (fedavg) on a `Channel` over
-`MqttTransport`, alone in its own process so that its memory is its own. The devices are a
+The coordinator is set up exactly as `edgepfl coordinator` sets it up (`RunConfig`'s
+coordinator transport and channel, FedAvg, the library's defaults unless a flag below says
+otherwise), alone in its own process so that its memory is its own. The devices are a
 lightweight `DeviceSession` subclass defined here (registers with HELLO, answers TRAIN at once
 with an update of exactly the broadcast names, shapes and dtypes, and EVALUATE with a fixed
 accuracy), hosted as threads in several device processes, one MQTT connection each. Default
@@ -27,22 +22,22 @@ Per device count it records: the time to register all devices (from starting the
 processes, and from their first connection attempt), per round the latency (`begin_round` to the
 end of `end_round`: broadcast, collection, validation and aggregation), the aggregation time
 (inside `accumulate` and `end_round`, measured by wrapping the server algorithm's methods), the
-validation time (`check_update`), the coordinator's peak RSS during the round (the kernel's
-high-water mark, VmHWM, reset at `begin_round` through /proc/self/clear_refs) and its growth
-over the RSS before round 1, as a multiple of the model's size, the backlog of the coordinator's
-incoming queue and of the reassembly (partly received chunked messages), the rejections, and
-whether every update arrived (updates accepted == devices; the quorum is set to all devices so
-a round waits for every update until `--round-timeout`). Also the broker's RSS and Mosquitto's
-$SYS count of dropped messages. Evaluation runs once, after the last round, outside the measured
-round latency. The simulated devices use an MQTT keepalive of 300 s (`--device-keepalive`):
-hundreds of them share a few cores here, and a device's PINGRESP waits behind the broadcast its
-process has not read yet.
+validation time (`check_update`), the coordinator's peak RSS over the whole round (the kernel's
+high-water mark, VmHWM, reset at `begin_round` through /proc/self/clear_refs and read once the
+round is recorded: broadcast, collection, aggregation, the last round's evaluation and the
+checkpoint) and its peak over the RSS before round 1, as a multiple of the model's size, the
+backlog of the coordinator's incoming queue (messages, and bytes held under flow control) and
+of the reassembly (partly received chunked messages), the rejections, and whether every update
+arrived (updates accepted == devices; the quorum is set to all devices so a round waits for
+every update until `--round-timeout`). Also the broker's RSS and Mosquitto's $SYS count of
+dropped messages. Evaluation runs once, after the last round. The simulated devices use an MQTT
+keepalive of 300 s (`--device-keepalive`): hundreds of them share a few cores here, and a
+device's PINGRESP waits behind the broadcast its process has not read yet.
 
-Experiments (benchmark-side patches of the coordinator process, to measure a proposed change
-before it is made): `--flow-control-bytes` bounds the coordinator transport's incoming queue in
-bytes and blocks the MQTT network thread when it is full; `--max-pending-blobs` overrides the
-coordinator Channel's reassembly limit; `--chunk-size` above the update size sends every
-update as one MQTT message; `--mosquitto-max-queued 0` lifts Mosquitto's per-client queue limit.
+Configuration flags (the library's defaults unless given): `--chunk-size` (the coordinator's
+broadcasts), `--upload-chunk-size` (the devices' uploads), `--flow-control-bytes` (the
+coordinator's), `--mosquitto-max-queued` (Mosquitto's per-client queue, as `edgepfl
+broker-config` writes it: no limit).
 
 Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
 """
@@ -63,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.broker_config import QUEUE_SETTINGS
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.session import DeviceSession
 from edge_sdk.transport import MqttSettings
@@ -75,37 +71,13 @@ EXAMPLES = 100
 
 def mosquitto_conf(max_queued: int) -> str:
     """Mosquitto settings for many clients, written out so they are visible: no connection cap
-    (this script lifts the open-files limit; Mosquitto inherits it), Mosquitto 2.0's defaults
-    for in-flight and queued QoS 1 messages per client (queued: `--mosquitto-max-queued`), and
-    $SYS statistics every second (this script reads the count of dropped messages)."""
-    return (f"max_connections -1\nmax_inflight_messages 20\nmax_queued_messages {max_queued}\n"
-            "max_queued_bytes 0\nsys_interval 1\n")
-
-
-class ByteBoundedQueue(queue.Queue):
-    """Experiment (`--flow-control-bytes`): the coordinator transport's incoming queue, bounded
-    in bytes; a put blocks paho's network thread while the queue is over budget, so TCP flow
-    control holds the backlog in the broker instead of the coordinator."""
-
-    def __init__(self, budget: int):
-        super().__init__()
-        self.budget = budget
-        self.bytes = 0
-        self._room = threading.Condition()
-
-    def put_nowait(self, item) -> None:
-        with self._room:
-            while self.bytes > 0 and self.bytes + len(item.payload) > self.budget:
-                self._room.wait(1.0)
-            self.bytes += len(item.payload)
-        super().put_nowait(item)
-
-    def get(self, block: bool = True, timeout: float | None = None):
-        item = super().get(block, timeout)
-        with self._room:
-            self.bytes -= len(item.payload)
-            self._room.notify_all()
-        return item
+    (this script lifts the open-files limit; Mosquitto inherits it), Mosquitto 2.0's default for
+    in-flight QoS 1 messages per client, the per-client queue as `edgepfl broker-config` writes
+    it (`--mosquitto-max-queued` other than 0 replaces its limit), and $SYS statistics every
+    second (this script reads the count of dropped messages)."""
+    queue_lines = [f"max_queued_messages {max_queued}" if line.startswith("max_queued_messages") else line
+                   for line in QUEUE_SETTINGS]
+    return "\n".join(["max_connections -1", "max_inflight_messages 20", *queue_lines, "sys_interval 1"]) + "\n"
 
 
 class TinyDevice(DeviceSession):
@@ -204,30 +176,28 @@ def _reset_peak() -> bool:
         return False
 
 
-def _coordinator_main(config_fields: dict, max_pending_blobs: int, flow_control_bytes: int, conn) -> None:
-    """The coordinator process: the real Coordinator with its algorithm's methods timed."""
+def _coordinator_main(config_fields: dict, conn) -> None:
+    """The coordinator process: set up as `edgepfl coordinator` does, with its algorithm's methods
+    timed and its memory read around each round."""
     import coordinator.server as server_module
     from coordinator.config import RunConfig
+    from coordinator.memory import return_freed_buffers
     from coordinator.server import Coordinator
-    from edge_sdk.channel import Channel
-    from edge_sdk.protocol import Topics
-    from edge_sdk.transport import MqttTransport
 
+    return_freed_buffers()  # as `edgepfl coordinator` does
     config = RunConfig(**config_fields)
-    transport = MqttTransport(f"{config.federation}.coordinator", config.mqtt_settings(config.broker))
-    if flow_control_bytes:
-        transport.incoming = ByteBoundedQueue(flow_control_bytes)
+    transport = config.coordinator_transport(config.broker)
     transport.connect()
     rounds: list[dict] = []
     current: dict = {}
 
     def round_recorded(entry: dict) -> None:
         if "ended_at" not in current:  # no end_round: the round was aborted (too few updates)
-            current.update(ended_at=time.monotonic(), peak_rss=_read_status("VmHWM"), rss_at_end=_read_status("VmRSS"))
+            current["ended_at"] = time.monotonic()
+        current.update(peak_rss=_read_status("VmHWM"), rss_at_end=_read_status("VmRSS"))
         rounds.append(dict(current))
 
-    coordinator = Coordinator(config, Channel(transport, Topics(config.federation), chunk_size=config.chunk_size),
-                              on_round=round_recorded)
+    coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=round_recorded)
     algorithm = coordinator.algorithm
     model_bytes = sum(a.nbytes for group in algorithm.state.values() for a in group.values())
     model_params = sum(a.size for group in algorithm.state.values() for a in group.values())
@@ -257,11 +227,12 @@ def _coordinator_main(config_fields: dict, max_pending_blobs: int, flow_control_
     def begin_round_timed(round_: int) -> None:
         current.clear()
         current.update(round=round_, peak_reset=_reset_peak(), rss_at_begin=_read_status("VmRSS"),
-                       began_at=time.monotonic(), accumulated=0, max_backlog=0)
+                       began_at=time.monotonic(), accumulated=0, max_backlog=0, max_held_bytes=0)
         begin_round(round_)
 
     def accumulate_timed(*args, **kwargs) -> None:
         current["max_backlog"] = max(current["max_backlog"], transport.incoming.qsize())
+        current["max_held_bytes"] = max(current["max_held_bytes"], transport.incoming.held_bytes)
         if current["accumulated"] == 0:
             current["first_update_at"] = time.monotonic() - current["began_at"]
         timed("accumulate_seconds", accumulate)(*args, **kwargs)
@@ -270,12 +241,9 @@ def _coordinator_main(config_fields: dict, max_pending_blobs: int, flow_control_
     def end_round_timed(round_: int) -> None:
         timed("end_round_seconds", end_round)(round_)
         current["ended_at"] = time.monotonic()
-        current["peak_rss"] = _read_status("VmHWM")
-        current["rss_at_end"] = _read_status("VmRSS")
+        current["peak_rss_aggregated"] = _read_status("VmHWM")
 
     reassembler = coordinator.channel._reassembler
-    if max_pending_blobs:
-        reassembler.max_pending_blobs = max_pending_blobs
     add = reassembler.add
 
     def add_tracked(stream, chunk):
@@ -296,8 +264,9 @@ def _coordinator_main(config_fields: dict, max_pending_blobs: int, flow_control_
         conn.send(("done", {
             "marks": marks, "rounds": rounds, "model_bytes": model_bytes, "model_params": model_params,
             "report_rounds": report["rounds"], "rejections": report["rejections"],
-            "dropped_incoming": transport.dropped_incoming, "peak_rss_lifetime": _read_status("VmHWM"),
-            "duplicates": report.get("duplicates_dropped"), "wall_seconds": report["wall_seconds"],
+            "dropped_incoming": transport.dropped_incoming, "flow_control_overruns": transport.incoming.overruns,
+            "peak_rss_lifetime": _read_status("VmHWM"), "duplicates": report.get("duplicates_dropped"),
+            "wall_seconds": report["wall_seconds"],
         }))
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -329,7 +298,7 @@ def broker_dropped(url: str, protocol: str) -> int | None:
         transport.connect()
         transport.subscribe("$SYS/broker/publish/messages/dropped", qos=0)
         message = transport.incoming.get(timeout=3)
-        return int(message.payload)
+        return int(bytes(message.payload))
     except (queue.Empty, ValueError, OSError):
         return None
     finally:
@@ -343,12 +312,12 @@ def run_scale(devices: int, running, args, workdir: Path) -> dict:
     config = dict(algorithm="fedavg", dataset=args.dataset, model=args.model, clients=devices, rounds=args.rounds,
                   eval_every=args.rounds, min_clients=devices, quorum_grace=0.0, round_timeout=args.round_timeout,
                   registration_timeout=args.registration_timeout, federation=federation, broker=url,
-                  mqtt_protocol=protocol, chunk_size=args.chunk_size, out=str(workdir / federation), seed=0)
+                  mqtt_protocol=protocol, out=str(workdir / federation), seed=0, **args.library)
     dropped_before = broker_dropped(url, protocol)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     coordinator = context.Process(target=_coordinator_main, name="coordinator", daemon=True,
-                                  args=(config, args.max_pending_blobs, args.flow_control_bytes, child))
+                                  args=(config, child))
     coordinator.start()
     samples: dict[str, list] = {}
     stop = threading.Event()
@@ -368,7 +337,7 @@ def run_scale(devices: int, running, args, workdir: Path) -> dict:
         for w in range(processes):
             worker = context.Process(target=_devices_main, daemon=True,
                                      args=(list(range(w, devices, processes)), url, protocol, federation,
-                                           args.chunk_size, args.device_keepalive, results))
+                                           args.upload_chunk_size, args.device_keepalive, results))
             worker.start()
             workers.append(worker)
         limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
@@ -420,12 +389,15 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
             "validation_seconds": r.get("validation_seconds", 0.0),
             "coordinator_round_seconds": record.get("seconds"),
             "peak_rss_bytes": r["peak_rss"],
+            "peak_over_baseline_over_model_until_aggregated": (r["peak_rss_aggregated"] - baseline) / model_bytes
+            if "peak_rss_aggregated" in r else None,
             "rss_at_begin_bytes": r["rss_at_begin"],
             "rss_at_end_bytes": r["rss_at_end"],
             "round_growth_over_model": (r["peak_rss"] - r["rss_at_begin"]) / model_bytes,
             "peak_over_baseline_over_model": (r["peak_rss"] - baseline) / model_bytes,
             "peak_measured": r["peak_reset"],
             "max_incoming_backlog": r["max_backlog"],
+            "max_held_bytes": r["max_held_bytes"],
             "max_pending_blobs": r.get("max_pending_blobs", 0),
             "max_pending_reassembly_bytes": r.get("max_pending_bytes", 0),
             "bytes_up": record.get("bytes_up"),
@@ -451,6 +423,7 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
         "all_updates_received": bool(rounds) and all(r["all_updates_received"] for r in rounds),
         "rejections": detail["rejections"],
         "dropped_incoming": detail["dropped_incoming"],
+        "flow_control_overruns": detail["flow_control_overruns"],
         "device_errors": [e for s in device_stats for e in s["errors"]][:20],
         "device_rejections": sum(s["rejections"] for s in device_stats),
         "updates_sent": sum(s["trained"] for s in device_stats),
@@ -462,22 +435,26 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
-             f"{s['rounds']} rounds, chunk size {s['chunk_size']} bytes, broker {s['broker']}; "
-             "memory: coordinator RSS, growth as multiples of the model's bytes", "",
+             f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
+             f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}; "
+             "memory: coordinator RSS over the whole round (broadcast to checkpoint), as multiples of the "
+             "model's bytes",
+             "",
              "| devices | register all s | round | updates accepted | round latency s | aggregation s | validation s "
-             "| peak RSS MB | round growth / model | peak over baseline / model | incoming backlog | pending blobs "
-             "| rejections | all received |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak RSS MB | round growth / model | peak over baseline / model | incoming backlog | held MB "
+             "| pending blobs | rejections | all received |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
         if "error" in run:
-            lines.append(f"| {run['devices']} | failed: {run['error']} |||||||||||||")
+            lines.append(f"| {run['devices']} | failed: {run['error']} ||||||||||||||")
             continue
         for r in run["rounds"]:
             lines.append(
                 f"| {run['devices']} | {run['registration_seconds']:.1f} | {r['round']} | {r['updates_accepted']} "
                 f"| {r['latency_seconds']:.2f} | {r['aggregation_seconds']:.3f} | {r['validation_seconds']:.3f} "
                 f"| {r['peak_rss_bytes'] / MB:.0f} | {r['round_growth_over_model']:.2f} "
-                f"| {r['peak_over_baseline_over_model']:.2f} | {r['max_incoming_backlog']} | {r['max_pending_blobs']} "
+                f"| {r['peak_over_baseline_over_model']:.2f} | {r['max_incoming_backlog']} "
+                f"| {r['max_held_bytes'] / MB:.1f} | {r['max_pending_blobs']} "
                 f"| {', '.join(f'{k} {v}' for k, v in (r['rejections'] or {}).items()) or '-'} "
                 f"| {'yes' if r['all_updates_received'] else 'NO'} |")
     t = result["targets"]
@@ -526,21 +503,22 @@ def main() -> None:
     parser.add_argument("--dataset", help="the dataset whose shape sizes the model (default cifar100, quick digits)")
     parser.add_argument("--model", help="default cnn32 (0.92M parameters on cifar100), quick cnn8")
     parser.add_argument("--processes", type=int, default=0, help="device processes (default: one per 125 devices)")
-    parser.add_argument("--chunk-size", type=int, default=1 << 20)
+    parser.add_argument("--chunk-size", type=int,
+                        help="largest broadcast the coordinator publishes whole (default: the library's, 1 MiB)")
+    parser.add_argument("--upload-chunk-size", type=int,
+                        help="largest upload a device publishes whole (default: the library's, 64 MiB)")
+    parser.add_argument("--flow-control-bytes", type=int,
+                        help="received bytes the coordinator holds before it stops reading (default: the library's, "
+                             "1 MiB; 0: off)")
     parser.add_argument("--device-keepalive", type=int, default=300,
                         help="MQTT keepalive of the simulated devices in seconds (default 300, not the SDK's 30: "
                              "hundreds of devices share a few cores here, so a device's PINGRESP can wait behind "
                              "megabytes of broadcast its process has not read yet; a real device has its own CPU)")
     parser.add_argument("--round-timeout", type=float, default=180.0,
                         help="seconds a round waits for every update (a lost update shows as a round this long)")
-    parser.add_argument("--max-pending-blobs", type=int, default=0,
-                        help="experiment: override the coordinator Channel's reassembly limit on partly received "
-                             "chunked messages (default: the project's own, 64)")
-    parser.add_argument("--flow-control-bytes", type=int, default=0,
-                        help="experiment: bound the coordinator's incoming queue to this many bytes, blocking the "
-                             "MQTT network thread when full (default: the project's queue, bounded in messages only)")
-    parser.add_argument("--mosquitto-max-queued", type=int, default=1000,
-                        help="Mosquitto's max_queued_messages per client (default 1000, Mosquitto's own; 0: no limit)")
+    parser.add_argument("--mosquitto-max-queued", type=int, default=0,
+                        help="Mosquitto's max_queued_messages per client (default 0, no limit, as `edgepfl "
+                             "broker-config` writes it; Mosquitto's own default is 1000)")
     parser.add_argument("--registration-timeout", type=float, default=300.0)
     args = parser.parse_args()
     args.devices = [int(n) for n in (args.devices or ("20,50" if args.quick else "100,500,1000")).split(",")]
@@ -554,14 +532,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     fd_limit = raise_fd_limit()
     conf = mosquitto_conf(args.mosquitto_max_queued)
+    from coordinator.config import RunConfig
+
+    args.library = {key: getattr(args, key) for key in ("chunk_size", "upload_chunk_size", "flow_control_bytes")
+                    if getattr(args, key) is not None}
+    library = RunConfig(**args.library)
+    args.upload_chunk_size = library.upload_chunk_size
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": args.quick, "devices": args.devices, "rounds": args.rounds,
-                                 "dataset": args.dataset, "model": args.model, "chunk_size": args.chunk_size,
+                                 "dataset": args.dataset, "model": args.model, "chunk_size": library.chunk_size,
+                                 "upload_chunk_size": library.upload_chunk_size,
+                                 "flow_control_bytes": library.flow_control_bytes,
                                  "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
                                  "device_keepalive": args.device_keepalive,
-                                 "max_pending_blobs_override": args.max_pending_blobs or None,
                                  "mosquitto_conf": None if args.broker else conf,
-                                 "flow_control_bytes": args.flow_control_bytes or None,
                                  "open_files_limit": list(fd_limit)},
                     "runs": []}
     with tempfile.TemporaryDirectory(prefix="edgepfl-scale-") as workdir, \

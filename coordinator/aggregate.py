@@ -1,7 +1,8 @@
 """Pure aggregation math over named arrays: streaming weighted means and class statistics.
 
 Aggregation is by parameter name and streaming: an update is folded into the running sum as
-it arrives, so the coordinator holds one accumulator, not one model per device.
+it arrives and can be dropped right away, so the coordinator holds one accumulator the size of
+one model, not one model per device, and no full-size temporaries.
 """
 
 from __future__ import annotations
@@ -12,17 +13,53 @@ import numpy as np
 
 from edge_sdk.protocol import ArrayGroup
 
+BLOCK = 1 << 16
+"""Elements per step when folding an array in: temporaries stay this small, whatever the model."""
+
+
+def accumulator_dtype(dtype: np.dtype, least: np.dtype = np.dtype(np.float32)) -> np.dtype:
+    """What an array of `dtype` is summed in: `least`, or wider where the input needs it
+    (float64, int64, int32).
+
+    With `least` float32, float32 updates are summed in float32, keeping the accumulator the
+    size of the model (a float64 one is twice that). The sum is taken of the changes from a
+    reference (the broadcast state, see `WeightedMean`), so rounding is relative to the changes,
+    not to the parameters: for n updates it is at most about n * 2**-24 of the largest change.
+    The price: the last bit of the mean depends on the order the updates arrived in, and
+    training can amplify that; summed in float64, runs repeat bit for bit.
+    """
+    return np.result_type(dtype, least)
+
+
+def blocks(size: int, block: int = BLOCK) -> Iterable[slice]:
+    """Consecutive slices that cover `range(size)`, `block` elements each (the last shorter)."""
+    return (slice(start, min(start + block, size)) for start in range(0, size, block))
+
 
 class WeightedMean:
-    """Running weighted mean of named arrays (float64 accumulators, results in the input dtype)."""
+    """Running weighted mean of named arrays; results in the input dtype.
 
-    def __init__(self) -> None:
+    Arrays are summed in `dtype` or wider (`accumulator_dtype`). With a `reference` (the arrays
+    that were broadcast), each update enters as its weighted
+    change from the reference, and the result is reference + sum / total weight; names the
+    reference lacks (or holds in another shape that is not a leading slice) are summed as they
+    are. `result()` turns the accumulator into the mean in place and hands it out: the
+    aggregator is spent after that (`add` raises).
+    """
+
+    def __init__(self, reference: Mapping[str, np.ndarray] | None = None, dtype: str = "float32") -> None:
+        self._reference = reference or {}
+        self._least = np.dtype(dtype)
         self._sums: dict[str, np.ndarray] = {}
         self._dtypes: dict[str, np.dtype] = {}
+        self._result: ArrayGroup | None = None
+        self._scratch: dict[np.dtype, np.ndarray] = {}
         self.total_weight = 0.0
         self.count = 0
 
     def add(self, arrays: Mapping[str, np.ndarray], weight: float) -> None:
+        if self._result is not None:
+            raise ValueError("the mean was already taken; start a new WeightedMean for the next round")
         if weight <= 0 or not np.isfinite(weight):
             raise ValueError(f"weight must be positive and finite, got {weight}")
         if self._sums and set(arrays) != set(self._sums):
@@ -31,17 +68,53 @@ class WeightedMean:
             if key in self._sums and np.shape(value) != self._sums[key].shape:
                 raise ValueError(f"{key}: shape {np.shape(value)} differs from {self._sums[key].shape}")
         for key, value in arrays.items():
+            value = np.asarray(value)
             if key not in self._sums:
-                self._sums[key] = np.zeros(value.shape, dtype=np.float64)
+                self._sums[key] = np.zeros(value.shape, dtype=accumulator_dtype(value.dtype, self._least))
                 self._dtypes[key] = value.dtype
-            self._sums[key] += weight * value
+            self._fold(self._sums[key], value, self._reference_for(key, value), weight)
         self.total_weight += weight
         self.count += 1
+
+    def _reference_for(self, key: str, value: np.ndarray) -> np.ndarray | None:
+        base = self._reference.get(key)
+        return None if base is None else aligned_reference(np.asarray(base), value)
+
+    def _fold(self, total: np.ndarray, value: np.ndarray, reference: np.ndarray | None, weight: float) -> None:
+        """total += weight * (value - reference), a block at a time."""
+        flat_total, flat_value = total.reshape(-1), value.reshape(-1)
+        flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+        scratch = self._scratch_for(total.dtype)
+        for part in blocks(flat_total.size):
+            step = scratch[: part.stop - part.start]
+            step[...] = flat_value[part]
+            if flat_reference is not None:
+                step -= flat_reference[part]
+            step *= weight
+            flat_total[part] += step
+
+    def _scratch_for(self, dtype: np.dtype) -> np.ndarray:
+        if dtype not in self._scratch:
+            self._scratch[dtype] = np.empty(BLOCK, dtype)
+        return self._scratch[dtype]
 
     def result(self) -> ArrayGroup:
         if self.count == 0:
             raise ValueError("no update was added")
-        return {k: (s / self.total_weight).astype(self._dtypes[k]) for k, s in self._sums.items()}
+        if self._result is None:
+            self._result = {key: self._finish(key, total) for key, total in self._sums.items()}
+            self._scratch.clear()
+            self._reference = {}  # the previous state: not kept alive beside the new one
+        return self._result
+
+    def _finish(self, key: str, total: np.ndarray) -> np.ndarray:
+        total /= self.total_weight
+        reference = self._reference_for(key, total)
+        if reference is not None:
+            flat_total, flat_reference = total.reshape(-1), np.ascontiguousarray(reference).reshape(-1)
+            for part in blocks(flat_total.size):
+                flat_total[part] += flat_reference[part]
+        return total if total.dtype == self._dtypes[key] else total.astype(self._dtypes[key])
 
 
 def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
@@ -52,6 +125,19 @@ def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
     if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape)):
         return base[tuple(slice(0, s) for s in value.shape)]
     return None
+
+
+def squared_distance(value: np.ndarray, reference: np.ndarray | None) -> float:
+    """sum((value - reference)**2) in float64, a block at a time (`reference` None: zeros)."""
+    flat_value = np.asarray(value).reshape(-1)
+    flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+    total = 0.0
+    for part in blocks(flat_value.size):
+        diff = flat_value[part].astype(np.float64)
+        if flat_reference is not None:
+            diff -= flat_reference[part]
+        total += float(np.dot(diff, diff))
+    return total
 
 
 def weighted_mean(updates: Iterable[tuple[Mapping[str, np.ndarray], float]]) -> ArrayGroup:

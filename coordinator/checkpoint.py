@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from edge_sdk import wire
 from edge_sdk.protocol import ArrayGroup, ProtocolError
 from edge_sdk.store import write_atomic
@@ -42,7 +40,9 @@ def save(path: Path, checkpoint: Checkpoint) -> None:
         "state": {g: {k: wire.encode_array(v) for k, v in arrays.items()} for g, arrays in checkpoint.state.items()},
         "history": checkpoint.history,
     }
-    write_atomic(path, msgpack.packb(document, use_bin_type=True))
+    pieces: list[bytes | memoryview] = []
+    wire.pack_pieces(document, pieces)  # the arrays go to the file without a copy of the state
+    write_atomic(path, pieces)
 
 
 def load(path: Path) -> Checkpoint | None:

@@ -41,12 +41,19 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--holdout-clients", int, "devices never selected for training (they only personalize at evaluation)"),
     ("--quorum-grace", float, "seconds to wait for stragglers once the quorum replied"),
     ("--registration-timeout", float, "seconds to wait for --clients devices to register"),
-    ("--chunk-size", int, "MQTT payload chunk size in bytes (default 1 MiB)"),
+    ("--chunk-size", int, "largest message the coordinator publishes whole, in bytes (default 1 MiB); larger "
+                          "ones are chunked"),
+    ("--upload-chunk-size", int, "simulate: the same for the devices' uploads (default 64 MiB: an update is one "
+                                 "message)"),
+    ("--flow-control-bytes", int, "the coordinator stops reading from the broker while it holds this many bytes of "
+                                  "received messages (default 1 MiB; 0: off)"),
     ("--device", str, "auto | cpu | cuda | cuda:N | mps (simulated devices)"),
     ("--aggregation", str, "mean | median | trimmed_mean (robust rules hold every update of a round)"),
     ("--trim-fraction", float, "share of the largest and of the smallest values dropped by trimmed_mean"),
     ("--clip-norm", float, "clip each update's change to this L2 norm before aggregating (0: off)"),
-    ("--lite-fraction", float, "simulate: this share of the devices are weak ones (ONNX + scikit-learn head)"),
+    ("--aggregation-dtype", str, "float32 | float64: what the mean sums updates in (float64: one more model of "
+                                 "memory; runs then repeat bit for bit whatever order updates arrive in)"),
+    ("--lite-fraction", float, "simulate: this share of the devices are weak ones (ONNX Runtime + a numpy head)"),
     ("--head", str, "svm | lr | mlp | ncm: the weak devices' personal head"),
     ("--release", bool_flag, "export and publish the representation after training (RepPer always does)"),
     ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
@@ -109,9 +116,11 @@ def _summary(report: dict[str, Any], out: str) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from .memory import return_freed_buffers
     from .simulate import run_simulation
 
     config = _run_config(args)
+    return_freed_buffers()  # the coordinator runs in this process
     bar = None
     if not args.quiet:
         from tqdm import tqdm
@@ -134,13 +143,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from edge_sdk.transport import MqttTransport
-
+    from .memory import return_freed_buffers
     from .server import Coordinator
 
     config = _run_config(args)
-    transport = MqttTransport(f"{config.federation}.coordinator",
-                              config.mqtt_settings(config.broker or "mqtt://127.0.0.1:1883"))
+    return_freed_buffers()
+    transport = config.coordinator_transport(config.broker or "mqtt://127.0.0.1:1883")
     transport.connect()
     try:
         report = Coordinator(config, config.coordinator_channel(transport)).run()
@@ -153,8 +161,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.client import EdgeClient
 
+    upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     client = EdgeClient(args.client_id, _device_data(args), broker=_mqtt_settings(args), federation=args.federation,
-                        amp=args.amp,
+                        amp=args.amp, **upload,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
     client.run()
     return 0
@@ -265,9 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(client)
     client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     client.add_argument("--amp", action="store_true", help="automatic mixed precision on CUDA")
+    client.add_argument("--chunk-size", type=int,
+                        help="largest upload published as one message, in bytes (default 64 MiB; lower it for a "
+                             "broker whose packet limit is smaller and that does not announce it over MQTT 5)")
     client.set_defaults(handler=cmd_client)
 
-    lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + scikit-learn head, no torch)")
+    lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
     _add_device_flags(lite)
     lite.add_argument("--head", default="svm", choices=["svm", "lr", "mlp", "ncm"], help="the personal head")
     lite.add_argument("--providers", default="auto", help="ONNX Runtime providers, comma-separated, or auto")

@@ -14,7 +14,7 @@ from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, check_chunk_size
+from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
 from edge_sdk.config import ConfigError, from_mapping, load_toml
 from edge_sdk.data import DATASETS, PARTITIONS
 from edge_sdk.models import MODEL_NAMES, default_model_for
@@ -22,7 +22,7 @@ from edge_sdk.attacks import ATTACKS
 from edge_sdk.codecs import CODECS
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Topics
-from edge_sdk.transport import MqttSettings
+from edge_sdk.transport import MqttSettings, MqttTransport
 
 from .robust import AggregationSettings
 
@@ -70,12 +70,15 @@ class RunConfig:
     aggregation: str = "mean"
     trim_fraction: float = 0.2
     clip_norm: float = 0.0
+    aggregation_dtype: str = "float32"
     release: bool = False
     lite_fraction: float = 0.0
     head: str = "svm"
     adversaries: int = 0
     attack: str = "sign_flip"
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    upload_chunk_size: int = DEFAULT_UPLOAD_CHUNK_SIZE
+    flow_control_bytes: int = 1 << 20
     out: str = "runs/latest"
     broker: str | None = None
     workers: int = 0
@@ -121,6 +124,7 @@ class RunConfig:
             (self.attack in (*ATTACKS, "mixed"), "attack", f"one of {', '.join(ATTACKS)} or mixed"),
             (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
             (self.workers >= 0, "workers", "zero (one per core) or more"),
+            (self.flow_control_bytes >= 0, "flow_control_bytes", "zero (off) or more"),
         ]
         for ok, key, what in checks:
             if not ok:
@@ -129,6 +133,7 @@ class RunConfig:
             raise ConfigError(f"lite_fraction {self.lite_fraction} leaves no trainer device among {self.clients}")
         try:
             check_chunk_size(self.chunk_size)
+            check_chunk_size(self.upload_chunk_size, "upload_chunk_size")
             self.aggregation_settings
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -139,7 +144,7 @@ class RunConfig:
 
     @property
     def aggregation_settings(self) -> AggregationSettings:
-        return AggregationSettings(self.aggregation, self.trim_fraction, self.clip_norm)
+        return AggregationSettings(self.aggregation, self.trim_fraction, self.clip_norm, self.aggregation_dtype)
 
     def attack_of(self, index: int) -> str | None:
         """The attack simulated device `index` runs: the first `adversaries` devices are adversaries;
@@ -156,6 +161,13 @@ class RunConfig:
     @property
     def worker_count(self) -> int:
         return self.workers or os.cpu_count() or 1
+
+    def coordinator_transport(self, url: str) -> MqttTransport:
+        """The coordinator's connection (not yet connected), with flow control: its network
+        thread stops reading while the coordinator holds more than `flow_control_bytes` of
+        received messages, so a round's backlog of uploads waits at the broker, not here."""
+        return MqttTransport(f"{self.federation}.coordinator", self.mqtt_settings(url),
+                             flow_control_bytes=self.flow_control_bytes)
 
     def coordinator_channel(self, transport) -> Channel:
         """The coordinator's channel: room to reassemble an upload from every device at once

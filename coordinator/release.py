@@ -6,6 +6,11 @@ request) has that body exported to ONNX. The coordinator publishes a small retai
 device that asks (FETCH), chunked, on the device's own topic. Weak devices report class counts
 and feature means; `PrototypePool` pools them, weighted by counts, into global prototypes that
 go out with the final evaluation.
+
+Algorithms that share the body but keep its BatchNorm statistics personal (FedAvg, FedPer,
+FedRep, ...) release on request (`--release`): the trainers first compute the statistics of
+the global body on their training data, and `StatisticsPool` pools them into what the export
+needs (saved beside the checkpoint, `export.run.STATISTICS_NAME`).
 """
 
 from __future__ import annotations
@@ -87,3 +92,66 @@ class PrototypePool:
     def result(self) -> ArrayGroup:
         means = self._sums / np.maximum(self.counts, 1)[:, None]
         return {"counts": self.counts.copy(), "means": means.astype(np.float32)}
+
+
+_MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
+
+
+class StatisticsPool:
+    """The global body's BatchNorm statistics pooled from devices' (weighted by their examples).
+
+    Means are averaged; a variance is pooled as E[x^2] - E[x]^2 over the union of the devices'
+    data (each device's variance plus the spread of its mean around the pooled one), exact for
+    the first layer and the usual approximation for deeper ones. `num_batches_tracked` (unused in
+    inference) keeps the largest count."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+        self._sums: dict[str, np.ndarray] = {}
+        self._weight = 0.0
+        self.devices = 0
+
+    def check(self, arrays: ArrayGroup) -> None:
+        """Reject statistics with other keys or shapes, non-finite values or negative variances."""
+        if set(arrays) != set(self.shapes):
+            raise ValidationError(Reason.UNEXPECTED_ARRAYS,
+                                  f"statistics must be the body's {len(self.shapes)} BatchNorm buffers, got {len(arrays)} "
+                                  f"arrays ({sorted(set(arrays) ^ set(self.shapes))[:3]} differ)")
+        for key, value in arrays.items():
+            if value.shape != self.shapes[key]:
+                raise ValidationError(Reason.BAD_SHAPE, f"{key} {list(value.shape)}, want {list(self.shapes[key])}")
+            if key.endswith(_COUNT):
+                continue
+            if value.dtype.kind != "f":
+                raise ValidationError(Reason.BAD_DTYPE, f"{key} is {value.dtype}, want float")
+            if not np.isfinite(value).all():
+                raise ValidationError(Reason.NON_FINITE, f"{key} is not finite")
+            if key.endswith(_VAR) and (value < 0).any():
+                raise ValidationError(Reason.MALFORMED, f"{key} has negative variances")
+
+    def add(self, arrays: ArrayGroup, weight: float) -> None:
+        for key, value in arrays.items():
+            if key.endswith(_COUNT):
+                self._sums[key] = np.maximum(self._sums.get(key, value), value)
+                continue
+            value = value.astype(np.float64)
+            if key.endswith(_VAR):
+                value = value + arrays[key[:-len(_VAR)] + _MEAN].astype(np.float64) ** 2
+            self._sums[key] = self._sums.get(key, 0.0) + weight * value
+        self._weight += weight
+        self.devices += 1
+
+    def result(self) -> ArrayGroup:
+        if not self.devices or self._weight <= 0:
+            raise ValueError("no statistics were pooled")
+        pooled: ArrayGroup = {}
+        for key, total in self._sums.items():
+            if key.endswith(_COUNT):
+                pooled[key] = total
+            elif key.endswith(_MEAN):
+                pooled[key] = (total / self._weight).astype(np.float32)
+        for key, total in self._sums.items():
+            if key.endswith(_VAR):
+                mean = pooled[key[:-len(_VAR)] + _MEAN].astype(np.float64)
+                pooled[key] = np.maximum(total / self._weight - mean ** 2, 0.0).astype(np.float32)
+        return pooled

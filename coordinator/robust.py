@@ -1,8 +1,10 @@
 """Robust aggregation: coordinate-wise median, trimmed mean and norm clipping of updates.
 
 The plain example-weighted mean (`aggregate.WeightedMean`) streams and holds one model; the
-robust rules need every update of the round at once, so they hold one model per reply. Clipping
-wraps any rule: each update's change from the broadcast state is scaled down to `clip_norm`.
+robust rules need every update of the round at once, so they hold one model per reply and are
+exempt from the coordinator's memory bound (about 2.5 models whatever the fleet, README).
+Clipping wraps any rule: each update's change from the broadcast state is scaled down to
+`clip_norm`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import numpy as np
 
 from edge_sdk.protocol import ArrayGroup
 
-from .aggregate import WeightedMean, aligned_reference
+from .aggregate import WeightedMean, aligned_reference, blocks, squared_distance
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
+SUM_DTYPES = ("float32", "float64")
 
 
 class Aggregator(Protocol):
@@ -30,6 +33,7 @@ class AggregationSettings:
     rule: str = "mean"
     trim_fraction: float = 0.2
     clip_norm: float = 0.0  # 0: no clipping
+    dtype: str = "float32"  # what the mean sums float32 updates in (aggregate.accumulator_dtype)
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATIONS:
@@ -38,6 +42,8 @@ class AggregationSettings:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         if self.clip_norm < 0:
             raise ValueError(f"clip_norm must be zero (off) or positive, got {self.clip_norm}")
+        if self.dtype not in SUM_DTYPES:
+            raise ValueError(f"aggregation_dtype must be one of {', '.join(SUM_DTYPES)}, got {self.dtype!r}")
 
 
 class _Collected:
@@ -86,26 +92,37 @@ class TrimmedMean(_Collected):
 
 
 class Clipped:
-    """Scales each update's change from `reference` to at most `clip_norm` (L2 over all arrays)."""
+    """Scales each update's change from `reference` to at most `clip_norm` (L2 over all arrays).
+
+    The norm is taken a block at a time; only an update that is clipped is copied."""
 
     def __init__(self, inner: Aggregator, reference: Mapping[str, np.ndarray], clip_norm: float):
         self.inner, self.reference, self.clip_norm = inner, reference, clip_norm
         self.clipped = 0
 
     def add(self, arrays: Mapping[str, np.ndarray], weight: float) -> None:
-        deltas = {k: np.asarray(v, np.float64) - aligned_reference(self.reference[k], np.asarray(v))
-                  for k, v in arrays.items()}
-        norm = math.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values()))
+        references = {k: aligned_reference(np.asarray(self.reference[k]), np.asarray(v)) for k, v in arrays.items()}
+        norm = math.sqrt(sum(squared_distance(v, references[k]) for k, v in arrays.items()))
         if norm <= self.clip_norm:
             self.inner.add(arrays, weight)
             return
         self.clipped += 1
         scale = self.clip_norm / norm
-        self.inner.add({k: (arrays[k] - (1 - scale) * d).astype(arrays[k].dtype) for k, d in deltas.items()},
-                       weight)
+        self.inner.add({k: _toward(np.asarray(v), references[k], scale) for k, v in arrays.items()}, weight)
 
     def result(self) -> ArrayGroup:
         return self.inner.result()
+
+
+def _toward(value: np.ndarray, reference: np.ndarray | None, scale: float) -> np.ndarray:
+    """reference + scale * (value - reference) in value's dtype (computed in float64, by blocks)."""
+    out = np.empty(value.shape, value.dtype)
+    flat_out, flat_value = out.reshape(-1), value.reshape(-1)
+    flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+    for part in blocks(flat_value.size):
+        base = 0.0 if flat_reference is None else flat_reference[part].astype(np.float64)
+        flat_out[part] = base + scale * (flat_value[part] - base)
+    return out
 
 
 def make_aggregator(settings: AggregationSettings, reference: Mapping[str, np.ndarray] | None = None) -> Aggregator:
@@ -116,9 +133,9 @@ def make_aggregator(settings: AggregationSettings, reference: Mapping[str, np.nd
     elif settings.rule == "trimmed_mean":
         rule = TrimmedMean(settings.trim_fraction)
     else:
-        rule = WeightedMean()
+        rule = WeightedMean(reference, settings.dtype)
     if settings.clip_norm > 0:
         if reference is None:
             raise ValueError("clipping needs the broadcast state as reference")
-        return Clipped(rule, {k: np.asarray(v, np.float64) for k, v in reference.items()}, settings.clip_norm)
+        return Clipped(rule, reference, settings.clip_norm)
     return rule

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
+from numpy.random import default_rng  # numpy loads it lazily: with the coordinator, not in round 1
 
 from edge_sdk.protocol import Reason
 
@@ -25,7 +25,7 @@ def select_clients(available: list[str], fraction: float, seed: int, round_: int
     if not pool:
         return []
     k = min(len(pool), max(minimum, int(round(fraction * len(pool)))))
-    rng = np.random.default_rng([seed, round_])
+    rng = default_rng([seed, round_])
     return sorted(pool[i] for i in rng.choice(len(pool), size=k, replace=False))
 
 

@@ -20,16 +20,16 @@ from typing import Any, Callable
 
 from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
-from edge_sdk.config import to_plain
+from edge_sdk.config import ConfigError, to_plain
 from edge_sdk.data import DATASETS
-from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
+from edge_sdk.protocol import COORDINATOR, STATISTICS, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
 from .ledger import Ledger
-from .release import PROTOTYPES, PrototypePool, Release, export_release
+from .release import PROTOTYPES, PrototypePool, Release, StatisticsPool, export_release
 from .report import MetricsLog, summarize, write_report
 from .rounds import Outcome, RoundCollector, select_clients
 from .validation import UpdateLimits, check_update
@@ -78,6 +78,9 @@ class Coordinator:
         context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds,
                                 config.clients, config.aggregation_settings)
         self.algorithm = algorithm_cls(self.hyper, context)
+        if config.release and not self.algorithm.shares_body():
+            raise ConfigError(f"release: {config.algorithm} keeps the body personal, there is no global "
+                              "representation to release")
         self.limits = UpdateLimits(config.max_examples, config.max_update_norm)
         self.incarnation = new_message_id()[:12]
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
@@ -170,6 +173,13 @@ class Coordinator:
         received = self.channel.receive(max(0.0, timeout))
         if received is None:
             return
+        try:
+            self._handle(received, on_reply)
+        finally:
+            del received  # gone before the network thread reads the next message
+            self.channel.release()
+
+    def _handle(self, received: Received, on_reply: Callable[[Received], None]) -> None:
         envelope = received.envelope
         if envelope.kind is Kind.HELLO:
             self._register(envelope)
@@ -303,23 +313,7 @@ class Coordinator:
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
         selected = select_clients(candidates, self.config.fraction, self.config.seed, round_)
         self._status("training")
-        self.algorithm.begin_round(round_)
-        groups = self.algorithm.task_groups(round_)
-        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
-                        config={"selected": selected, **self.algorithm.task_config(round_)})
-        collector = RoundCollector(
-            round_,
-            frozenset(selected),
-            min_replies=max(1, min(self.config.min_clients, len(selected))),
-            deadline=self.clock() + self.config.round_timeout,
-            grace=self.config.quorum_grace,
-        )
-        outcome = self._request(Kind.TRAIN, task, collector, lambda r: self._on_update(r, round_, groups, collector))
-        if collector.enough:
-            self.algorithm.end_round(round_)
-        else:
-            log.warning("round %d: %d of %d replies, below the quorum of %d; global state unchanged",
-                        round_, len(collector.replied), len(selected), collector.min_replies)
+        collector, outcome = self._train(round_, selected)
         evaluation = None
         if round_ % self.config.eval_every == 0 or round_ == self.config.rounds:
             evaluation = self.ledger.final = self._evaluate(round_)
@@ -351,6 +345,28 @@ class Coordinator:
         if self.on_round is not None:
             self.on_round(entry)
 
+    def _train(self, round_: int, selected: list[str]) -> tuple[RoundCollector, Outcome]:
+        """Broadcast TRAIN, fold the replies in, aggregate. What was broadcast is let go on return,
+        before evaluation and the checkpoint."""
+        self.algorithm.begin_round(round_)
+        groups = self.algorithm.task_groups(round_)
+        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
+                        config={"selected": selected, **self.algorithm.task_config(round_)})
+        collector = RoundCollector(
+            round_,
+            frozenset(selected),
+            min_replies=max(1, min(self.config.min_clients, len(selected))),
+            deadline=self.clock() + self.config.round_timeout,
+            grace=self.config.quorum_grace,
+        )
+        outcome = self._request(Kind.TRAIN, task, collector, lambda r: self._on_update(r, round_, groups, collector))
+        if collector.enough:
+            self.algorithm.end_round(round_)
+        else:
+            log.warning("round %d: %d of %d replies, below the quorum of %d; global state unchanged",
+                        round_, len(collector.replied), len(selected), collector.min_replies)
+        return collector, outcome
+
     def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector) -> None:
         envelope = received.envelope
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
@@ -369,11 +385,13 @@ class Coordinator:
 
     # -- evaluation ------------------------------------------------------------------------
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
-                  prototypes: PrototypePool | None = None,
+                  prototypes: PrototypePool | None = None, statistics: StatisticsPool | None = None,
                   extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
         and the weak devices once a representation is released. With `prototypes`, the class
-        statistics weak devices send along are validated and pooled into it."""
+        statistics weak devices send along are validated and pooled into it. With `statistics`
+        (phase "statistics") the devices send the global body's BatchNorm statistics instead
+        of metrics, pooled into it."""
         if targets is None:
             targets = self.registry.online() if self.release else self.registry.online("trainer")
         if not targets:
@@ -389,6 +407,16 @@ class Coordinator:
         def on_result(received: Received) -> None:
             envelope = received.envelope
             if not self._admit(received, Kind.EVAL_RES, round_, collector):
+                return
+            if statistics is not None:
+                try:
+                    statistics.check(envelope.groups.get(STATISTICS, {}))
+                except ProtocolError as err:
+                    self.channel.reject(err.reason, f"statistics from {envelope.sender}: {err.detail}")
+                    return
+                statistics.add(envelope.groups[STATISTICS], self.registry.devices[envelope.sender].num_examples)
+                results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender)}
+                collector.accept(envelope.sender, envelope.msg_id, self.clock())
                 return
             accuracy = envelope.metrics.get("accuracy")
             if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
@@ -421,6 +449,7 @@ class Coordinator:
     def _release_phase(self) -> None:
         """Export and publish the representation; pool the weak devices' class prototypes; then
         evaluate the whole fleet, weak devices included, sending the pooled prototypes along."""
+        self._pool_body_statistics()
         self.release = export_release(self.out)
         self._publish_release()
         self.ledger.event("released", round=self.completed, sha256=self.release.sha256, size=len(self.release.data))
@@ -440,6 +469,21 @@ class Coordinator:
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
                              "devices": len(self.ledger.final)})
+
+    def _pool_body_statistics(self) -> None:
+        """For an algorithm that keeps BatchNorm statistics personal: the trainers compute those
+        of the global body on their training data; pooled, they are saved for the export."""
+        from export.run import RepresentationError, body_statistics_needed, save_body_statistics
+
+        needed = body_statistics_needed(self.out)
+        if not needed:
+            return
+        pool = StatisticsPool(needed)
+        self._evaluate(self.completed, targets=self.registry.online("trainer"), phase=STATISTICS, statistics=pool)
+        if not pool.devices:
+            raise RepresentationError("no trainer sent the global body's BatchNorm statistics: nothing to release")
+        path = save_body_statistics(self.out, self.completed, pool.result())
+        log.info("BatchNorm statistics of the global body pooled from %d devices: %s", pool.devices, path)
 
     # -- the report ------------------------------------------------------------------------
     def _report(self, wall_seconds: float) -> dict[str, Any]:

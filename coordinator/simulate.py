@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from edge_sdk.transport import MqttSettings, MqttTransport
+from edge_sdk.transport import MqttSettings
 
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
@@ -43,7 +43,7 @@ class WorkerSpec:
     state_root: str
     device: str
     amp: bool
-    chunk_size: int
+    upload_chunk_size: int
     log_level: int
     attacks: dict[int, str | None]
     lite_heads: dict[int, str]  # weak devices: index -> head kind
@@ -71,7 +71,7 @@ def _worker_main(spec: WorkerSpec) -> None:
                                 data_dir=spec.data_dir)
         client_id = client_id_for(index)
         session = {"broker": spec.settings[client_id], "federation": spec.federation,
-                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.chunk_size}
+                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.upload_chunk_size}
         if index in spec.lite_heads:
             from edge_sdk.lite import LiteClient
 
@@ -114,14 +114,14 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
             spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
-                              str(Path(config.out) / "state"), config.device, config.amp, config.chunk_size,
+                              str(Path(config.out) / "state"), config.device, config.amp, config.upload_chunk_size,
                               logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices},
                               {i: config.head for i in indices if i >= config.clients - config.lite_devices},
                               str(Path(config.out) / "models"))
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
             workers.append(process)
-        transport = MqttTransport(f"{config.federation}.coordinator", config.mqtt_settings(url))
+        transport = config.coordinator_transport(url)
         transport.connect()
         try:
             coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)

@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from edge_sdk.params import ArraySpec, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
-from .aggregate import aligned_reference
+from .aggregate import aligned_reference, squared_distance
 
 
 @dataclass(frozen=True)
@@ -26,15 +24,15 @@ class UpdateLimits:
 
 def delta_norm(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
     """L2 norm of (update - reference) over the arrays both carry under the same name (the
-    reference cut to the update's shape where the update is a slice of it)."""
+    reference cut to the update's shape where the update is a slice of it), in float64 without
+    full-size temporaries."""
     total = 0.0
     for group, arrays in update.items():
         base = reference.get(group, {})
         for key, value in arrays.items():
             ref = aligned_reference(base[key], value) if key in base else None
             if ref is not None and value.dtype.kind == "f":
-                diff = value.astype(np.float64) - ref.astype(np.float64)
-                total += float(np.dot(diff.ravel(), diff.ravel()))
+                total += squared_distance(value, ref)
     return math.sqrt(total)
 
 

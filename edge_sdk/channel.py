@@ -16,12 +16,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from . import wire
-from .chunks import DEFAULT_CHUNK_SIZE, Reassembler, check_chunk_size, chunk_frames, chunk_from_dict, is_chunk_frame
+from .chunks import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Reassembler, check_chunk_size, chunk_from_dict,
+                     is_chunk_frame, iter_frames)
 from .counters import ByteCounter
+from .flow import IncomingQueue
 from .protocol import Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
 from .transport import Incoming
 
 log = logging.getLogger(__name__)
+
+PACKET_OVERHEAD = 16
+"""An MQTT PUBLISH beyond its topic and payload: fixed header, topic length, packet id, properties."""
+FRAME_OVERHEAD = 256
+"""A chunk frame beyond its slice (about 120 bytes, docs/PROTOCOL.md section 5), rounded up."""
 
 
 class Transport(Protocol):
@@ -29,7 +36,7 @@ class Transport(Protocol):
 
     client_id: str
     counter: ByteCounter
-    incoming: "queue.Queue[Incoming]"
+    incoming: IncomingQueue
 
     def connect(self) -> None: ...
     def close(self) -> None: ...
@@ -78,17 +85,27 @@ class Channel:
         return self.transport.counter
 
     def send(self, topic: str, envelope: Envelope, *, retain: bool = False) -> int:
-        """Publish one envelope, chunked when larger than the chunk size; returns bytes sent."""
-        payload = wire.encode(envelope)
-        if len(payload) <= self.chunk_size:
+        """Publish one envelope, chunked when larger than the chunk size or than the broker's
+        maximum packet size (where an MQTT 5 broker announces one); returns bytes sent. The
+        arrays are copied once, into the message or its frames made one at a time."""
+        pieces = wire.encode_pieces(envelope)
+        size, room = sum(len(piece) for piece in pieces), self._broker_room(topic)
+        if size <= min(self.chunk_size, room):
+            payload = b"".join(pieces)
             self.transport.publish(topic, payload, retain=retain)
-            return len(payload)
+            return size
         if retain:
             raise ValueError("retained messages must fit in one chunk")
-        frames = chunk_frames(payload, self.chunk_size)
-        for frame in frames:
+        sent = 0
+        for frame in iter_frames(pieces, max(MIN_CHUNK_SIZE, min(self.chunk_size, room - FRAME_OVERHEAD))):
             self.transport.publish(topic, frame)
-        return sum(len(f) for f in frames)
+            sent += len(frame)
+        return sent
+
+    def _broker_room(self, topic: str) -> int:
+        """The largest payload the broker takes on `topic` (unbounded when it did not say)."""
+        broker = getattr(self.transport, "max_packet_size", None)
+        return MAX_CHUNK_SIZE + FRAME_OVERHEAD if broker is None else broker - len(topic.encode()) - PACKET_OVERHEAD
 
     def receive(self, timeout: float) -> Received | None:
         """The next valid envelope, or None when `timeout` seconds pass without one."""
@@ -105,6 +122,11 @@ class Channel:
                 return received
             if time.monotonic() >= deadline:
                 return None
+
+    def release(self) -> None:
+        """The envelope received last is handled: under flow control, its bytes no longer hold
+        back the next message (the next `receive` releases it anyway)."""
+        self.transport.incoming.release()
 
     def _accept(self, incoming: Incoming) -> Received | None:
         topic, payload = incoming

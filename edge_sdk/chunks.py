@@ -13,21 +13,25 @@ import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
-import msgpack
-
+from . import wire
 from .protocol import PROTOCOL_VERSION, ChunkError, Reason
 
-DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 16 << 10
 MAX_CHUNK_SIZE = 64 << 20
+DEFAULT_CHUNK_SIZE = 1 << 20
+"""The coordinator's: broadcasts travel in 1 MiB messages, which suit brokers and small devices."""
+DEFAULT_UPLOAD_CHUNK_SIZE = MAX_CHUNK_SIZE
+"""A device's: an update of up to 64 MiB travels as one MQTT message. Uploads from a whole fleet
+interleave at the broker, so chunked ones would make the coordinator hold part of every
+device's update at once; whole ones it takes one at a time."""
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def check_chunk_size(size: int) -> int:
+def check_chunk_size(size: int, name: str = "chunk_size") -> int:
     if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
-        raise ValueError(f"chunk_size must be between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, got {size}")
+        raise ValueError(f"{name} must be between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes, got {size}")
     return size
 
 
@@ -39,31 +43,44 @@ class Chunk:
     index: int
     count: int
     size: int
-    data: bytes
+    data: bytes | memoryview
 
 
 def chunk_frames(payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
     """The frames to publish for `payload` (a single frame is still a valid 1-chunk blob)."""
+    return list(iter_frames([payload], chunk_size))
+
+
+def iter_frames(pieces: Sequence[bytes | memoryview], chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[bytes]:
+    """The frames of the payload `b"".join(pieces)`, made one at a time straight from the
+    pieces (as `wire.encode_pieces` yields them), so the whole payload is never built."""
     check_chunk_size(chunk_size)
-    blob_id = hashlib.sha256(payload).hexdigest()
-    count = max(1, math.ceil(len(payload) / chunk_size))
-    view = memoryview(payload)
-    return [
-        msgpack.packb(
-            {
-                "version": PROTOCOL_VERSION,
-                "chunk": {
-                    "blob": blob_id,
-                    "index": index,
-                    "count": count,
-                    "size": len(payload),
-                    "data": view[index * chunk_size : (index + 1) * chunk_size],
-                },
-            },
-            use_bin_type=True,
-        )
-        for index in range(count)
-    ]
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    digest = hashlib.sha256()
+    for view in views:
+        digest.update(view)
+    blob_id, size = digest.hexdigest(), sum(len(view) for view in views)
+    count = max(1, math.ceil(size / chunk_size))
+    slices = _slices(views, chunk_size)
+    for index in range(count):
+        frame: list[bytes | memoryview] = []
+        wire.pack_pieces({"version": PROTOCOL_VERSION, "chunk": {"blob": blob_id, "index": index, "count": count,
+                                                                  "size": size, "data": next(slices)}}, frame)
+        yield b"".join(frame)
+
+
+def _slices(views: list[memoryview], length: int) -> Iterator[wire.Joined]:
+    """Consecutive runs of `length` bytes (the last shorter, one empty run for no bytes)."""
+    run, room = wire.Joined(), length
+    for view in views:
+        while len(view) > room:
+            run.append(view[:room])
+            yield run
+            view, run, room = view[room:], wire.Joined(), length
+        if len(view):
+            run.append(view)
+            room -= len(view)
+    yield run
 
 
 def is_chunk_frame(obj: dict[str, Any]) -> bool:
@@ -78,7 +95,7 @@ def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
         raise ChunkError(Reason.CHUNK_INVALID, "chunk frame without a valid version or body")
     blob, index, count, size, data = (raw.get(k) for k in ("blob", "index", "count", "size", "data"))
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, size))
-    if not (isinstance(blob, str) and _HEX64.fullmatch(blob) and ints_ok and isinstance(data, bytes)):
+    if not (isinstance(blob, str) and _HEX64.fullmatch(blob) and ints_ok and isinstance(data, (bytes, memoryview))):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk fields missing or of the wrong type")
     plausible_count = count <= max(1, math.ceil(size / MIN_CHUNK_SIZE)) and (size == 0 or data)
     if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size and plausible_count):
@@ -91,7 +108,7 @@ class _Pending:
     count: int
     size: int
     started: float
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, bytes | memoryview] = field(default_factory=dict)
     received: int = 0
 
 

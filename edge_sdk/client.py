@@ -4,6 +4,11 @@ The device learns the run's algorithm and settings from WELCOME, trains when a b
 selects it, and evaluates its deployed model on EVALUATE. Its personal state is saved
 atomically after every round and reloaded after a restart; it never goes upstream. The
 protocol itself (registration, status, repeated requests) is `DeviceSession`'s.
+
+Before the coordinator releases the body of an algorithm that keeps BatchNorm statistics
+personal, it asks the trainers for the global body's statistics on their training data (an
+EVALUATE of phase "statistics"): computed afresh on a copy of the global body, per-channel means
+and variances of activations, like the class means weak devices share; never the device's own.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
-from .protocol import Envelope, Kind
+from .protocol import STATISTICS, Envelope, Kind
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
 from .training import mixed_precision
@@ -98,6 +103,13 @@ class EdgeClient(DeviceSession):
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
+        task = Task(envelope.round, envelope.groups, envelope.config)
+        if envelope.config.get("phase") == STATISTICS:
+            with self._compute_lock:
+                statistics = self.algorithm.body_statistics(task)
+            self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
+                      metrics={"num_examples": self.data.num_train})
+            return
         with self._compute_lock:
-            metrics = self.algorithm.evaluate(Task(envelope.round, envelope.groups, envelope.config))
+            metrics = self.algorithm.evaluate(task)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)

@@ -7,10 +7,10 @@ encodes and decodes every message: the wire stays a real boundary.
 
 from __future__ import annotations
 
-import queue
 import threading
 
 from .counters import ByteCounter
+from .flow import IncomingQueue
 from .transport import Incoming
 
 
@@ -82,7 +82,7 @@ class LoopbackTransport:
         self.client_id = client_id
         self.will = will
         self.counter = counter or ByteCounter()
-        self.incoming: queue.Queue[Incoming] = queue.Queue()
+        self.incoming = IncomingQueue(max_items=0)
         self.connected = threading.Event()
         self._filters: list[str] = []
 

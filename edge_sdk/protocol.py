@@ -21,6 +21,8 @@ TOPIC_ROOT = "edgepfl"
 BROADCAST = "all"
 COORDINATOR = "coordinator"
 RESERVED_IDS = frozenset({BROADCAST, COORDINATOR})
+STATISTICS = "statistics"
+"""EVALUATE phase and EVAL_RES group: the global body's BatchNorm statistics before a release."""
 
 ArrayGroup = dict[str, np.ndarray]
 """Named arrays; the names are the model's `state_dict` keys (or statistic names)."""

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import wire
 from .channel import Channel, Received
-from .chunks import DEFAULT_CHUNK_SIZE
+from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
 from .transport import MqttSettings, MqttTransport
 
@@ -38,7 +38,7 @@ class DeviceSession:
         broker: MqttSettings | str = "mqtt://127.0.0.1:1883",
         federation: str = "default",
         state_dir: str | Path = "edgepfl-state",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int = DEFAULT_UPLOAD_CHUNK_SIZE,
         exit_on_finish: bool = True,
         hello_interval: float = 15.0,
         transport=None,

@@ -27,12 +27,13 @@ class PersonalState:
     arrays: ArrayGroup
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes so that readers see the old file or the complete new one, never a torn one."""
+def write_atomic(path: Path, data: bytes | list[bytes | memoryview]) -> None:
+    """Write bytes, or consecutive pieces of them (never joined in memory), so that readers see
+    the old file or the complete new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
-        handle.write(data)
+        handle.writelines(data if isinstance(data, list) else [data])
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)

@@ -1,9 +1,17 @@
 """MQTT transport on paho-mqtt 2.x: the only module that imports paho.
 
-Callbacks never block and never raise: received messages are handed to a queue that the
-owner's thread consumes. Subscriptions are remembered and renewed on every (re)connection;
-paho reconnects with exponential backoff. MQTT 5 is used where the broker speaks it and
-3.1.1 otherwise (`protocol="auto"` tries 5 first).
+Callbacks never raise: received messages are handed to a queue that the owner's thread
+consumes (`flow.IncomingQueue`); the message callback blocks only when that queue is bounded in
+bytes and full, which is how a receiver holds its backlog back at the broker. Subscriptions are
+remembered and renewed on every (re)connection; paho reconnects with exponential backoff. MQTT
+5 is used where the broker speaks it and 3.1.1 otherwise (`protocol="auto"` tries 5 first).
+
+Received payloads are read-only views of the buffer paho read the packet into, not copies:
+paho's own PUBLISH decoder slices the packet three or four times (each a full copy), so a 4 MB
+update briefly took 16 MB; `decode_publish_in_place` replaces it (paho 2.2; a paho without
+`_packet.decode_publish` keeps its own decoder and copies). Reads from the socket are capped at
+`READ_SIZE`: paho asks for the rest of a packet at once and keeps that buffer while the message
+is handled, a second copy of every large message.
 """
 
 from __future__ import annotations
@@ -18,13 +26,23 @@ from typing import NamedTuple
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.exception import MalformedPacket
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties, VariableByteIntegers
 
 from .counters import ByteCounter
+from .flow import IncomingQueue
+
+try:
+    from paho.mqtt import _packet
+except ImportError:  # an older paho decodes PUBLISH inside the client (with its copies)
+    _packet = None
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}
+READ_SIZE = 256 << 10
 
 
 class TransportError(ConnectionError):
@@ -33,7 +51,37 @@ class TransportError(ConnectionError):
 
 class Incoming(NamedTuple):
     topic: str
-    payload: bytes
+    payload: bytes | memoryview  # read-only
+
+
+def decode_publish_in_place(header: int, packet: bytearray, protocol: MQTTProtocolVersion):
+    """paho's `_packet.decode_publish` without copying the payload: the payload is a read-only
+    view of `packet`, which paho replaces (never modifies) once the message is handled."""
+    view = memoryview(packet).toreadonly()
+    topic_end = 2 + int.from_bytes(view[:2], "big")
+    if len(view) < topic_end:
+        raise MalformedPacket("PUBLISH shorter than its topic")
+    topic = bytes(view[2:topic_end])
+    if protocol != MQTTProtocolVersion.MQTTv5 and not topic:
+        raise MalformedPacket("topic can't be empty in MQTTv3")
+    qos, position, mid = (header & 0x06) >> 1, topic_end, 0
+    if qos > 0:
+        if len(view) < position + 2:
+            raise MalformedPacket("PUBLISH without a packet identifier")
+        mid, position = int.from_bytes(view[position : position + 2], "big"), position + 2
+    properties = None
+    if protocol == MQTTProtocolVersion.MQTTv5:
+        properties = Properties(PacketTypes.PUBLISH)
+        length, width = VariableByteIntegers.decode(bytes(view[position : position + 4]))
+        _, used = properties.unpack(bytes(view[position : position + width + length]))
+        position += used
+    return _packet.PublishPacket(dup=bool(header & 0x08), qos=qos, retain=bool(header & 0x01), topic=topic,
+                                 mid=mid, properties=properties, payload=view[position:])
+
+
+if _packet is not None and hasattr(_packet, "decode_publish"):
+    decode_publish_in_place = _packet.convert_exception(decode_publish_in_place)
+    _packet.decode_publish = decode_publish_in_place
 
 
 @dataclass
@@ -73,8 +121,20 @@ class MqttSettings:
         return urlparse(self.url).scheme in ("mqtts", "ssl") or self.ca_file is not None
 
 
+class _Client(mqtt.Client):
+    """paho's client, reading at most `READ_SIZE` bytes from the socket at a time."""
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        return super()._sock_recv(min(bufsize, READ_SIZE))
+
+
 class MqttTransport:
-    """One MQTT connection. `incoming` yields `Incoming(topic, payload)` for subscribed topics."""
+    """One MQTT connection. `incoming` yields `Incoming(topic, payload)` for subscribed topics.
+
+    `flow_control_bytes` (0: off) bounds what the consumer of `incoming` holds, in bytes: see
+    `flow.IncomingQueue`. Leave it off where the consumer can be busy for longer than the
+    keepalive allows (a device training), set it where memory matters (the coordinator).
+    """
 
     def __init__(
         self,
@@ -84,14 +144,16 @@ class MqttTransport:
         will: tuple[str, bytes] | None = None,
         counter: ByteCounter | None = None,
         max_queue: int = 10_000,
+        flow_control_bytes: int = 0,
     ):
         self.client_id = client_id
         self.settings = settings
         self.counter = counter or ByteCounter()
-        self.incoming: queue.Queue[Incoming] = queue.Queue(maxsize=max_queue)
+        self.incoming = IncomingQueue(max_queue, flow_control_bytes, max_wait=settings.keepalive / 2)
         self.connected = threading.Event()
         self.dropped_incoming = 0
         self.connections = 0
+        self.max_packet_size: int | None = None  # the broker's, from an MQTT 5 CONNACK
         self._will = will
         self._subscriptions: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -140,7 +202,7 @@ class MqttTransport:
     def _make_client(self, protocol: str) -> mqtt.Client:
         version = PROTOCOLS[protocol]
         kwargs = {"clean_session": True} if version == mqtt.MQTTv311 else {}
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=version, **kwargs)
+        client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=version, **kwargs)
         client.max_inflight_messages_set(64)
         client.max_queued_messages_set(0)
         client.reconnect_delay_set(self.settings.reconnect_min_delay, self.settings.reconnect_max_delay)
@@ -164,6 +226,7 @@ class MqttTransport:
     def close(self) -> None:
         """Disconnect cleanly (the broker does not send the Last Will on a clean disconnect)."""
         client, self._client = self._client, None
+        self.incoming.close()
         if client is not None:
             client.disconnect()
             with contextlib.suppress(AttributeError):  # paho 2.2: the network thread may clear itself first
@@ -177,21 +240,25 @@ class MqttTransport:
         if self._client is not None and self.connected.is_set():
             self._client.subscribe(topic_filter, qos)
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes | bytearray | memoryview, *, qos: int = 1,
+                retain: bool = False) -> None:
         if self._client is None:
             raise TransportError("publish before connect")
+        if not isinstance(payload, (bytes, bytearray)):
+            payload = bytes(payload)  # paho takes bytes or bytearray only
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         self.counter.record("sent", topic, len(payload))
 
-    # -- paho callbacks (network thread: never block, never raise) --------------------------
+    # -- paho callbacks (network thread: never raise; only flow control waits) ---------------
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             self._refused = f"broker refused the connection: {reason_code}"
             self.connected.set()
             return
         self.connections += 1
+        self.max_packet_size = getattr(properties, "MaximumPacketSize", None)
         with self._lock:
             subscriptions = list(self._subscriptions.items())
         for topic_filter, qos in subscriptions:
@@ -212,7 +279,7 @@ class MqttTransport:
     def _on_message(self, client, userdata, message) -> None:
         try:
             self.counter.record("received", message.topic, len(message.payload))
-            self.incoming.put_nowait(Incoming(message.topic, bytes(message.payload)))
+            self.incoming.put_message(Incoming(message.topic, message.payload))
         except queue.Full:
             self.dropped_incoming += 1
         except Exception:  # a callback must never raise into paho's network loop

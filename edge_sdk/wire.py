@@ -3,6 +3,11 @@
 Nothing is ever unpickled: decoding accepts only msgpack maps, lists, strings, numbers and
 byte strings, checks every field, and raises `WireError` with a reason code on anything
 malformed. Size limits are enforced before any decoding work is done.
+
+Array data is not copied on either side. Encoding yields pieces (msgpack headers and views of
+the arrays) that are joined once into the message, or cut into chunk frames directly.
+Decoding returns byte strings of `ZERO_COPY_BYTES` or more as read-only memoryviews of the
+received message, and arrays as numpy views on them: an update costs its message, once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ DTYPES: dict[str, np.dtype] = {
 }
 MAX_NDIM = 8
 MAX_DIM = 2**40  # per dimension; keeps numpy from overflowing on zero-size arrays with huge dims
+ZERO_COPY_BYTES = 1 << 16
+"""msgpack bin values at least this long decode as read-only memoryviews, not copies."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,49 @@ def encode_array(array: np.ndarray) -> dict[str, Any]:
 
 def encode(envelope: Envelope) -> bytes:
     """Serialize an envelope; see docs/PROTOCOL.md for the layout."""
-    body = envelope_to_dict(envelope)
-    return msgpack.packb(body, use_bin_type=True)
+    return b"".join(encode_pieces(envelope))
+
+
+def encode_pieces(envelope: Envelope) -> list[bytes | memoryview]:
+    """The encoded envelope as consecutive pieces (array data as views of the arrays);
+    `b"".join(pieces)` is exactly what `msgpack.packb` makes of `envelope_to_dict`."""
+    pieces: list[bytes | memoryview] = []
+    pack_pieces(envelope_to_dict(envelope), pieces)
+    return pieces
+
+
+class Joined(list):
+    """Buffers that `pack_pieces` writes as one msgpack bin without joining them first."""
+
+
+def pack_pieces(obj: Any, pieces: list[bytes | memoryview]) -> None:
+    """Append the msgpack encoding of `obj` to `pieces`, leaving memoryviews and `Joined`
+    buffers uncopied (as bin); everything else is packed by msgpack itself."""
+    if isinstance(obj, dict):
+        pieces.append(_map_header(len(obj)))
+        for key, value in obj.items():
+            pieces.append(msgpack.packb(key, use_bin_type=True))
+            pack_pieces(value, pieces)
+    elif isinstance(obj, (memoryview, Joined)):
+        buffers = obj if isinstance(obj, Joined) else [obj]
+        pieces.append(_bin_header(sum(len(buffer) for buffer in buffers)))
+        pieces.extend(buffers)
+    else:
+        pieces.append(msgpack.packb(obj, use_bin_type=True))
+
+
+def _map_header(length: int) -> bytes:
+    """fixmap, map 16 or map 32, as msgpack writes them."""
+    if length <= 15:
+        return bytes([0x80 | length])
+    return b"\xde" + length.to_bytes(2, "big") if length <= 0xFFFF else b"\xdf" + length.to_bytes(4, "big")
+
+
+def _bin_header(length: int) -> bytes:
+    """bin 8, bin 16 or bin 32, as msgpack writes them."""
+    if length <= 0xFF:
+        return b"\xc4" + bytes([length])
+    return b"\xc5" + length.to_bytes(2, "big") if length <= 0xFFFF else b"\xc6" + length.to_bytes(4, "big")
 
 
 def envelope_to_dict(envelope: Envelope) -> dict[str, Any]:
@@ -88,24 +136,27 @@ def _number(key: str, value: Any) -> float | int:
     raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
 
 
-# msgpack header byte -> (bytes of length field, extra fixed bytes) for str/bin/ext with a length,
-# and the fixed size of numbers; see the msgpack specification.
-_LENGTH_PREFIXED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0),
-                    0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1)}
-_FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
-          0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+# msgpack header byte -> bytes of the length field for str and bin, and the fixed size of
+# numbers; see the msgpack specification.
+_LENGTH_PREFIXED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}
+_BIN = (0xc4, 0xc5, 0xc6)
+_FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8}
+_EXTENSIONS = (0xc7, 0xc8, 0xc9, 0xd4, 0xd5, 0xd6, 0xd7, 0xd8)
 _CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # (length bytes, items per entry)
+_VIEW = 1  # extension type code of a large bin's stand-in while decoding (never accepted on the wire)
 
 
-def prescan(data: bytes) -> None:
+def prescan(data: bytes | memoryview) -> list[tuple[int, int, int]]:
     """Walk the msgpack headers without building anything and reject a document that declares
-    more items than there are bytes left (every item takes at least one byte). This stops small
-    inputs from making the decoder preallocate large containers."""
+    more items than there are bytes left (every item takes at least one byte), or holds an
+    extension type. This stops small inputs from making the decoder preallocate large
+    containers. Returns (header, start, end) of every bin of `ZERO_COPY_BYTES` or more."""
     pos, pending, size = 0, 1, len(data)
+    large: list[tuple[int, int, int]] = []
     while pending:
         if pos >= size:
             raise WireError(Reason.MALFORMED, "truncated msgpack document")
-        byte = data[pos]
+        header, byte = pos, data[pos]
         pos += 1
         pending -= 1
         if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):
@@ -115,31 +166,39 @@ def prescan(data: bytes) -> None:
         elif 0xA0 <= byte <= 0xBF:
             pos += byte & 0x1F
         elif byte in _LENGTH_PREFIXED:
-            width, extra = _LENGTH_PREFIXED[byte]
-            pos += width + extra + int.from_bytes(data[pos : pos + width], "big")
+            width = _LENGTH_PREFIXED[byte]
+            length = int.from_bytes(data[pos : pos + width], "big")
+            pos += width + length
+            if byte in _BIN and length >= ZERO_COPY_BYTES and pos <= size:
+                large.append((header, pos - length, pos))
         elif byte in _FIXED:
             pos += _FIXED[byte]
         elif byte in _CONTAINERS:
             width, per_entry = _CONTAINERS[byte]
             pending += per_entry * int.from_bytes(data[pos : pos + width], "big")
             pos += width
+        elif byte in _EXTENSIONS:
+            raise WireError(Reason.MALFORMED, f"msgpack extension types are not allowed (header 0x{byte:02x})")
         else:
             raise WireError(Reason.MALFORMED, f"invalid msgpack header byte 0x{byte:02x}")
         if pending > size - pos:
             raise WireError(Reason.MALFORMED, "the document declares more items than it has bytes")
     if pos != size:
         raise WireError(Reason.MALFORMED, "extra bytes after the msgpack document")
+    return large
 
 
-def _reject_extension(code: int, data: bytes) -> None:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
-def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """msgpack bytes -> a map, with every container and string bounded; no extension types."""
+def unpack(data: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """msgpack bytes -> a map, with every container and string bounded; no extension types.
+    Bins of `ZERO_COPY_BYTES` or more come back as read-only memoryviews of `data`."""
     if len(data) > limits.max_message_bytes:
         raise WireError(Reason.TOO_LARGE, f"{len(data)} bytes exceeds the limit of {limits.max_message_bytes}")
-    prescan(data)
+    large = prescan(data)
+    views: list[memoryview] = []
+    if large:
+        whole = memoryview(data).toreadonly()
+        views = [whole[start:end] for _, start, end in large]
+        data = _with_stand_ins(whole, large)
     try:
         obj = msgpack.unpackb(
             data,
@@ -150,8 +209,8 @@ def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
             max_str_len=limits.max_string,
             max_array_len=limits.max_items,
             max_map_len=limits.max_items,
-            max_ext_len=0,
-            ext_hook=_reject_extension,
+            max_ext_len=4 if views else 0,
+            ext_hook=lambda code, index: views[int.from_bytes(index, "big")],
         )
     except Exception as exc:  # msgpack raises many types for bad input; all mean "malformed"
         raise WireError(Reason.MALFORMED, f"not a msgpack document: {type(exc).__name__}: {exc}") from None
@@ -160,7 +219,19 @@ def unpack(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     return obj
 
 
-def decode(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Envelope:
+def _with_stand_ins(data: memoryview, large: list[tuple[int, int, int]]) -> bytes:
+    """`data` with each large bin replaced by a 6-byte extension (fixext 4) holding its index:
+    msgpack then decodes a small document, and the extension hook returns the view instead.
+    Received documents cannot carry extensions (`prescan`), so every one here is a stand-in."""
+    pieces, last = [], 0
+    for index, (header, _, end) in enumerate(large):
+        pieces += [data[last:header], bytes([0xD6, _VIEW]) + index.to_bytes(4, "big")]
+        last = end
+    pieces.append(data[last:])
+    return b"".join(pieces)
+
+
+def decode(data: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> Envelope:
     """Bytes -> Envelope, or `WireError`."""
     return envelope_from_dict(unpack(data, limits), limits)
 
@@ -240,7 +311,7 @@ def decode_array(where: str, raw: Any) -> np.ndarray:
     ):
         raise WireError(Reason.BAD_SHAPE, f"array {where} has an invalid shape {shape!r}")
     data = raw["data"]
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise WireError(Reason.MALFORMED, f"array {where} data is not a byte string")
     expected = math.prod(shape) * dtype.itemsize
     if expected != len(data):

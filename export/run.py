@@ -1,10 +1,13 @@
 """A trained run's representation, loaded from its checkpoint and exported for weak devices.
 
 `load_representation` rebuilds the run's body from the coordinator's latest checkpoint: the
-`body.*` arrays of the global state, BatchNorm running statistics included. Only algorithms
-whose global state holds the whole body (RepPer) can be exported: the others keep BatchNorm
-statistics (or the whole body) personal, and a body without its statistics would normalize
-with the initial ones and give meaningless features, so that is an error, not a warning.
+`body.*` arrays of the global state, BatchNorm running statistics included. RepPer's global
+state holds them; algorithms that share the body but keep BatchNorm statistics personal
+(FedAvg, FedPer, FedRep, ...) get them from `body_statistics.npz` in the run folder, which the
+coordinator's release phase writes after pooling the statistics devices computed for the
+global body (`body_statistics_needed` says which). A body without its statistics would normalize
+with the initial ones and give meaningless features, so that is an error, not a warning; so is a
+body that is personal (LG-FedAvg), which has nothing global to export.
 
 `export_run` writes the ONNX representation (parity-checked on real images of the run's
 dataset), optionally an int8 twin `<stem>.int8.onnx` next to it, and reports sizes, hashes,
@@ -13,8 +16,8 @@ the parity and, for int8, what quantization costs a logistic-regression probe in
 
 from __future__ import annotations
 
+import io
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from torch import nn
 from coordinator import checkpoint
 from edge_sdk.data import DATASETS, DatasetMeta, load_dataset
 from edge_sdk.models import build_body, default_model_for, statistics_keys
+from edge_sdk.store import write_atomic
 
 from .onnx_export import FORMAT, cpu_session, export_module, run_batched
 from .quantize import quantize_int8
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 PARTS = ("body",)
 CHECKPOINT_NAME = "checkpoint.msgpack"
+STATISTICS_NAME = "body_statistics.npz"
+"""Pooled BatchNorm statistics of the global body, for runs whose global state lacks them."""
 PROBE_TRAIN = 1000
 PROBE_TEST = 1000
 """Examples of the run's pool the int8 accuracy probe is fitted on / scored on."""
@@ -73,11 +79,30 @@ def _body_arrays(state: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarra
     return arrays
 
 
-def load_representation(run_dir: str | Path, part: str = "body") -> Representation:
-    """The run's global `part` (only "body" for now) with its weights loaded, in eval mode."""
-    if part not in PARTS:
-        raise ValueError(f"cannot export part {part!r}; exportable parts: {', '.join(PARTS)}")
-    run_dir = Path(run_dir)
+def save_body_statistics(run_dir: str | Path, round_: int, arrays: dict[str, np.ndarray]) -> Path:
+    """Write pooled body statistics (`body.*` keys) for the checkpoint of `round_` atomically."""
+    buffer = io.BytesIO()
+    np.savez(buffer, round=np.int64(round_), **arrays)
+    path = Path(run_dir) / STATISTICS_NAME
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def _saved_statistics(run_dir: Path, round_: int) -> dict[str, np.ndarray]:
+    """The pooled body statistics saved for the checkpoint of `round_` (prefix stripped), or
+    nothing: statistics of an earlier round's body do not fit this one."""
+    path = run_dir / STATISTICS_NAME
+    if not path.exists():
+        return {}
+    with np.load(path, allow_pickle=False) as saved:
+        if "round" not in saved.files or int(saved["round"]) != round_:
+            log.warning("%s is not for round %d: ignored", path, round_)
+            return {}
+        return {key[len("body."):]: saved[key] for key in saved.files if key.startswith("body.")}
+
+
+def _checkpoint_body(run_dir: Path) -> tuple[checkpoint.Checkpoint, dict[str, Any], DatasetMeta, str, nn.Module, int]:
+    """The run's latest checkpoint, its config, dataset, model name and a freshly built body."""
     saved = checkpoint.load(run_dir / CHECKPOINT_NAME)
     if saved is None:
         raise RepresentationError(f"{run_dir} has no {CHECKPOINT_NAME}: no round of this run completed")
@@ -88,20 +113,47 @@ def load_representation(run_dir: str | Path, part: str = "body") -> Representati
     model = config.get("model", "auto")
     model = default_model_for(meta.image_size) if model == "auto" else model
     body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
-    arrays = _body_arrays(saved.state)
-    expected = set(body.state_dict())
-    missing, unexpected = expected - set(arrays), set(arrays) - expected
-    algorithm = config["algorithm"]
-    if missing:
-        statistics = missing & statistics_keys(body)
-        others = missing - statistics
-        parts = [f"BatchNorm running statistics ({_listed(statistics)})" if statistics else "",
+    return saved, config, meta, model, body, feature_dim
+
+
+def _missing(body: nn.Module, arrays: dict[str, np.ndarray], algorithm: str, run_id: str,
+             statistics_allowed: bool) -> set[str]:
+    """The body's BatchNorm statistics missing from `arrays` (when `statistics_allowed`); any
+    other missing array is an error: the body itself is personal."""
+    missing = set(body.state_dict()) - set(arrays)
+    statistics = missing & statistics_keys(body)
+    others = missing - statistics
+    if others or (statistics and not statistics_allowed):
+        parts = [f"BatchNorm running statistics ({_listed(statistics)})" if statistics and not statistics_allowed else "",
                  f"parameters ({_listed(others)})" if others else ""]
         what = " and ".join(part for part in parts if part)
-        raise RepresentationError(
-            f"the global state of {algorithm} run {saved.run_id} lacks the body's {what}: {algorithm} keeps "
-            "them on the devices. Only algorithms whose global state holds the whole body, BatchNorm "
-            "statistics included (RepPer), can be exported.")
+        hint = ("its body is personal, so there is nothing global to export" if others else
+                f"release the run (`--release`) so the devices pool them into {STATISTICS_NAME}")
+        raise RepresentationError(f"the global state of {algorithm} run {run_id} lacks the body's {what}: {hint}")
+    return statistics
+
+
+def body_statistics_needed(run_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """The body's BatchNorm statistics (`body.*` keys and shapes) that a release of this run
+    needs from the devices: empty when the global state holds them (RepPer). Raises
+    RepresentationError when the body is not global at all."""
+    saved, config, _, _, body, _ = _checkpoint_body(Path(run_dir))
+    missing = _missing(body, _body_arrays(saved.state), config["algorithm"], saved.run_id, statistics_allowed=True)
+    state = body.state_dict()
+    return {f"body.{key}": tuple(state[key].shape) for key in sorted(missing)}
+
+
+def load_representation(run_dir: str | Path, part: str = "body") -> Representation:
+    """The run's global `part` (only "body" for now) with its weights loaded, in eval mode."""
+    if part not in PARTS:
+        raise ValueError(f"cannot export part {part!r}; exportable parts: {', '.join(PARTS)}")
+    run_dir = Path(run_dir)
+    saved, config, meta, model, body, feature_dim = _checkpoint_body(run_dir)
+    algorithm = config["algorithm"]
+    arrays = {**_saved_statistics(run_dir, saved.round), **_body_arrays(saved.state)}
+    _missing(body, arrays, algorithm, saved.run_id, statistics_allowed=False)
+    expected = set(body.state_dict())
+    unexpected = set(arrays) - expected
     if unexpected:
         raise RepresentationError(f"the checkpoint's body has arrays {model} does not: {_listed(unexpected)}")
     try:
@@ -131,19 +183,13 @@ def int8_path(out_path: str | Path) -> Path:
 
 
 def _probe_accuracies(fp32: np.ndarray, int8: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """A logistic-regression probe fitted on the first PROBE_TRAIN fp32 features, scored on the rest
-    with fp32 and with int8 features."""
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
+    """A logistic-regression probe (the weak devices' `lr` head) fitted on the first PROBE_TRAIN
+    fp32 features, scored on the rest with fp32 and with int8 features."""
+    from edge_sdk.lite.heads import fit_head
 
     n = min(PROBE_TRAIN, len(labels) // 2)
-    probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        probe.fit(fp32[:n], labels[:n])
-    return float(probe.score(fp32[n:], labels[n:])), float(probe.score(int8[n:], labels[n:]))
+    probe = fit_head("lr", fp32[:n], labels[:n], num_classes=int(labels.max()) + 1)
+    return float(np.mean(probe.predict(fp32[n:]) == labels[n:])), float(np.mean(probe.predict(int8[n:]) == labels[n:]))
 
 
 def export_run(

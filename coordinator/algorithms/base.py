@@ -44,6 +44,10 @@ class ServerAlgorithm(ABC):
         self.context = context
         self.state: dict[str, ArrayGroup] = self.initial_state()
 
+    def shares_body(self) -> bool:
+        """Whether the global state holds the body's parameters: only then can it be released."""
+        return any(key.startswith("body.") for group in self.state.values() for key in group)
+
     def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
         """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one
         round; `reference` is what was broadcast, for clipping."""

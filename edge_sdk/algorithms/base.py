@@ -80,6 +80,12 @@ class DeviceAlgorithm(ABC):
     def evaluate(self, task: Task) -> dict[str, float]:
         """Metrics of the deployed model on the device's test split: at least `accuracy`."""
 
+    def body_statistics(self, task: Task) -> ArrayGroup:
+        """BatchNorm statistics (`body.*` keys) of the global body in `task` on the training
+        split, for releasing the body of an algorithm that keeps its statistics personal.
+        Algorithms without a global body have none."""
+        return {}
+
     @abstractmethod
     def personal_state(self) -> ArrayGroup:
         """Everything the device keeps between rounds and restarts; never sent upstream."""

@@ -7,6 +7,7 @@ the local objective (`local_loss`) or the local schedule (`train_locally`).
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from ..training import (
     eval_mode,
     load_arrays,
     pick_device,
+    recalibrate_batchnorm,
     run_epochs,
     state_arrays,
     to_device,
@@ -68,6 +70,16 @@ class PartSharingDevice(DeviceAlgorithm):
 
     def shared_state(self) -> ArrayGroup:
         return state_arrays(self.model, self.partition.shared)
+
+    def body_statistics(self, task: Task) -> ArrayGroup:
+        """The global body's BatchNorm statistics on this device's training split (`body.*`
+        keys), recomputed on a copy so that the device's own statistics stay as they are."""
+        if "body" not in self.shared_parts:
+            return {}
+        self.load_shared(task)
+        body = copy.deepcopy(self.model.body)
+        recalibrate_batchnorm(body, self.train_x)
+        return {f"body.{key}": value for key, value in state_arrays(body, sorted(statistics_keys(body))).items()}
 
     def personal_state(self) -> ArrayGroup:
         return state_arrays(self.model, self.partition.personal)

@@ -19,6 +19,7 @@ from edge_sdk.chunks import (
     chunk_frames,
     chunk_from_dict,
     is_chunk_frame,
+    iter_frames,
 )
 from edge_sdk.protocol import PROTOCOL_VERSION, ChunkError, Reason
 
@@ -84,6 +85,21 @@ def test_frames_repeat_the_manifest_and_cover_the_payload():
     assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
     assert [len(c.data) for c in chunks] == [CHUNK] * 4 + [1000]
     assert b"".join(c.data for c in chunks) == payload
+
+
+@pytest.mark.parametrize("cuts", [(), (1,), (CHUNK,), (5, CHUNK - 5, CHUNK + 3, 3 * CHUNK)],
+                         ids=["one", "tiny", "aligned", "ragged"])
+def test_frames_cut_from_pieces_equal_those_of_the_joined_payload(cuts):
+    # Prepare: the payload split into pieces at `cuts` (as encode_pieces yields headers and arrays)
+    payload = _payload(4 * CHUNK + 1000)
+    bounds = [0, *cuts, len(payload)]
+    pieces = [memoryview(payload)[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    # Execute
+    frames = list(iter_frames(pieces, CHUNK))
+
+    # Assert
+    assert frames == chunk_frames(payload, CHUNK)
 
 
 def test_a_small_payload_is_one_frame_and_frames_are_recognized():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import RunConfig, build_config
+from edge_sdk.chunks import MAX_CHUNK_SIZE
 from edge_sdk.config import ConfigError, from_mapping, load_toml, parse_assignments
 
 
@@ -245,3 +246,17 @@ def test_fingerprint_resolves_the_auto_model():
     # "auto" and the model it stands for are the same run
     auto = RunConfig(dataset="digits", model="auto")
     assert auto.fingerprint() == RunConfig(dataset="digits", model=auto.model_name).fingerprint()
+
+
+@pytest.mark.parametrize("key, value", [("upload_chunk_size", 1024), ("chunk_size", 1 << 30),
+                                        ("flow_control_bytes", -1), ("aggregation_dtype", "float16")])
+def test_bad_transfer_and_aggregation_settings_are_named(key, value):
+    with pytest.raises(ConfigError, match=f"^{key} must be"):
+        build_config(None, {key: value}, {})
+
+
+def test_uploads_travel_whole_and_the_coordinator_reads_under_flow_control_by_default():
+    config = build_config(None, {}, {})
+
+    assert config.upload_chunk_size == MAX_CHUNK_SIZE and config.chunk_size == 1 << 20
+    assert config.coordinator_transport("mqtt://127.0.0.1:1883").incoming.max_bytes == config.flow_control_bytes > 0

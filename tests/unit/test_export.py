@@ -24,7 +24,8 @@ from torch import nn
 from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.simulate import run_simulation
-from edge_sdk.data import load_dataset
+from edge_sdk.config import ConfigError
+from edge_sdk.data import load_client_data, load_dataset
 from edge_sdk.models import build_body, statistics_keys
 from edge_sdk.training import recalibrate_batchnorm
 from export import (
@@ -190,6 +191,39 @@ def test_int8_is_a_quarter_of_fp32_for_cnn28_and_its_features_stay_close(tmp_pat
     assert metadata == {**fp32.metadata, "quantization": "int8-qdq-per-channel"}
 
 
+def test_int8_quantizes_the_weighted_operators_and_leaves_hard_swish_in_float(tmp_path: Path) -> None:
+    # Prepare: a MobileNetV3-style block (conv, hard-swish, residual add)
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.conv = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = nn.functional.hardswish(self.stem(x))
+            return (y + nn.functional.hardswish(self.conv(y))).mean(dim=(2, 3))
+
+    x = digits_at(28)
+    fp32 = export_module(Block().eval(), (1, 28, 28), tmp_path / "block.onnx", metadata={})
+
+    # Execute
+    int8 = quantize_int8(fp32.path, tmp_path / "block.int8.onnx", x[:64])
+
+    # Assert: a value is quantized only where a Conv produces or reads it; the element-wise
+    # operators' own outputs (hard-swish's Mul, the residual Add) stay float
+    graph = onnx.load(str(int8.path)).graph
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    source = {node.output[0]: node.input[0] for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    conv_reads = {source.get(source.get(name)) for node in graph.node if node.op_type == "Conv" for name in node.input}
+    quantized = [node.input[0] for node in graph.node if node.op_type == "QuantizeLinear"]
+    assert quantized
+    for value in quantized:
+        assert producer.get(value) in (None, "Conv") or value in conv_reads, f"{producer[value]} output {value} is quantized"
+    assert any(producer.get(value) == "Mul" for value in quantized)  # the stem's hard-swish feeds the second conv
+    assert not any(producer.get(value) in ("Add", "ReduceMean") for value in quantized)
+
+
 def test_only_the_body_is_exportable_and_a_run_needs_a_checkpoint(tmp_path: Path) -> None:
     # Execute / Assert
     with pytest.raises(ValueError, match="exportable parts: body"):
@@ -198,9 +232,9 @@ def test_only_the_body_is_exportable_and_a_run_needs_a_checkpoint(tmp_path: Path
         load_representation(tmp_path)
 
 
-def tiny_run(algorithm: str, out: Path, broker_url: str) -> Path:
+def tiny_run(algorithm: str, out: Path, broker_url: str, **options) -> Path:
     run_simulation(RunConfig(algorithm=algorithm, dataset="digits", clients=3, rounds=1, out=str(out),
-                             broker=broker_url, workers=1))
+                             broker=broker_url, workers=1, **options))
     return out
 
 
@@ -249,5 +283,41 @@ def test_a_fedavg_run_is_refused_for_lack_of_batchnorm_statistics(tmp_path: Path
     # Assert
     message = str(error.value)
     assert "BatchNorm running statistics" in message and "body.1.running_mean" in message
-    assert "RepPer" in message and "fedavg" in message
+    assert "--release" in message and "fedavg" in message
     assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.integration
+def test_a_released_fedper_run_exports_with_the_pooled_statistics_of_its_global_body(tmp_path: Path, mosquitto) -> None:
+    # Prepare
+    run_dir = tiny_run("fedper", tmp_path / "run", mosquitto.url, release=True)
+    saved = checkpoint.load(run_dir / "checkpoint.msgpack")
+    devices = [load_client_data("digits", num_clients=3, index=i) for i in range(3)]
+
+    # Execute
+    representation = load_representation(run_dir)
+
+    # Assert: the statistics are those of the global body over the union of the devices' data
+    # (the first layer's exactly; deeper layers pool per-device statistics, an approximation)
+    body = representation.body
+    shared = saved.state["shared"]
+    for key in set(body.state_dict()) - statistics_keys(body):
+        np.testing.assert_array_equal(body.state_dict()[key].numpy(), shared[f"body.{key}"])
+    with torch.no_grad():
+        first_conv = body[0](torch.from_numpy(np.concatenate([d.train_x for d in devices])))
+    union_mean = first_conv.mean(dim=(0, 2, 3)).numpy()
+    union_var = first_conv.var(dim=(0, 2, 3)).numpy()
+    np.testing.assert_allclose(body.state_dict()["1.running_mean"].numpy(), union_mean, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(body.state_dict()["1.running_var"].numpy(), union_var, rtol=1e-2, atol=1e-5)
+    release = json.loads((run_dir / "report.json").read_text())["release"]
+    assert release["sha256"] == hashlib.sha256((run_dir / "release" / "representation.onnx").read_bytes()).hexdigest()
+
+
+@pytest.mark.integration
+def test_a_release_of_a_personal_body_is_refused_before_training(tmp_path: Path, mosquitto) -> None:
+    # Execute
+    with pytest.raises(ConfigError, match="release: lg_fedavg keeps the body personal"):
+        tiny_run("lg_fedavg", tmp_path / "run", mosquitto.url, release=True)
+
+    # Assert
+    assert not (tmp_path / "run" / "checkpoint.msgpack").exists()

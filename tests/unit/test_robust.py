@@ -55,6 +55,8 @@ def test_make_aggregator_picks_the_rule_and_wraps_clipping():
         AggregationSettings("mode")
     with pytest.raises(ValueError, match="trim_fraction"):
         AggregationSettings("trimmed_mean", trim_fraction=0.5)
+    with pytest.raises(ValueError, match="aggregation_dtype"):
+        AggregationSettings("mean", dtype="float16")
 
 
 def test_aligned_reference_cuts_the_previous_slice():

@@ -120,6 +120,40 @@ def test_decoded_arrays_are_read_only_views():
     assert not array.flags.writeable
 
 
+def test_encoding_in_pieces_is_exactly_msgpack_and_leaves_array_data_uncopied():
+    # Prepare: map and bin headers of every width (fix, 8, 16 and 32 bits)
+    envelope = _sample_envelope()
+    envelope.groups["sizes"] = {f"a{n}": np.zeros(n, np.uint8) for n in (0, 255, 256, 65535, 65536)}
+    envelope.config["wide"] = {str(i): i for i in range(70_000)}
+
+    # Execute
+    pieces = wire.encode_pieces(envelope)
+
+    # Assert
+    assert b"".join(pieces) == wire.encode(envelope) == _pack(wire.envelope_to_dict(envelope))
+    weight = envelope.groups["shared"]["body.0.weight"]
+    assert any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), weight) for p in pieces)
+
+
+def test_large_arrays_decode_as_views_of_the_message_and_small_ones_as_copies():
+    # Prepare: one array over the zero-copy size, one under it, and a large bin in config
+    big = np.arange(wire.ZERO_COPY_BYTES, dtype=np.float32)
+    payload = bytearray(wire.encode(Envelope(Kind.TRAIN_RES, "dev001", groups={"g": {"big": big, "small": big[:8]}},
+                                             config={"blob": b"x" * wire.ZERO_COPY_BYTES})))
+
+    # Execute
+    envelope = wire.decode(memoryview(payload))
+
+    # Assert: values intact; the large array shares the message's memory and cannot write to it
+    got = envelope.groups["g"]
+    np.testing.assert_array_equal(got["big"], big)
+    np.testing.assert_array_equal(got["small"], big[:8])
+    message = np.frombuffer(payload, np.uint8)
+    assert np.shares_memory(got["big"], message) and not np.shares_memory(got["small"], message)
+    assert not got["big"].flags.writeable and not got["small"].flags.writeable
+    assert isinstance(envelope.config["blob"], memoryview) and envelope.config["blob"] == b"x" * wire.ZERO_COPY_BYTES
+
+
 def test_wire_overhead_of_a_4mb_float32_array_is_below_one_per_mille():
     # Prepare
     array = np.random.default_rng(0).standard_normal(2**20).astype(np.float32)  # 4 MiB
