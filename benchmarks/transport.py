@@ -190,6 +190,22 @@ class _Timers:
 
         return timed
 
+    def wrap_iter(self, name: str, fn):
+        """Like `wrap` for a generator function: times the work of every item it yields."""
+        def timed(*args, **kwargs):
+            iterator = fn(*args, **kwargs)
+            while True:
+                started = time.perf_counter()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                finally:
+                    self.seconds[name] += time.perf_counter() - started
+                yield item
+
+        return timed
+
     def frame_arrived(self) -> None:
         now = time.monotonic()
         if self.first_frame is None:
@@ -289,9 +305,9 @@ class _Sender:
         self.transport.publish = timed_publish
 
     def send(self, envelope: Envelope) -> dict:
-        encode, frames = wire.encode, channel_module.chunk_frames
-        wire.encode = self.timers.wrap("encode", encode)
-        channel_module.chunk_frames = self.timers.wrap("chunk_frames", frames)
+        encode, frames = wire.encode_pieces, channel_module.iter_frames
+        wire.encode_pieces = self.timers.wrap("encode", encode)
+        channel_module.iter_frames = self.timers.wrap_iter("chunk_frames", frames)
         self.timers.reset()
         self.first_publish = None
         sent0 = self.transport.counter.total("sent")
@@ -300,7 +316,7 @@ class _Sender:
             self.channel.send(TOPIC, envelope)
             returned = time.monotonic()
         finally:
-            wire.encode, channel_module.chunk_frames = encode, frames
+            wire.encode_pieces, channel_module.iter_frames = encode, frames
         return {"started_at": started, "send_returned_at": returned, "first_publish_at": self.first_publish,
                 "encode_seconds": self.timers.seconds["encode"], "chunk_seconds": self.timers.seconds["chunk_frames"],
                 "publish_calls_seconds": self.timers.seconds["publish"], "frames_sent": self.timers.calls["publish"],
