@@ -11,10 +11,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from edge_sdk.params import BLOCK, blocks, flat
 from edge_sdk.protocol import ArrayGroup
-
-BLOCK = 1 << 16
-"""Elements per step when folding an array in: temporaries stay this small, whatever the model."""
 
 
 def accumulator_dtype(dtype: np.dtype, least: np.dtype = np.dtype(np.float32)) -> np.dtype:
@@ -29,11 +27,6 @@ def accumulator_dtype(dtype: np.dtype, least: np.dtype = np.dtype(np.float32)) -
     training can amplify that; summed in float64, runs repeat bit for bit.
     """
     return np.result_type(dtype, least)
-
-
-def blocks(size: int, block: int = BLOCK) -> Iterable[slice]:
-    """Consecutive slices that cover `range(size)`, `block` elements each (the last shorter)."""
-    return (slice(start, min(start + block, size)) for start in range(0, size, block))
 
 
 class WeightedMean:
@@ -82,8 +75,7 @@ class WeightedMean:
 
     def _fold(self, total: np.ndarray, value: np.ndarray, reference: np.ndarray | None, weight: float) -> None:
         """total += weight * (value - reference), a block at a time."""
-        flat_total, flat_value = total.reshape(-1), value.reshape(-1)
-        flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+        flat_total, flat_value, flat_reference = total.reshape(-1), flat(value), flat(reference)
         scratch = self._scratch_for(total.dtype)
         for part in blocks(flat_total.size):
             step = scratch[: part.stop - part.start]
@@ -111,7 +103,7 @@ class WeightedMean:
         total /= self.total_weight
         reference = self._reference_for(key, total)
         if reference is not None:
-            flat_total, flat_reference = total.reshape(-1), np.ascontiguousarray(reference).reshape(-1)
+            flat_total, flat_reference = total.reshape(-1), flat(reference)
             for part in blocks(flat_total.size):
                 flat_total[part] += flat_reference[part]
         return total if total.dtype == self._dtypes[key] else total.astype(self._dtypes[key])
@@ -129,8 +121,7 @@ def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
 
 def squared_distance(value: np.ndarray, reference: np.ndarray | None) -> float:
     """sum((value - reference)**2) in float64, a block at a time (`reference` None: zeros)."""
-    flat_value = np.asarray(value).reshape(-1)
-    flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+    flat_value, flat_reference = flat(value), flat(reference)
     total = 0.0
     for part in blocks(flat_value.size):
         diff = flat_value[part].astype(np.float64)

@@ -55,7 +55,8 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
                                  "memory; runs then repeat bit for bit whatever order updates arrive in)"),
     ("--lite-fraction", float, "simulate: this share of the devices are weak ones (ONNX Runtime + a numpy head)"),
     ("--head", str, "svm | lr | mlp | ncm: the weak devices' personal head"),
-    ("--release", bool_flag, "export and publish the representation after training (RepPer always does)"),
+    ("--release", bool_flag, "export and publish the global body after training (RepPer always does; algorithms "
+                             "that keep BatchNorm statistics personal pool the global body's from the trainers)"),
     ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
     ("--attack", str, "sign_flip | noise | nan | mixed (what the adversaries do)"),
     ("--upload-codec", str, "fp32 | fp16 | int8: how devices encode their uploads (changes from the broadcast)"),

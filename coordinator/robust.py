@@ -15,9 +15,10 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from edge_sdk.params import blocks, flat
 from edge_sdk.protocol import ArrayGroup
 
-from .aggregate import WeightedMean, aligned_reference, blocks, squared_distance
+from .aggregate import WeightedMean, aligned_reference, squared_distance
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 SUM_DTYPES = ("float32", "float64")
@@ -117,8 +118,7 @@ class Clipped:
 def _toward(value: np.ndarray, reference: np.ndarray | None, scale: float) -> np.ndarray:
     """reference + scale * (value - reference) in value's dtype (computed in float64, by blocks)."""
     out = np.empty(value.shape, value.dtype)
-    flat_out, flat_value = out.reshape(-1), value.reshape(-1)
-    flat_reference = None if reference is None else np.ascontiguousarray(reference).reshape(-1)
+    flat_out, flat_value, flat_reference = out.reshape(-1), flat(value), flat(reference)
     for part in blocks(flat_value.size):
         base = 0.0 if flat_reference is None else flat_reference[part].astype(np.float64)
         flat_out[part] = base + scale * (flat_value[part] - base)

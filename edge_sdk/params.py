@@ -8,7 +8,7 @@ normalization layers are personal unless an algorithm says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -65,11 +65,25 @@ def check_arrays(where: str, arrays: Mapping[str, np.ndarray], expected: ArraySp
             raise ValidationError(Reason.NON_FINITE, f"{where}/{key} has non-finite values")
 
 
-def all_finite(array: np.ndarray, block: int = 1 << 16) -> bool:
-    """Whether every value is finite, checked `block` elements at a time: no full-size
-    temporary (np.isfinite on a whole 1M-parameter array makes a 1 MB mask)."""
-    flat = array.reshape(-1)
-    return all(np.isfinite(flat[start : start + block]).all() for start in range(0, flat.size, block))
+BLOCK = 1 << 16
+"""Elements per step of the block-wise array loops: their temporaries stay this small."""
+
+
+def blocks(size: int, block: int = BLOCK) -> Iterator[slice]:
+    """Consecutive slices that cover `range(size)`, `block` elements each (the last shorter)."""
+    return (slice(start, min(start + block, size)) for start in range(0, size, block))
+
+
+def flat(array: np.ndarray | None) -> np.ndarray | None:
+    """`array` as a contiguous 1-d array (a view where it already is contiguous); None stays None."""
+    return None if array is None else np.ascontiguousarray(array).reshape(-1)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every value is finite, checked a block at a time: no full-size temporary
+    (np.isfinite on a whole 1M-parameter array makes a 1 MB mask)."""
+    values = flat(array)
+    return all(np.isfinite(values[part]).all() for part in blocks(values.size))
 
 
 def nbytes(arrays: Mapping[str, np.ndarray]) -> int:

@@ -116,20 +116,19 @@ def _checkpoint_body(run_dir: Path) -> tuple[checkpoint.Checkpoint, dict[str, An
     return saved, config, meta, model, body, feature_dim
 
 
-def _missing(body: nn.Module, arrays: dict[str, np.ndarray], algorithm: str, run_id: str,
-             statistics_allowed: bool) -> set[str]:
-    """The body's BatchNorm statistics missing from `arrays` (when `statistics_allowed`); any
-    other missing array is an error: the body itself is personal."""
+def _missing_statistics(body: nn.Module, arrays: dict[str, np.ndarray], algorithm: str, run_id: str, *,
+                        allowed: bool) -> set[str]:
+    """The body's BatchNorm statistics missing from `arrays`, an error unless `allowed`; a
+    missing parameter is always an error: that body is personal."""
     missing = set(body.state_dict()) - set(arrays)
     statistics = missing & statistics_keys(body)
-    others = missing - statistics
-    if others or (statistics and not statistics_allowed):
-        parts = [f"BatchNorm running statistics ({_listed(statistics)})" if statistics and not statistics_allowed else "",
-                 f"parameters ({_listed(others)})" if others else ""]
-        what = " and ".join(part for part in parts if part)
-        hint = ("its body is personal, so there is nothing global to export" if others else
-                f"release the run (`--release`) so the devices pool them into {STATISTICS_NAME}")
-        raise RepresentationError(f"the global state of {algorithm} run {run_id} lacks the body's {what}: {hint}")
+    lacks = f"the global state of {algorithm} run {run_id} lacks the body's"
+    if missing - statistics:
+        raise RepresentationError(f"{lacks} parameters ({_listed(missing - statistics)}): its body is personal, "
+                                  "so there is nothing global to export")
+    if statistics and not allowed:
+        raise RepresentationError(f"{lacks} BatchNorm running statistics ({_listed(statistics)}): release the run "
+                                  f"(`--release`) so the devices pool them into {STATISTICS_NAME}")
     return statistics
 
 
@@ -138,7 +137,7 @@ def body_statistics_needed(run_dir: str | Path) -> dict[str, tuple[int, ...]]:
     needs from the devices: empty when the global state holds them (RepPer). Raises
     RepresentationError when the body is not global at all."""
     saved, config, _, _, body, _ = _checkpoint_body(Path(run_dir))
-    missing = _missing(body, _body_arrays(saved.state), config["algorithm"], saved.run_id, statistics_allowed=True)
+    missing = _missing_statistics(body, _body_arrays(saved.state), config["algorithm"], saved.run_id, allowed=True)
     state = body.state_dict()
     return {f"body.{key}": tuple(state[key].shape) for key in sorted(missing)}
 
@@ -151,7 +150,7 @@ def load_representation(run_dir: str | Path, part: str = "body") -> Representati
     saved, config, meta, model, body, feature_dim = _checkpoint_body(run_dir)
     algorithm = config["algorithm"]
     arrays = {**_saved_statistics(run_dir, saved.round), **_body_arrays(saved.state)}
-    _missing(body, arrays, algorithm, saved.run_id, statistics_allowed=False)
+    _missing_statistics(body, arrays, algorithm, saved.run_id, allowed=False)
     expected = set(body.state_dict())
     unexpected = set(arrays) - expected
     if unexpected:
