@@ -6,14 +6,13 @@ and the classifier `head` (on R^D, D = (B + 1) d) weighted by n_k; it never sees
 
 Blocks: each device gets, at its first registration, the smallest free personal block
 b in 1..B (block 0 is the generic subspace P^g); registering again returns the same block, and a
-late joiner gets the next free one. The assignment is `{"block": b, "capacity": B, "seed": s}`;
-the device derives Q from the seed. The map lives in the checkpointed state as group `blocks`
-(array name = client id, value = a 0-d int64 array), so it survives a coordinator restart; it is
-never broadcast. A device that registered after the last checkpoint and before a crash is not in
-the restored map; because blocks are handed out smallest-free-first, it normally gets the same
-block again. When all B blocks are taken, further devices share blocks cyclically (their
-personal subspaces are then no longer orthogonal to each other's, still orthogonal to P^g) and a
-warning names the fix: a larger `capacity`.
+late joiner gets the next free one. The assignment is `{"block": b, "capacity": B}`. The map
+lives in the checkpointed state as group `blocks` (array name = client id, value = a 0-d int64
+array), so it survives a coordinator restart; it is never broadcast. A device that registered
+after the last checkpoint and before a crash is not in the restored map; because blocks are
+handed out smallest-free-first, it normally gets the same block again. When all B blocks are
+taken, further devices share blocks cyclically (such devices share one personal subspace, still
+orthogonal to P^g) and a warning names the fix: a larger `capacity`.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ class FediOSServer(PartSharingServer):
         if client_id not in blocks:
             blocks[client_id] = np.array(self._free_block(), dtype=np.int64)
             log.info("%s gets personal block %d of %d", client_id, int(blocks[client_id]), self.capacity)
-        return {"block": int(blocks[client_id]), "capacity": self.capacity, "seed": self.context.seed}
+        return {"block": int(blocks[client_id]), "capacity": self.capacity}
 
     def _free_block(self) -> int:
         taken = {int(b) for b in self.state[BLOCKS].values()}

@@ -4,17 +4,24 @@ Paper: papers/fedios.txt, Sec. 3 and Alg. 1 (appendix).
 
 - Parts: generic extractor `body` (shared), personal extractor `personal_body` (same
   architecture, personal), shared classifier `head` on R^D. `FediOSNet` has exactly these three
-  top-level children; the projections are non-persistent buffers (never in `state_dict`).
-- Eq. (6): Q is a D x D orthogonal matrix drawn from the federation seed (QR of a Gaussian, the
-  signs fixed so that diag(R) > 0, hence the same Q on every side); P^g = Q[:, 0:d] and client i
-  uses P_i = Q[:, b_i d:(b_i + 1) d] with the block b_i >= 1 that the coordinator assigned at
-  registration. D = (B + 1) d, B = the capacity of personal blocks. The assignment carries
-  `block`, `capacity` and `seed`; Q itself never travels.
+  top-level children; the projections are its block numbers, never in `state_dict`.
+- Eq. (6): the projections are the coordinate blocks of R^D: P^g puts a feature vector in
+  coordinates 0..d-1, and client i's P_i puts it in block b_i >= 1 (coordinates b_i d..(b_i+1) d - 1),
+  the block the coordinator assigned at registration. D = (B + 1) d, B = the capacity of personal
+  blocks. The assignment carries `block` and `capacity`.
+  Decision (ALGORITHMS.md said Q = QR of a seeded D x D Gaussian): that Q is an exact change of
+  basis of R^D and nothing else. With logits W phi, the reparameterization V = W Q turns the
+  dense-Q model into this one; SGD with momentum, FedAvg (linear) and the orthogonality term are
+  all invariant under it, so training is the same up to the head's initial distribution (W Q
+  against W, both i.i.d.-scaled by 1/sqrt(D)). What the seeded Q cost was real: with cnn28's
+  d = 512 and 20 clients, D = 10,752, and each device spent 84 s and 3.4 GB on the QR at join,
+  which OOM-killed the simulation's worker processes on Fashion-MNIST.
 - Eq. (8)-(9): phi_g = P^g body(x), phi_p = P_i personal_body(x),
   phi_f = alpha phi_g + (1 - alpha) phi_p, alpha = 0.5.
 - Eq. (10)-(12): L = CE(head(phi_f)) + CE(head(phi_g)) + CE(head(phi_p))
   + lambda * mean_k |phi_g . phi_p|, lambda = 1 (ALGORITHMS.md; the paper uses 0.1, and 0 on
-  Digits-Five). With exactly orthogonal P^g and P_i the inner product vanishes up to rounding.
+  Digits-Five). With exactly orthogonal P^g and P_i, as in the paper, the inner product is zero;
+  the term stays so that the loss is Eq. (12) as written.
 - Optimizer: SGD with momentum 0.9 (Appendix B.3), lr from the run's --lr.
 - Initialization: `body` and `head` from the federation seed (the same on every device and on
   the server, Alg. 1 line 1); `personal_body` from the device's own seed.
@@ -31,7 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,9 +47,6 @@ from ..models import build_model
 from ..training import LossFn, accuracy, eval_mode
 from .base import Task
 from .part_sharing import PartSharingDevice
-
-Q_STREAM = 0xF1D105
-"""Second word of the seed of Q's Gaussian draw, so that Q has a random stream of its own."""
 
 
 @dataclass(frozen=True)
@@ -61,27 +64,13 @@ class Hyper:
 
 
 # -- projections (Eq. 6) --------------------------------------------------------------------
-def orthogonal_columns(dim: int, columns: int, seed: int) -> np.ndarray:
-    """The first `columns` columns of Q, the dim x dim orthogonal matrix of Eq. (6) for `seed`.
-
-    Q is the Q factor of the QR of a dim x dim Gaussian with the signs fixed so that diag(R) > 0.
-    Its first k columns depend only on the first k columns of the Gaussian and equal the Q factor
-    of their reduced QR, so a device computes only the columns up to its own block. The
-    factorization runs in torch under its thread settings (numpy's multi-threaded OpenBLAS took
-    minutes for D = 1408 on a loaded two-core machine).
-    """
-    if not 1 <= columns <= dim:
-        raise ValueError(f"columns must lie in 1..{dim}, got {columns}")
-    gaussian = np.random.default_rng((seed, Q_STREAM)).standard_normal((dim, dim))
-    q, r = torch.linalg.qr(torch.from_numpy(np.ascontiguousarray(gaussian[:, :columns])))
-    return (q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)).numpy()
-
-
-def projection(q: np.ndarray, block: int, feature_dim: int) -> np.ndarray:
-    """P_b = Q[:, b d:(b + 1) d] (D x d) from (a prefix of) Q; block 0 is the generic P^g."""
-    if not 0 <= block < q.shape[1] // feature_dim:
-        raise ValueError(f"block {block} is outside the {q.shape[1] // feature_dim} blocks given")
-    return q[:, block * feature_dim:(block + 1) * feature_dim]
+def project(features: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    """P_block f for a batch [B, d]: f in coordinates block d..(block + 1) d - 1 of R^dim, zeros
+    elsewhere. Block 0 is the generic P^g."""
+    feature_dim = features.shape[1]
+    if not 0 <= block < dim // feature_dim:
+        raise ValueError(f"block {block} is outside the {dim // feature_dim} blocks of R^{dim}")
+    return F.pad(features, (block * feature_dim, dim - (block + 1) * feature_dim))
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -100,26 +89,23 @@ def shared_head(feature_dim: int, capacity: int, num_classes: int, seed: int) ->
 
 
 class FediOSNet(nn.Module):
-    """Children `body`, `personal_body`, `head`; P^g and P_i as non-persistent buffers."""
+    """Children `body`, `personal_body`, `head`; P_i is the personal block number."""
 
-    def __init__(self, body: nn.Module, personal_body: nn.Module, head: nn.Module,
-                 generic_projection: np.ndarray, personal_projection: np.ndarray, alpha: float):
+    def __init__(self, body: nn.Module, personal_body: nn.Module, head: nn.Linear, block: int, alpha: float):
         super().__init__()
         self.body = body
         self.personal_body = personal_body
         self.head = head
+        self.block = block
         self.alpha = alpha
-        # Stored transposed ([d, D]) so that phi = features @ P^T for a batch.
-        self.register_buffer("generic_t", torch.tensor(generic_projection.T, dtype=torch.float32), persistent=False)
-        self.register_buffer("personal_t", torch.tensor(personal_projection.T, dtype=torch.float32), persistent=False)
 
     def generic_features(self, x: torch.Tensor) -> torch.Tensor:
         """phi_g = P^g body(x) (Eq. 8)."""
-        return self.body(x) @ self.generic_t
+        return project(self.body(x), 0, self.head.in_features)
 
     def personal_features(self, x: torch.Tensor) -> torch.Tensor:
         """phi_p = P_i personal_body(x) (Eq. 8)."""
-        return self.personal_body(x) @ self.personal_t
+        return project(self.personal_body(x), self.block, self.head.in_features)
 
     def fuse(self, phi_g: torch.Tensor, phi_p: torch.Tensor) -> torch.Tensor:
         """phi_f = alpha phi_g + (1 - alpha) phi_p (Eq. 9)."""
@@ -145,15 +131,15 @@ def fedios_loss(model: FediOSNet, lam: float) -> LossFn:
     return loss
 
 
-def parse_assignment(assignment: dict[str, Any], default_seed: int) -> tuple[int, int, int]:
-    """(block, capacity, seed) from the coordinator's assignment; ValueError if it has no block."""
+def parse_assignment(assignment: dict[str, Any]) -> tuple[int, int]:
+    """(block, capacity) from the coordinator's assignment; ValueError if it has no block."""
     try:
         block, capacity = int(assignment["block"]), int(assignment["capacity"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"FediOS needs an assignment with integer block and capacity, got {assignment!r}") from None
     if not 1 <= block <= capacity:
         raise ValueError(f"FediOS block {block} is outside 1..{capacity}")
-    return block, capacity, int(assignment.get("seed", default_seed))
+    return block, capacity
 
 
 class FediOSDevice(PartSharingDevice):
@@ -164,17 +150,13 @@ class FediOSDevice(PartSharingDevice):
     shared_parts = ("body", "head")
 
     def build_network(self) -> FediOSNet:
-        block, capacity, seed = parse_assignment(self.assignment, self.settings.seed)
+        block, capacity = parse_assignment(self.assignment)
         meta = self.data.meta
         # The PartedNet of the federation seed supplies the generic body.
         generic = super().build_network()
-        body, feature_dim = generic.body, generic.feature_dim
         personal_body, _ = seeded_body(self.settings.model, meta, self.client_seed)
-        q = orthogonal_columns((capacity + 1) * feature_dim, (block + 1) * feature_dim, seed)
-        return FediOSNet(
-            body, personal_body, shared_head(feature_dim, capacity, meta.num_classes, self.settings.seed),
-            projection(q, 0, feature_dim), projection(q, block, feature_dim), self.hyper.alpha,
-        )
+        head = shared_head(generic.feature_dim, capacity, meta.num_classes, self.settings.seed)
+        return FediOSNet(generic.body, personal_body, head, block, self.hyper.alpha)
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
         params = self.model.parameters() if params is None else params
