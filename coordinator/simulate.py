@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
+import signal
 import threading
 import uuid
 from dataclasses import dataclass, replace
@@ -98,6 +100,34 @@ def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
     return [tuple(range(w, clients, workers)) for w in range(workers)]
 
 
+def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event) -> threading.Thread:
+    """Log an error naming the devices (`workers` maps each process to its device ids) of any worker
+    process that dies before `done` is set.
+
+    Its devices' Last Wills make the coordinator close the round without them; without this line
+    the run would only say that nobody replied. A worker killed by SIGKILL was most often the
+    kernel's OOM killer (see `dmesg`).
+    """
+
+    def watch() -> None:
+        alive = list(workers)
+        while alive and not done.is_set():
+            ended = multiprocessing.connection.wait([p.sentinel for p in alive])
+            for process in [p for p in alive if p.sentinel in ended]:
+                alive.remove(process)
+                process.join()
+                if not done.is_set() and process.exitcode != 0:
+                    code = process.exitcode
+                    cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
+                    log.error("%s died with %s%s; its devices are gone: %s", process.name, cause, oom,
+                              ", ".join(workers[process]))
+
+    thread = threading.Thread(target=watch, name="worker-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run `config` end to end and return the report (also written to `config.out`)."""
     hyperparameters(config.algorithm, config.hyper)  # a bad key fails before anything starts
@@ -108,7 +138,8 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
     if broker is not None:
         config = replace(config, mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
-    workers = []
+    workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
+    done = threading.Event()
     try:
         for indices in split_among_workers(config.clients, config.worker_count):
             settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
@@ -120,18 +151,21 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
                               str(Path(config.out) / "models"))
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
-            workers.append(process)
+            workers[process] = list(settings)
+        watch_workers(workers, done)
         transport = config.coordinator_transport(url)
         transport.connect()
         try:
             coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
             report = coordinator.run()
         finally:
+            done.set()
             transport.close()
         for process in workers:
             process.join(timeout=30)
         return report
     finally:
+        done.set()
         for process in workers:
             if process.is_alive():
                 process.terminate()
