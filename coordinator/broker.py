@@ -32,11 +32,38 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
+class SnapshotDict(dict):
+    """A dict whose iteration walks a snapshot of its entries.
+
+    amqtt (0.12.1) iterates its topic-filter -> subscribers dict across `await`s: when a client
+    connects (sending it retained messages) and for every broadcast. A subscription that another
+    client makes meanwhile raised "dictionary changed size during iteration", which dropped the
+    connecting client (seen as "lost the broker connection: Unspecified error" right at
+    registration, then a reconnect) or the broadcast. Iterating a snapshot removes the race; a
+    subscription made during a broadcast misses only that message, as it would a moment earlier.
+    """
+
+    def __iter__(self):
+        return iter(list(super().keys()))
+
+    def items(self):
+        return list(super().items())
+
+
+def make_broker(config: dict):
+    """An amqtt Broker for `config` with its subscription table made safe to change while it is
+    iterated (see SnapshotDict). Must be called inside the event loop that will run it."""
+    from amqtt.broker import Broker
+
+    broker = Broker(config)
+    if isinstance(getattr(broker, "_subscriptions", None), dict):
+        broker._subscriptions = SnapshotDict(broker._subscriptions)
+    return broker
+
+
 def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -> None:
     """Run amqtt until the process is stopped; `ready` (an Event) is set once it listens."""
     import asyncio
-
-    from amqtt.broker import Broker
 
     logging.basicConfig(level=log_level)
     if log_level > logging.DEBUG:
@@ -49,7 +76,7 @@ def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -
     }
 
     async def main() -> None:
-        broker = Broker(config)
+        broker = make_broker(config)
         await broker.start()
         if ready is not None:
             ready.set()
