@@ -14,9 +14,9 @@ Paper: papers/fedios.txt, Sec. 3 and Alg. 1 (appendix).
   dense-Q model into this one; SGD with momentum, FedAvg (linear) and the orthogonality term are
   all invariant under it, so training is the same up to the head's initial distribution (W's
   i.i.d. uniform entries against their rotation W Q, with the same second moments). What the
-  seeded Q cost was real: with cnn28's
-  d = 512 and 20 clients, D = 10,752, and each device spent 84 s and 3.4 GB on the QR at join,
-  which OOM-killed the simulation's worker processes on Fashion-MNIST.
+  seeded Q cost was real: with cnn28's d = 512 and 20 clients, D = 10,752, and each device
+  spent 84 s and 3.4 GB on the QR at join, which OOM-killed the simulation's worker processes
+  on Fashion-MNIST.
 - Eq. (8)-(9): phi_g = P^g body(x), phi_p = P_i personal_body(x),
   phi_f = alpha phi_g + (1 - alpha) phi_p, alpha = 0.5.
 - Eq. (10)-(12): L = CE(head(phi_f)) + CE(head(phi_g)) + CE(head(phi_p))
