@@ -159,7 +159,6 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
             report = coordinator.run()
         finally:
-            done.set()
             transport.close()
         for process in workers:
             process.join(timeout=30)

@@ -6,7 +6,6 @@ import json
 import logging
 
 import msgpack
-import numpy as np
 import pytest
 import torch
 
