@@ -16,6 +16,9 @@ Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unle
 4. The target of issue 5: on Dirichlet 0.1 with 20 devices, FedPer, FedRep, RepPer and DualFed
    beat FedAvg by >= 5 points at the same round budget.
 
+--merge adds the runs of an earlier accuracy.json with the same training settings (seeds or algorithms
+run before or on another machine) to the tables; the rows say which file each came from.
+
 Runs are cached in --cache by their settings' fingerprint: re-running resumes or reuses them,
 and asking for more rounds extends finished runs. The full run (on a quiet 2-core machine about
 a day; subsets with --algorithms/--settings/--seeds share the cache):
@@ -116,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
     parser.add_argument("--holdout-setting", default="dir0.5@1")
     parser.add_argument("--holdout-algorithms", default="repper,fedavg_ft,fedrep")
+    parser.add_argument("--merge", action="append", default=[], metavar="JSON",
+                        help="an earlier accuracy.json with the same training settings (other seeds or algorithms, "
+                             "e.g. from another machine): its runs and heads join the tables; repeatable. The "
+                             "new-client experiment is not merged")
     args = parser.parse_args(argv)
     if args.quick:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 10, 2, 1
@@ -233,12 +240,17 @@ def run_grid(args, cache: RunCache, algorithms, settings, seeds) -> tuple[list[d
                     "global_accuracy": view.global_accuracy(),
                     "mb_up_per_round": traffic["up_train"] / 1e6, "mb_down_per_round": traffic["down_train"] / 1e6,
                     "round_seconds": view.run_seconds(), "wall_seconds": view.seconds,
-                    "cached": view.cached, "run": view.out.name,
+                    "cached": view.cached, "run": view.out.name, "curve": curve(view),
                 })
                 log.info("[%d/%d] %s %s seed %d: %.4f%s", done, total, algorithm, setting.name, seed,
                          accuracy["mean"] if accuracy["mean"] is not None else float("nan"),
                          " (cached)" if view.cached else f" ({view.seconds:.0f} s)")
     return rows, views
+
+
+def curve(view: RunView) -> list[list[float]]:
+    """[[round, mean personalized accuracy], ...] for every evaluated round (kept in the JSON for plots)."""
+    return [[r["round"], r["personalized_accuracy"]["mean"]] for r in view.records if r["personalized_accuracy"]]
 
 
 def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dict[str, dict]]:
@@ -250,9 +262,10 @@ def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dic
     return {s: {a: mean_std(v) for a, v in algorithms.items()} for s, algorithms in cells.items()}
 
 
-def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> dict[str, Any]:
+def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> list[dict]:
+    """One row per run of a HEAD_ALGORITHMS algorithm: the mean test accuracy of each head kind."""
     wanted = {s.name for s in settings}
-    per_run, cells = [], {}
+    per_run = []
     for (algorithm, setting, seed), view in sorted(views.items()):
         if algorithm not in HEAD_ALGORITHMS or setting not in wanted:
             continue
@@ -266,10 +279,60 @@ def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> di
         means = {name: float(np.nanmean([r[name] for r in results.values()])) for name in HEAD_KINDS}
         per_run.append({"algorithm": algorithm, "setting": setting, "seed": seed, "heads": means,
                         "round_of_body": view.report["rounds_completed"], "in_run": view.personalized()["mean"]})
-        for name, value in means.items():
-            cells.setdefault(setting, {}).setdefault(algorithm, {}).setdefault(name, []).append(value)
+    return per_run
+
+
+def heads_table(per_run: list[dict]) -> dict[str, Any]:
+    """The heads section of the JSON: its rows and setting -> algorithm -> head -> mean ± std over seeds."""
+    cells: dict[str, dict[str, dict[str, list]]] = {}
+    for row in per_run:
+        for name, value in row["heads"].items():
+            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], {}).setdefault(name, []).append(value)
     table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
     return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
+
+
+# -- runs of earlier invocations -----------------------------------------------------------------
+SHARED_CONFIG = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "lr", "model", "eval_every")
+"""Config keys on which two invocations must agree for their runs to share a table cell."""
+
+
+def load_earlier(path: str, config: dict[str, Any]) -> dict[str, Any]:
+    """An earlier accuracy.json whose runs may join this invocation's tables; exits naming the key that differs."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--merge {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(document, dict) or document.get("benchmark") != "accuracy":
+        raise SystemExit(f"--merge {path}: not a result of accuracy.py (no \"benchmark\": \"accuracy\")")
+    for key in SHARED_CONFIG:
+        theirs, ours = document.get("config", {}).get(key), config[key]
+        if theirs != ours:
+            raise SystemExit(f"--merge {path}: config.{key} is {theirs!r} there and {ours!r} here; only runs "
+                             "with the same training settings can share a table")
+    return document
+
+
+def run_key(row: dict) -> tuple[str, str, int]:
+    return row["algorithm"], row["setting"], row["seed"]
+
+
+def merge_runs(rows: list[dict], head_runs: list[dict], earlier: dict[str, dict]) -> tuple[list, list, list]:
+    """This invocation's runs and head rows plus those of `earlier` (path -> document) that it did not produce
+    itself (its own win), each marked with its file; and one line per file saying what it added."""
+    rows, head_runs, sources = list(rows), list(head_runs), []
+    seen, seen_heads = {run_key(r) for r in rows}, {run_key(r) for r in head_runs}
+    for path, document in earlier.items():
+        added = [r for r in document["runs"] if r["status"] == "ok" and run_key(r) not in seen]
+        heads = [r for r in (document.get("heads") or {}).get("runs", []) if run_key(r) not in seen_heads]
+        seen.update(run_key(r) for r in added)
+        seen_heads.update(run_key(r) for r in heads)
+        rows += [{**r, "merged_from": path} for r in added]
+        head_runs += [{**r, "merged_from": path} for r in heads]
+        machine = document.get("machine", {})
+        sources.append({"file": path, "date": machine.get("date"), "command": machine.get("command"),
+                        "runs": [list(run_key(r)) for r in added], "head_runs": [list(run_key(r)) for r in heads]})
+    return rows, head_runs, sources
 
 
 def holdout_experiment(args, cache: RunCache, seeds: list[int]) -> dict[str, Any]:
@@ -330,15 +393,16 @@ def target_check(args, accuracy_table: dict[str, dict[str, dict]]) -> dict[str, 
 
 # -- outputs ---------------------------------------------------------------------------------
 def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms: list[str]) -> str:
-    seeds = listed(args.seeds)
+    seeds = sorted({r["seed"] for r in document["runs"] if r["status"] == "ok"})
     acc = document["table"]
     lines = [
         "## Personalized accuracy (RepPer Table 2 layout)",
         "",
         f"{args.dataset}, {args.clients} devices, model {document['config']['model']}, **{args.rounds} rounds x "
         f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
-        f"{', '.join(seeds)} of the mean personalized accuracy over devices (%) at round {args.rounds}. "
-        "C = fraction of devices per round. Over MQTT (every byte through the broker).",
+        f"{', '.join(map(str, seeds))} of the mean personalized accuracy over devices (%) at round {args.rounds} "
+        "(a cell without ± has one seed). C = fraction of devices per round. Over MQTT (every byte through the "
+        "broker).",
         "",
         "| method | " + " | ".join(s.label for s in settings) + " |",
         "|---|" + "---|" * len(settings),
@@ -408,6 +472,14 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
             lines.append(f"| {NAMES[algorithm]} | {pct(cells['holdout_accuracy'])} | {pct(cells['holdout_lr_head'])} "
                          f"| {pct(cells['trainers_accuracy'])} |")
         lines.append("")
+    without_curve = sum(1 for r in document["runs"] if r["status"] == "ok" and not r.get("curve"))
+    if without_curve:
+        lines += [f"accuracy_curves.png averages the runs that carry per-round records; {without_curve} merged "
+                  "run(s) from before these were kept are not in it.", ""]
+    for source in document["merged"]:
+        lines += [f"Merged from `{source['file']}` ({source['date']}, command `{source['command']}`): runs "
+                  + (", ".join(f"{NAMES[a]} {Setting.parse(s).label} seed {seed}" for a, s, seed in source["runs"])
+                     or "none") + f"; {len(source['head_runs'])} heads row(s).", ""]
     if document["failures"]:
         lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
     machine = document["machine"]
@@ -417,13 +489,15 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
     return "\n".join(lines)
 
 
-def plot_curves(path: Path, views: dict[tuple, RunView], settings: list[Setting], algorithms: list[str]) -> None:
+def plot_curves(path: Path, rows: list[dict], settings: list[Setting], algorithms: list[str]) -> None:
+    """Mean personalized accuracy per round, averaged over the seeds whose rows carry a curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [s for s in settings if any(k[1] == s.name for k in views)]
+    with_curve = [r for r in rows if r.get("curve")]
+    shown = [s for s in settings if any(r["setting"] == s.name for r in with_curve)]
     if not shown:
         return
     columns = min(4, len(shown))
@@ -432,11 +506,10 @@ def plot_curves(path: Path, views: dict[tuple, RunView], settings: list[Setting]
     for ax, setting in zip(axes.flat, shown):
         for algorithm in algorithms:
             by_round: dict[int, list[float]] = {}
-            for (a, s, _), view in views.items():
-                if a == algorithm and s == setting.name:
-                    for record in view.records:
-                        if record["personalized_accuracy"]:
-                            by_round.setdefault(record["round"], []).append(record["personalized_accuracy"]["mean"])
+            for row in with_curve:
+                if row["algorithm"] == algorithm and row["setting"] == setting.name:
+                    for round_, mean in row["curve"]:
+                        by_round.setdefault(round_, []).append(mean)
             if by_round:
                 xs = sorted(by_round)
                 ax.plot(xs, [float(np.mean(by_round[x])) for x in xs], marker=".", label=NAMES[algorithm])
@@ -463,30 +536,38 @@ def main(argv: list[str] | None = None) -> None:
     cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
     machine = machine_info()
 
-    rows, views = run_grid(args, cache, algorithms, settings, seeds)
-    accuracy_table = table(rows)
-    head_settings = [Setting.parse(s) for s in listed(args.head_settings)] if args.head_settings else settings
-    heads = None if args.no_heads else heads_experiment(views, head_settings)
-    holdout = holdout_experiment(args, cache, seeds) if args.holdout > 0 else None
     model = run_config(args, algorithms[0], settings[0], seeds[0]).model_name
+    config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "model": model,
+              "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
+              "eval_every": args.eval_every, "workers": args.workers, "broker": args.broker or "embedded amqtt",
+              "cache": args.cache, "quick": args.quick}
+    earlier = {path: load_earlier(path, config) for path in args.merge}  # before hours of training, not after
+
+    rows, views = run_grid(args, cache, algorithms, settings, seeds)
+    head_settings = [Setting.parse(s) for s in listed(args.head_settings)] if args.head_settings else settings
+    head_runs = [] if args.no_heads else heads_experiment(views, head_settings)
+    rows, head_runs, merged = merge_runs(rows, head_runs, earlier)
+    accuracy_table = table(rows)
+    holdout = holdout_experiment(args, cache, seeds) if args.holdout > 0 else None
     document = {
         "benchmark": "accuracy",
         "machine": machine,
-        "config": {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-                   "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "model": model,
-                   "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
-                   "eval_every": args.eval_every, "workers": args.workers, "broker": args.broker or "embedded amqtt",
-                   "cache": args.cache, "quick": args.quick},
+        "config": config,
+        "merged": merged,
         "runs": rows,
         "table": accuracy_table,
-        "heads": heads,
+        "heads": None if args.no_heads else heads_table(head_runs),
         "holdout": holdout,
         "target": target_check(args, accuracy_table),
         "reference": {"pfllib": PFLLIB, "papers": PAPERS_NOTE},
         "failures": cache.failures,
     }
+    settings += [Setting.parse(name) for name in dict.fromkeys(r["setting"] for r in rows)
+                 if name not in {s.name for s in settings}]
+    algorithms += [a for a in dict.fromkeys(r["algorithm"] for r in rows) if a not in algorithms]
     write_outputs(out, "accuracy", document, markdown(args, document, settings, algorithms))
-    plot_curves(out / "accuracy_curves.png", views, settings, algorithms)
+    plot_curves(out / "accuracy_curves.png", rows, settings, algorithms)
     log.info("wrote %s", out / "accuracy.md")
     if cache.failures:
         sys.exit(1)

@@ -61,3 +61,21 @@ def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
     rerun = json.loads((tmp_path / "accuracy.json").read_text())
     assert all(r["cached"] for r in rerun["runs"])  # the second invocation reuses the finished runs
     assert rerun["table"] == document["table"]
+
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(document))
+    merged_out = tmp_path / "merged"
+    fedavg_only = [sys.executable, "benchmarks/accuracy.py", "--dataset", "digits", "--clients", "10", "--rounds", "2",
+                   "--algorithms", "fedavg", "--settings", "dir0.5@1", "--seeds", "0", "--holdout", "0",
+                   "--cache", str(tmp_path / "runs"), "--merge", str(first), "--out", str(merged_out)]
+
+    merging = subprocess.run(fedavg_only, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    assert merging.returncode == 0, merging.stderr[-3000:]
+    combined = json.loads((merged_out / "accuracy.json").read_text())
+    assert [(r["algorithm"], r["cached"], r.get("merged_from")) for r in combined["runs"]] == [
+        ("fedavg", True, None), ("repper", False, str(first))]
+    assert combined["table"] == document["table"]
+    assert set(combined["heads"]["table"]["dir0.5@1"]) == {"fedavg", "repper"}
+    assert f"Merged from `{first}`" in (merged_out / "accuracy.md").read_text()

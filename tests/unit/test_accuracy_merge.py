@@ -1,0 +1,98 @@
+"""benchmarks/accuracy.py --merge: runs of earlier invocations join the tables, never silently mismatched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    spec = importlib.util.spec_from_file_location("accuracy_benchmark", ROOT / "benchmarks" / "accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG = {"dataset": "fmnist", "clients": 20, "rounds": 15, "local_epochs": 1, "batch_size": 32, "lr": 0.05,
+          "model": "cnn28", "eval_every": 1}
+
+
+def run_row(algorithm: str, seed: int, mean: float, status: str = "ok") -> dict:
+    return {"algorithm": algorithm, "setting": "dir0.1@1", "seed": seed, "status": status,
+            "personalized_accuracy": {"mean": mean}}
+
+
+def head_row(algorithm: str, seed: int, lr: float) -> dict:
+    return {"algorithm": algorithm, "setting": "dir0.1@1", "seed": seed, "heads": {"MLP": lr, "SVM": lr, "LR": lr},
+            "round_of_body": 15, "in_run": lr}
+
+
+def earlier_document(runs: list[dict], heads: list[dict], **config) -> dict:
+    return {"benchmark": "accuracy", "config": {**CONFIG, **config}, "runs": runs, "heads": {"runs": heads},
+            "machine": {"date": "2026-11-22T02:06:36+00:00", "command": "python benchmarks/accuracy.py --seeds 0"}}
+
+
+def test_merged_seeds_make_mean_and_std_and_this_invocation_wins(accuracy):
+    ours = [run_row("fedavg", 1, 0.88), run_row("fedavg", 2, 0.86)]
+    earlier = earlier_document([run_row("fedavg", 0, 0.87), run_row("fedavg", 1, 0.10), run_row("fedrep", 0, 0.93),
+                                run_row("fedper", 0, None, status="failed")],
+                               [head_row("fedavg", 0, 0.96), head_row("fedavg", 1, 0.10)])
+
+    rows, head_runs, sources = accuracy.merge_runs(ours, [head_row("fedavg", 1, 0.97)], {"seed0.json": earlier})
+
+    cells = accuracy.table(rows)["dir0.1@1"]
+    assert cells["fedavg"]["n"] == 3 and cells["fedavg"]["mean"] == pytest.approx(0.87)  # its seed 1 lost to ours
+    assert cells["fedavg"]["std"] == pytest.approx((2 / 3) ** 0.5 / 100)
+    assert cells["fedrep"]["n"] == 1 and "fedper" not in cells  # failed rows do not join
+    assert [r.get("merged_from") for r in rows] == [None, None, "seed0.json", "seed0.json"]
+    heads = accuracy.heads_table(head_runs)["table"]["dir0.1@1"]["fedavg"]["LR"]
+    assert heads["n"] == 2 and heads["mean"] == pytest.approx(0.965)
+    assert sources == [{"file": "seed0.json", "date": "2026-11-22T02:06:36+00:00",
+                        "command": "python benchmarks/accuracy.py --seeds 0",
+                        "runs": [["fedavg", "dir0.1@1", 0], ["fedrep", "dir0.1@1", 0]],
+                        "head_runs": [["fedavg", "dir0.1@1", 0]]}]
+
+
+def test_a_file_with_other_training_settings_is_refused_naming_the_key(accuracy, tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(earlier_document([], [], rounds=20)))
+
+    with pytest.raises(SystemExit, match=r"config\.rounds is 20 there and 15 here"):
+        accuracy.load_earlier(str(path), {**CONFIG, "seeds": [1]})
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot read it as JSON"),
+    (json.dumps({"benchmark": "communication"}), "not a result of accuracy.py"),
+    (json.dumps([1, 2]), "not a result of accuracy.py"),
+])
+def test_an_unreadable_or_foreign_file_is_refused(accuracy, tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+
+    with pytest.raises(SystemExit, match=message):
+        accuracy.load_earlier(str(path), CONFIG)
+
+
+def test_the_table_says_which_runs_were_merged_and_that_one_seed_has_no_std(accuracy):
+    args = accuracy.parse_args(["--settings", "dir0.1@1", "--seeds", "1", "--rounds", "15", "--holdout", "0"])
+    rows = [{**run_row("fedavg", 1, 0.88), "curve": [[1, 0.5], [15, 0.88]]},
+            {**run_row("fedavg", 0, 0.86), "merged_from": "seed0.json"}]
+    document = {"config": CONFIG, "runs": rows, "table": accuracy.table(rows), "heads": None, "holdout": None,
+                "target": {"description": "target", "evaluated": False, "why": "test"}, "failures": [],
+                "merged": [{"file": "seed0.json", "date": "d", "command": "c", "runs": [["fedavg", "dir0.1@1", 0]],
+                            "head_runs": []}],
+                "machine": {"cores": 2, "ram_gib": 1, "cpu_model": "x", "torch": "t", "load_average_at_start": [0],
+                            "command": "c"}}
+
+    text = accuracy.markdown(args, document, [accuracy.Setting.parse("dir0.1@1")], ["fedavg"])
+
+    assert "mean ± std over seeds 0, 1 " in text and "| FedAvg | 87.00 ± 1.00 |" in text
+    assert "Merged from `seed0.json` (d, command `c`): runs FedAvg Dir(0.1), C=1 seed 0; 0 heads row(s)." in text
+    assert "; 1 merged run(s) from before these were kept are not in it." in text  # the seed-0 row has no curve
