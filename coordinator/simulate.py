@@ -116,8 +116,8 @@ def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threa
             for process in [p for p in alive if p.sentinel in ended]:
                 alive.remove(process)
                 process.join()
-                if not done.is_set() and process.exitcode != 0:
-                    code = process.exitcode
+                code = process.exitcode  # None when the run's own join reaped it first (after `done`)
+                if not done.is_set() and code not in (0, None):
                     cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                     oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
                     log.error("%s died with %s%s; its devices are gone: %s", process.name, cause, oom,
@@ -160,6 +160,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             report = coordinator.run()
         finally:
             transport.close()
+        done.set()  # the workers now end on their own: not news for the watch
         for process in workers:
             process.join(timeout=30)
         return report

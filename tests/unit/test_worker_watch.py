@@ -47,3 +47,34 @@ def test_workers_stopped_after_the_run_are_not_reported(caplog) -> None:
     # Assert
     assert not watcher.is_alive()
     assert process.exitcode != 0 and caplog.text == ""
+
+
+class ReapedElsewhere:
+    """A worker the run's own join reaped first: its sentinel is ready and its exit code unknown here."""
+
+    name = "worker0"
+    exitcode = None
+
+    def __init__(self) -> None:
+        read_end, write_end = multiprocessing.Pipe(duplex=False)
+        write_end.close()
+        self._read_end = read_end  # kept open: the sentinel is its file descriptor
+        self.sentinel = read_end.fileno()
+
+    def join(self) -> None:
+        pass
+
+
+def test_a_worker_reaped_by_the_run_is_neither_reported_nor_fatal_to_the_watch(caplog, monkeypatch) -> None:
+    # Prepare
+    crashes = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+
+    # Execute
+    with caplog.at_level(logging.ERROR, logger="coordinator.simulate"):
+        watcher = watch_workers({ReapedElsewhere(): ["dev000"]}, threading.Event())
+        watcher.join(timeout=60)
+
+    # Assert
+    assert not watcher.is_alive()
+    assert crashes == [] and caplog.text == ""
