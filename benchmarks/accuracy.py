@@ -72,6 +72,8 @@ FULL_SETTINGS = "dir0.1@0.2,dir0.1@1,dir0.5@0.2,dir0.5@1,shards2@0.2,shards2@1,d
 HEAD_ALGORITHMS = ("fedavg", "lg_fedavg", "fedrep", "repper")
 HEAD_KINDS = {"MLP": "mlp_sklearn", "SVM": "svm", "LR": "lr"}
 HEAD_HIDDEN = 128
+VARYING_STD = 1e-6
+"""A feature dimension whose std over a device's examples is at most this carries nothing."""
 PERSONAL_BODY = {"lg_fedavg"}
 """Algorithms whose body is personal (read from the device's store, not the checkpoint)."""
 TARGET_ALGORITHMS = ("fedper", "fedrep", "repper", "dualfed")
@@ -175,8 +177,15 @@ def load_body(view: RunView, client_id: str):
     return body
 
 
+def varying_fraction(features: np.ndarray) -> float:
+    """The fraction of feature dimensions that vary over the examples: a body whose ReLUs have died
+    gives constant features (its model can only predict through the head's bias)."""
+    return float((features.std(axis=0) > VARYING_STD).mean()) if len(features) > 1 else float("nan")
+
+
 def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Per device: accuracy of each head kind fitted on its train features of the final body.
+    """Per device: accuracy of each head kind fitted on its train features of the final body, and
+    the fraction of the body's features that vary over its train split ("varying").
     Cached in the run's folder (lite_heads.json) by round, devices and kinds."""
     import torch
 
@@ -192,8 +201,8 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
     for client_id in client_ids:
         key = f"{round_}/{client_id}"
         done = cache.get(key, {})
-        if all(kind in done for kind in kinds):
-            results[client_id] = {name: done[name] for name in kinds}
+        if all(kind in done for kind in [*kinds, "varying"]):
+            results[client_id] = {name: done[name] for name in [*kinds, "varying"]}
             continue
         index = device_index(client_id)
         data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
@@ -205,6 +214,7 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
             recalibrate_batchnorm(body, train_x)  # BatchNorm statistics are the device's own
         body.eval()
         train_f, test_f = predict(body, train_x).numpy(), predict(body, test_x).numpy()
+        done["varying"] = varying_fraction(train_f)
         for name, kind in kinds.items():
             if name in done:
                 continue
@@ -213,7 +223,7 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
             done[name] = float((head.predict(test_f) == data.test_y).mean()) if len(data.test_y) else float("nan")
         cache[key] = done
         cache_path.write_text(json.dumps(cache, indent=2))
-        results[client_id] = {name: done[name] for name in kinds}
+        results[client_id] = {name: done[name] for name in [*kinds, "varying"]}
     return results
 
 
@@ -277,7 +287,9 @@ def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> li
             log.warning("heads: %s %s seed %d: %s", algorithm, setting, seed, exc)
             continue
         means = {name: float(np.nanmean([r[name] for r in results.values()])) for name in HEAD_KINDS}
+        varying = float(np.nanmean([r["varying"] for r in results.values()]))
         per_run.append({"algorithm": algorithm, "setting": setting, "seed": seed, "heads": means,
+                        "varying_features": varying,
                         "round_of_body": view.report["rounds_completed"], "in_run": view.personalized()["mean"]})
     return per_run
 
@@ -286,7 +298,7 @@ def heads_table(per_run: list[dict]) -> dict[str, Any]:
     """The heads section of the JSON: its rows and setting -> algorithm -> head -> mean ± std over seeds."""
     cells: dict[str, dict[str, dict[str, list]]] = {}
     for row in per_run:
-        for name, value in row["heads"].items():
+        for name, value in {**row["heads"], "varying": row.get("varying_features")}.items():
             cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], {}).setdefault(name, []).append(value)
     table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
     return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
@@ -440,7 +452,9 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
                   "test accuracy over devices (%), mean ± std over seeds. MLP: one hidden layer of "
                   f"{HEAD_HIDDEN}; SVM: linear; LR: logistic regression. Global bodies get the device's own "
                   "BatchNorm statistics (recomputed on its train split); LG-FedAvg's body is the device's own. "
-                  "'in run' is the algorithm's own personalized accuracy for comparison.", ""]
+                  "'in run' is the algorithm's own personalized accuracy for comparison; 'varying features': "
+                  "the share (%) of the body's feature dimensions that vary over a device's train split (a body "
+                  "whose ReLUs died has constant features, and its model predicts through the head's bias).", ""]
         later = sorted({r["round_of_body"] for r in heads["runs"] if r["round_of_body"] != args.rounds})
         if later:
             lines += [f"Some bodies come from runs extended past {args.rounds} rounds (rounds {later}): "
@@ -450,11 +464,12 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
             if not cells:
                 continue
             lines += [f"**{setting.label}**, {args.rounds} rounds", "",
-                      "| method | MLP | SVM | LR | in run |", "|---|---|---|---|---|"]
+                      "| method | MLP | SVM | LR | in run | varying features |", "|---|---|---|---|---|---|"]
             for algorithm in HEAD_ALGORITHMS:
                 if algorithm in cells:
                     lines.append(f"| {NAMES[algorithm]} | " + " | ".join(pct(cells[algorithm][n]) for n in HEAD_KINDS)
-                                 + f" | {pct(acc.get(setting.name, {}).get(algorithm))} |")
+                                 + f" | {pct(acc.get(setting.name, {}).get(algorithm))} "
+                                 f"| {pct(cells[algorithm]['varying'])} |")
             lines.append("")
 
     holdout = document.get("holdout")

@@ -1,4 +1,5 @@
-"""benchmarks/accuracy.py --merge: runs of earlier invocations join the tables, never silently mismatched."""
+"""benchmarks/accuracy.py: runs of earlier invocations join the tables (--merge), never silently mismatched;
+the health measure of a final body."""
 
 from __future__ import annotations
 
@@ -96,3 +97,14 @@ def test_the_table_says_which_runs_were_merged_and_that_one_seed_has_no_std(accu
     assert "mean ± std over seeds 0, 1 " in text and "| FedAvg | 87.00 ± 1.00 |" in text
     assert "Merged from `seed0.json` (d, command `c`): runs FedAvg Dir(0.1), C=1 seed 0; 0 heads row(s)." in text
     assert "; 1 merged run(s) from before these were kept are not in it." in text  # the seed-0 row has no curve
+
+
+def test_varying_fraction_counts_the_feature_dimensions_that_carry_information(accuracy):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    features = np.maximum(rng.normal(size=(50, 8)), 0)
+    features[:, :6] = [0.0, 0.0, 0.0, 0.7, 0.7, 0.7]  # dead ReLUs: constant, zero or the bias
+
+    assert accuracy.varying_fraction(features) == 0.25
+    assert np.isnan(accuracy.varying_fraction(features[:1]))
