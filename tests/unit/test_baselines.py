@@ -19,7 +19,7 @@ from edge_sdk import wire
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.config import from_mapping
+from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import DATASETS, ClientData, load_client_data
 from edge_sdk.params import check_arrays, part_of
 from edge_sdk.protocol import Envelope, Kind
@@ -172,7 +172,7 @@ def test_hyperparameter_defaults_follow_the_spec() -> None:
     assert load_device("fedprox").Hyper().mu == 0.01
     assert load_device("fedavg_ft").Hyper().ft_epochs == 10
     fedrep = load_device("fedrep").Hyper()
-    assert (fedrep.head_epochs, fedrep.body_epochs) == (10, None)
+    assert (fedrep.head_epochs, fedrep.body_epochs, fedrep.lr, fedrep.momentum) == (10, None, None, 0.9)
     assert from_mapping(load_device("fedprox").Hyper, {"mu": "0.5"}).mu == 0.5
 
 
@@ -293,6 +293,19 @@ def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
 
     # Assert
     assert [m["steps"] for m in made] == [0, SETTINGS.local_epochs * per_epoch]
+
+
+def test_fedrep_optimizer_takes_its_own_lr_and_momentum_when_set(datas) -> None:
+    default = make_device("fedrep", datas[0]).optimizer().param_groups[0]
+    tuned = make_device("fedrep", datas[0], lr=0.01, momentum=0.5).optimizer().param_groups[0]
+    assert (default["lr"], default["momentum"]) == (SETTINGS.lr, 0.9)
+    assert (tuned["lr"], tuned["momentum"]) == (0.01, 0.5)
+
+
+@pytest.mark.parametrize("bad", [{"momentum": "1.0"}, {"lr": "0"}, {"head_epochs": "-1"}])
+def test_fedrep_rejects_bad_hyperparameters_naming_them(bad) -> None:
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        from_mapping(load_device("fedrep").Hyper, bad, where="fedrep")
 
 
 # -- fedavg_ft ------------------------------------------------------------------------------------
