@@ -1,5 +1,5 @@
 """benchmarks/accuracy.py: runs of earlier invocations join the tables (--merge), never silently mismatched;
-the health measure of a final body."""
+the health measure of a final body; the target compared on the seeds both rows ran."""
 
 from __future__ import annotations
 
@@ -108,3 +108,25 @@ def test_varying_fraction_counts_the_feature_dimensions_that_carry_information(a
 
     assert accuracy.varying_fraction(features) == 0.25
     assert np.isnan(accuracy.varying_fraction(features[:1]))
+
+
+def test_the_target_compares_each_row_with_fedavg_on_the_seeds_both_ran(accuracy):
+    args = accuracy.parse_args(["--settings", "dir0.1@1", "--rounds", "15", "--holdout", "0"])
+    rows = [run_row("fedavg", 0, 0.88), run_row("fedavg", 1, 0.82), run_row("fedavg", 2, 0.83),
+            run_row("fedper", 0, 0.96), run_row("fedper", 1, 0.84), run_row("fedper", 2, 0.83),
+            run_row("fedrep", 0, 0.93),  # one seed: compared with FedAvg's seed 0 only, not with its mean
+            run_row("repper", 0, 0.95), run_row("repper", 1, 0.90), run_row("repper", 2, 0.91),
+            run_row("dualfed", 1, 0.50, status="failed")]
+
+    target = accuracy.target_check(args, rows)
+
+    result = target["by_setting"]["dir0.1@1"]
+    assert result["fedavg_seeds"] == [0, 1, 2] and result["fedavg"] == pytest.approx(0.8433, abs=1e-4)
+    assert result["rows"]["fedrep"]["seeds"] == [0] and result["rows"]["fedrep"]["delta"] == pytest.approx(0.05)
+    assert result["rows"]["fedper"]["delta"] == pytest.approx((0.08 + 0.02 + 0.0) / 3)
+    assert not result["rows"]["fedper"]["met"] and result["rows"]["repper"]["met"]
+    assert result["rows"]["dualfed"] == {"seeds": [], "delta": None, "deltas": [], "met": False}
+    assert not result["complete"] and not target["met"]
+    cells = [accuracy.target_cell(accuracy.NAMES[a], r, result["fedavg_seeds"]) for a, r in result["rows"].items()]
+    assert cells == ["FedPer +3.33 (+8.00, +2.00, +0.00 on seeds 0, 1, 2)", "FedRep +5.00 (seed 0 only)",
+                     "RepPer +7.67 (+7.00, +8.00, +8.00 on seeds 0, 1, 2)", "DualFed -"]
