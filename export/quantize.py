@@ -10,6 +10,12 @@ keeps float32 `input` and `features`, so it is a drop-in replacement for the fp3
 metadata is the fp32 file's plus `quantization`. `quant_pre_process` (shape inference and
 graph optimizations such as folding) runs first, as onnxruntime recommends for static
 quantization.
+
+Weights use 7 of their 8 bits (`reduce_range`). On x86 CPUs with AVX2 but without VNNI,
+onnxruntime's U8S8 kernels add pairs of uint8 x int8 products in 16 bits, which saturate with
+full-range weights: on such a CPU (an AMD EPYC of family 23) cnn28's int8 features correlated
+0.944 with fp32, 0.9995 with 7-bit weights. The model is made once and runs on devices whose
+CPUs the coordinator does not know, so it is made safe for all of them; the file is no larger.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ def quantize_int8(
         quantize_static(
             str(prepared), str(quantized), _ArrayReader(input_name, calibration),
             quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-            per_channel=per_channel, op_types_to_quantize=list(WEIGHTED_OPERATORS),
+            per_channel=per_channel, reduce_range=True, op_types_to_quantize=list(WEIGHTED_OPERATORS),
         )
         model = onnx.load(str(quantized))
     tag = QUANTIZATION if per_channel else QUANTIZATION_PER_TENSOR
