@@ -160,8 +160,7 @@ class FediOSDevice(PartSharingDevice):
         return FediOSNet(generic.body, personal_body, head, block, self.hyper.alpha)
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
-        params = self.model.parameters() if params is None else params
-        return torch.optim.SGD(params, lr=self.settings.lr, momentum=self.hyper.momentum)
+        return super().optimizer(params, momentum=self.hyper.momentum)
 
     def local_loss(self, task: Task) -> LossFn:
         return fedios_loss(self.model, self.hyper.lam)

@@ -58,9 +58,7 @@ class FedRepDevice(PartSharingDevice):
     shared_parts = ("body",)
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
-        params = self.model.parameters() if params is None else params
-        lr = self.settings.lr if self.hyper.lr is None else self.hyper.lr
-        return torch.optim.SGD(params, lr=lr, momentum=self.hyper.momentum)
+        return super().optimizer(params, lr=self.hyper.lr, momentum=self.hyper.momentum)
 
     def train_locally(self, task: Task) -> float:
         body_epochs = self.settings.local_epochs if self.hyper.body_epochs is None else self.hyper.body_epochs

@@ -92,9 +92,11 @@ class PartSharingDevice(DeviceAlgorithm):
     def generator(self, round_: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
 
-    def optimizer(self, params=None) -> torch.optim.Optimizer:
+    def optimizer(self, params=None, *, lr: float | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
+        """SGD over `params` (default: the whole model) at `lr` (default: the run's); subclasses with
+        their own lr or momentum hyperparameters pass them here."""
         params = self.model.parameters() if params is None else params
-        return torch.optim.SGD(params, lr=self.settings.lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=self.settings.lr if lr is None else lr, momentum=momentum)
 
     def local_loss(self, task: Task) -> LossFn:
         return cross_entropy_loss(self.model)
