@@ -15,7 +15,8 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run.
 - `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
-- `machine_info()`: date, cores, RAM, CPU model, versions, load average, command line (no hostname).
+- `machine_info()`: date, cores, RAM, CPU model, versions, load average, command line and the
+  checkout's commit (no hostname).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import platform
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -333,6 +335,18 @@ def _version(module: str) -> str | None:
         return None
 
 
+def code_version() -> str | None:
+    """The checkout's commit, with `+changes` when tracked files differ from it (None outside git)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
     """What the results record about the machine and the command; no hostname."""
     try:
@@ -360,6 +374,7 @@ def machine_info() -> dict[str, Any]:
         "sklearn": _version("sklearn"),
         "load_average_at_start": load,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "code": code_version(),
     }
 
 

@@ -47,6 +47,7 @@ from ..training import (
     eval_mode,
     load_arrays,
     pick_device,
+    place,
     predict,
     run_epochs,
     state_arrays,
@@ -214,13 +215,8 @@ class DcPflDevice(DeviceAlgorithm):
         meta = self.data.meta
         self.device = pick_device(self.device_name)
         self.model_name = str(self.assignment.get("model", self.settings.model))
-        self.model = build_model(
-            self.model_name,
-            in_channels=meta.channels,
-            num_classes=meta.num_classes,
-            image_size=meta.image_size,
-            seed=self.settings.seed,
-        ).to(self.device)
+        self.model = place(build_model(self.model_name, in_channels=meta.channels, num_classes=meta.num_classes,
+                                       image_size=meta.image_size, seed=self.settings.seed), self.device)
         partition = partition_by_parts(self.model.state_dict().keys(), ("head",), statistics_keys(self.model))
         self.head_keys, self.body_keys = partition.shared, partition.personal
         self.head_spec = spec_of(state_arrays(self.model, self.head_keys))

@@ -7,8 +7,10 @@ statistics stay on the device); down: their example-weighted mean.
 
 Evaluation: the device loads the global model and scores it (`global_accuracy`), then fine-tunes
 `head` with cross-entropy for `ft_epochs` on a copy of the model, body frozen, with the run's
-optimizer settings; the personalized `accuracy` is the fine-tuned copy's. The copy is thrown
-away, so the next round trains from the global model as in FedAvg.
+optimizer settings; the personalized `accuracy` is the fine-tuned copy's. The head learns on the
+frozen body's features as the copy will compute them (BatchNorm statistics recomputed on the
+device's data, evaluation mode), extracted once (`PartSharingDevice.train_head_on_features`).
+The copy is thrown away, so the next round trains from the global model as in FedAvg.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class FedAvgFTDevice(PartSharingDevice):
         self.load_shared(task)
         global_accuracy = self.test_accuracy(self.model)
         tuned = copy.deepcopy(self.model)
-        self.train_parts(tuned, ("head",), self.hyper.ft_epochs, self.generator(task.round))
+        self.train_head_on_features(tuned, self.hyper.ft_epochs, self.generator(task.round))
         return {"accuracy": self.test_accuracy(tuned), "global_accuracy": global_accuracy,
                 "num_test": len(self.test_y)}
 

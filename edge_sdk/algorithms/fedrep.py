@@ -5,7 +5,9 @@ Partition: `body` (the representation phi) shared, `head` (h_i) personal; BatchN
 statistics personal. Local update, Algorithm 1 of the paper: with the representation fixed,
 `head_epochs` epochs of SGD on the head (the paper's tau_h steps, Eq. 2); then, with the new
 head fixed, `body_epochs` epochs on the body (Eq. 3). Both phases minimize cross-entropy; each
-phase has its own optimizer (the run's SGD settings) over its own parameters only.
+phase has its own optimizer over its own parameters only. The head phase learns on the frozen
+body's features as the deployed model computes them (BatchNorm statistics recomputed on the
+device's data, evaluation mode), extracted once: `PartSharingDevice.train_head_on_features`.
 
 Up: the body's parameters after the body phase; down: their example-weighted mean (Eq. 4).
 Deployed model: the global body with the client's own head (no `global_accuracy`: there is no
@@ -63,7 +65,7 @@ class FedRepDevice(PartSharingDevice):
     def train_locally(self, task: Task) -> float:
         body_epochs = self.settings.local_epochs if self.hyper.body_epochs is None else self.hyper.body_epochs
         generator = self.generator(task.round)
-        head_loss = self.train_parts(self.model, ("head",), self.hyper.head_epochs, generator)
+        head_loss = self.train_head_on_features(self.model, self.hyper.head_epochs, generator)
         body_loss = self.train_parts(self.model, ("body",), body_epochs, generator)
         return head_loss if math.isnan(body_loss) else body_loss
 

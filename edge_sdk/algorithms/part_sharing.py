@@ -22,6 +22,8 @@ from ..training import (
     eval_mode,
     load_arrays,
     pick_device,
+    place,
+    predict,
     recalibrate_batchnorm,
     run_epochs,
     state_arrays,
@@ -49,7 +51,7 @@ class PartSharingDevice(DeviceAlgorithm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = pick_device(self.device_name)
-        self.model = self.build_network().to(self.device)
+        self.model = place(self.build_network(), self.device)
         self.partition = model_partition(self.model, self.shared_parts, self.share_statistics)
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
         self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
@@ -129,6 +131,23 @@ class PartSharingDevice(DeviceAlgorithm):
         finally:
             for param in frozen:
                 param.requires_grad_(True)
+
+    def train_head_on_features(self, model: torch.nn.Module, epochs: int, generator: torch.Generator) -> float:
+        """Minimize CE over `model.head` for `epochs` on the features of the frozen `model.body`, the
+        features the deployed model computes: the body's BatchNorm statistics are recomputed on the
+        device's training split (they are personal, and the shared weights just changed), its
+        features extracted once in evaluation mode, and the head trained on them. Ten head epochs
+        thus cost one forward pass of the body, not ten, and the head learns on the same features
+        it is scored on (in training mode it would see each batch's own statistics). Returns the
+        mean loss of the last epoch (NaN for zero epochs)."""
+        if epochs == 0:
+            return float("nan")
+        recalibrate_batchnorm(model.body, self.train_x)
+        with eval_mode(model.body):
+            features = predict(model.body, self.train_x)
+        model.head.train()
+        return run_epochs(cross_entropy_loss(model.head), self.optimizer(model.head.parameters()), features,
+                          self.train_y, epochs=epochs, batch_size=self.settings.batch_size, generator=generator)
 
     def fit(self, task: Task) -> FitResult:
         self.load_shared(task)

@@ -7,6 +7,7 @@ what goes over the wire in both directions, the server average, and each algorit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -23,7 +24,7 @@ from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import DATASETS, ClientData, load_client_data
 from edge_sdk.params import check_arrays, part_of
 from edge_sdk.protocol import Envelope, Kind
-from edge_sdk.training import batches
+from edge_sdk.training import batches, cross_entropy_loss, recalibrate_batchnorm, run_epochs
 
 BASELINES = ("local", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg")
 SHARED_PARTS = {
@@ -282,6 +283,35 @@ def test_fedrep_phase_leaves_the_frozen_part_unchanged(datas, head_epochs, body_
     assert moved == {changed}
 
 
+def test_head_phase_fits_the_head_on_the_features_the_deployed_body_computes(datas) -> None:
+    # Prepare: a trained body whose BatchNorm statistics are stale (reset), and the same head
+    # fitted by hand on the features of the body recalibrated on the train split, in eval mode
+    server = make_server("fedrep")
+    device = make_device("fedrep", datas[0])
+    play_round(server, [device], 1)
+    for module in device.model.body.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.reset_running_stats()
+    reference = copy.deepcopy(device.model)
+    recalibrate_batchnorm(reference.body, device.train_x)
+    with torch.no_grad():
+        features = reference.body.eval()(device.train_x)
+    run_epochs(cross_entropy_loss(reference.head.train()), device.optimizer(reference.head.parameters()), features,
+               device.train_y, epochs=2, batch_size=SETTINGS.batch_size, generator=device.generator(7))
+    body_before = parameters(device.model.body)
+
+    # Execute
+    device.train_head_on_features(device.model, 2, device.generator(7))
+
+    # Assert: the same head, an untouched body, statistics of the train split
+    for name, value in device.model.head.state_dict().items():
+        torch.testing.assert_close(value, reference.head.state_dict()[name])
+    for name, value in device.model.body.named_parameters():
+        assert torch.equal(value.detach(), body_before[name])
+    for name, value in device.model.body.state_dict().items():
+        torch.testing.assert_close(value, reference.body.state_dict()[name])
+
+
 def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
     # Prepare
     device = make_device("fedrep", datas[0], head_epochs=0)
@@ -292,7 +322,7 @@ def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
     device.fit(Task(1, make_server("fedrep").task_groups(1), {}))
 
     # Assert
-    assert [m["steps"] for m in made] == [0, SETTINGS.local_epochs * per_epoch]
+    assert [m["steps"] for m in made] == [SETTINGS.local_epochs * per_epoch]  # no head phase
 
 
 def test_fedrep_optimizer_takes_its_own_lr_and_momentum_when_set(datas) -> None:
@@ -316,9 +346,9 @@ def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone
     play_round(server, [evaluated], 1)
     twin.fit(Task(1, make_server("fedavg_ft").task_groups(1), {}))
     calls = []
-    train_parts = evaluated.train_parts
-    evaluated.train_parts = lambda model, parts, epochs, gen: calls.append((model, parts, epochs)) or train_parts(
-        model, parts, epochs, gen)
+    train_head = evaluated.train_head_on_features
+    evaluated.train_head_on_features = lambda model, epochs, gen: calls.append((model, epochs)) or train_head(
+        model, epochs, gen)
 
     # Execute
     metrics = evaluated.evaluate(Task(1, server.eval_groups(), {"final": False}))
@@ -326,7 +356,7 @@ def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone
     after = [d.fit(Task(2, server.task_groups(2), {})) for d in (evaluated, twin)]
 
     # Assert
-    assert [(parts, epochs) for _, parts, epochs in calls] == [(("head",), 3)]
+    assert [epochs for _, epochs in calls] == [3]
     assert calls[0][0] is not evaluated.model
     assert metrics["global_accuracy"] == global_accuracy
     for name, value in after[0].groups[SHARED].items():

@@ -205,3 +205,27 @@ def test_cnn8_learns_digits() -> None:
 
     # Assert
     assert (predictions == y_test).mean() >= 0.9
+
+
+def test_place_gives_conv_models_channels_last_weights_and_the_same_outputs() -> None:
+    # Prepare
+    from edge_sdk.training import place, state_arrays
+
+    model = build_model("cnn32", in_channels=3, num_classes=10, image_size=32, seed=0).eval()
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    expected = model(x)
+    keys = list(model.state_dict())
+    arrays = state_arrays(model, keys)
+
+    # Execute
+    placed = place(model, torch.device("cpu"))
+    linear = place(nn.Linear(4, 2), torch.device("cpu"))
+
+    # Assert: NHWC weights, the same function, and state that leaves as ordinary C-ordered arrays
+    conv_weight = placed.body[4].weight  # the second convolution: 64 x 32 x 5 x 5
+    assert conv_weight.is_contiguous(memory_format=torch.channels_last) and not conv_weight.is_contiguous()
+    torch.testing.assert_close(placed(x), expected, rtol=1e-4, atol=1e-5)
+    for key, value in state_arrays(placed, keys).items():
+        assert value.flags["C_CONTIGUOUS"]
+        np.testing.assert_array_equal(value, arrays[key])
+    assert linear.weight.is_contiguous()
