@@ -46,6 +46,13 @@ log = logging.getLogger("benchmarks")
 DEFAULT_CACHE = "benchmarks/results/runs"
 """Where finished runs are kept, shared by accuracy.py and communication.py."""
 
+NAMES = {
+    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
+    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
+    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
+}
+"""Algorithm ids as the tables name them."""
+
 
 # -- settings ------------------------------------------------------------------------------
 @dataclass(frozen=True)

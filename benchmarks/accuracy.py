@@ -48,6 +48,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
+    NAMES,
     RunCache,
     RunView,
     Setting,
@@ -63,11 +64,6 @@ from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
 
 log = logging.getLogger("benchmarks")
 
-NAMES = {
-    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
-    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
-    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
-}
 FULL_SETTINGS = "dir0.1@0.2,dir0.1@1,dir0.5@0.2,dir0.5@1,shards2@0.2,shards2@1,domains@0.2,domains@1"
 HEAD_ALGORITHMS = ("fedavg", "lg_fedavg", "fedrep", "repper")
 HEAD_KINDS = {"MLP": "mlp_sklearn", "SVM": "svm", "LR": "lr"}
@@ -121,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
     parser.add_argument("--holdout-setting", default="dir0.5@1")
     parser.add_argument("--holdout-algorithms", default="repper,fedavg_ft,fedrep")
+    parser.add_argument("--set", action="append", default=[], metavar="ALGORITHM.KEY=VALUE", dest="assignments",
+                        help="a hyperparameter of one algorithm for this invocation's runs, as `edgepfl --set` takes "
+                             "it (repeatable; e.g. fedrep.momentum=0.5); such runs are cached apart from the defaults'")
     parser.add_argument("--merge", action="append", default=[], metavar="JSON",
                         help="an earlier accuracy.json with the same training settings (other seeds or algorithms, "
                              "e.g. from another machine): its runs and heads join the tables; repeatable. The "
@@ -131,7 +130,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.hyper = parse_assignments(args.assignments)
     return args
+
+
+def parse_assignments(assignments: list[str]) -> dict[str, dict[str, str]]:
+    """`--set ALGORITHM.KEY=VALUE` values as algorithm -> {key: value}; exits naming a malformed one, an unknown
+    algorithm, or a key or value the algorithm rejects."""
+    from coordinator.algorithms import hyperparameters
+
+    hyper: dict[str, dict[str, str]] = {}
+    for text in assignments:
+        name, equals, value = text.partition("=")
+        algorithm, dot, key = name.partition(".")
+        if not (equals and dot and algorithm and key):
+            raise SystemExit(f"--set {text!r}: expected ALGORITHM.KEY=VALUE, e.g. fedrep.momentum=0.5")
+        if algorithm not in ALGORITHM_IDS:
+            raise SystemExit(f"--set {text!r}: unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHM_IDS)}")
+        hyper.setdefault(algorithm, {})[key.strip()] = value.strip()
+    for algorithm, values in hyper.items():
+        try:
+            hyperparameters(algorithm, values)
+        except ValueError as exc:
+            raise SystemExit(f"--set: {exc}") from None
+    return hyper
 
 
 def listed(text: str) -> list[str]:
@@ -141,7 +163,8 @@ def listed(text: str) -> list[str]:
 def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed: int, **extra: Any):
     return bench_config(algorithm=algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-                        seed=seed, workers=args.workers, eval_every=args.eval_every, **setting.fields(), **extra)
+                        seed=seed, workers=args.workers, eval_every=args.eval_every,
+                        hyper=dict(args.hyper.get(algorithm, {})), **setting.fields(), **extra)
 
 
 # -- heads on the final body -------------------------------------------------------------------
@@ -305,7 +328,7 @@ def heads_table(per_run: list[dict]) -> dict[str, Any]:
 
 
 # -- runs of earlier invocations -----------------------------------------------------------------
-SHARED_CONFIG = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "lr", "model", "eval_every")
+SHARED_CONFIG = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "lr", "model", "eval_every", "hyper")
 """Config keys on which two invocations must agree for their runs to share a table cell."""
 
 
@@ -318,7 +341,7 @@ def load_earlier(path: str, config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(document, dict) or document.get("benchmark") != "accuracy":
         raise SystemExit(f"--merge {path}: not a result of accuracy.py (no \"benchmark\": \"accuracy\")")
     for key in SHARED_CONFIG:
-        theirs, ours = document.get("config", {}).get(key), config[key]
+        theirs, ours = document.get("config", {}).get(key, {} if key == "hyper" else None), config[key]
         if theirs != ours:
             raise SystemExit(f"--merge {path}: config.{key} is {theirs!r} there and {ours!r} here; only runs "
                              "with the same training settings can share a table")
@@ -430,6 +453,14 @@ def target_cell(name: str, row: dict[str, Any], fedavg_seeds: list[int]) -> str:
     return text
 
 
+def hyper_note(hyper: dict[str, dict[str, str]]) -> str:
+    """' Hyperparameters other than the defaults: FedRep momentum=0.5.' (empty when there are none)."""
+    if not hyper:
+        return ""
+    return " Hyperparameters other than the defaults: " + "; ".join(
+        f"{NAMES[a]} " + ", ".join(f"{k}={v}" for k, v in values.items()) for a, values in hyper.items()) + "."
+
+
 def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms: list[str]) -> str:
     seeds = sorted({r["seed"] for r in document["runs"] if r["status"] == "ok"})
     acc = document["table"]
@@ -440,7 +471,7 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
         f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
         f"{', '.join(map(str, seeds))} of the mean personalized accuracy over devices (%) at round {args.rounds} "
         "(a cell without ± has one seed). C = fraction of devices per round. Over MQTT (every byte through the "
-        "broker).",
+        "broker)." + hyper_note(document["config"].get("hyper", {})),
         "",
         "| method | " + " | ".join(s.label for s in settings) + " |",
         "|---|" + "---|" * len(settings),
@@ -580,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "model": model,
               "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
-              "eval_every": args.eval_every, "workers": args.workers, "broker": args.broker or "embedded amqtt",
+              "eval_every": args.eval_every, "hyper": args.hyper, "workers": args.workers, "broker": args.broker or "embedded amqtt",
               "cache": args.cache, "quick": args.quick}
     earlier = {path: load_earlier(path, config) for path in args.merge}  # before hours of training, not after
 

@@ -40,6 +40,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from _runs import (  # noqa: E402
     DEFAULT_CACHE,
+    NAMES,
     RunCache,
     RunView,
     Setting,
@@ -54,11 +55,6 @@ from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
 
 log = logging.getLogger("benchmarks")
 
-NAMES = {
-    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
-    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
-    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
-}
 CODECS = ("fp32", "fp16", "int8")
 DC_MODES = [("full", "fp32"), ("full", "fp16"), ("diag", "fp32"), ("diag", "fp16"), ("lowrank:8", "fp32"),
             ("lowrank:8", "fp16")]

@@ -21,7 +21,7 @@ def accuracy():
 
 
 CONFIG = {"dataset": "fmnist", "clients": 20, "rounds": 15, "local_epochs": 1, "batch_size": 32, "lr": 0.05,
-          "model": "cnn28", "eval_every": 1}
+          "model": "cnn28", "eval_every": 1, "hyper": {}}
 
 
 def run_row(algorithm: str, seed: int, mean: float, status: str = "ok") -> dict:
@@ -66,6 +66,41 @@ def test_a_file_with_other_training_settings_is_refused_naming_the_key(accuracy,
 
     with pytest.raises(SystemExit, match=r"config\.rounds is 20 there and 15 here"):
         accuracy.load_earlier(str(path), {**CONFIG, "seeds": [1]})
+
+
+def test_runs_with_other_hyperparameters_are_refused_and_a_file_from_before_set_counts_as_defaults(accuracy, tmp_path):
+    other, before = tmp_path / "other.json", tmp_path / "before.json"
+    other.write_text(json.dumps(earlier_document([], [], hyper={"fedrep": {"momentum": "0.5"}})))
+    before.write_text(json.dumps({**earlier_document([], []), "config": {k: v for k, v in CONFIG.items() if k != "hyper"}}))
+
+    with pytest.raises(SystemExit, match=r"config\.hyper is \{'fedrep': \{'momentum': '0.5'\}\} there and \{\} here"):
+        accuracy.load_earlier(str(other), CONFIG)
+    assert accuracy.load_earlier(str(before), CONFIG)["benchmark"] == "accuracy"
+
+
+def test_set_gives_one_algorithm_its_hyperparameters_and_a_run_folder_of_its_own(accuracy):
+    args = accuracy.parse_args(["--set", "fedrep.momentum=0.5", "--set", "fedrep.lr=0.01", "--holdout", "0"])
+    setting = accuracy.Setting.parse("dir0.1@1")
+
+    fedrep, fedper = (accuracy.run_config(args, a, setting, 0) for a in ("fedrep", "fedper"))
+    default = accuracy.run_config(accuracy.parse_args(["--holdout", "0"]), "fedrep", setting, 0)
+
+    assert args.hyper == {"fedrep": {"momentum": "0.5", "lr": "0.01"}}
+    assert fedrep.hyper == {"momentum": "0.5", "lr": "0.01"} and fedper.hyper == {}
+    assert fedrep.fingerprint() != default.fingerprint()
+    assert "Hyperparameters other than the defaults: FedRep momentum=0.5, lr=0.01." in accuracy.hyper_note(args.hyper)
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("fedrep.momentum", "expected ALGORITHM.KEY=VALUE"),
+    ("momentum=0.5", "expected ALGORITHM.KEY=VALUE"),
+    ("nope.momentum=0.5", "unknown algorithm 'nope'"),
+    ("fedrep.nope=1", "nope"),
+    ("fedrep.momentum=2", "momentum"),
+])
+def test_a_bad_set_is_refused_before_any_run_naming_what_is_wrong(accuracy, assignment, message):
+    with pytest.raises(SystemExit, match=message):
+        accuracy.parse_args(["--set", assignment])
 
 
 @pytest.mark.parametrize("content, message", [
