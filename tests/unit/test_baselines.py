@@ -173,7 +173,7 @@ def test_hyperparameter_defaults_follow_the_spec() -> None:
     assert load_device("fedprox").Hyper().mu == 0.01
     assert load_device("fedavg_ft").Hyper().ft_epochs == 10
     fedrep = load_device("fedrep").Hyper()
-    assert (fedrep.head_epochs, fedrep.body_epochs, fedrep.lr, fedrep.momentum) == (10, None, None, 0.9)
+    assert (fedrep.head_epochs, fedrep.body_epochs, fedrep.lr, fedrep.momentum) == (10, None, None, 0.5)
     assert from_mapping(load_device("fedprox").Hyper, {"mu": "0.5"}).mu == 0.5
 
 
@@ -327,9 +327,9 @@ def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
 
 def test_fedrep_optimizer_takes_its_own_lr_and_momentum_when_set(datas) -> None:
     default = make_device("fedrep", datas[0]).optimizer().param_groups[0]
-    tuned = make_device("fedrep", datas[0], lr=0.01, momentum=0.5).optimizer().param_groups[0]
-    assert (default["lr"], default["momentum"]) == (SETTINGS.lr, 0.9)
-    assert (tuned["lr"], tuned["momentum"]) == (0.01, 0.5)
+    tuned = make_device("fedrep", datas[0], lr=0.01, momentum=0.9).optimizer().param_groups[0]
+    assert (default["lr"], default["momentum"]) == (SETTINGS.lr, 0.5)
+    assert (tuned["lr"], tuned["momentum"]) == (0.01, 0.9)
 
 
 @pytest.mark.parametrize("bad", [{"momentum": "1.0"}, {"lr": "0"}, {"head_epochs": "-1"}])
