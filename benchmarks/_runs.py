@@ -13,7 +13,8 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
-  its last round). Shorter requests read the per-round records of a longer run.
+  its last round). Shorter requests read the per-round records of a longer run. With
+  `cached_only` nothing is trained: a run not finished in the cache is listed in `missing`.
 - `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
 - `machine_info()`: date, cores, RAM, CPU model, versions, load average, command line and the
   checkout's commit (no hostname).
@@ -221,11 +222,16 @@ def run_folder_name(config: RunConfig) -> str:
 class RunCache:
     """Finished runs under `root`, one folder per fingerprint; see the module docstring."""
 
-    def __init__(self, root: str | Path, *, broker: str | None = None, fresh: bool = False):
+    def __init__(self, root: str | Path, *, broker: str | None = None, fresh: bool = False,
+                 cached_only: bool = False):
+        if fresh and cached_only:
+            raise ValueError("fresh (recompute) and cached_only (train nothing) exclude each other")
         self.root = Path(root)
         self.broker = broker
         self.fresh = fresh
+        self.cached_only = cached_only
         self.failures: list[dict[str, Any]] = []
+        self.missing: list[str] = []  # with cached_only: runs asked for and not in the cache
         self._cleared: set[Path] = set()
         self._failed: set[Path] = set()
 
@@ -236,7 +242,8 @@ class RunCache:
         """The run of `config` as of `config.rounds` rounds (None, logged, if it failed).
 
         A lock file beside the run's folder keeps two benchmark processes from driving the same
-        run at once: the second waits for the first and then reuses its result."""
+        run at once: the second waits for the first and then reuses its result (with `cached_only`
+        it does not wait: the run is missing)."""
         out = self.folder(config)
         if out in self._failed:  # failed earlier in this invocation: not tried twice
             return None
@@ -245,6 +252,9 @@ class RunCache:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if self.cached_only:  # being trained right now: not finished
+                    self.missing.append(out.name)
+                    return None
                 log.info("%s is in use by another benchmark process; waiting", out.name)
                 fcntl.flock(lock, fcntl.LOCK_EX)
             return self._run_locked(config, out)
@@ -259,6 +269,10 @@ class RunCache:
             report = json.loads(report_path.read_text())
             if report["rounds_completed"] >= config.rounds:
                 return self._checked(RunView(config, report, out, config.rounds, cached=True, seconds=0.0))
+        if self.cached_only:
+            self.missing.append(out.name)
+            return None
+        if report_path.exists():
             log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.rounds)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))

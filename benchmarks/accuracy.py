@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
     parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="train nothing: tables from the runs finished in the cache, other cells left empty")
     parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
     parser.add_argument("--dataset", default="fmnist")
     parser.add_argument("--data-dir")
@@ -260,8 +262,9 @@ def run_grid(args, cache: RunCache, algorithms, settings, seeds) -> tuple[list[d
                 done += 1
                 view = cache.run(run_config(args, algorithm, setting, seed))
                 if view is None:
-                    rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "failed"})
-                    log.info("[%d/%d] %s %s seed %d: failed", done, total, algorithm, setting.name, seed)
+                    status = "not in cache" if cache.cached_only else "failed"
+                    rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": status})
+                    log.info("[%d/%d] %s %s seed %d: %s", done, total, algorithm, setting.name, seed, status)
                     continue
                 views[(algorithm, setting.name, seed)] = view
                 accuracy = view.personalized()
@@ -604,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = [Setting.parse(s) for s in listed(args.settings)]
     seeds = [int(s) for s in listed(args.seeds)]
     out = Path(args.out)
-    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only)
     machine = machine_info()
 
     model = run_config(args, algorithms[0], settings[0], seeds[0]).model_name

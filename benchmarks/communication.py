@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
     parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="train nothing: tables from the runs finished in the cache, other rows left out")
     parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
     parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
     parser.add_argument("--dataset", default="fmnist", help="dataset of parts 2-4")
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad_codecs:
         raise SystemExit(f"unknown codec(s) {', '.join(bad_codecs)}; known: {', '.join(CODECS)}")
     out = Path(args.out)
-    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only)
     machine = machine_info()
 
     main_views: dict[str, RunView] = {}

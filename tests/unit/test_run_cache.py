@@ -1,0 +1,53 @@
+"""benchmarks/_runs.py's run cache: a finished run is reused, and `cached_only` trains nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    spec = importlib.util.spec_from_file_location("_runs", ROOT / "benchmarks" / "_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("_runs", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def finished_report(rounds: int) -> dict:
+    record = {"round": rounds, "participants": 2, "selected": 2, "outcome": "complete", "seconds": 1.0,
+              "personalized_accuracy": {"mean": 0.9, "std": 0.0, "min": 0.9}}
+    return {"rounds_completed": rounds, "rounds": [record],
+            "final": {"personalized_accuracy": {"mean": 0.9, "std": 0.0, "min": 0.9}}}
+
+
+def test_cached_only_reuses_finished_runs_and_lists_the_others_without_training(runs, tmp_path):
+    # Prepare: one finished 3-round run in the cache; another setting never run
+    cache = runs.RunCache(tmp_path, cached_only=True)
+    finished = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
+    absent = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=1)
+    cache.folder(finished).mkdir(parents=True)
+    (cache.folder(finished) / "report.json").write_text(json.dumps(finished_report(3)))
+
+    # Execute
+    view, nothing = cache.run(finished), cache.run(absent)
+    longer = cache.run(runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=5, seed=0))
+
+    # Assert: the finished run as of round 3; the others are missing, not failed, and nothing was started
+    assert view is not None and view.cached and view.personalized()["mean"] == 0.9
+    assert nothing is None and longer is None
+    assert cache.missing == [cache.folder(absent).name, cache.folder(finished).name] and cache.failures == []
+    assert not cache.folder(absent).exists()
+    assert json.loads((cache.folder(finished) / "report.json").read_text())["rounds_completed"] == 3
+
+
+def test_fresh_and_cached_only_are_refused_together(runs, tmp_path):
+    with pytest.raises(ValueError, match="exclude each other"):
+        runs.RunCache(tmp_path, fresh=True, cached_only=True)
