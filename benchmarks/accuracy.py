@@ -357,9 +357,9 @@ def run_key(row: dict) -> tuple[str, str, int]:
 
 def merge_runs(rows: list[dict], head_runs: list[dict], earlier: dict[str, dict]) -> tuple[list, list, list]:
     """This invocation's runs and head rows plus those of `earlier` (path -> document) that it did not produce
-    itself (its own win), each marked with its file; and one line per file saying what it added."""
+    itself (its own finished runs win), each marked with its file; and one line per file saying what it added."""
     rows, head_runs, sources = list(rows), list(head_runs), []
-    seen, seen_heads = {run_key(r) for r in rows}, {run_key(r) for r in head_runs}
+    seen, seen_heads = {run_key(r) for r in rows if r["status"] == "ok"}, {run_key(r) for r in head_runs}
     for path, document in earlier.items():
         added = [r for r in document["runs"] if r["status"] == "ok" and run_key(r) not in seen]
         heads = [r for r in (document.get("heads") or {}).get("runs", []) if run_key(r) not in seen_heads]

@@ -60,6 +60,16 @@ def test_merged_seeds_make_mean_and_std_and_this_invocation_wins(accuracy):
                         "head_runs": [["fedavg", "dir0.1@1", 0]]}]
 
 
+def test_a_run_this_invocation_lacks_is_taken_from_the_earlier_file(accuracy):
+    ours = [run_row("repper", 0, None, status="not in cache"), run_row("repper", 1, None, status="failed")]
+    earlier = earlier_document([run_row("repper", 0, 0.95), run_row("repper", 1, 0.94)], [])
+
+    rows, _, _ = accuracy.merge_runs(ours, [], {"old.json": earlier})
+
+    cell = accuracy.table(rows)["dir0.1@1"]["repper"]
+    assert cell["n"] == 2 and cell["mean"] == pytest.approx(0.945)
+
+
 def test_a_file_with_other_training_settings_is_refused_naming_the_key(accuracy, tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps(earlier_document([], [], rounds=20)))
