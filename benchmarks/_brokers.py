@@ -14,16 +14,13 @@ imported as `_brokers` from the script's own folder; nothing in the package impo
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import platform
 import resource
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+import _machine
 from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
 
 
@@ -125,51 +122,7 @@ def raise_fd_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or None
-
-
-def _ram_bytes() -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:  # not installed, or no metadata
-        return None
-
-
 def machine_info() -> dict:
-    """Date, hardware and software versions, the command line; no hostname."""
-    try:
-        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "ram_bytes": _ram_bytes(),
-        "cpu_model": _cpu_model(),
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "torch": _version("torch"),
-        "onnxruntime": _version("onnxruntime"),
-        "numpy": _version("numpy"),
-        "msgpack": _version("msgpack"),
-        "paho_mqtt": _version("paho-mqtt"),
-        "amqtt": _version("amqtt"),
-        "mosquitto": mosquitto_version(),
-        "load_average_at_start": load,
-        "command": [Path(sys.executable).name, *sys.argv],
-    }
+    """`_machine.machine_info` with the MQTT stack's versions."""
+    return {**_machine.machine_info(("torch", "onnxruntime", "numpy", "msgpack", "paho-mqtt", "amqtt")),
+            "mosquitto": mosquitto_version()}

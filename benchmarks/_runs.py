@@ -16,24 +16,16 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   its last round). Shorter requests read the per-round records of a longer run. With
   `cached_only` nothing is trained: a run not finished in the cache is listed in `missing`.
 - `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
-- `machine_info()`: date, cores, RAM, CPU model, versions, load average, command line and the
-  checkout's commit (no hostname).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import fcntl
 import json
 import logging
 import math
-import os
-import platform
-import shlex
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +302,7 @@ class RunCache:
         return None
 
 
-# -- formatting and machine info -----------------------------------------------------------
+# -- formatting -----------------------------------------------------------
 def mean_std(values: list[float | None]) -> dict[str, Any]:
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:
@@ -327,76 +319,6 @@ def pct(cell: dict[str, Any] | None, *, with_std: bool = True) -> str:
     if with_std and cell.get("n", 0) > 1:
         return f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}"
     return f"{100 * cell['mean']:.2f}"
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _ram_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001  (absent or broken: recorded as unknown)
-        return None
-
-
-def code_version() -> str | None:
-    """The checkout's commit, with `+changes` when tracked files differ from it (None outside git)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return commit + ("+changes" if dirty else "")
-
-
-def machine_info() -> dict[str, Any]:
-    """What the results record about the machine and the command; no hostname."""
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    gpu = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "ram_gib": _ram_gib(),
-        "cpu_model": _cpu_model(),
-        "gpu": gpu,
-        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "python": platform.python_version(),
-        "torch": _version("torch"),
-        "onnxruntime": _version("onnxruntime"),
-        "sklearn": _version("sklearn"),
-        "load_average_at_start": load,
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        "code": code_version(),
-    }
 
 
 def setup_logging() -> None:

@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
+from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
     NAMES,
@@ -53,7 +54,6 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunView,
     Setting,
     bench_config,
-    machine_info,
     mean_std,
     pct,
     setup_logging,

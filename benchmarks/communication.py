@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
+from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402
     DEFAULT_CACHE,
     NAMES,
@@ -46,7 +47,6 @@ from _runs import (  # noqa: E402
     Setting,
     bench_config,
     has_field,
-    machine_info,
     setup_logging,
     write_outputs,
 )

@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +36,7 @@ import torch
 from threadpoolctl import threadpool_limits
 from torch import nn
 
+from _machine import machine_info
 from edge_sdk.data import DATASETS, load_dataset
 from edge_sdk.lite.heads import HEADS, fit_head
 from edge_sdk.models import build_model
@@ -49,14 +46,6 @@ from export.quantize import quantize_int8
 
 CALIBRATION_EXAMPLES = 2048
 """Images over which the trained body's BatchNorm statistics are recomputed."""
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "onnxruntime": ort.__version__,
-            "command": " ".join(sys.argv)}
 
 
 def train_briefly(model: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, batch: int = 64) -> None:
@@ -194,7 +183,7 @@ def main() -> None:
         measured = [measure_model(name, dataset, args, Path(tmp)) for name, dataset in models]
     rows = [row for row, _ in measured]
     head_x, head_y = measured[0][1]  # the first model's features (cnn28's 512 on Fashion-MNIST)
-    result = {"machine": machine(), "models": rows, "head_dim": head_x.shape[1], "head_examples": len(head_x),
+    result = {"machine": machine_info(), "models": rows, "head_dim": head_x.shape[1], "head_examples": len(head_x),
               "head_features": f"{models[0][0]} on {models[0][1]}", "head_fit_seconds": head_times(head_x, head_y, 3)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def runs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its own imports (_machine)
     spec = importlib.util.spec_from_file_location("_runs", ROOT / "benchmarks" / "_runs.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("_runs", module)
