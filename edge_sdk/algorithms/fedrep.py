@@ -22,7 +22,7 @@ Fashion-MNIST, Dirichlet 0.1, 20 devices, lr 0.05 (benchmarks/README.md): with m
 body trained under a frozen, confident personal head was unstable. On seed 1 the last BatchNorm
 shifted every channel negative (all ReLUs dead, constant features, each device predicting its
 majority class: 67.4% from round 4 on), and seed 2 fell from 90.0% to 44.6% at round 9 before
-recovering. With momentum 0.5, seed 1 reached 95.6% at round 15.
+recovering. With momentum 0.5: 96.58, 94.93 and 96.79 at round 15 on seeds 0, 1 and 2.
 """
 
 from __future__ import annotations
