@@ -46,6 +46,18 @@ NAMES = {
 }
 """Algorithm ids as the tables name them."""
 
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#000000", "#b8860b")
+PAPER_METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios")
+
+
+def line_style(algorithm: str) -> dict[str, Any]:
+    """Matplotlib keywords that tell the twelve algorithms apart in one plot: a colour of their own
+    and solid lines for the five papers' methods, dashed for the baselines."""
+    index = list(NAMES).index(algorithm)
+    return {"color": _COLORS[index % len(_COLORS)], "linestyle": "-" if algorithm in PAPER_METHODS else "--",
+            "label": NAMES[algorithm]}
+
 
 # -- settings ------------------------------------------------------------------------------
 @dataclass(frozen=True)

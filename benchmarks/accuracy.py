@@ -54,6 +54,7 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunView,
     Setting,
     bench_config,
+    line_style,
     mean_std,
     pct,
     setup_logging,
@@ -586,7 +587,7 @@ def plot_curves(path: Path, rows: list[dict], settings: list[Setting], algorithm
                         by_round.setdefault(round_, []).append(mean)
             if by_round:
                 xs = sorted(by_round)
-                ax.plot(xs, [float(np.mean(by_round[x])) for x in xs], marker=".", label=NAMES[algorithm])
+                ax.plot(xs, [float(np.mean(by_round[x])) for x in xs], marker=".", **line_style(algorithm))
         ax.set(title=setting.label, xlabel="round", ylabel="mean personalized accuracy")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(shown):]:

@@ -46,6 +46,7 @@ from _runs import (  # noqa: E402
     RunView,
     Setting,
     bench_config,
+    line_style,
     has_field,
     setup_logging,
     write_outputs,
@@ -340,7 +341,7 @@ def plot(path: Path, views: dict[str, RunView], target: float) -> None:
             if mean is not None:
                 xs.append(total / 1e6)
                 ys.append(mean)
-        ax.plot(xs, ys, marker=".", label=NAMES[algorithm])
+        ax.plot(xs, ys, marker=".", **line_style(algorithm))
     ax.axhline(target, color="grey", linestyle="--", linewidth=1)
     ax.set(xlabel="cumulative MB (uploads + delivered TRAIN broadcasts)", ylabel="mean personalized accuracy",
            xscale="log")
