@@ -13,6 +13,9 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
    on --codec-algorithms: MB up per round and the accuracy they cost.
 4. DC-PFL's statistics (`--set covariance=full|diag|lowrank:8`, `transport=fp32|fp16`): bytes up
    per device and round, and accuracy.
+5. With --over-seeds ACCURACY_JSON: part 2 for every seed of an accuracy.py result, from its
+   runs' per-round curves and bytes, training nothing (a seed's runs cost an hour; the curves
+   are already there).
 
 Runs are cached by fingerprint in --cache (shared with accuracy.py: with the same rounds and local
 epochs, part 2 reuses accuracy.py's dir0.1@1 seed-0 runs). Full run (a quiet 2-core machine: about
@@ -30,6 +33,7 @@ Writes communication.json, communication.md and communication_curves.png to --ou
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -48,6 +52,7 @@ from _runs import (  # noqa: E402
     bench_config,
     line_style,
     has_field,
+    mean_std,
     setup_logging,
     write_outputs,
 )
@@ -89,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--digits-rounds", type=int, default=2, help="rounds of the short digits runs of part 1")
     parser.add_argument("--codec-algorithms", default="fedavg,repper,dualfed")
     parser.add_argument("--codecs", default=",".join(CODECS), help="upload codecs to compare (fp32 is the baseline)")
+    parser.add_argument("--over-seeds", metavar="ACCURACY_JSON",
+                        help="also tabulate rounds and MB to --target for every seed of this accuracy.py result")
     parser.add_argument("--dc-modes", default=",".join(f"{c}/{t}" for c, t in DC_MODES),
                         help="DC-PFL covariance/transport pairs ('' to skip)")
     args = parser.parse_args(argv)
@@ -175,6 +182,34 @@ def to_target(args, views: dict[str, RunView]) -> dict[str, Any]:
         check.update({"met": None, "why": "fedavg, repper or dualfed not run"})
     return {"target": args.target, "setting": args.setting, "dataset": args.dataset, "clients": args.clients,
             "rounds": args.rounds, "local_epochs": args.local_epochs, "rows": rows, "check": check}
+
+
+def to_target_over_seeds(args, path: Path) -> dict[str, Any]:
+    """Part 2 for every seed of an accuracy.py result, in --setting: the first round whose mean
+    personalized accuracy (its curve) reaches --target within --rounds, and the training MB until
+    then, rounds x (MB up per round + the broadcast as delivered to every device); participation
+    and payloads are the same every round, so this equals what `RunView.rounds_to` sums."""
+    document = json.loads(path.read_text())
+    clients = document["config"]["clients"]
+    runs = [r for r in document["runs"] if r["status"] == "ok" and r["setting"] == args.setting and r.get("curve")]
+    if not runs:
+        raise SystemExit(f"{path}: no finished runs of setting {args.setting} with per-round curves")
+    rows: dict[str, dict[str, Any]] = {}
+    for run in sorted(runs, key=lambda r: r["seed"]):
+        mb_per_round = run["mb_up_per_round"] + run["mb_down_per_round"] * clients
+        reached = next((round_ for round_, mean in run["curve"] if round_ <= args.rounds and mean >= args.target),
+                       None)
+        best = max(mean for round_, mean in run["curve"] if round_ <= args.rounds)
+        row = rows.setdefault(run["algorithm"], {"algorithm": run["algorithm"], "seeds": {}})
+        row["seeds"][run["seed"]] = {"round": reached, "mb_total": None if reached is None else reached * mb_per_round,
+                                     "best": best}
+    for row in rows.values():
+        totals = [seed["mb_total"] for seed in row["seeds"].values() if seed["mb_total"] is not None]
+        row["reached_on"] = len(totals)
+        row["mb_total"] = mean_std(totals)
+    return {"source": str(path), "code": document["machine"].get("code"), "target": args.target,
+            "setting": args.setting, "rounds": args.rounds, "clients": clients,
+            "rows": [rows[a] for a in NAMES if a in rows]}
 
 
 def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, Any]:
@@ -281,11 +316,14 @@ def markdown(args, document: dict[str, Any]) -> str:
                  f"FedAvg reached it: {check.get('fedavg_reached')})" if "by_algorithm" in check else "")
               + ".", "", f"For scale: {DUALFED_TABLE8} Those count ResNet-sized models; ours are the small CNNs.", ""]
 
+    if document.get("to_target_over_seeds"):
+        lines += over_seeds_markdown(document["to_target_over_seeds"])
+
     codec = document["codecs"]
-    lines += ["## Upload codecs", ""]
     if not codec["available"]:
-        lines += [codec["note"], ""]
-    else:
+        lines += ["## Upload codecs", "", codec["note"], ""]
+    elif codec["rows"]:
+        lines += ["## Upload codecs", ""]
         lines += [f"`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
                   f"{args.dataset}, {setting.label}, {args.rounds} rounds.", "",
                   "| method | codec | MB up / round | KB up / device-round | vs fp32 | accuracy | accuracy vs fp32 |",
@@ -320,6 +358,31 @@ def markdown(args, document: dict[str, Any]) -> str:
               f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
               f"Command: `{machine['command']}`", ""]
     return "\n".join(lines)
+
+
+def over_seeds_markdown(table: dict[str, Any]) -> list[str]:
+    seeds = sorted({seed for row in table["rows"] for seed in row["seeds"]})
+    lines = [f"## MB until {100 * table['target']:.0f}% over seeds {', '.join(map(str, seeds))}", "",
+             f"From the per-round curves of `{table['source']}` (code {table['code']}), "
+             f"{Setting.parse(table['setting']).label}, {table['clients']} devices, budget {table['rounds']} rounds; "
+             "MB as above. A dash: not reached (best mean in brackets).", "",
+             "| method | " + " | ".join(f"seed {s}: round, MB" for s in seeds) + " | MB to target, mean ± std |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for row in table["rows"]:
+        cells = []
+        for seed in seeds:
+            cell = row["seeds"].get(seed)
+            if cell is None:
+                cells.append("not run")
+            elif cell["round"] is None:
+                cells.append(f"- ({100 * cell['best']:.2f})")
+            else:
+                cells.append(f"{cell['round']}, {cell['mb_total']:.2f}")
+        summary = row["mb_total"]
+        total = ("-" if summary["mean"] is None else f"{summary['mean']:.2f} ± {summary['std']:.2f}"
+                 + ("" if row["reached_on"] == len(row["seeds"]) else f" ({row['reached_on']} of {len(row['seeds'])} seeds)"))
+        lines.append(f"| {NAMES[row['algorithm']]} | " + " | ".join(cells) + f" | {total} |")
+    return lines + [""]
 
 
 def plot(path: Path, views: dict[str, RunView], target: float) -> None:
@@ -362,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     bad_codecs = [c for c in listed(args.codecs) if c not in CODECS]
     if bad_codecs:
         raise SystemExit(f"unknown codec(s) {', '.join(bad_codecs)}; known: {', '.join(CODECS)}")
+    over_seeds = to_target_over_seeds(args, Path(args.over_seeds)) if args.over_seeds else None  # before training
     out = Path(args.out)
     cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only)
     machine = machine_info()
@@ -384,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         "to_target": to_target(args, main_views),
         "codecs": codecs(args, cache, main_views),
         "dc_pfl": dc_pfl_modes(args, cache, main_views),
+        "to_target_over_seeds": over_seeds,
         "reference": {"dualfed_table8": DUALFED_TABLE8},
     }
     document["failures"] = cache.failures

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import scipy.linalg
 import torch
 from torch import nn
 
@@ -159,10 +160,16 @@ def stats_spec(num_classes: int, dim: int, mode: CovarianceMode, dtype: str) -> 
 
 
 def _low_rank(cov: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """F [d, r] with F F^T the best rank-r PSD part of `cov`, and the diagonal it leaves out."""
-    eigenvalues, eigenvectors = np.linalg.eigh(cov)
-    top = np.argsort(eigenvalues)[::-1][:rank]
-    factor = np.zeros((cov.shape[0], rank))
+    """F [d, r] with F F^T the best rank-r PSD part of `cov`, and the diagonal it leaves out.
+
+    Only the top r eigenpairs are computed (a partial LAPACK solve, several times faster than
+    the full one at d = 512), and none for the zero covariance of a class the device lacks."""
+    dim = cov.shape[0]
+    factor = np.zeros((dim, rank))
+    if not cov.any():
+        return factor, np.zeros(dim)
+    eigenvalues, eigenvectors = scipy.linalg.eigh(cov, subset_by_index=[max(0, dim - rank), dim - 1])
+    top = np.argsort(eigenvalues)[::-1]
     factor[:, : len(top)] = eigenvectors[:, top] * np.sqrt(np.clip(eigenvalues[top], 0.0, None))
     residual = np.clip(np.diag(cov) - (factor**2).sum(axis=1), 0.0, None)
     return factor, residual

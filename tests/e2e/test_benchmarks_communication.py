@@ -52,3 +52,58 @@ def test_communication_quick_writes_bytes_target_codecs_and_dc_pfl_modes(tmp_pat
     assert modes[("lowrank:4", "fp16")]["kb_up_per_device_round"] < modes[("full", "fp32")]["kb_up_per_device_round"]
     assert "| method |" in (tmp_path / "communication.md").read_text()
     assert (tmp_path / "communication_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _accuracy_run(algorithm: str, seed: int, curve: list[float], mb_up: float, mb_down: float) -> dict:
+    return {"algorithm": algorithm, "setting": "dir0.1@1", "seed": seed, "status": "ok",
+            "mb_up_per_round": mb_up, "mb_down_per_round": mb_down,
+            "curve": [[round_, mean] for round_, mean in enumerate(curve, start=1)]}
+
+
+def test_over_seeds_reads_rounds_and_mb_to_target_off_accuracy_curves(tmp_path):
+    # Prepare: an accuracy.py result with 4 devices; a round moves 2 MB up + 4 x 0.5 MB delivered
+    accuracy = {
+        "machine": {"code": "abc1234"}, "config": {"clients": 4},
+        "runs": [_accuracy_run("repper", 0, [0.5, 0.91, 0.95], 2.0, 0.5),
+                 _accuracy_run("repper", 1, [0.92, 0.93, 0.94], 2.0, 0.5),
+                 _accuracy_run("fedavg", 0, [0.3, 0.6, 0.89], 2.0, 0.5),
+                 {"algorithm": "fedavg", "setting": "dir0.1@1", "seed": 1, "status": "failed"},
+                 _accuracy_run("fedavg", 0, [0.95], 2.0, 0.5) | {"setting": "dir0.5@1"}],
+    }
+    source = tmp_path / "accuracy.json"
+    source.write_text(json.dumps(accuracy))
+    command = [sys.executable, "benchmarks/communication.py", "--cached-only", "--algorithms", "", "--codec-algorithms",
+               "", "--dc-modes", "", "--rounds", "3", "--cache", str(tmp_path / "runs"), "--over-seeds", str(source),
+               "--out", str(tmp_path / "out")]
+
+    # Execute
+    result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    # Assert
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads((tmp_path / "out" / "communication.json").read_text())["to_target_over_seeds"]
+    rows = {r["algorithm"]: r for r in table["rows"]}
+    assert set(rows) == {"fedavg", "repper"}
+    repper = rows["repper"]
+    assert repper["seeds"]["0"] == {"round": 2, "mb_total": 8.0, "best": 0.95}
+    assert repper["seeds"]["1"]["round"] == 1 and repper["seeds"]["1"]["mb_total"] == 4.0
+    assert repper["reached_on"] == 2 and repper["mb_total"]["mean"] == 6.0
+    fedavg = rows["fedavg"]
+    assert set(fedavg["seeds"]) == {"0"}  # the failed seed and the other setting left out
+    assert fedavg["seeds"]["0"]["round"] is None and fedavg["reached_on"] == 0
+    markdown = (tmp_path / "out" / "communication.md").read_text()
+    assert "| RepPer | 2, 8.00 | 1, 4.00 | 6.00 ± 2.00 |" in markdown
+    assert "| FedAvg | - (89.00) | not run | - |" in markdown
+
+
+def test_over_seeds_without_runs_of_the_setting_fails_before_training(tmp_path):
+    source = tmp_path / "accuracy.json"
+    source.write_text(json.dumps({"machine": {}, "config": {"clients": 4}, "runs": []}))
+    command = [sys.executable, "benchmarks/communication.py", "--algorithms", "fedavg", "--over-seeds", str(source),
+               "--cache", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+
+    result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    assert result.returncode != 0
+    assert "no finished runs of setting dir0.1@1" in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing trained

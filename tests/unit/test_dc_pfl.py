@@ -234,6 +234,22 @@ def test_lowrank_keeps_the_diagonal_and_is_exact_at_full_rank() -> None:
     np.testing.assert_allclose(full, covs, atol=1e-12)
 
 
+def test_lowrank_factor_is_the_top_eigenspace_and_zero_for_an_absent_class() -> None:
+    # Prepare: class 2 has no examples, so its covariance is zero
+    rng = np.random.default_rng(5)
+    counts, means, covs = class_statistics(rng.normal(size=(80, 12)), rng.integers(0, 2, size=80), 3)
+    mode = CovarianceMode("lowrank", 3)
+
+    # Execute
+    factor = encode_stats(counts, means, covs, mode, "float64")["cov_factor"]
+
+    # Assert: F F^T equals the rank-3 truncation of a full eigendecomposition
+    eigenvalues, eigenvectors = np.linalg.eigh(covs[0])
+    top = eigenvectors[:, -3:] * np.sqrt(eigenvalues[-3:])
+    np.testing.assert_allclose(factor[0] @ factor[0].T, top @ top.T, atol=1e-10)
+    assert not factor[2].any()
+
+
 # -- server-side validation -----------------------------------------------------------------------
 def _genuine_upload(hyper: Hyper = Hyper()) -> tuple[dict, int]:
     rng = np.random.default_rng(4)
@@ -253,17 +269,23 @@ def _set_negative_eigenvalue(cov: np.ndarray) -> None:
     cov[3, 0, 0] = -0.5
 
 
+def _set_indefinite_off_diagonal(cov: np.ndarray) -> None:
+    cov[4] = 0.0  # a zero matrix (skipped as PSD) but for one symmetric pair: eigenvalues +-1
+    cov[4, 0, 1] = cov[4, 1, 0] = 1.0
+
+
 @pytest.mark.parametrize(
     ("name", "change", "reason"),
     [
         ("cov", _set_negative_eigenvalue, Reason.MALFORMED),
+        ("cov", _set_indefinite_off_diagonal, Reason.MALFORMED),
         ("cov", lambda cov: cov[1].__setitem__((0, 1), cov[1, 0, 1] + 1.0), Reason.MALFORMED),
         ("means", lambda means: means.__setitem__((2, 5), np.nan), Reason.NON_FINITE),
         ("cov", lambda cov: cov.__setitem__((0, 0, 0), np.inf), Reason.NON_FINITE),
         ("counts", lambda counts: counts.__setitem__(0, counts[0] + 1), Reason.MALFORMED),
         ("counts", lambda counts: counts.__setitem__(1, -1), Reason.MALFORMED),
     ],
-    ids=["not-psd", "not-symmetric", "nan-mean", "inf-cov", "count-above-registered", "negative-count"],
+    ids=["not-psd", "indefinite-near-zero", "not-symmetric", "nan-mean", "inf-cov", "count-above-registered", "negative-count"],
 )
 def test_validate_update_rejects_bad_statistics(name: str, change, reason: Reason) -> None:
     # Prepare
