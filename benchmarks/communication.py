@@ -18,10 +18,11 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
    are already there).
 
 Runs are cached by fingerprint in --cache (shared with accuracy.py: with the same rounds and local
-epochs, part 2 reuses accuracy.py's dir0.1@1 seed-0 runs). Full run (a quiet 2-core machine: about
-half a day; --algorithms and friends run subsets against the same cache):
+epochs, part 2 reuses accuracy.py's dir0.1@1 runs of --seed). The run of benchmarks/README.md
+(107 minutes on a quiet 2-core machine; --algorithms and friends run subsets against the same cache):
 
-    python benchmarks/communication.py --rounds 20 --local-epochs 1 --target 0.9 --out benchmarks/results
+    python benchmarks/communication.py --rounds 15 --local-epochs 1 --codec-algorithms fedavg \
+        --dc-modes full/fp32,diag/fp16,lowrank:8/fp16 --over-seeds benchmarks/results/accuracy-fmnist-15rounds.json
 
 Quick smoke run (digits, fedavg and repper, 2 rounds, int8 uploads, two DC-PFL modes):
 
