@@ -324,8 +324,7 @@ def markdown(args, document: dict[str, Any]) -> str:
     if not codec["available"]:
         lines += ["## Upload codecs", "", codec["note"], ""]
     elif codec["rows"]:
-        lines += ["## Upload codecs", ""]
-        lines += [f"`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
+        lines += ["## Upload codecs", "", f"`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
                   f"{args.dataset}, {setting.label}, {args.rounds} rounds.", "",
                   "| method | codec | MB up / round | KB up / device-round | vs fp32 | accuracy | accuracy vs fp32 |",
                   "|---|---|---|---|---|---|---|"]
@@ -379,9 +378,10 @@ def over_seeds_markdown(table: dict[str, Any]) -> list[str]:
                 cells.append(f"- ({100 * cell['best']:.2f})")
             else:
                 cells.append(f"{cell['round']}, {cell['mb_total']:.2f}")
-        summary = row["mb_total"]
-        total = ("-" if summary["mean"] is None else f"{summary['mean']:.2f} ± {summary['std']:.2f}"
-                 + ("" if row["reached_on"] == len(row["seeds"]) else f" ({row['reached_on']} of {len(row['seeds'])} seeds)"))
+        summary, runs = row["mb_total"], len(row["seeds"])
+        total = "-" if summary["mean"] is None else f"{summary['mean']:.2f} ± {summary['std']:.2f}"
+        if 0 < row["reached_on"] < runs:
+            total += f" ({row['reached_on']} of {runs} seeds)"
         lines.append(f"| {NAMES[row['algorithm']]} | " + " | ".join(cells) + f" | {total} |")
     return lines + [""]
 

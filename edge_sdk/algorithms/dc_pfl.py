@@ -168,9 +168,8 @@ def _low_rank(cov: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     factor = np.zeros((dim, rank))
     if not cov.any():
         return factor, np.zeros(dim)
-    eigenvalues, eigenvectors = scipy.linalg.eigh(cov, subset_by_index=[max(0, dim - rank), dim - 1])
-    top = np.argsort(eigenvalues)[::-1]
-    factor[:, : len(top)] = eigenvectors[:, top] * np.sqrt(np.clip(eigenvalues[top], 0.0, None))
+    eigenvalues, eigenvectors = scipy.linalg.eigh(cov, subset_by_index=[max(0, dim - rank), dim - 1])  # ascending
+    factor[:, : len(eigenvalues)] = eigenvectors[:, ::-1] * np.sqrt(np.clip(eigenvalues[::-1], 0.0, None))
     residual = np.clip(np.diag(cov) - (factor**2).sum(axis=1), 0.0, None)
     return factor, residual
 

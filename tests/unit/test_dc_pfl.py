@@ -285,7 +285,8 @@ def _set_indefinite_off_diagonal(cov: np.ndarray) -> None:
         ("counts", lambda counts: counts.__setitem__(0, counts[0] + 1), Reason.MALFORMED),
         ("counts", lambda counts: counts.__setitem__(1, -1), Reason.MALFORMED),
     ],
-    ids=["not-psd", "indefinite-near-zero", "not-symmetric", "nan-mean", "inf-cov", "count-above-registered", "negative-count"],
+    ids=["not-psd", "indefinite-near-zero", "not-symmetric", "nan-mean", "inf-cov", "count-above-registered",
+         "negative-count"],
 )
 def test_validate_update_rejects_bad_statistics(name: str, change, reason: Reason) -> None:
     # Prepare
