@@ -11,8 +11,9 @@ Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unle
    on the device's train split; LG-FedAvg's body is personal and comes from
    `<run>/state/<device>/personal.msgpack`.
 3. Fig. 6, new clients: `--holdout` devices never train; their accuracy as the run reports it
-   (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedRep keeps an
-   untrained head), and the accuracy of an LR head the benchmark fits on the final body.
+   (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedPer and
+   FedRep fit their personal head on the frozen global body), and the accuracy of an LR head the
+   benchmark fits on the final body.
 4. The target of issue 5: on Dirichlet 0.1 with 20 devices, FedPer, FedRep, RepPer and DualFed
    beat FedAvg by >= 5 points at the same round budget.
 
@@ -539,9 +540,9 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
                   f"{holdout['holdout_clients']} of {holdout['clients']} devices never train (the last ids); "
                   f"{setting.label} among the others, {args.rounds} rounds. 'reported': the run's "
                   "`final.holdout_accuracy` (RepPer fits its personal head, FedAvg+FT fine-tunes the head, FedAvg "
-                  "deploys the global model, FedRep keeps its untrained initial head); 'LR head': a logistic "
-                  "regression the benchmark fits on the final body's features of each new device. Mean ± std "
-                  "over seeds (%).", "",
+                  "deploys the global model, FedPer and FedRep fit their personal head on the frozen global "
+                  "body); 'LR head': a logistic regression the benchmark fits on the final body's features of "
+                  "each new device. Mean ± std over seeds (%).", "",
                   "| method | new clients, reported | new clients, LR head | training devices |", "|---|---|---|---|"]
         for algorithm, cells in holdout["table"].items():
             lines.append(f"| {NAMES[algorithm]} | {pct(cells['holdout_accuracy'])} | {pct(cells['holdout_lr_head'])} "

@@ -7,17 +7,17 @@ are only ever trained locally).
 
 Up: the body's parameters after local training; down: their example-weighted mean (FedAvg).
 Deployed model: the global body with the client's own head (no global model exists, so no
-`global_accuracy`).
+`global_accuracy`). A device that has not trained yet fits its head on the frozen global body
+(10 epochs) before it is scored (`PersonalHeadDevice`).
 """
 
 from __future__ import annotations
 
-from .part_sharing import PartSharingDevice
+from .part_sharing import PersonalHeadDevice
 
 
-class FedPerDevice(PartSharingDevice):
+class FedPerDevice(PersonalHeadDevice):
     id = "fedper"
-    shared_parts = ("body",)
 
 
 DEVICE = FedPerDevice

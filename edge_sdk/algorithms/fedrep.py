@@ -11,7 +11,9 @@ device's data, evaluation mode), extracted once: `PartSharingDevice.train_head_o
 
 Up: the body's parameters after the body phase; down: their example-weighted mean (Eq. 4).
 Deployed model: the global body with the client's own head (no `global_accuracy`: there is no
-global head).
+global head). A device that has not trained yet (a new client) runs the head phase alone,
+`head_epochs` on the frozen global body, before it is scored (`PersonalHeadDevice`), as the
+paper's new clients learn only their heads.
 
 Defaults: the paper uses 10 local epochs for the head and a few for the representation
 (1 in its reference code). Here `head_epochs = 10` and `body_epochs` defaults to the run's
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Task
-from .part_sharing import PartSharingDevice
+from .part_sharing import PersonalHeadDevice
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,15 @@ class FedRepHyper:
             raise ValueError("momentum must be in [0, 1)")
 
 
-class FedRepDevice(PartSharingDevice):
+class FedRepDevice(PersonalHeadDevice):
     id = "fedrep"
     Hyper = FedRepHyper
-    shared_parts = ("body",)
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
         return super().optimizer(params, lr=self.hyper.lr, momentum=self.hyper.momentum)
+
+    def new_client_head_epochs(self) -> int:
+        return self.hyper.head_epochs
 
     def train_locally(self, task: Task) -> float:
         body_epochs = self.settings.local_epochs if self.hyper.body_epochs is None else self.hyper.body_epochs

@@ -166,3 +166,34 @@ class PartSharingDevice(DeviceAlgorithm):
         if self.deploys_global_model:
             metrics["global_accuracy"] = acc
         return metrics
+
+
+class PersonalHeadDevice(PartSharingDevice):
+    """A shared body with a personal head (FedPer, FedRep). A device that has not trained since
+    it started, a new client (held out of training, or not yet selected under partial
+    participation), first fits its head on the frozen global body and is then scored, as FedRep's
+    paper evaluates new clients: its head is still the random initialization, so scoring it as it
+    is would measure that initialization, not the shared representation. A device restarted from
+    its saved state does the same until it trains again, which adapts the saved head to the
+    current body."""
+
+    shared_parts = ("body",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = False
+
+    def new_client_head_epochs(self) -> int:
+        """Head epochs of a new client: 10, FedRep's tau_h default (FedRep uses its `head_epochs`)."""
+        return 10
+
+    def fit(self, task: Task) -> FitResult:
+        result = super().fit(task)
+        self.trained = True
+        return result
+
+    def evaluate(self, task: Task) -> dict[str, float]:
+        if not self.trained:
+            self.load_shared(task)
+            self.train_head_on_features(self.model, self.new_client_head_epochs(), self.generator(task.round))
+        return super().evaluate(task)

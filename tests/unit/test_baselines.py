@@ -338,6 +338,49 @@ def test_fedrep_rejects_bad_hyperparameters_naming_them(bad) -> None:
         from_mapping(load_device("fedrep").Hyper, bad, where="fedrep")
 
 
+# -- new clients of fedper and fedrep ---------------------------------------------------------------
+@pytest.mark.parametrize(("algorithm_id", "hyper", "head_epochs"),
+                         [("fedper", {}, 10), ("fedrep", {"head_epochs": 3}, 3)])
+def test_a_new_client_fits_its_head_on_the_frozen_global_body_before_it_is_scored(
+        algorithm_id, hyper, head_epochs, datas) -> None:
+    # Prepare: devices 0 and 1 train a round; device 2 never does (a held-out device), and a
+    # twin of it gets the expected head by hand
+    server = make_server(algorithm_id, **hyper)
+    play_round(server, [make_device(algorithm_id, d, i, **hyper) for i, d in enumerate(datas[:2])], 1)
+    new_client, reference = (make_device(algorithm_id, datas[2], 2, **hyper) for _ in range(2))
+    task = Task(1, server.eval_groups(), {"final": True})
+    reference.load_shared(task)
+    reference.train_head_on_features(reference.model, head_epochs, reference.generator(1))
+    untrained_head = {k: v.clone() for k, v in new_client.model.head.state_dict().items()}
+
+    # Execute
+    metrics = new_client.evaluate(task)
+
+    # Assert: the head moved from its initialization to the reference's; the body is the global one
+    assert metrics["accuracy"] == reference.test_accuracy(reference.model)
+    for name, value in new_client.model.state_dict().items():
+        torch.testing.assert_close(value, reference.model.state_dict()[name])
+    assert not all(torch.equal(v, untrained_head[k]) for k, v in new_client.model.head.state_dict().items())
+    for name, value in server.state[SHARED].items():
+        np.testing.assert_array_equal(new_client.model.state_dict()[name].numpy(), value)
+
+
+@pytest.mark.parametrize("algorithm_id", ["fedper", "fedrep"])
+def test_a_device_that_has_trained_is_scored_with_its_head_as_it_is(algorithm_id, datas) -> None:
+    # Prepare
+    server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
+    device = make_device(algorithm_id, datas[0], **FAST.get(algorithm_id, {}))
+    play_round(server, [device], 1)
+    personal = device.personal_state()
+
+    # Execute
+    device.evaluate(Task(1, server.eval_groups(), {"final": True}))
+
+    # Assert
+    for name, value in device.personal_state().items():
+        np.testing.assert_array_equal(value, personal[name])
+
+
 # -- fedavg_ft ------------------------------------------------------------------------------------
 def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone(datas) -> None:
     # Prepare: twin devices; only one evaluates (and fine-tunes) between the rounds
