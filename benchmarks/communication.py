@@ -324,7 +324,8 @@ def markdown(args, document: dict[str, Any]) -> str:
     if not codec["available"]:
         lines += ["## Upload codecs", "", codec["note"], ""]
     elif codec["rows"]:
-        lines += ["## Upload codecs", "", f"`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
+        lines += ["## Upload codecs", "",
+                  "`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
                   f"{args.dataset}, {setting.label}, {args.rounds} rounds.", "",
                   "| method | codec | MB up / round | KB up / device-round | vs fp32 | accuracy | accuracy vs fp32 |",
                   "|---|---|---|---|---|---|---|"]

@@ -18,7 +18,7 @@ from coordinator.algorithms.repper import RepPerServer
 from edge_sdk import wire
 from edge_sdk.algorithms.base import FitResult, Task, TrainSettings
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.algorithms.repper import Hyper, RepPerDevice
+from edge_sdk.algorithms.repper import Hyper, RepPerDevice, fit_torch_head
 from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import DATASETS, ClientData, load_client_data
 from edge_sdk.models import statistics_keys
@@ -116,6 +116,34 @@ def test_every_head_kind_predicts(head: str) -> None:
     # Assert
     assert device.head is not None
     assert 0.5 < metrics["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_torch_head_learns_the_same_whatever_the_scale_of_each_feature(kind: str) -> None:
+    # Prepare: features whose dimensions differ in scale by up to 10^4 and in offset, one of
+    # them constant (a dead unit), and the same features with every dimension rescaled
+    rng = np.random.default_rng(0)
+    labels = torch.from_numpy(rng.integers(0, 3, size=90))
+    features = torch.from_numpy(rng.normal(size=(90, 6)).astype(np.float32))
+    features[:, 0] += 2.0 * labels  # the informative dimension
+    features[:, 5] = 4.0  # constant on the training split
+    scale = torch.tensor([1e-2, 1e2, 1.0, 3e1, 1e-1, 5.0])
+    offset = torch.tensor([5.0, -3.0, 0.0, 1e2, 2.0, 0.0])
+    fit = dict(hidden=8, epochs=3, batch_size=16, lr=0.05, seed=1)
+
+    # Execute
+    head = fit_torch_head(kind, features, labels, 3, **fit)
+    rescaled_head = fit_torch_head(kind, features * scale + offset, labels, 3, **fit)
+
+    # Assert: the same logits on the same (raw, rescaled) inputs; the constant dimension is ignored
+    probe = features.clone()
+    probe[:, 5] = -7.0  # a value the training split never had
+    with torch.no_grad():
+        torch.testing.assert_close(head(probe), rescaled_head(probe * scale + offset), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(head(probe), head(features), rtol=1e-5, atol=1e-5)
+    first = head if isinstance(head, nn.Linear) else head[0]
+    assert torch.all(first.weight[:, 5] == 0)
+    assert not head.training
 
 
 def test_a_single_class_device_still_gets_a_numpy_head() -> None:
