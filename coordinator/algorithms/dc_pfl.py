@@ -38,7 +38,7 @@ from edge_sdk.algorithms.dc_pfl import (
     stats_spec,
 )
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.models import build_body
+from edge_sdk.models import build_body, seeded_init
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
@@ -124,8 +124,7 @@ class DcPflServer(ServerAlgorithm):
 
     # -- state and what travels --------------------------------------------------------------
     def initial_state(self) -> dict[str, ArrayGroup]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.context.seed)
+        with seeded_init(self.context.seed):
             head = nn.Linear(self.dim, self.num_classes)
         means = {
             "means": np.zeros((self.num_classes, self.dim), np.float32),

@@ -47,7 +47,7 @@ from torch import nn
 from ..augment import two_views
 from ..data import DatasetMeta
 from ..losses import supcon_loss
-from ..models import build_body
+from ..models import build_body, seeded_init
 from ..training import LossFn, accuracy, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
 from .part_sharing import SHARED, PartSharingDevice
@@ -115,8 +115,7 @@ def ensemble(global_logits: torch.Tensor, personal_logits: torch.Tensor, mode: s
 
 def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> DualFedNet:
     """The same initial network on every device and on the server for the run's seed."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_init(seed):
         body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
         hidden = hyper.projector_hidden or max(1, feature_dim // 2)
         return DualFedNet(body, feature_dim, meta.num_classes, hidden)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import DatasetMeta
-from ..models import build_model
+from ..models import build_model, seeded_init
 from ..training import LossFn, accuracy, eval_mode
 from .base import Task
 from .part_sharing import PartSharingDevice
@@ -84,8 +84,7 @@ def seeded_body(model: str, meta: DatasetMeta, seed: int) -> tuple[nn.Module, in
 
 def shared_head(feature_dim: int, capacity: int, num_classes: int, seed: int) -> nn.Linear:
     """The classifier on R^D, D = (capacity + 1) d, from the federation seed."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_init(seed):
         return nn.Linear((capacity + 1) * feature_dim, num_classes)
 
 

@@ -58,7 +58,7 @@ from torch import nn
 from ..augment import two_views
 from ..data import DatasetMeta
 from ..losses import supcon_loss
-from ..models import build_body
+from ..models import build_body, seeded_init
 from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
 from .part_sharing import SHARED, PartSharingDevice
@@ -120,8 +120,7 @@ SHARED_PARTS = ("body", "projector")
 
 def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> RepPerNet:
     """The same initial network on every device and on the server for the run's seed."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_init(seed):
         body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
         return RepPerNet(body, feature_dim, hyper.projection_dim)
 
@@ -150,8 +149,7 @@ def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, clas
     mean = features.mean(0)
     scale = features.std(0)
     inverse_scale = torch.where(scale > CONSTANT_FEATURE_STD, scale, torch.inf).reciprocal()  # 0 where constant
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_init(seed):
         head = _torch_head(kind, features.shape[1], classes, hidden).to(features.device)
     head.train()
     run_epochs(cross_entropy_loss(head), torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9),

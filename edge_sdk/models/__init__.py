@@ -8,7 +8,9 @@ statistics (found by module type with `statistics_keys`) as personal.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ __all__ = [
     "count_parameters",
     "default_model_for",
     "part_keys",
+    "seeded_init",
     "state_nbytes",
     "statistics_keys",
 ]
@@ -89,13 +92,28 @@ class PartedNet(nn.Module):
         return self.head(self.body(x))
 
 
+_SEEDED_INIT = threading.RLock()
+"""Serializes seeded initializations: torch's global RNG is one per process, so two threads
+seeding and drawing from it at once (devices run as threads of one process) would interleave
+their draws and build different weights."""
+
+
+@contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Initialize modules from `seed` inside the block: the same weights in every thread and
+    process for the same seed, and the caller's global random state left untouched."""
+    with _SEEDED_INIT, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def build_model(
     name: str, *, in_channels: int, num_classes: int, image_size: int, seed: int | None = None
 ) -> PartedNet:
     """Build model `name` with a linear head for `num_classes`.
 
-    With `seed`, initialization is deterministic (every client can start from the same weights)
-    and runs under a forked RNG, so the caller's global random state is left untouched.
+    With `seed`, initialization is deterministic (every client can start from the same weights):
+    `seeded_init`.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be positive, got {num_classes}")
@@ -107,8 +125,7 @@ def build_model(
     if seed is None:
         model = make()
     else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_init(seed):
             model = make()
     logger.debug("built %s: %d parameters, seed %s", name, count_parameters(model), seed)
     return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,29 @@ def test_seeded_builds_are_reproducible_and_seed_dependent(name: str) -> None:
     assert torch.equal(torch.random.get_rng_state(), global_before)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_seeded_builds_in_concurrent_threads_get_the_same_weights() -> None:
+    # Prepare: devices of one process (threads) build their models at the same moment
+    threads = 6
+    start = threading.Barrier(threads)
+    built: list[dict[str, torch.Tensor]] = []
+
+    def build() -> None:
+        start.wait()
+        built.append(build_model("resnet18", in_channels=1, num_classes=10, image_size=28, seed=7).state_dict())
+
+    # Execute
+    workers = [threading.Thread(target=build) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+    # Assert
+    reference = build_model("resnet18", in_channels=1, num_classes=10, image_size=28, seed=7).state_dict()
+    assert len(built) == threads
+    assert all(torch.equal(state[k], reference[k]) for state in built for k in reference)
 
 
 @pytest.mark.parametrize(("name", "size", "allowed"), [("cnn8", 28, "8x8"), ("cnn28", 32, "28x28"), ("cnn32", 28, "32x32")])
