@@ -161,6 +161,10 @@ class PartSharingDevice(DeviceAlgorithm):
 
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)
+        return self.score()
+
+    def score(self) -> dict[str, float]:
+        """The deployed model's metrics on the device's test split."""
         acc = self.test_accuracy(self.model)
         metrics = {"accuracy": acc, "num_test": len(self.test_y)}
         if self.deploys_global_model:
@@ -193,7 +197,7 @@ class PersonalHeadDevice(PartSharingDevice):
         return result
 
     def evaluate(self, task: Task) -> dict[str, float]:
+        self.load_shared(task)
         if not self.trained:
-            self.load_shared(task)
             self.train_head_on_features(self.model, self.new_client_head_epochs(), self.generator(task.round))
-        return super().evaluate(task)
+        return self.score()

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..augment import two_views
 from ..data import DatasetMeta
+from ..lite.heads import CONSTANT_FEATURE_STD, fit_head
 from ..losses import supcon_loss
 from ..models import build_body, seeded_init
 from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
@@ -69,10 +70,6 @@ HeadKind = Literal["linear", "mlp", "svm", "lr", "mlp_sklearn"]
 
 FEATURE_BATCH = 512
 """Batch size for feature extraction (no gradients)."""
-
-CONSTANT_FEATURE_STD = 1e-6
-"""Feature dimensions whose standard deviation over the training split is at most this are
-constant (dead units): torch heads give them zero weights, as the numpy heads do."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +167,6 @@ LITE_HEADS = {"svm": "svm", "lr": "lr", "mlp_sklearn": "mlp"}
 def fit_lite_head(kind: str, features: np.ndarray, labels: np.ndarray, num_classes: int, *, hidden: int, seed: int):
     """A weak device's numpy head (`edge_sdk.lite.heads.fit_head`) for RepPer's head `kind`, one
     of `LITE_HEADS`; it has `predict(features)`."""
-    from ..lite.heads import fit_head
-
     return fit_head(LITE_HEADS[kind], features, labels, num_classes=num_classes, seed=seed, hidden=hidden)
 
 

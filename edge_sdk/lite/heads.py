@@ -55,6 +55,9 @@ C = 1.0
 SVM_MAX_STEPS = 100
 LR_TOLERANCE, LR_MAX_STEPS, LR_MEMORY = 1e-5, 2000, 50
 MLP_ALPHA, MLP_LR, MLP_BATCH, MLP_MAX_EPOCHS, MLP_TOLERANCE, MLP_PATIENCE = 1e-3, 1e-3, 200, 300, 1e-4, 10
+CONSTANT_FEATURE_STD = 1e-6
+"""Feature dimensions whose standard deviation over the training split is at most this are
+constant (dead units): heads give them zero weights (RepPer's torch heads too)."""
 
 Prototypes = tuple[np.ndarray, np.ndarray]
 """(counts int64 [C], means float32 [C, d]): examples and mean feature per class."""
@@ -167,7 +170,7 @@ def fit_head(
         return _fit_ncm(features, labels, num_classes, prototypes)
     mean = features.mean(0, dtype=np.float64)
     scale = features.std(0, dtype=np.float64)
-    live = scale > 1e-6  # constant features (dead units) get zero weights
+    live = scale > CONSTANT_FEATURE_STD
     if kind == "svm":
         scale = scale * np.sqrt(features.shape[1])  # rows of norm ~1 (see the module docstring)
     standardized = (features[:, live] - mean[live]) / scale[live]
