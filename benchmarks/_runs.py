@@ -6,9 +6,11 @@ imported as `_runs` from the script's own folder; nothing in the package imports
 - `Setting`: a data setting by name: `dir0.1` (Dirichlet alpha 0.1), `shards2` (2 classes per
   device), `domains`, `iid`; with `@<fraction>` for the participation (`dir0.1@0.2`).
 - `bench_config(...)`: a `RunConfig` with what every benchmark run needs on top of the defaults:
-  every selected device must reply before a round is aggregated (`min_clients` = all, a long
-  `round_timeout`), because the CLI's quorum defaults (1 reply + 10 s grace) close heavy rounds
-  early and would silently drop slow devices from the numbers.
+  every selected device must answer before a round is aggregated (a quorum grace as long as
+  the `round_timeout`, an hour), because the CLI's quorum defaults (1 reply + 10 s grace) close
+  heavy rounds early and would silently drop slow devices from the numbers. An update the
+  coordinator rejects (a device whose training diverged uploads NaN) is that device's answer:
+  the round aggregates the others' updates.
 - `RunCache`: runs a `RunConfig` through `coordinator.simulate.run_simulation` in a folder named
   by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
@@ -33,6 +35,7 @@ from typing import Any
 
 from coordinator.config import RunConfig
 from coordinator.simulate import run_simulation
+from edge_sdk.protocol import Reason
 
 log = logging.getLogger("benchmarks")
 
@@ -106,20 +109,25 @@ class Setting:
 
 
 def bench_config(**fields: Any) -> RunConfig:
-    """A RunConfig for a benchmark run: all selected devices must reply, rounds never time out
+    """A RunConfig for a benchmark run: all selected devices must answer, rounds never time out
     in practice, two device workers, and a test for every `RunConfig` field asked for."""
     known = {f.name for f in dataclasses.fields(RunConfig)}
     missing = sorted(set(fields) - known)
     if missing:
         raise ValueError(f"this checkout's RunConfig has no field {', '.join(missing)}")
-    defaults = {"workers": 2, "round_timeout": 3600.0, "quorum_grace": 0.0, "registration_timeout": 600.0}
+    defaults = {"workers": 2, "round_timeout": 3600.0, "min_clients": 1, "registration_timeout": 600.0}
     merged = {**defaults, **fields}
-    merged.setdefault("min_clients", merged.get("clients", RunConfig.clients))
+    merged.setdefault("quorum_grace", merged["round_timeout"])
     return RunConfig(**merged)
 
 
 def has_field(name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def diverged_in(record: dict[str, Any]) -> int:
+    """A round record's updates rejected as non-finite (devices whose training diverged)."""
+    return record.get("rejections", {}).get(Reason.NON_FINITE.value, 0)
 
 
 # -- a run, cut at the rounds asked for -----------------------------------------------------
@@ -150,6 +158,11 @@ class RunView:
             return {"mean": final["mean"], "std": final["std"], "min": final["min"]}
         record = self.records[-1]["personalized_accuracy"] or {}
         return {"mean": record.get("mean"), "std": record.get("std"), "min": record.get("min")}
+
+    @property
+    def diverged_updates(self) -> int:
+        """Updates the coordinator rejected as non-finite: a device whose training diverged."""
+        return sum(diverged_in(r) for r in self.records)
 
     def best_mean(self) -> float | None:
         means = [r["personalized_accuracy"]["mean"] for r in self.records if r["personalized_accuracy"]]
@@ -298,9 +311,12 @@ class RunCache:
     def _checked(self, view: RunView) -> RunView | None:
         """The view, or None when the run is not a clean measurement (a device missing from a
         round, no final accuracy): then its folder is moved aside to `<name>.failed-<time>` so
-        that the next invocation starts it afresh instead of resuming a broken run."""
+        that the next invocation starts it afresh instead of resuming a broken run. A device
+        whose update was rejected as non-finite is not missing: its training diverged, which is
+        the algorithm's result (counted in `diverged_updates`)."""
         problems = [f"round {r['round']}: {r['participants']} of {r['selected']} devices replied ({r['outcome']})"
-                    for r in view.records if r["participants"] < r["selected"]]
+                    for r in view.records
+                    if r["participants"] + diverged_in(r) < r["selected"]]
         if view.personalized()["mean"] is None:
             problems.append("no personalized accuracy")
         if not problems:

@@ -278,6 +278,7 @@ def run_grid(args, cache: RunCache, algorithms, settings, seeds) -> tuple[list[d
                     "global_accuracy": view.global_accuracy(),
                     "mb_up_per_round": traffic["up_train"] / 1e6, "mb_down_per_round": traffic["down_train"] / 1e6,
                     "round_seconds": view.run_seconds(), "wall_seconds": view.seconds,
+                    "diverged_updates": view.diverged_updates,
                     "cached": view.cached, "run": view.out.name, "curve": curve(view),
                 })
                 log.info("[%d/%d] %s %s seed %d: %.4f%s", done, total, algorithm, setting.name, seed,
@@ -556,6 +557,12 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
         lines += [f"Merged from `{source['file']}` ({source['date']}, command `{source['command']}`): runs "
                   + (", ".join(f"{NAMES[a]} {Setting.parse(s).label} seed {seed}" for a, s, seed in source["runs"])
                      or "none") + f"; {len(source['head_runs'])} heads row(s).", ""]
+    diverged = [r for r in document["runs"] if r.get("diverged_updates")]
+    if diverged:
+        lines += ["Devices whose training diverged (their updates were rejected as non-finite, and each such "
+                  "round aggregated the other devices'): " + "; ".join(
+                      f"{NAMES[r['algorithm']]} {Setting.parse(r['setting']).label} seed {r['seed']}: "
+                      f"{r['diverged_updates']} update(s)" for r in diverged) + ".", ""]
     if document["failures"]:
         lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
     machine = document["machine"]

@@ -1,8 +1,9 @@
 """The round state machine: who is selected, which replies count, when a round is over.
 
 Pure logic with an injected clock, so quorum, deadline, stale and duplicate handling are unit
-tested without a broker. A round is over when every selected device still online replied, or
-when a quorum replied and the grace period since the quorum passed, or at the deadline.
+tested without a broker. A round is over when every selected device still online answered (a
+reply that was rejected is an answer: the device sends no other), or when a quorum replied and
+the grace period since the quorum passed, or at the deadline.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def select_clients(available: list[str], fraction: float, seed: int, round_: int
 
 class Outcome(str, Enum):
     OPEN = "open"
-    COMPLETE = "complete"  # every selected device that stayed online replied
+    COMPLETE = "complete"  # every selected device that stayed online answered
     QUORUM = "quorum"  # a quorum replied and the grace period passed
     DEADLINE = "deadline"  # the deadline passed
 
@@ -46,6 +47,7 @@ class RoundCollector:
     deadline: float
     grace: float
     replied: dict[str, str] = field(default_factory=dict)  # client id -> message id
+    refused: dict[str, str] = field(default_factory=dict)  # client id -> id of its rejected reply
     offline: set[str] = field(default_factory=set)
     quorum_at: float | None = None
 
@@ -55,20 +57,29 @@ class RoundCollector:
             return Reason.NOT_SELECTED
         if client_id in self.replied:
             return Reason.DUPLICATE if self.replied[client_id] == msg_id else Reason.CONFLICTING_REPLY
+        if self.refused.get(client_id) == msg_id:
+            return Reason.DUPLICATE
         return None
 
     def accept(self, client_id: str, msg_id: str, now: float) -> None:
         self.replied[client_id] = msg_id
+        self.refused.pop(client_id, None)
         self.offline.discard(client_id)
         if self.quorum_at is None and len(self.replied) >= self.min_replies:
             self.quorum_at = now
+
+    def refuse(self, client_id: str, msg_id: str) -> None:
+        """The device's reply was rejected: it counts for no quorum and is not waited for, but
+        another reply from it (a new message id) may still be accepted."""
+        self.refused[client_id] = msg_id
+        self.offline.discard(client_id)
 
     def mark_offline(self, client_id: str) -> None:
         if client_id in self.selected and client_id not in self.replied:
             self.offline.add(client_id)
 
     def outcome(self, now: float) -> Outcome:
-        waiting = self.selected - set(self.replied) - self.offline
+        waiting = self.selected - set(self.replied) - set(self.refused) - self.offline
         if not waiting and self.replied:
             return Outcome.COMPLETE
         if self.quorum_at is not None and now >= self.quorum_at + self.grace:

@@ -306,6 +306,11 @@ class Coordinator:
             return False
         return True
 
+    def _refuse(self, envelope: Envelope, collector: RoundCollector, reason: Reason, detail: str) -> None:
+        """Reject a device's answer to the open request; it sends no other, so it is not waited for."""
+        self.channel.reject(reason, detail)
+        collector.refuse(envelope.sender, envelope.msg_id)
+
     # -- one round -------------------------------------------------------------------------
     def _play_round(self, round_: int) -> None:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
@@ -378,7 +383,7 @@ class Coordinator:
             weight = check_update(envelope, spec, sent, registered, self.limits)
             self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
         except ProtocolError as err:
-            self.channel.reject(err.reason, f"update from {envelope.sender}: {err.detail}")
+            self._refuse(envelope, collector, err.reason, f"update from {envelope.sender}: {err.detail}")
             return
         self.algorithm.accumulate(envelope.sender, envelope.groups, envelope.metrics, weight)
         collector.accept(envelope.sender, envelope.msg_id, self.clock())
@@ -412,7 +417,7 @@ class Coordinator:
                 try:
                     statistics.check(envelope.groups.get(STATISTICS, {}))
                 except ProtocolError as err:
-                    self.channel.reject(err.reason, f"statistics from {envelope.sender}: {err.detail}")
+                    self._refuse(envelope, collector, err.reason, f"statistics from {envelope.sender}: {err.detail}")
                     return
                 statistics.add(envelope.groups[STATISTICS], self.registry.devices[envelope.sender].num_examples)
                 results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender)}
@@ -420,13 +425,14 @@ class Coordinator:
                 return
             accuracy = envelope.metrics.get("accuracy")
             if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
-                self.channel.reject(Reason.MALFORMED, f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
+                self._refuse(envelope, collector, Reason.MALFORMED,
+                             f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
                 return
             if prototypes is not None and PROTOTYPES in envelope.groups:
                 try:
                     prototypes.check(envelope.groups[PROTOTYPES], self.registry.devices[envelope.sender].num_examples)
                 except ProtocolError as err:
-                    self.channel.reject(err.reason, f"prototypes from {envelope.sender}: {err.detail}")
+                    self._refuse(envelope, collector, err.reason, f"prototypes from {envelope.sender}: {err.detail}")
                     return
                 prototypes.add(envelope.groups[PROTOTYPES])
             results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender),

@@ -314,7 +314,7 @@ class Federation:
     def state_dir(self, client_id: str) -> Path:
         return self.tmp_path / "state" / client_id
 
-    def start_device(self, index: int, clients: int, compute_lock=None) -> str:
+    def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None) -> str:
         from edge_sdk.client import EdgeClient
         from edge_sdk.data import load_client_data
 
@@ -322,7 +322,7 @@ class Federation:
         will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
         data = load_client_data("digits", num_clients=clients, index=index, seed=0)
         client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
-                            device="cpu", compute_lock=compute_lock or self.lock,
+                            device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
                             transport=self.broker.transport(client_id, will=will))
         thread = threading.Thread(target=client.run, args=(self.stop,), name=client_id, daemon=True)
         thread.start()
@@ -445,6 +445,26 @@ def test_a_device_killed_mid_round_is_not_waited_for(federation):
     assert (rounds[1]["selected"], rounds[1]["participants"], rounds[1]["outcome"]) == (2, 2, "complete")
     assert victim not in result["final"]["per_client"]
     assert rounds[0]["seconds"] < config.quorum_grace  # closed by the Last Will, not by the grace period
+
+
+def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
+    # Prepare: dev002 uploads NaN every round; the quorum is every selected device, so the
+    # rounds can only close as COMPLETE (all answered) or at the deadline
+    config = federation.config(min_clients=2, quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, attack="nan")
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each round closed as soon as the rejected device had answered, and aggregated the other two
+    rounds = report["rounds"]
+    assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 2, "complete")] * 2
+    assert [r["rejections"] for r in rounds] == [{"non_finite": 1}] * 2
+    assert all(r["seconds"] < config.round_timeout for r in rounds)
+    assert report["final"]["per_client"]["dev000"]["accuracy"] > 0.5, "the NaN upload leaked into the model"
 
 
 def test_a_run_whose_only_device_dies_still_finishes(federation):

@@ -103,6 +103,32 @@ def test_offline_device_is_not_waited_for():
     assert collector.outcome(3.0) is Outcome.COMPLETE
 
 
+def test_a_device_whose_reply_was_rejected_is_not_waited_for_and_not_counted():
+    # Prepare
+    collector = _collector(min_replies=3, grace=50.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=2.0)
+
+    # Execute
+    collector.refuse("c", "m-c")
+
+    # Assert
+    assert collector.outcome(3.0) is Outcome.COMPLETE
+    assert not collector.enough
+
+
+def test_a_rejected_reply_redelivered_is_a_duplicate_and_a_new_one_may_count():
+    # Prepare
+    collector = _collector()
+    collector.refuse("c", "m-c")
+
+    # Execute / Assert
+    assert collector.check("c", "m-c") is Reason.DUPLICATE
+    assert collector.check("c", "m-c2") is None
+    collector.accept("c", "m-c2", now=1.0)
+    assert collector.replied == {"c": "m-c2"} and collector.refused == {}
+
+
 def test_offline_marks_for_unselected_or_replied_devices_are_ignored():
     # Prepare
     collector = _collector()

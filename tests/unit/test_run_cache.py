@@ -22,9 +22,9 @@ def runs():
     return module
 
 
-def finished_report(rounds: int) -> dict:
-    record = {"round": rounds, "participants": 2, "selected": 2, "outcome": "complete", "seconds": 1.0,
-              "personalized_accuracy": {"mean": 0.9, "std": 0.0, "min": 0.9}}
+def finished_report(rounds: int, participants: int = 2, rejections: dict | None = None) -> dict:
+    record = {"round": rounds, "participants": participants, "selected": 2, "outcome": "complete", "seconds": 1.0,
+              "personalized_accuracy": {"mean": 0.9, "std": 0.0, "min": 0.9}, "rejections": rejections or {}}
     return {"rounds_completed": rounds, "rounds": [record],
             "final": {"personalized_accuracy": {"mean": 0.9, "std": 0.0, "min": 0.9}}}
 
@@ -52,3 +52,23 @@ def test_cached_only_reuses_finished_runs_and_lists_the_others_without_training(
 def test_fresh_and_cached_only_are_refused_together(runs, tmp_path):
     with pytest.raises(ValueError, match="exclude each other"):
         runs.RunCache(tmp_path, fresh=True, cached_only=True)
+
+
+@pytest.mark.parametrize("rejections, clean", [({"non_finite": 1}, True), ({}, False), ({"bad_shape": 1}, False)])
+def test_a_device_missing_from_a_round_is_a_failed_run_unless_its_training_diverged(runs, tmp_path, rejections,
+                                                                                   clean):
+    # Prepare: a finished run in which one of the two selected devices' updates did not count
+    cache = runs.RunCache(tmp_path, cached_only=True)
+    config = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
+    cache.folder(config).mkdir(parents=True)
+    (cache.folder(config) / "report.json").write_text(json.dumps(finished_report(3, 1, rejections)))
+
+    # Execute
+    view = cache.run(config)
+
+    # Assert: a diverged device is the algorithm's result, counted; any other gap moves the run aside
+    if clean:
+        assert view is not None and view.diverged_updates == 1 and cache.folder(config).exists()
+    else:
+        assert view is None and not cache.folder(config).exists()
+        assert len(list(tmp_path.glob(f"{cache.folder(config).name}.failed-*"))) == 1
