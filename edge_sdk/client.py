@@ -25,6 +25,7 @@ from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
+from .params import all_finite
 from .protocol import STATISTICS, Envelope, Kind
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
@@ -90,10 +91,17 @@ class EdgeClient(DeviceSession):
         if not self.current(envelope) or self.answered(envelope):
             return
         task = Task(envelope.round, envelope.groups, envelope.config)
+        before = self.algorithm.personal_state()
         with self._compute_lock, mixed_precision(self.amp):
             result = self.algorithm.fit(task)
-        self.rounds_trained = envelope.round
-        self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, self.algorithm.personal_state()))
+        personal = self.algorithm.personal_state()
+        if finite(personal) and all(finite(group) for group in result.groups.values()):
+            self.rounds_trained = envelope.round
+            self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, personal))
+        else:  # the update goes up all the same: the coordinator rejects and counts it, and stops waiting
+            log.warning("%s: training diverged in round %d (non-finite parameters); personal state of round %d kept",
+                        self.client_id, envelope.round, self.rounds_trained)
+            self.algorithm.load_personal_state(before)
         groups = codecs.encode(self.algorithm.settings.upload_codec, result.groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
@@ -113,3 +121,8 @@ class EdgeClient(DeviceSession):
         with self._compute_lock:
             metrics = self.algorithm.evaluate(task)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
+
+
+def finite(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every floating-point array holds only finite values."""
+    return all(all_finite(value) for value in arrays.values() if value.dtype.kind == "f")

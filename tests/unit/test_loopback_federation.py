@@ -19,6 +19,7 @@ from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, topic_matches
 from edge_sdk.protocol import Envelope, Kind, Topics
+from edge_sdk.store import PersonalStore
 
 FED = "unitfed"
 WAIT = 10.0  # seconds any single expected message may take
@@ -465,6 +466,25 @@ def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
     assert [r["rejections"] for r in rounds] == [{"non_finite": 1}] * 2
     assert all(r["seconds"] < config.round_timeout for r in rounds)
     assert report["final"]["per_client"]["dev000"]["accuracy"] > 0.5, "the NaN upload leaked into the model"
+
+
+def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(federation, caplog):
+    # Prepare: a learning rate no model survives; LG-FedAvg keeps a personal body on every device
+    config = federation.config(algorithm="lg_fedavg", lr=1e30, min_clients=1, quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    devices = [federation.start_device(i, 3) for i in range(3)]
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        report = coordinator.run()
+
+    # Assert: every update was rejected without waiting, and no device stored its diverged state
+    rounds = report["rounds"]
+    assert [(r["outcome"], r["rejections"]) for r in rounds] == [("aborted", {"non_finite": 3})] * 2
+    assert all(r["seconds"] < config.round_timeout for r in rounds)
+    assert "training diverged in round 1" in caplog.text
+    for device in devices:
+        assert PersonalStore(federation.state_dir(device)).load() is None, f"{device} saved a diverged state"
 
 
 def test_a_run_whose_only_device_dies_still_finishes(federation):
