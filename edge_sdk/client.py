@@ -25,7 +25,7 @@ from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
-from .params import all_finite
+from .params import floats_finite
 from .protocol import STATISTICS, Envelope, Kind
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
@@ -95,7 +95,7 @@ class EdgeClient(DeviceSession):
         with self._compute_lock, mixed_precision(self.amp):
             result = self.algorithm.fit(task)
         personal = self.algorithm.personal_state()
-        if finite(personal) and all(finite(group) for group in result.groups.values()):
+        if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):
             self.rounds_trained = envelope.round
             self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, personal))
         else:  # the update goes up all the same: the coordinator rejects and counts it, and stops waiting
@@ -121,8 +121,3 @@ class EdgeClient(DeviceSession):
         with self._compute_lock:
             metrics = self.algorithm.evaluate(task)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
-
-
-def finite(arrays: dict[str, np.ndarray]) -> bool:
-    """Whether every floating-point array holds only finite values."""
-    return all(all_finite(value) for value in arrays.values() if value.dtype.kind == "f")

@@ -86,5 +86,10 @@ def all_finite(array: np.ndarray) -> bool:
     return all(np.isfinite(values[part]).all() for part in blocks(values.size))
 
 
+def floats_finite(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether every floating-point array of a group holds only finite values."""
+    return all(all_finite(value) for value in arrays.values() if value.dtype.kind == "f")
+
+
 def nbytes(arrays: Mapping[str, np.ndarray]) -> int:
     return sum(a.nbytes for a in arrays.values())

@@ -449,8 +449,8 @@ def test_a_device_killed_mid_round_is_not_waited_for(federation):
 
 
 def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
-    # Prepare: dev002 uploads NaN every round; the quorum is every selected device, so the
-    # rounds can only close as COMPLETE (all answered) or at the deadline
+    # Prepare: dev002 uploads NaN every round; the quorum grace is as long as the timeout, so a
+    # round closes as COMPLETE (every device answered) or, after 30 s, at the deadline
     config = federation.config(min_clients=2, quorum_grace=30.0, round_timeout=30.0)
     coordinator = federation.coordinator(config)
     federation.start_device(0, 3)
