@@ -297,8 +297,18 @@ def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dic
     cells: dict[str, dict[str, list]] = {}
     for row in rows:
         if row["status"] == "ok":
-            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append(row[key]["mean"])
-    return {s: {a: mean_std(v) for a, v in algorithms.items()} for s, algorithms in cells.items()}
+            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append((row["seed"], row[key]["mean"]))
+    return {s: {a: {**mean_std([value for _, value in runs]), "seeds": sorted(seed for seed, _ in runs)}
+                for a, runs in algorithms.items()} for s, algorithms in cells.items()}
+
+
+def seeded_pct(cell: dict[str, Any] | None, seeds: list[int]) -> str:
+    """A table cell; one made of fewer runs than the table's seeds names its own, so that means over
+    different seed sets are not read as comparable."""
+    text = pct(cell)
+    if cell and cell.get("seeds") and cell["seeds"] != seeds:
+        text += f" (seed{'s' if len(cell['seeds']) > 1 else ''} {', '.join(map(str, cell['seeds']))})"
+    return text
 
 
 def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> list[dict]:
@@ -476,14 +486,14 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
         f"{args.dataset}, {args.clients} devices, model {document['config']['model']}, **{args.rounds} rounds x "
         f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
         f"{', '.join(map(str, seeds))} of the mean personalized accuracy over devices (%) at round {args.rounds} "
-        "(a cell without ± has one seed). C = fraction of devices per round. Over MQTT (every byte through the "
+        "(a cell over fewer seeds names them). C = fraction of devices per round. Over MQTT (every byte through the "
         "broker)." + hyper_note(document["config"].get("hyper", {})),
         "",
         "| method | " + " | ".join(s.label for s in settings) + " |",
         "|---|" + "---|" * len(settings),
     ]
     for algorithm in algorithms:
-        cells = [pct(acc.get(s.name, {}).get(algorithm)) for s in settings]
+        cells = [seeded_pct(acc.get(s.name, {}).get(algorithm), seeds) for s in settings]
         lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
     reference_column = next((i for i, s in enumerate(settings) if s.partition == "dirichlet" and s.alpha == 0.1
                              and s.fraction == 1.0), None)

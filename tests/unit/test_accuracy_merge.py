@@ -49,6 +49,7 @@ def test_merged_seeds_make_mean_and_std_and_this_invocation_wins(accuracy):
 
     cells = accuracy.table(rows)["dir0.1@1"]
     assert cells["fedavg"]["n"] == 3 and cells["fedavg"]["mean"] == pytest.approx(0.87)  # its seed 1 lost to ours
+    assert cells["fedavg"]["seeds"] == [0, 1, 2] and cells["fedrep"]["seeds"] == [0]
     assert cells["fedavg"]["std"] == pytest.approx((2 / 3) ** 0.5 / 100)
     assert cells["fedrep"]["n"] == 1 and "fedper" not in cells  # failed rows do not join
     assert [r.get("merged_from") for r in rows] == [None, None, "seed0.json", "seed0.json"]
@@ -126,10 +127,11 @@ def test_an_unreadable_or_foreign_file_is_refused(accuracy, tmp_path, content, m
         accuracy.load_earlier(str(path), CONFIG)
 
 
-def test_the_table_says_which_runs_were_merged_and_that_one_seed_has_no_std(accuracy):
+def test_the_table_says_which_runs_were_merged_and_names_the_seeds_of_a_cell_with_fewer(accuracy):
     args = accuracy.parse_args(["--settings", "dir0.1@1", "--seeds", "1", "--rounds", "15", "--holdout", "0"])
     rows = [{**run_row("fedavg", 1, 0.88), "curve": [[1, 0.5], [15, 0.88]]},
-            {**run_row("fedavg", 0, 0.86), "merged_from": "seed0.json"}]
+            {**run_row("fedavg", 0, 0.86), "merged_from": "seed0.json"},
+            {**run_row("fedrep", 1, 0.90), "curve": [[1, 0.5], [15, 0.90]]}]
     document = {"config": CONFIG, "runs": rows, "table": accuracy.table(rows), "heads": None, "holdout": None,
                 "target": {"description": "target", "evaluated": False, "why": "test"}, "failures": [],
                 "merged": [{"file": "seed0.json", "date": "d", "command": "c", "runs": [["fedavg", "dir0.1@1", 0]],
@@ -137,9 +139,10 @@ def test_the_table_says_which_runs_were_merged_and_that_one_seed_has_no_std(accu
                 "machine": {"cores": 2, "ram_gib": 1, "cpu_model": "x", "torch": "t", "load_average_at_start": [0],
                             "command": "c"}}
 
-    text = accuracy.markdown(args, document, [accuracy.Setting.parse("dir0.1@1")], ["fedavg"])
+    text = accuracy.markdown(args, document, [accuracy.Setting.parse("dir0.1@1")], ["fedavg", "fedrep"])
 
     assert "mean ± std over seeds 0, 1 " in text and "| FedAvg | 87.00 ± 1.00 |" in text
+    assert "| FedRep | 90.00 (seed 1) |" in text  # fewer seeds than the table's: named
     assert "Merged from `seed0.json` (d, command `c`): runs FedAvg Dir(0.1), C=1 seed 0; 0 heads row(s)." in text
     assert "; 1 merged run(s) from before these were kept are not in it." in text  # the seed-0 row has no curve
 
