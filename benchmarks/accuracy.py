@@ -293,13 +293,18 @@ def curve(view: RunView) -> list[list[float]]:
 
 
 def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dict[str, dict]]:
-    """setting -> algorithm -> mean ± std over seeds of the runs' mean accuracy."""
-    cells: dict[str, dict[str, list]] = {}
+    """setting -> algorithm -> mean ± std over seeds of the runs' mean accuracy, and those seeds."""
+    cells: dict[str, dict[str, list[dict]]] = {}
     for row in rows:
         if row["status"] == "ok":
-            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append((row["seed"], row[key]["mean"]))
-    return {s: {a: {**mean_std([value for _, value in runs]), "seeds": sorted(seed for seed, _ in runs)}
+            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append(row)
+    return {s: {a: {**mean_std([r[key]["mean"] for r in runs]), "seeds": sorted(r["seed"] for r in runs)}
                 for a, runs in algorithms.items()} for s, algorithms in cells.items()}
+
+
+def seed_list(seeds: list[int]) -> str:
+    """'0, 1, 2', as the tables name seeds."""
+    return ", ".join(map(str, seeds))
 
 
 def seeded_pct(cell: dict[str, Any] | None, seeds: list[int]) -> str:
@@ -307,7 +312,7 @@ def seeded_pct(cell: dict[str, Any] | None, seeds: list[int]) -> str:
     different seed sets are not read as comparable."""
     text = pct(cell)
     if cell and cell.get("seeds") and cell["seeds"] != seeds:
-        text += f" (seed{'s' if len(cell['seeds']) > 1 else ''} {', '.join(map(str, cell['seeds']))})"
+        text += f" (seed{'s' if len(cell['seeds']) > 1 else ''} {seed_list(cell['seeds'])})"
     return text
 
 
@@ -461,7 +466,7 @@ def target_cell(name: str, row: dict[str, Any], fedavg_seeds: list[int]) -> str:
     if row["delta"] is None:
         return f"{name} -"
     text = f"{name} {100 * row['delta']:+.2f}"
-    seeds = ", ".join(map(str, row["seeds"]))
+    seeds = seed_list(row["seeds"])
     if len(row["deltas"]) > 1:
         text += " (" + ", ".join(f"{100 * d:+.2f}" for d in row["deltas"]) + f" on seeds {seeds})"
     elif row["seeds"] != fedavg_seeds:
@@ -485,7 +490,7 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
         "",
         f"{args.dataset}, {args.clients} devices, model {document['config']['model']}, **{args.rounds} rounds x "
         f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
-        f"{', '.join(map(str, seeds))} of the mean personalized accuracy over devices (%) at round {args.rounds} "
+        f"{seed_list(seeds)} of the mean personalized accuracy over devices (%) at round {args.rounds} "
         "(a cell over fewer seeds names them). C = fraction of devices per round. Over MQTT (every byte through the "
         "broker)." + hyper_note(document["config"].get("hyper", {})),
         "",
@@ -513,7 +518,7 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
             deltas = ", ".join(target_cell(NAMES[a], r, result["fedavg_seeds"]) for a, r in result["rows"].items())
             verdict = "**met**" if result["met"] else ("**not met**" if result["complete"] else "incomplete")
             lines.append(f"- {Setting.parse(setting).label}, {args.rounds} rounds: FedAvg {100 * result['fedavg']:.2f} "
-                         f"(seeds {', '.join(map(str, result['fedavg_seeds']))}); points over FedAvg: {deltas} "
+                         f"(seeds {seed_list(result['fedavg_seeds'])}); points over FedAvg: {deltas} "
                          f"-> {verdict}")
     lines.append("")
 
