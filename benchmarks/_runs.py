@@ -97,11 +97,15 @@ class Setting:
         return f"{self.partition_name}@{self.fraction:g}"
 
     @property
+    def data_label(self) -> str:
+        """The partition alone, for the columns of a table per participation fraction, e.g. `Dir(0.1)`."""
+        return {"dirichlet": f"Dir({self.alpha:g})", "shards": f"{self.classes_per_client} cls/dev",
+                "domains": "domains", "iid": "IID"}[self.partition]
+
+    @property
     def label(self) -> str:
         """For table headers, e.g. `Dir(0.1), C=0.2`."""
-        data = {"dirichlet": f"Dir({self.alpha:g})", "shards": f"{self.classes_per_client} cls/dev",
-                "domains": "domains", "iid": "IID"}[self.partition]
-        return f"{data}, C={self.fraction:g}"
+        return f"{self.data_label}, C={self.fraction:g}"
 
     def fields(self) -> dict[str, Any]:
         return {"partition": self.partition, "alpha": self.alpha, "classes_per_client": self.classes_per_client,

@@ -2,8 +2,9 @@
 
 Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker):
 1. Table 2 layout: the mean personalized accuracy over devices at the last round, mean ± std over
-   seeds, for every algorithm (rows) under every setting (columns): Dirichlet alpha 0.1 and 0.5,
-   2 classes per device (shards), feature skew (domains); participation 0.2 and 1.0.
+   seeds, for every algorithm (rows) under every partition (columns: Dirichlet alpha 0.1 and 0.5,
+   2 classes per device (shards), feature skew (domains)), each beside its points over FedAvg on the
+   seeds both ran; one table per participation fraction (0.2 and 1.0).
 2. Table 3 layout: MLP, SVM and LR heads (the weak devices' numpy heads, through
    `edge_sdk.algorithms.repper.fit_lite_head`) fitted on each device's train features of the
    final body of FedAvg, LG-FedAvg, FedRep and RepPer, scored on its test split. Global bodies
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--grad-clip-norm", type=float, default=0.0,
+                        help="devices clip each local step's gradients to this L2 norm (0: off; such runs are "
+                             "cached apart)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=1,
                         help="evaluate every N rounds and after the last (runs with N > 1 are cached apart and "
@@ -135,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     args.hyper = parse_assignments(args.assignments)
+    if not (math.isfinite(args.grad_clip_norm) and args.grad_clip_norm >= 0):
+        raise SystemExit(f"--grad-clip-norm {args.grad_clip_norm}: zero (off) or a positive finite norm")
     return args
 
 
@@ -167,7 +174,7 @@ def listed(text: str) -> list[str]:
 def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed: int, **extra: Any):
     return bench_config(algorithm=algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-                        seed=seed, workers=args.workers, eval_every=args.eval_every,
+                        grad_clip_norm=args.grad_clip_norm, seed=seed, workers=args.workers, eval_every=args.eval_every,
                         hyper=dict(args.hyper.get(algorithm, {})), **setting.fields(), **extra)
 
 
@@ -292,19 +299,14 @@ def curve(view: RunView) -> list[list[float]]:
     return [[r["round"], r["personalized_accuracy"]["mean"]] for r in view.records if r["personalized_accuracy"]]
 
 
-def table(rows: list[dict], key: str = "personalized_accuracy") -> dict[str, dict[str, dict]]:
-    """setting -> algorithm -> mean ± std over seeds of the runs' mean accuracy, and those seeds."""
-    cells: dict[str, dict[str, list[dict]]] = {}
-    for row in rows:
-        if row["status"] == "ok":
-            cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], []).append(row)
-    return {s: {a: {**mean_std([r[key]["mean"] for r in runs]), "seeds": sorted(r["seed"] for r in runs)}
-                for a, runs in algorithms.items()} for s, algorithms in cells.items()}
-
-
 def seed_list(seeds: list[int]) -> str:
     """'0, 1, 2', as the tables name seeds."""
     return ", ".join(map(str, seeds))
+
+
+def seeds_named(seeds: list[int]) -> str:
+    """'seeds 0, 1' or 'seed 2'."""
+    return f"seed{'s' if len(seeds) > 1 else ''} {seed_list(seeds)}"
 
 
 def seeded_pct(cell: dict[str, Any] | None, seeds: list[int]) -> str:
@@ -312,8 +314,33 @@ def seeded_pct(cell: dict[str, Any] | None, seeds: list[int]) -> str:
     different seed sets are not read as comparable."""
     text = pct(cell)
     if cell and cell.get("seeds") and cell["seeds"] != seeds:
-        text += f" (seed{'s' if len(cell['seeds']) > 1 else ''} {seed_list(cell['seeds'])})"
+        text += f" ({seeds_named(cell['seeds'])})"
     return text
+
+
+def final_by_seed(rows: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
+    """setting -> algorithm -> seed -> the mean personalized accuracy at the last round, of the finished runs."""
+    final: dict[str, dict[str, dict[int, float]]] = {}
+    for row in rows:
+        if row["status"] == "ok" and row["personalized_accuracy"]["mean"] is not None:
+            final.setdefault(row["setting"], {}).setdefault(row["algorithm"], {})[row["seed"]] = (
+                row["personalized_accuracy"]["mean"])
+    return final
+
+
+def table(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """setting -> algorithm -> mean ± std over seeds of the runs' mean accuracy, and those seeds."""
+    return {setting: {algorithm: {**mean_std(list(by_seed.values())), "seeds": sorted(by_seed)}
+                      for algorithm, by_seed in algorithms.items()}
+            for setting, algorithms in final_by_seed(rows).items()}
+
+
+def over_fedavg(own: dict[int, float], fedavg: dict[int, float]) -> dict[str, Any]:
+    """A row minus FedAvg on each seed both ran, and the mean of those differences: seeds differ by several
+    points, so a row over fewer seeds is compared with FedAvg on its seeds, never with FedAvg's mean."""
+    seeds = sorted(set(own) & set(fedavg))
+    deltas = [own[seed] - fedavg[seed] for seed in seeds]
+    return {"seeds": seeds, "delta": sum(deltas) / len(deltas) if deltas else None, "deltas": deltas}
 
 
 def heads_experiment(views: dict[tuple, RunView], settings: list[Setting]) -> list[dict]:
@@ -342,15 +369,19 @@ def heads_table(per_run: list[dict]) -> dict[str, Any]:
     """The heads section of the JSON: its rows and setting -> algorithm -> head -> mean ± std over seeds."""
     cells: dict[str, dict[str, dict[str, list]]] = {}
     for row in per_run:
-        for name, value in {**row["heads"], "varying": row.get("varying_features")}.items():
+        measures = {**row["heads"], "in_run": row.get("in_run"), "varying": row.get("varying_features")}
+        for name, value in measures.items():
             cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], {}).setdefault(name, []).append(value)
     table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
     return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
 
 
 # -- runs of earlier invocations -----------------------------------------------------------------
-SHARED_CONFIG = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "lr", "model", "eval_every", "hyper")
+SHARED_CONFIG = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "lr", "grad_clip_norm", "model",
+                 "eval_every", "hyper")
 """Config keys on which two invocations must agree for their runs to share a table cell."""
+ADDED_CONFIG = {"hyper": {}, "grad_clip_norm": 0.0}
+"""Keys newer than some result files, and the value the runs of a file without them had."""
 
 
 def load_earlier(path: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +393,7 @@ def load_earlier(path: str, config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(document, dict) or document.get("benchmark") != "accuracy":
         raise SystemExit(f"--merge {path}: not a result of accuracy.py (no \"benchmark\": \"accuracy\")")
     for key in SHARED_CONFIG:
-        theirs, ours = document.get("config", {}).get(key, {} if key == "hyper" else None), config[key]
+        theirs, ours = document.get("config", {}).get(key, ADDED_CONFIG.get(key)), config[key]
         if theirs != ours:
             raise SystemExit(f"--merge {path}: config.{key} is {theirs!r} there and {ours!r} here; only runs "
                              "with the same training settings can share a table")
@@ -432,24 +463,16 @@ def target_check(args, rows: list[dict]) -> dict[str, Any]:
                    "(mean over the seeds both ran)")
     if args.dataset != "fmnist" or args.clients != 20:
         return {"description": description, "evaluated": False, "why": f"{args.dataset} with {args.clients} devices"}
-    final: dict[str, dict[str, dict[int, float]]] = {}  # setting -> algorithm -> seed -> accuracy
-    for r in rows:
-        if r["status"] == "ok" and r["setting"].startswith("dir0.1@"):
-            final.setdefault(r["setting"], {}).setdefault(r["algorithm"], {})[r["seed"]] = r["personalized_accuracy"]["mean"]
     results = {}
-    for setting, by_algorithm in final.items():
+    for setting, by_algorithm in final_by_seed(rows).items():
         fedavg = by_algorithm.get("fedavg")
-        if not fedavg:
+        if not setting.startswith("dir0.1@") or not fedavg:
             continue
         fedavg_seeds = sorted(fedavg)
         cells = {}
         for algorithm in TARGET_ALGORITHMS:
-            own = by_algorithm.get(algorithm, {})
-            seeds = sorted(set(own) & set(fedavg))
-            deltas = [own[seed] - fedavg[seed] for seed in seeds]
-            delta = sum(deltas) / len(deltas) if deltas else None
-            cells[algorithm] = {"seeds": seeds, "delta": delta, "deltas": deltas,
-                                "met": delta is not None and delta >= TARGET_MARGIN}
+            cell = over_fedavg(by_algorithm.get(algorithm, {}), fedavg)
+            cells[algorithm] = {**cell, "met": cell["delta"] is not None and cell["delta"] >= TARGET_MARGIN}
         results[setting] = {"fedavg": sum(fedavg.values()) / len(fedavg), "fedavg_seeds": fedavg_seeds,
                             "rows": cells, "met": all(c["met"] for c in cells.values()),
                             "complete": all(c["seeds"] == fedavg_seeds for c in cells.values())}
@@ -482,32 +505,67 @@ def hyper_note(hyper: dict[str, dict[str, str]]) -> str:
         f"{NAMES[a]} " + ", ".join(f"{k}={v}" for k, v in values.items()) for a, values in hyper.items()) + "."
 
 
+def participation_tables(document: dict[str, Any], settings: list[Setting], algorithms: list[str],
+                         dataset: str) -> list[str]:
+    """One table per participation fraction, two columns per partition: mean ± std over the seeds its header
+    names, and the points over FedAvg on the seeds both ran (over_fedavg). The C=1 table ends with PFLlib's
+    cited Dirichlet 0.1 figures when it has that column."""
+    acc, final = document["table"], final_by_seed(document["runs"])
+    lines = []
+    for fraction in dict.fromkeys(s.fraction for s in settings):
+        columns = [s for s in settings if s.fraction == fraction]
+        column_seeds = {s.name: sorted(set().union(*final.get(s.name, {}).values())) for s in columns}
+        lines += [f"**C={fraction:g}**", "",
+                  "| method (%) | " + " | ".join(f"{s.data_label}, {seeds_named(column_seeds[s.name])} | over FedAvg"
+                                                for s in columns) + " |",
+                  "|---|" + "---|---|" * len(columns)]
+        for algorithm in algorithms:
+            cells = []
+            for setting in columns:
+                by_algorithm = final.get(setting.name, {})
+                delta = over_fedavg(by_algorithm.get(algorithm, {}), by_algorithm.get("fedavg", {}))["delta"]
+                cells += [seeded_pct(acc.get(setting.name, {}).get(algorithm), column_seeds[setting.name]),
+                          "-" if algorithm == "fedavg" or delta is None else f"{100 * delta:+.2f}"]
+            lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
+        reference = next((i for i, s in enumerate(columns) if s.partition == "dirichlet" and s.alpha == 0.1), None)
+        if fraction == 1.0 and reference is not None and dataset == "fmnist":
+            cells = [""] * (2 * len(columns))
+            cells[2 * reference] = ", ".join(f"{method} {value:.2f}" for method, value in PFLLIB["accuracy"].items())
+            lines.append("| *PFLlib, 2,000 rounds (cited)* | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def heads_rows(heads: dict[str, Any], settings: list[Setting]) -> list[str]:
+    """The heads table: a row per body (algorithm and setting) with the seeds its heads were fitted on."""
+    seeds: dict[tuple[str, str], set[int]] = {}
+    for row in heads["runs"]:
+        seeds.setdefault((row["algorithm"], row["setting"]), set()).add(row["seed"])
+    lines = ["| body of | seeds | MLP | SVM | LR | in run | varying features |", "|---|---|---|---|---|---|---|"]
+    for setting in settings:
+        cells = heads["table"].get(setting.name, {})
+        for algorithm in (a for a in HEAD_ALGORITHMS if a in cells):
+            lines.append(f"| {NAMES[algorithm]}, {setting.label} | {seed_list(sorted(seeds[algorithm, setting.name]))} | "
+                         + " | ".join(pct(cells[algorithm][n]) for n in (*HEAD_KINDS, "in_run", "varying")) + " |")
+    return lines + [""]
+
+
 def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms: list[str]) -> str:
-    seeds = sorted({r["seed"] for r in document["runs"] if r["status"] == "ok"})
-    acc = document["table"]
     lines = [
         "## Personalized accuracy (RepPer Table 2 layout)",
         "",
         f"{args.dataset}, {args.clients} devices, model {document['config']['model']}, **{args.rounds} rounds x "
         f"{args.local_epochs} local epoch(s)**, batch {args.batch_size}, lr {args.lr}; mean ± std over seeds "
-        f"{seed_list(seeds)} of the mean personalized accuracy over devices (%) at round {args.rounds} "
-        "(a cell over fewer seeds names them). C = fraction of devices per round. Over MQTT (every byte through the "
-        "broker)." + hyper_note(document["config"].get("hyper", {})),
+        f"of the mean personalized accuracy over devices (%) at round {args.rounds} (a cell over fewer seeds than "
+        "its column names them); 'over FedAvg': the mean over the seeds both ran of the row's accuracy minus "
+        "FedAvg's, in points. C = fraction of devices per round. Over MQTT (every byte through the broker)."
+        + hyper_note(document["config"].get("hyper", {}))
+        + (f" Devices clip each local step's gradients to an L2 norm of {args.grad_clip_norm:g}."
+           if args.grad_clip_norm else ""),
         "",
-        "| method | " + " | ".join(s.label for s in settings) + " |",
-        "|---|" + "---|" * len(settings),
+        *participation_tables(document, settings, algorithms, args.dataset),
+        f"Cited row: {PFLLIB['source']}; {PFLLIB['setting']}. {PAPERS_NOTE}", "",
     ]
-    for algorithm in algorithms:
-        cells = [seeded_pct(acc.get(s.name, {}).get(algorithm), seeds) for s in settings]
-        lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
-    reference_column = next((i for i, s in enumerate(settings) if s.partition == "dirichlet" and s.alpha == 0.1
-                             and s.fraction == 1.0), None)
-    if reference_column is not None and args.dataset == "fmnist":
-        for method, value in PFLLIB["accuracy"].items():
-            cells = ["" for _ in settings]
-            cells[reference_column] = f"{value:.2f}"
-            lines.append(f"| *{method}, PFLlib, 2,000 rounds (cited)* | " + " | ".join(cells) + " |")
-    lines += ["", f"Cited rows: {PFLLIB['source']}; {PFLLIB['setting']}. {PAPERS_NOTE}", ""]
 
     target = document["target"]
     lines += ["### Target", "", f"{target['description']}: "]
@@ -531,23 +589,13 @@ def markdown(args, document: dict[str, Any], settings: list[Setting], algorithms
                   "BatchNorm statistics (recomputed on its train split); LG-FedAvg's body is the device's own. "
                   "'in run' is the algorithm's own personalized accuracy for comparison; 'varying features': "
                   "the share (%) of the body's feature dimensions that vary over a device's train split (a body "
-                  "whose ReLUs died has constant features, and its model predicts through the head's bias).", ""]
+                  "whose ReLUs died has constant features, and its model predicts through the head's bias). Every "
+                  "figure of a row is over the seeds it names.", ""]
         later = sorted({r["round_of_body"] for r in heads["runs"] if r["round_of_body"] != args.rounds})
         if later:
             lines += [f"Some bodies come from runs extended past {args.rounds} rounds (rounds {later}): "
                       "their heads sit on a later body than the accuracy table's.", ""]
-        for setting in settings:
-            cells = heads["table"].get(setting.name)
-            if not cells:
-                continue
-            lines += [f"**{setting.label}**, {args.rounds} rounds", "",
-                      "| method | MLP | SVM | LR | in run | varying features |", "|---|---|---|---|---|---|"]
-            for algorithm in HEAD_ALGORITHMS:
-                if algorithm in cells:
-                    lines.append(f"| {NAMES[algorithm]} | " + " | ".join(pct(cells[algorithm][n]) for n in HEAD_KINDS)
-                                 + f" | {pct(acc.get(setting.name, {}).get(algorithm))} "
-                                 f"| {pct(cells[algorithm]['varying'])} |")
-            lines.append("")
+        lines += heads_rows(heads, settings)
 
     holdout = document.get("holdout")
     if holdout:
@@ -636,7 +684,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model = run_config(args, algorithms[0], settings[0], seeds[0]).model_name
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "model": model,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr,
+              "grad_clip_norm": args.grad_clip_norm, "model": model,
               "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
               "eval_every": args.eval_every, "hyper": args.hyper, "workers": args.workers, "broker": args.broker or "embedded amqtt",
               "cache": args.cache, "quick": args.quick}

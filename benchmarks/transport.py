@@ -236,12 +236,14 @@ def _receiver_main(url: str, protocol: str, chunk_size: int, conn) -> None:
     channel = Channel(transport, Topics(FEDERATION), chunk_size=chunk_size)
     transport.subscribe(TOPIC)
     conn.send(("ready", transport.protocol))
+    # Counted from the end of the previous transfer, as the timers are: the sender starts as soon as the
+    # command is sent, and on a busy machine its first frames can arrive before this process reads it.
+    received0 = transport.counter.total("received")
     try:
         while True:
             command = conn.recv()
             if command[0] == "stop":
                 return
-            received0 = transport.counter.total("received")
             if command[0] == "raw":
                 _, frames, timeout = command
                 deadline = time.monotonic() + timeout
@@ -278,6 +280,7 @@ def _receiver_main(url: str, protocol: str, chunk_size: int, conn) -> None:
                 "dropped_incoming": transport.dropped_incoming,
             })
             timers.reset()
+            received0 = transport.counter.total("received")
             conn.send(result)
     finally:
         transport.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import socket
 import time
 
@@ -62,7 +63,8 @@ def make_broker(config: dict):
 
 
 def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -> None:
-    """Run amqtt until the process is stopped; `ready` (an Event) is set once it listens."""
+    """Run amqtt until the process is stopped. `ready`, the sending end of a Pipe, receives None
+    once it listens, or why it could not start (the port taken, say), and the process ends."""
     import asyncio
 
     logging.basicConfig(level=log_level)
@@ -77,20 +79,34 @@ def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -
 
     async def main() -> None:
         broker = make_broker(config)
-        await broker.start()
+        try:
+            await broker.start()
+        except Exception as exc:  # amqtt's BrokerError wraps the bind's OSError
+            if ready is None:
+                raise
+            ready.send(str(exc))
+            return
         if ready is not None:
-            ready.set()
+            ready.send(None)
         await asyncio.Event().wait()
 
     asyncio.run(main())
 
 
 class EmbeddedBroker:
-    """Context manager: an amqtt broker on a free loopback port; `url` says where."""
+    """Context manager: an amqtt broker on a free loopback port; `url` says where.
+
+    A free port is free when it is picked, not always when the broker binds it: on a busy machine
+    an outgoing connection can take it as its local port in between. A broker on a port it picked
+    itself then tries another (START_ATTEMPTS in all); one on a port it was given fails at once.
+    """
+
+    START_ATTEMPTS = 3
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 30.0):
         self.host = host
         self.port = port or free_port(host)
+        self.port_given = port is not None
         self.start_timeout = start_timeout
         self._process: multiprocessing.Process | None = None
 
@@ -104,17 +120,38 @@ class EmbeddedBroker:
         except ImportError:
             raise RuntimeError("the embedded broker needs amqtt: pip install 'edgepfl[broker]', "
                                "or pass --broker mqtt://host:port for an existing broker") from None
+        error = self._start_process()
+        for _ in range(0 if self.port_given else self.START_ATTEMPTS - 1):
+            if error is None:
+                break
+            log.info("embedded amqtt broker: could not start on port %d (%s); trying another port", self.port, error)
+            self.port = free_port(self.host)
+            error = self._start_process()
+        if error is not None:
+            raise RuntimeError(f"the embedded amqtt broker did not start on {self.url}: {error}")
+        log.info("embedded amqtt broker on %s", self.url)
+        return self
+
+    def _start_process(self) -> str | None:
+        """Start the broker process on self.port; None once it listens, else why not (it is then stopped)."""
         context = multiprocessing.get_context("spawn")
-        ready = context.Event()
-        self._process = context.Process(target=_serve, args=(self.host, self.port, ready,
+        receiver, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_serve, args=(self.host, self.port, sender,
                                                              logging.getLogger().getEffectiveLevel()),
                                         daemon=True, name="edgepfl-broker")
         self._process.start()
-        if not ready.wait(self.start_timeout):
+        sender.close()  # the child holds its own end: its exit ends the pipe
+        with receiver:
+            if multiprocessing.connection.wait([receiver, self._process.sentinel], self.start_timeout):
+                try:
+                    error = receiver.recv() if receiver.poll() else f"it exited (code {self._process.exitcode})"
+                except EOFError:
+                    error = "it exited before it listened"
+            else:
+                error = f"it did not listen within {self.start_timeout:g} s"
+        if error is not None:
             self.stop()
-            raise RuntimeError(f"the embedded amqtt broker did not start on {self.url}")
-        log.info("embedded amqtt broker on %s", self.url)
-        return self
+        return error
 
     def stop(self) -> None:
         if self._process is not None:

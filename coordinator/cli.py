@@ -62,6 +62,7 @@ RUN_FLAGS: list[tuple[str, type, str]] = [
     ("--upload-codec", str, "fp32 | fp16 | int8: how devices encode their uploads (changes from the broadcast)"),
     ("--amp", bool_flag, "automatic mixed precision on CUDA devices"),
     ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
+    ("--grad-clip-norm", float, "devices clip each local step's gradients to this L2 norm (0: off)"),
     ("--mqtt-protocol", str, "auto | 5 | 3.1.1"),
     ("--username", str, "MQTT username"),
     ("--password", str, "MQTT password"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,7 @@ class RunConfig:
     aggregation: str = "mean"
     trim_fraction: float = 0.2
     clip_norm: float = 0.0
+    grad_clip_norm: float = 0.0
     aggregation_dtype: str = "float32"
     release: bool = False
     lite_fraction: float = 0.0
@@ -117,6 +119,8 @@ class RunConfig:
             (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
             (self.max_examples >= 1, "max_examples", "at least 1"),
             (self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive"),
+            (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm",
+             "zero (off) or a positive finite norm"),
             (0 <= self.adversaries <= self.clients, "adversaries", "between 0 and clients"),
             (0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)"),
             (self.head in ("svm", "lr", "mlp", "ncm"), "head", "svm, lr, mlp or ncm"),
@@ -189,7 +193,7 @@ class RunConfig:
         `rounds` is left out so a finished run can be extended; so are paths, timeouts and how
         the run is executed.
         """
-        defining = {k: v for k, v in asdict(self).items() if k in _DEFINING}
+        defining = {k: v for k, v in asdict(self).items() if k in _DEFINING or (k in _DEFINING_IF_SET and v)}
         defining["model"] = self.model_name
         return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -199,6 +203,8 @@ _DEFINING = {
     "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
     "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack", "lite_fraction", "head", "upload_codec",
 }
+_DEFINING_IF_SET = {"grad_clip_norm"}
+"""Settings added after runs were cached: they define a run only when set, so runs made before keep their fingerprint."""
 
 
 def build_config(

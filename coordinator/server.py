@@ -261,6 +261,7 @@ class Coordinator:
                     "lr": self.config.lr,
                     "seed": self.config.seed,
                     "upload_codec": self.config.upload_codec,
+                    **({"grad_clip_norm": self.config.grad_clip_norm} if self.config.grad_clip_norm else {}),
                 },
             },
         )

@@ -29,7 +29,7 @@ from .params import floats_finite
 from .protocol import STATISTICS, Envelope, Kind
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
-from .training import mixed_precision
+from .training import gradient_clipping, mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class EdgeClient(DeviceSession):
             return
         task = Task(envelope.round, envelope.groups, envelope.config)
         before = self.algorithm.personal_state()
-        with self._compute_lock, mixed_precision(self.amp):
+        clipping = gradient_clipping(self.algorithm.settings.grad_clip_norm)
+        with self._compute_lock, mixed_precision(self.amp), clipping:
             result = self.algorithm.fit(task)
         personal = self.algorithm.personal_state()
         if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):

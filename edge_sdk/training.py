@@ -81,11 +81,14 @@ def run_epochs(
     """Minimize `loss_fn` over (x, y) for `epochs`; returns the mean loss of the last epoch.
 
     Inside `mixed_precision(True)` on a CUDA device the forward pass runs under autocast (fp16)
-    with a gradient scaler. The loss is summed on the device and read once per epoch, so the
+    with a gradient scaler; inside `gradient_clipping(c)` each step's gradients are scaled to an
+    L2 norm of at most c first. The loss is summed on the device and read once per epoch, so the
     loop does not synchronize with the GPU at every batch.
     """
     amp = _AMP.get() and x.device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if amp else None
+    max_norm = _GRAD_CLIP.get()
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
     mean_loss = float("nan")
     for _ in range(epochs):
         total, count = torch.zeros((), device=x.device), 0
@@ -95,10 +98,15 @@ def run_epochs(
                 loss = loss_fn(x[idx], y[idx])
             if scaler is not None:
                 scaler.scale(loss).backward()
+                if max_norm > 0:
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                    nn.utils.clip_grad_norm_(parameters, max_norm)
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 loss.backward()
+                if max_norm > 0:
+                    nn.utils.clip_grad_norm_(parameters, max_norm)
                 optimizer.step()
             total += loss.detach().float() * len(idx)
             count += len(idx)
@@ -118,6 +126,22 @@ def mixed_precision(enabled: bool):
         yield
     finally:
         _AMP.reset(token)
+
+
+_GRAD_CLIP: contextvars.ContextVar[float] = contextvars.ContextVar("edgepfl_grad_clip", default=0.0)
+
+
+@contextlib.contextmanager
+def gradient_clipping(max_norm: float):
+    """Within the block, `run_epochs` scales each step's gradients (all of the optimizer's
+    parameters together) to an L2 norm of at most `max_norm`; 0 leaves them alone. The run's
+    `grad_clip_norm`: one batch whose gradient explodes then moves the weights by at most lr x
+    max_norm (times the momentum's gain) instead of to infinity."""
+    token = _GRAD_CLIP.set(max_norm)
+    try:
+        yield
+    finally:
+        _GRAD_CLIP.reset(token)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ returns is persisted on the device only and never leaves it.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,6 +32,12 @@ class TrainSettings:
     lr: float
     seed: int
     upload_codec: str = "fp32"
+    grad_clip_norm: float = 0.0
+    """Local gradient-norm clipping (`training.gradient_clipping`); 0: off."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0):
+            raise ValueError(f"grad_clip_norm must be zero (off) or a positive finite norm, got {self.grad_clip_norm}")
 
 
 @dataclass

@@ -41,7 +41,7 @@ def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
     heads = document["heads"]["table"]["dir0.5@1"]
     assert set(heads) == {"fedavg", "repper"}
     for algorithm in heads.values():
-        assert set(algorithm) == {"MLP", "SVM", "LR", "varying"}
+        assert set(algorithm) == {"MLP", "SVM", "LR", "in_run", "varying"}
         assert all(0.3 < algorithm[n]["mean"] <= 1.0 for n in ("MLP", "SVM", "LR"))  # 10 classes: chance is 0.1
         assert 0.1 < algorithm["varying"]["mean"] <= 1.0  # a trained body; a dead one has ~0
     holdout = document["holdout"]
@@ -52,7 +52,7 @@ def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
         assert 0.0 <= row["holdout_accuracy"] <= 1.0
     assert document["target"]["evaluated"] is False
     markdown = (tmp_path / "accuracy.md").read_text()
-    assert "| method |" in markdown and "RepPer" in markdown
+    assert "| method (%) | Dir(0.5), seed 0 | over FedAvg |" in markdown and "| RepPer |" in markdown
     assert (tmp_path / "accuracy_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     again = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,

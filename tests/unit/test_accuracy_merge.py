@@ -21,7 +21,7 @@ def accuracy():
 
 
 CONFIG = {"dataset": "fmnist", "clients": 20, "rounds": 15, "local_epochs": 1, "batch_size": 32, "lr": 0.05,
-          "model": "cnn28", "eval_every": 1, "hyper": {}}
+          "grad_clip_norm": 0.0, "model": "cnn28", "eval_every": 1, "hyper": {}}
 
 
 def run_row(algorithm: str, seed: int, mean: float, status: str = "ok") -> dict:
@@ -80,13 +80,29 @@ def test_a_file_with_other_training_settings_is_refused_naming_the_key(accuracy,
 
 
 def test_runs_with_other_hyperparameters_are_refused_and_a_file_from_before_set_counts_as_defaults(accuracy, tmp_path):
-    other, before = tmp_path / "other.json", tmp_path / "before.json"
+    other, clipped, before = tmp_path / "other.json", tmp_path / "clipped.json", tmp_path / "before.json"
     other.write_text(json.dumps(earlier_document([], [], hyper={"fedrep": {"momentum": "0.5"}})))
-    before.write_text(json.dumps({**earlier_document([], []), "config": {k: v for k, v in CONFIG.items() if k != "hyper"}}))
+    clipped.write_text(json.dumps(earlier_document([], [], grad_clip_norm=5.0)))
+    before.write_text(json.dumps({**earlier_document([], []), "config": {
+        k: v for k, v in CONFIG.items() if k not in ("hyper", "grad_clip_norm")}}))
 
     with pytest.raises(SystemExit, match=r"config\.hyper is \{'fedrep': \{'momentum': '0.5'\}\} there and \{\} here"):
         accuracy.load_earlier(str(other), CONFIG)
+    with pytest.raises(SystemExit, match=r"config\.grad_clip_norm is 5.0 there and 0.0 here"):
+        accuracy.load_earlier(str(clipped), CONFIG)
     assert accuracy.load_earlier(str(before), CONFIG)["benchmark"] == "accuracy"
+
+
+def test_clipped_runs_are_cached_apart_and_a_bad_norm_is_refused(accuracy):
+    setting = accuracy.Setting.parse("shards2@0.2")
+    clipped = accuracy.run_config(accuracy.parse_args(["--grad-clip-norm", "5", "--holdout", "0"]), "lg_fedavg",
+                                  setting, 1)
+    default = accuracy.run_config(accuracy.parse_args(["--holdout", "0"]), "lg_fedavg", setting, 1)
+
+    assert clipped.grad_clip_norm == 5.0 and default.grad_clip_norm == 0.0
+    assert clipped.fingerprint() != default.fingerprint()
+    with pytest.raises(SystemExit, match="--grad-clip-norm -1.0: zero"):
+        accuracy.parse_args(["--grad-clip-norm", "-1"])
 
 
 def test_set_gives_one_algorithm_its_hyperparameters_and_a_run_folder_of_its_own(accuracy):
@@ -141,8 +157,8 @@ def test_the_table_says_which_runs_were_merged_and_names_the_seeds_of_a_cell_wit
 
     text = accuracy.markdown(args, document, [accuracy.Setting.parse("dir0.1@1")], ["fedavg", "fedrep"])
 
-    assert "mean ± std over seeds 0, 1 " in text and "| FedAvg | 87.00 ± 1.00 |" in text
-    assert "| FedRep | 90.00 (seed 1) |" in text  # fewer seeds than the table's: named
+    assert "| method (%) | Dir(0.1), seeds 0, 1 | over FedAvg |" in text and "| FedAvg | 87.00 ± 1.00 | - |" in text
+    assert "| FedRep | 90.00 (seed 1) | +2.00 |" in text  # fewer seeds than its column's: named, and over FedAvg's seed 1
     assert "Merged from `seed0.json` (d, command `c`): runs FedAvg Dir(0.1), C=1 seed 0; 0 heads row(s)." in text
     assert "; 1 merged run(s) from before these were kept are not in it." in text  # the seed-0 row has no curve
 
@@ -178,3 +194,28 @@ def test_the_target_compares_each_row_with_fedavg_on_the_seeds_both_ran(accuracy
     cells = [accuracy.target_cell(accuracy.NAMES[a], r, result["fedavg_seeds"]) for a, r in result["rows"].items()]
     assert cells == ["FedPer +3.33 (+8.00, +2.00, +0.00 on seeds 0, 1, 2)", "FedRep +5.00 (seed 0 only)",
                      "RepPer +7.67 (+7.00, +8.00, +8.00 on seeds 0, 1, 2)", "DualFed -"]
+
+
+def test_a_table_per_participation_fraction_with_points_over_fedavg_and_the_heads_with_their_seeds(accuracy):
+    args = accuracy.parse_args(["--settings", "dir0.1@1,domains@1,dir0.1@0.2", "--rounds", "15", "--holdout", "0"])
+    settings = [accuracy.Setting.parse(s) for s in ("dir0.1@1", "domains@1", "dir0.1@0.2")]
+    runs = [run_row("fedavg", 0, 0.80), run_row("fedavg", 1, 0.90), run_row("fedper", 0, 0.95),
+            run_row("fedper", 1, 0.96), {**run_row("fedavg", 0, 0.70), "setting": "domains@1"},
+            {**run_row("fedavg", 0, 0.60), "setting": "dir0.1@0.2"}, {**run_row("fedper", 2, 0.90), "setting": "dir0.1@0.2"}]
+    head_runs = [head_row("fedavg", 0, 0.96), {**head_row("fedavg", 1, 0.94), "varying_features": 0.5}]
+    document = {"config": CONFIG, "runs": runs, "table": accuracy.table(runs), "heads": accuracy.heads_table(head_runs),
+                "holdout": None, "target": {"description": "target", "evaluated": False, "why": "test"},
+                "failures": [], "merged": [], "machine": {"cores": 2, "ram_gib": 1, "cpu_model": "x", "torch": "t",
+                                                          "load_average_at_start": [0], "command": "c"}}
+
+    lines = accuracy.markdown(args, document, settings, ["fedavg", "fedper"]).splitlines()
+
+    c1 = lines.index("**C=1**")
+    assert lines[c1 + 2] == "| method (%) | Dir(0.1), seeds 0, 1 | over FedAvg | domains, seed 0 | over FedAvg |"
+    assert lines[c1 + 4] == "| FedAvg | 85.00 ± 5.00 | - | 70.00 | - |"
+    assert lines[c1 + 5] == "| FedPer | 95.50 ± 0.50 | +10.50 | - | - |"  # (15 + 6) / 2, seed by seed
+    assert lines[c1 + 6].startswith("| *PFLlib, 2,000 rounds (cited)* | FedAvg 85.85, FedPer 97.44,")
+    c02 = lines.index("**C=0.2**")
+    assert lines[c02 + 2] == "| method (%) | Dir(0.1), seeds 0, 2 | over FedAvg |"
+    assert lines[c02 + 5] == "| FedPer | 90.00 (seed 2) | - |"  # no seed in common with FedAvg: no difference
+    assert "| FedAvg, Dir(0.1), C=1 | 0, 1 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 | 50.00 |" in lines

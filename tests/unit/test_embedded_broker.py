@@ -59,3 +59,35 @@ def test_the_broker_uses_the_snapshot_table() -> None:
     broker = asyncio.run(build())
 
     assert isinstance(broker._subscriptions, SnapshotDict)
+
+
+@pytest.fixture
+def taken_port():
+    """A loopback port some other socket listens on."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_given_port_that_is_taken_fails_at_once_saying_why(taken_port) -> None:
+    from coordinator.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker(port=taken_port, start_timeout=60.0)
+
+    with pytest.raises(RuntimeError, match=f"did not start on mqtt://127.0.0.1:{taken_port}: .*address already in use"):
+        broker.start()  # told by the broker process, not by the 60 s timeout
+
+
+def test_a_picked_port_taken_before_the_broker_binds_it_is_replaced(taken_port, monkeypatch) -> None:
+    from coordinator import broker as module
+
+    picks = iter([taken_port])
+    real_free_port = module.free_port
+    monkeypatch.setattr(module, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
+
+    with module.EmbeddedBroker() as broker:
+        assert broker.port != taken_port
+        assert module.wait_for_port("127.0.0.1", broker.port, timeout=5.0)

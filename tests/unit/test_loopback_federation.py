@@ -487,6 +487,28 @@ def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(fed
         assert PersonalStore(federation.state_dir(device)).load() is None, f"{device} saved a diverged state"
 
 
+@pytest.mark.parametrize("grad_clip_norm", [0.0, 1e-4])
+def test_gradient_clipping_announced_in_welcome_keeps_a_too_large_lr_finite(federation, caplog, grad_clip_norm):
+    # Prepare: lr 1e4 throws LG-FedAvg's weights to infinity; clipped at 1e-4 a step moves them by about 1
+    config = federation.config(algorithm="lg_fedavg", lr=1e4, grad_clip_norm=grad_clip_norm, min_clients=1,
+                               quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        report = coordinator.run()
+
+    # Assert
+    if not grad_clip_norm:
+        assert report["rejections"].get("non_finite", 0) > 0 and "training diverged" in caplog.text
+        return
+    assert [r["outcome"] for r in report["rounds"]] == ["complete"] * 2
+    assert report["rejections"] == {} and "training diverged" not in caplog.text
+    assert all(0.0 <= c["accuracy"] <= 1.0 for c in report["final"]["per_client"].values())
+
+
 def test_a_run_whose_only_device_dies_still_finishes(federation):
     # Prepare: one device, parked in round 1 and killed; round 2 has nobody to select
     config = federation.config(clients=1, quorum_grace=15.0, round_timeout=30.0)
