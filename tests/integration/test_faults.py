@@ -188,10 +188,14 @@ def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_pa
     coordinator = start_coordinator(mosquitto.url, out, rounds=12, min_clients=2, round_timeout=30, local_epochs=4)
     try:
         watcher.wait_for_round(2)
+        # the coordinator is held while the device restarts: a restart slowed by a busy machine
+        # (CI saw one outlast ten rounds) must not let the run end before the device is back
+        coordinator.send_signal(signal.SIGSTOP)
         devices[2].send_signal(signal.SIGKILL)
         devices[2].wait(timeout=30)
         devices[2] = device_process(mosquitto.url, tmp_path, 2, 3, "-v")
         watcher.wait_for_hello("dev2")
+        coordinator.send_signal(signal.SIGCONT)
         rejoined_after = watcher.wait_for_round(0).round
 
         finish(coordinator)
@@ -199,6 +203,7 @@ def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_pa
         restarted_log = output_of(devices[2])
     finally:
         watcher.close()
+        coordinator.send_signal(signal.SIGCONT)
         for process in devices:
             process.kill()
 
