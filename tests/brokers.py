@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,18 @@ def require_mosquitto() -> str:
 
 
 class Mosquitto:
-    """A Mosquitto process on a free loopback port; `extra` lines are appended to its config."""
+    """A Mosquitto process on a free loopback port; `extra` lines are appended to its config.
+
+    A port picked here can be taken (by an outgoing connection's local port) before Mosquitto
+    binds it; Mosquitto then exits, and a port picked here is replaced (START_ATTEMPTS in all).
+    """
+
+    START_ATTEMPTS = 3
 
     def __init__(self, workdir: Path, extra: str = "", port: int | None = None):
         self.binary = require_mosquitto()
         self.port = port or free_port()
+        self.port_given = port is not None
         self.workdir = workdir
         self.extra = extra
         self.process: subprocess.Popen | None = None
@@ -44,6 +52,15 @@ class Mosquitto:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self) -> "Mosquitto":
+        for attempt in range(1 if self.port_given else self.START_ATTEMPTS):
+            if attempt:
+                self.port = free_port()
+            if self._start_process():
+                return self
+        raise RuntimeError(f"mosquitto did not start on port {self.port}; see {self.workdir / 'mosquitto.log'}")
+
+    def _start_process(self) -> bool:
+        """True once Mosquitto listens on self.port; False (and stopped) if it exited or timed out."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "mosquitto.conf"
         conf.write_text(
@@ -52,10 +69,12 @@ class Mosquitto:
         )
         self.process = subprocess.Popen([self.binary, "-c", str(conf)], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
-        if not wait_for_port("127.0.0.1", self.port, 15):
-            self.stop()
-            raise RuntimeError(f"mosquitto did not start on port {self.port}; see {self.workdir / 'mosquitto.log'}")
-        return self
+        deadline = time.monotonic() + 15
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if wait_for_port("127.0.0.1", self.port, 0.5):
+                return True
+        self.stop()
+        return False
 
     def stop(self) -> None:
         if self.process is not None:
