@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 
 from edge_sdk.channel import Channel
-from edge_sdk.data import DATASETS, load_client_data
+from edge_sdk.data import BUILTIN_TASKS, load_client_data
 from edge_sdk.lite import LiteClient, class_statistics
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
@@ -55,11 +55,11 @@ logging.basicConfig(level=logging.INFO)
 import numpy as np
 import edge_sdk.lite
 imported_on_import = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
-from edge_sdk.data import DATASETS, ClientData
+from edge_sdk.data import BUILTIN_TASKS, ClientData
 
 url, state_dir, data_path, out = sys.argv[1:5]
 with np.load(data_path) as arrays:  # the digits loader needs scikit-learn: the test process loads them
-    data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"], DATASETS["digits"])
+    data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"], BUILTIN_TASKS["digits"])
 client = edge_sdk.lite.LiteClient("dev2", data, head="lr", broker=url, federation="lite", state_dir=state_dir)
 client.run()
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
@@ -76,15 +76,15 @@ def representation(tmp_path_factory) -> bytes:
     from edge_sdk.models import build_body
     from export.onnx_export import export_module
 
-    meta = DATASETS["digits"]
+    task = BUILTIN_TASKS["digits"]
     torch.manual_seed(0)
-    body, feature_dim = build_body("cnn8", in_channels=meta.channels, image_size=meta.image_size)
-    metadata = {"input_shape": [meta.channels, meta.image_size, meta.image_size],
-                "normalization": {"mean": list(meta.mean), "std": list(meta.std)}, "feature_dim": feature_dim,
-                "class_names": list(meta.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
+    body, feature_dim = build_body("cnn8", in_channels=task.channels, image_size=task.input_shape[-1])
+    metadata = {"input_shape": list(task.input_shape),
+                "normalization": {"mean": list(task.mean), "std": list(task.std)}, "feature_dim": feature_dim,
+                "class_names": list(task.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
                 "dataset": "digits", "model": "cnn8"}
     path = tmp_path_factory.mktemp("release") / "representation.onnx"
-    export_module(body, (meta.channels, meta.image_size, meta.image_size), path, metadata=metadata)
+    export_module(body, task.input_shape, path, metadata=metadata)
     return path.read_bytes()
 
 
