@@ -56,8 +56,8 @@ def arrange_samples(x: np.ndarray, kind: str | None = None, input_shape: Sequenc
         return _as_pixels(_images_nchw(x, shape, where), where), kind
     values = _reshaped(x, kind, shape, where).astype(np.float32)
     if not np.isfinite(values).all():
-        position = np.argwhere(~np.isfinite(values))[0]
-        raise ValueError(f"{where}: x{list(position)} is not a finite number")
+        position = [int(i) for i in np.argwhere(~np.isfinite(values))[0]]
+        raise ValueError(f"{where}: x{position} is not a finite number")
     return values, kind
 
 
