@@ -55,7 +55,7 @@ def decode_metadata(props: dict[str, str]) -> dict[str, Any]:
 
 
 class FeatureExtractor:
-    """An ONNX Runtime session over a representation: `embed(images) -> features`."""
+    """An ONNX Runtime session over a representation: `embed(samples) -> features`."""
 
     def __init__(self, model: bytes | str | Path, providers: str | Sequence[str] = "auto"):
         source = model if isinstance(model, bytes) else str(model)
