@@ -119,13 +119,15 @@ def encode_labels(y: np.ndarray, class_names: Sequence[str] | None = None, *, wh
                   count: int | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
     """(labels int64 [N], class names) from integer class indices or from class names.
 
-    Integer labels are indices (names "0".."max" unless given); other labels are names, mapped to
-    the given class names (or to an integer index below their count), or, without names, to their
-    distinct values sorted. `count` is the expected number of labels.
+    Integer labels (and whole-number floats) are indices (names "0".."max" unless given); other
+    labels are names, mapped to the given class names (or to an integer index below their count),
+    or, without names, to their distinct values sorted. `count` is the expected number of labels.
     """
     y = np.asarray(y)
     if y.ndim != 1 or (count is not None and y.shape[0] != count):
         raise ValueError(f"{where}: y must be {count if count is not None else 'N'} labels, got shape {list(y.shape)}")
+    if np.issubdtype(y.dtype, np.floating) and np.isfinite(y).all() and (y == np.round(y)).all():
+        y = y.astype(np.int64)  # whole-number floats are class indices
     if np.issubdtype(y.dtype, np.integer):
         if y.size and y.min() < 0:
             raise ValueError(f"{where}: integer labels must be non-negative, got {int(y.min())}")

@@ -397,3 +397,18 @@ def test_the_domains_partition_is_refused_for_feature_vectors(tmp_path, source):
     # Execute / Assert
     with pytest.raises(ValueError, match=r"domains partition .* has features samples"):
         load_client_data(**kwargs, num_clients=2, index=0, partition="domains")
+
+
+def test_labels_may_be_whole_number_floats_but_not_negative(tmp_path):
+    # Prepare
+    x = np.random.default_rng(7).normal(0.0, 1.0, (6, 2))
+    np.savez(tmp_path / "floats.npz", x=x, y=np.array([0.0, 1.0, 2.0, 0.0, 1.0, 2.0]))
+    np.savez(tmp_path / "negative.npz", x=x, y=np.array([0, 1, -1, 0, 1, 2]))
+
+    # Execute
+    task = resolve_task(data=str(tmp_path / "floats.npz"))
+
+    # Assert
+    assert task.class_names == ("0", "1", "2")
+    with pytest.raises(ValueError, match="integer labels must be non-negative, got -1"):
+        resolve_task(data=str(tmp_path / "negative.npz"))
