@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ..data.task import TaskSpec
+from ..data.task import TaskSpec, kind_of_shape
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,6 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "features"
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 """The order "auto" tries, keeping those this onnxruntime build offers."""
-_KIND_OF_RANK = {3: "image", 2: "signal", 1: "features"}
 
 
 class RepresentationError(ValueError):
@@ -88,9 +87,9 @@ class FeatureExtractor:
             return TaskSpec.from_plain(self.metadata["task"])
         shape, normalization = self.input_shape, self.metadata.get("normalization")
         names = self.metadata.get("class_names")
-        if shape is None or not isinstance(normalization, dict) or not names or len(shape) not in _KIND_OF_RANK:
+        if shape is None or not isinstance(normalization, dict) or not names:
             return None
-        return TaskSpec(name, _KIND_OF_RANK[len(shape)], shape, len(names), tuple(str(c) for c in names),
+        return TaskSpec(name, kind_of_shape(shape), shape, len(names), tuple(str(c) for c in names),
                         tuple(float(m) for m in normalization["mean"]), tuple(float(s) for s in normalization["std"]))
 
     def embed(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
