@@ -66,7 +66,7 @@ class EdgeClient(DeviceSession):
 
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
         config = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp, "torch": torch.__version__,
-                  "dataset": self.data.meta.name, "algorithms": list(algorithms.ALGORITHM_IDS)}
+                  "task": self.data.task.name, "algorithms": list(algorithms.ALGORITHM_IDS)}
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:

@@ -1,22 +1,26 @@
-"""One device's train/test data: its slice of a shared dataset, or its own local images.
+"""One device's train/test data: its slice of a shared pool, or its own data.
 
 `load_client_data` lets every (virtual) device compute the federation's partition on its own
-from the shared seed and keep only its part; `load_folder_data` loads data a real device
-brings itself. Both split 75/25, stratified by class.
+from the shared seed and keep only its part, of a built-in dataset or of a user's data file;
+`partition_client_data` does the same for a pool already in memory. `load_folder_data` and
+`ClientData.from_arrays` load data a real device brings itself. All split 75/25, stratified
+by class.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from edge_sdk.data.datasets import DATASETS, DatasetMeta, denormalize, load_dataset, normalize
+from edge_sdk.data.datasets import Dataset, load_dataset
 from edge_sdk.data.domains import apply_domain
-from edge_sdk.data.folder import read_folder
 from edge_sdk.data.partition import partition_indices, stratified_split
+from edge_sdk.data.resolve import check_declared, resolve_task
+from edge_sdk.data.task import TaskSpec
+from edge_sdk.data.user_data import dataset_from_arrays, load_user_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +29,13 @@ TEST_FRACTION = 0.25
 
 @dataclass
 class ClientData:
-    """A client's normalized train and test images and labels, and the domain it sees."""
+    """A client's normalized train and test samples and labels, its task, and the domain it sees."""
 
     train_x: np.ndarray
     train_y: np.ndarray
     test_x: np.ndarray
     test_y: np.ndarray
-    meta: DatasetMeta
+    task: TaskSpec
     domain: str | None = None
 
     @property
@@ -45,8 +49,20 @@ class ClientData:
         return int(self.test_y.shape[0])
 
     def class_counts(self) -> np.ndarray:
-        """Training examples per class, length `meta.num_classes` (the client's label skew)."""
-        return np.bincount(self.train_y, minlength=self.meta.num_classes)
+        """Training examples per class, length `task.num_classes` (the client's label skew)."""
+        return np.bincount(self.train_y, minlength=self.task.num_classes)
+
+    @classmethod
+    def from_arrays(cls, x: np.ndarray, y: np.ndarray, task: TaskSpec | None = None, seed: int = 0, *,
+                    kind: str | None = None, class_names: Sequence[str] | None = None,
+                    name: str = "arrays") -> ClientData:
+        """A device's own data from numpy arrays, split 75/25 stratified with `seed`.
+
+        `x` is laid out and `y` encoded as in a user's .npz (see `edge_sdk.data.samples`); the
+        task is `task`, or inferred from the arrays (`kind` settles a 3-D `x`).
+        """
+        pool = dataset_from_arrays(x, y, task, kind=kind, class_names=class_names, name=name)
+        return _split(pool.x, pool.y, pool.task, seed, None)
 
 
 def _split_seed(seed: int, index: int) -> int:
@@ -54,15 +70,13 @@ def _split_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence((seed, index)).generate_state(1)[0])
 
 
-def _split(
-    x: np.ndarray, y: np.ndarray, meta: DatasetMeta, seed: int, domain: str | None
-) -> ClientData:
+def _split(x: np.ndarray, y: np.ndarray, task: TaskSpec, seed: int, domain: str | None) -> ClientData:
     train_idx, test_idx = stratified_split(y, TEST_FRACTION, seed=seed)
-    return ClientData(x[train_idx], y[train_idx], x[test_idx], y[test_idx], meta, domain)
+    return ClientData(x[train_idx], y[train_idx], x[test_idx], y[test_idx], task, domain)
 
 
-def load_client_data(
-    dataset: str,
+def partition_client_data(
+    pool: Dataset,
     *,
     num_clients: int,
     index: int,
@@ -70,51 +84,74 @@ def load_client_data(
     seed: int = 0,
     alpha: float = 0.5,
     classes_per_client: int = 2,
-    data_dir: str | None = None,
 ) -> ClientData:
-    """Load client `index`'s part of `dataset` partitioned among `num_clients` with `seed`.
+    """Client `index`'s part of `pool` partitioned among `num_clients` with `seed`.
 
-    For the `domains` partition the client's images get its domain transform in pixel space
-    (denormalized, transformed, normalized again). The part is split 75/25 stratified with a
-    seed derived from (seed, index).
+    For the `domains` partition (images only) the client's images get its domain transform in
+    pixel space (denormalized, transformed, normalized again). The part is split 75/25
+    stratified with a seed derived from (seed, index).
     """
     if not 0 <= index < num_clients:
         raise ValueError(f"index must be in [0, {num_clients}), got {index}")
-    pool = load_dataset(dataset, data_dir)
-    parts = partition_indices(
-        pool.y,
-        num_clients,
-        partition,
-        seed=seed,
-        alpha=alpha,
-        classes_per_client=classes_per_client,
-    )
+    task = pool.task
+    if partition == "domains" and task.kind != "image":
+        raise ValueError(f"the domains partition transforms images in pixel space; task {task.name!r} has "
+                         f"{task.kind} samples: use iid, dirichlet or shards")
+    parts = partition_indices(pool.y, num_clients, partition, seed=seed, alpha=alpha,
+                              classes_per_client=classes_per_client)
     idx = parts[index]
     x, y = pool.x[idx], pool.y[idx]
     domain = None
     if partition == "domains":
-        x01, domain = apply_domain(denormalize(x, pool.meta), index, seed)
-        x = normalize(x01, pool.meta)
-    logger.info(
-        "client %d/%d of %s (%s): %d examples", index, num_clients, dataset, partition, y.size
-    )
-    return _split(x, y, pool.meta, _split_seed(seed, index), domain)
+        x01, domain = apply_domain(task.denormalize(x), index, seed)
+        x = task.normalize(x01)
+    logger.info("client %d/%d of %s (%s): %d examples", index, num_clients, task.name, partition, y.size)
+    return _split(x, y, task, _split_seed(seed, index), domain)
 
 
-def load_folder_data(path: str, meta_name: str | None = None, *, seed: int = 0) -> ClientData:
-    """Load a device's own data from an `.npz` file (`x`, `y`) or an ImageFolder directory.
+def load_client_data(
+    dataset: str | None,
+    *,
+    data: str | None = None,
+    num_clients: int,
+    index: int,
+    partition: str = "iid",
+    seed: int = 0,
+    alpha: float = 0.5,
+    classes_per_client: int = 2,
+    data_dir: str | None = None,
+    task: TaskSpec | None = None,
+    declared: dict | None = None,
+) -> ClientData:
+    """Load client `index`'s part of built-in `dataset`, or of the user's `data` file (one pool
+    for the federation, partitioned as `partition_client_data` does).
 
-    With `meta_name` naming a known dataset the images are checked (npz) or resized (folders)
-    to its shape and normalized with its mean/std; otherwise the meta is inferred from the
-    data (and named `meta_name`, if given). The data is split 75/25 stratified with `seed`.
+    The task of `data` is `task`, or `resolve_task(dataset, data, data_dir, declared)`;
+    `declared` may also name a CSV's `label_column`. Every device reading the same file with
+    the same seed gets the same partition.
     """
-    meta = DATASETS.get(meta_name) if meta_name is not None else None
-    x01, y, meta = read_folder(path, meta)
-    if meta_name is not None and meta_name not in DATASETS:
-        logger.warning(
-            "%r is not a known dataset (%s); inferred its meta from the data",
-            meta_name,
-            ", ".join(DATASETS),
-        )
-        meta = dataclasses.replace(meta, name=meta_name)
-    return _split(normalize(x01, meta), y, meta, seed, None)
+    if data is None:
+        if dataset is None:
+            raise ValueError("load_client_data: name a built-in dataset or give data (a file or directory)")
+        pool = load_dataset(dataset, data_dir)
+    else:
+        declared = check_declared(declared)
+        task = task or resolve_task(dataset, data, data_dir, declared)
+        pool = load_user_dataset(data, task, label_column=declared.get("label_column"))
+    return partition_client_data(pool, num_clients=num_clients, index=index, partition=partition, seed=seed,
+                                 alpha=alpha, classes_per_client=classes_per_client)
+
+
+def load_folder_data(path: str, task: str | TaskSpec | None = None, *, seed: int = 0,
+                     declared: dict | None = None) -> ClientData:
+    """Load a device's own data: an `.npz` file, a CSV file or an ImageFolder directory.
+
+    `task` is a TaskSpec (e.g. the run's), the name of a built-in task (its shape and
+    normalization are used: images are resized to it), or a name for the task inferred from the
+    data; `declared` is a `[task]` table. The data is split 75/25 stratified with `seed`.
+    """
+    declared = check_declared(declared)
+    if not isinstance(task, TaskSpec):
+        task = resolve_task(task, path, None, declared)
+    pool = load_user_dataset(path, task, label_column=declared.get("label_column"))
+    return _split(pool.x, pool.y, task, seed, None)

@@ -19,6 +19,15 @@ TASK_KINDS: tuple[str, ...] = ("image", "signal", "features")
 _RANKS = {"image": 3, "signal": 2, "features": 1}
 
 
+def kind_of_shape(input_shape: tuple[int, ...] | list[int]) -> str:
+    """The kind whose samples have `input_shape`'s rank: [C, H, W] image, [C, L] signal, [D] features."""
+    for kind, rank in _RANKS.items():
+        if len(input_shape) == rank:
+            return kind
+    raise ValueError(f"a sample has 1 (features), 2 (signal) or 3 (image) dimensions, got input_shape "
+                     f"{list(input_shape)}")
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """One classification task: the kind and shape of a sample, its classes, its normalization.

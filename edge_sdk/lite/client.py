@@ -121,7 +121,7 @@ class LiteClient(DeviceSession):
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
         config = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
-                  "onnxruntime": ort.__version__, "dataset": self.data.meta.name}
+                  "onnxruntime": ort.__version__, "task": self.data.task.name}
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
@@ -218,7 +218,7 @@ class LiteClient(DeviceSession):
     def _parse_prototypes(self, envelope: Envelope) -> Prototypes:
         group = envelope.groups.get("prototypes", {})
         counts, means = group.get("counts"), group.get("means")
-        classes = self.data.meta.num_classes
+        classes = self.data.task.num_classes
         if counts is None or means is None:
             raise ProtocolError(Reason.MALFORMED, "prototypes carry 'counts' and 'means'")
         if counts.shape != (classes,) or means.ndim != 2 or means.shape[0] != classes:
@@ -265,14 +265,14 @@ class LiteClient(DeviceSession):
             started = time.perf_counter()
             train = self._extractor.embed(self.data.train_x)
             test = self._extractor.embed(self.data.test_x)
-            log.info("%s: %d images embedded in %.2f s", self.client_id, len(train) + len(test),
+            log.info("%s: %d samples embedded in %.2f s", self.client_id, len(train) + len(test),
                      time.perf_counter() - started)
             self._features = (sha, train, test)
         return self._features[1], self._features[2]
 
     def _evaluate(self, request: Envelope) -> None:
         train, test = self._embedded()
-        classes = self.data.meta.num_classes
+        classes = self.data.task.num_classes
         head = fit_head(self.head_kind, train, self.data.train_y, num_classes=classes,
                         prototypes=self._global_prototypes(train.shape[1]), seed=self.seed)
         predictions = head.predict(test)

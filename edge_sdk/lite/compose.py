@@ -3,7 +3,8 @@
 A head model takes `features` [N, d] and outputs `label` (int64 [N], a class index) and
 `probabilities` (float32 [N, C], one column per class of the dataset in class-index order,
 zeros for classes the head never saw). `merge_body_and_head` wires the body's `features` into
-the head's input, so the composed model maps `input` images to `label` and `probabilities`.
+the head's input, so the composed model maps `input` samples (images, signals or feature
+vectors) to `label` and `probabilities`.
 
 Heads are written with onnx.helper: dense layers for the linear and MLP heads
 (`dense_head_to_onnx`), class means (`ncm_head_to_onnx`), or any ONNX model that outputs

@@ -1,7 +1,8 @@
-"""Feature extraction with ONNX Runtime: a released representation turns images into features.
+"""Feature extraction with ONNX Runtime: a released representation turns samples into features.
 
-A representation (see `export/`) is an ONNX model with one input `input` (float32 [N, C, H, W],
-images normalized as `edge_sdk.data` produces them) and one output `features` (float32 [N, d]);
+A representation (see `export/`) is an ONNX model with one input `input` (float32
+[N, *input_shape]: images [N, C, H, W], signals [N, C, L] or feature vectors [N, D], normalized
+as `edge_sdk.data` produces them) and one output `features` (float32 [N, d]);
 its `metadata_props` hold JSON-encoded descriptions (input shape, normalization, feature
 dimension, class names, provenance). This module needs onnxruntime and numpy, never torch, so
 weak devices can run it.
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+
+from ..data.task import TaskSpec, kind_of_shape
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ def decode_metadata(props: dict[str, str]) -> dict[str, Any]:
 
 
 class FeatureExtractor:
-    """An ONNX Runtime session over a representation: `embed(images) -> features`."""
+    """An ONNX Runtime session over a representation: `embed(samples) -> features`."""
 
     def __init__(self, model: bytes | str | Path, providers: str | Sequence[str] = "auto"):
         source = model if isinstance(model, bytes) else str(model)
@@ -72,20 +75,36 @@ class FeatureExtractor:
 
     @property
     def input_shape(self) -> tuple[int, ...] | None:
-        """[C, H, W] from the metadata, when present."""
+        """One sample's shape ([C, H, W], [C, L] or [D]) from the metadata, when present."""
         shape = self.metadata.get("input_shape")
         return tuple(int(s) for s in shape) if shape is not None else None
 
+    def task(self, name: str = "release") -> TaskSpec | None:
+        """The task the representation was trained on, from its metadata: the `task` entry, or
+        else its `input_shape`, `normalization` and `class_names` (the kind by the shape's rank);
+        None when the metadata does not say."""
+        if isinstance(self.metadata.get("task"), dict):
+            return TaskSpec.from_plain(self.metadata["task"])
+        shape, normalization = self.input_shape, self.metadata.get("normalization")
+        names = self.metadata.get("class_names")
+        if shape is None or not isinstance(normalization, dict) or not names:
+            return None
+        return TaskSpec(name, kind_of_shape(shape), shape, len(names), tuple(str(c) for c in names),
+                        tuple(float(m) for m in normalization["mean"]), tuple(float(s) for s in normalization["std"]))
+
     def embed(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
-        """Features float32 [N, d] of normalized images `x` [N, C, H, W], `batch_size` at a time."""
-        x = np.asarray(x, dtype=np.float32)
+        """Features float32 [N, d] of normalized samples `x` [N, *input_shape], `batch_size` at a time
+        (only one batch is converted to float32 at a time, so memory stays bounded)."""
+        x = np.asarray(x)
         expected = self.input_shape
-        if x.ndim != 4 or (expected is not None and x.shape[1:] != expected):
-            raise ValueError(f"images of shape [N, *{list(expected or ['C', 'H', 'W'])}] expected, got {list(x.shape)}")
+        if (expected is not None and x.shape[1:] != expected) or x.ndim < 2:
+            described = list(expected) if expected is not None else ["..."]
+            raise ValueError(f"samples of shape [N, *{described}] expected, got {list(x.shape)}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         batches = [
-            self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(x[start:start + batch_size])})[0]
+            self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(x[start:start + batch_size],
+                                                                              dtype=np.float32)})[0]
             for start in range(0, x.shape[0], batch_size)
         ]
         if not batches:

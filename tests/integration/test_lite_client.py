@@ -4,7 +4,8 @@ A cnn8 body exported to ONNX (torch and `export` are used here, to build the fix
 released representation. The devices learn of it from the retained RELEASE manifest, fetch it
 (a corrupted copy is rejected and fetched again), answer EVALUATE with their accuracy and class
 means, and write a personalized ONNX model whose labels are their own predictions. One device
-runs in a subprocess where torch, scikit-learn and scipy cannot be imported at all.
+runs in a subprocess where torch, scikit-learn and scipy cannot be imported at all. Devices on a
+tabular task and on a signal task personalize small onnx.helper bodies the same way.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx_bodies import dense_body, spectrum_body
 
 from edge_sdk.channel import Channel
-from edge_sdk.data import DATASETS, load_client_data
+from edge_sdk.data import BUILTIN_TASKS, load_client_data
 from edge_sdk.lite import LiteClient, class_statistics
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
@@ -55,11 +57,11 @@ logging.basicConfig(level=logging.INFO)
 import numpy as np
 import edge_sdk.lite
 imported_on_import = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
-from edge_sdk.data import DATASETS, ClientData
+from edge_sdk.data import BUILTIN_TASKS, ClientData
 
 url, state_dir, data_path, out = sys.argv[1:5]
 with np.load(data_path) as arrays:  # the digits loader needs scikit-learn: the test process loads them
-    data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"], DATASETS["digits"])
+    data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"], BUILTIN_TASKS["digits"])
 client = edge_sdk.lite.LiteClient("dev2", data, head="lr", broker=url, federation="lite", state_dir=state_dir)
 client.run()
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
@@ -76,15 +78,15 @@ def representation(tmp_path_factory) -> bytes:
     from edge_sdk.models import build_body
     from export.onnx_export import export_module
 
-    meta = DATASETS["digits"]
+    task = BUILTIN_TASKS["digits"]
     torch.manual_seed(0)
-    body, feature_dim = build_body("cnn8", in_channels=meta.channels, image_size=meta.image_size)
-    metadata = {"input_shape": [meta.channels, meta.image_size, meta.image_size],
-                "normalization": {"mean": list(meta.mean), "std": list(meta.std)}, "feature_dim": feature_dim,
-                "class_names": list(meta.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
+    body, feature_dim = build_body("cnn8", in_channels=task.channels, image_size=task.input_shape[-1])
+    metadata = {"input_shape": list(task.input_shape),
+                "normalization": {"mean": list(task.mean), "std": list(task.std)}, "feature_dim": feature_dim,
+                "class_names": list(task.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,
                 "dataset": "digits", "model": "cnn8"}
     path = tmp_path_factory.mktemp("release") / "representation.onnx"
-    export_module(body, (meta.channels, meta.image_size, meta.image_size), path, metadata=metadata)
+    export_module(body, task.input_shape, path, metadata=metadata)
     return path.read_bytes()
 
 
@@ -285,3 +287,37 @@ def test_the_lite_client_runs_where_torch_sklearn_and_scipy_cannot_be_imported(m
     assert result["on_import"] == [] and result["at_exit"] == []
     assert reply.metrics["accuracy"] == pytest.approx(result["accuracy"]) and result["accuracy"] >= 0.8
     assert (tmp_path / "dev2" / "personalized.onnx").exists()
+
+
+@pytest.mark.parametrize("dataset, body, minimum", [
+    ("breast_cancer", lambda task: dense_body(task, hidden=64, seed=1), 0.85),
+    ("synthetic_vibration", spectrum_body, 0.75),
+])
+def test_a_device_personalizes_on_feature_vectors_and_signals(mosquitto, stand_in, tmp_path, dataset, body, minimum):
+    # Prepare: a representation of the task's samples ([N, 30] rows, [N, 3, 128] windows)
+    stop = threading.Event()
+    data = load_client_data(dataset, num_clients=CLIENTS, index=0, seed=0)
+    representation = body(data.task)
+    sha = hashlib.sha256(representation).hexdigest()
+    client = LiteClient("dev0", data, head="lr", broker=mosquitto.url, federation=FEDERATION,
+                        state_dir=tmp_path / "dev0")
+    thread = start(client, stop)
+
+    # Execute
+    hello = stand_in.welcome("dev0")
+    stand_in.release(representation)
+    stand_in.expect(Kind.FETCH, "dev0")
+    stand_in.artifact("dev0", representation, sha)
+    stand_in.send(Kind.EVALUATE, round=3, config={"selected": ["dev0"]})
+    reply = stand_in.expect(Kind.EVAL_RES, "dev0", timeout=60)
+    stop.set()
+    thread.join(timeout=30)
+
+    # Assert
+    assert hello.config["task"] == dataset
+    assert reply.metrics["accuracy"] >= minimum
+    counts = reply.groups["prototypes"]["counts"]
+    np.testing.assert_array_equal(counts, client.data.class_counts())
+    session = ort.InferenceSession(str(tmp_path / "dev0" / "personalized.onnx"), providers=["CPUExecutionProvider"])
+    labels = session.run(["label"], {"input": data.test_x})[0]
+    np.testing.assert_array_equal(labels, client.evaluation.predictions)

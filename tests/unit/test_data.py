@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge_sdk.data import (
-    DATASETS,
+    BUILTIN_TASKS,
     DOMAIN_TRANSFORMS,
     PARTITIONS,
     DatasetNotFoundError,
@@ -23,7 +23,6 @@ from edge_sdk.data import (
     stratified_split,
 )
 from edge_sdk.data import datasets as datasets_module
-from edge_sdk.data.datasets import denormalize
 from edge_sdk.data.idx import read_idx
 
 SYSTEM_FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -102,7 +101,7 @@ def test_fmnist_reads_tiny_idx_files_from_data_dir(tmp_path):
     assert pool.x.shape == (8, 1, 28, 28)
     assert pool.y.tolist() == [0, 1, 2, 3, 4, 9, 8, 7]
     expected01 = np.concatenate([train_x, test_x])[:, None] / 255.0
-    np.testing.assert_allclose(denormalize(pool.x, pool.meta), expected01, atol=1e-5)
+    np.testing.assert_allclose(pool.task.denormalize(pool.x), expected01, atol=1e-5)
 
 
 def test_read_idx_rejects_truncated_file(tmp_path):
@@ -335,11 +334,11 @@ def test_domains_partition_transforms_client_images():
     inverted = load_client_data("digits", num_clients=4, index=1, partition="domains", seed=0)
 
     # Assert: same examples (iid and domains split alike), pixels inverted
-    meta = DATASETS["digits"]
+    task = BUILTIN_TASKS["digits"]
     assert inverted.domain == "invert"
     assert np.array_equal(plain.train_y, inverted.train_y)
     np.testing.assert_allclose(
-        denormalize(inverted.train_x, meta), 1.0 - denormalize(plain.train_x, meta), atol=1e-5
+        task.denormalize(inverted.train_x), 1.0 - task.denormalize(plain.train_x), atol=1e-5
     )
 
 
@@ -357,14 +356,15 @@ def test_folder_data_from_uint8_npz(tmp_path):
 
     # Assert
     assert inferred.train_x.shape == (36, 1, 8, 8) and inferred.test_x.shape == (12, 1, 8, 8)
-    assert inferred.meta.num_classes == 4 and inferred.meta.class_names == ("0", "1", "2", "3")
+    assert inferred.task.num_classes == 4 and inferred.task.class_names == ("0", "1", "2", "3")
+    assert inferred.task.kind == "image" and inferred.task.name == "mine"
     assert inferred.class_counts().tolist() == [9, 9, 9, 9]
     all_x = np.concatenate([inferred.train_x, inferred.test_x])
     assert abs(float(all_x.mean())) < 1e-4 and abs(float(all_x.std()) - 1.0) < 1e-3
-    assert as_digits.meta is DATASETS["digits"]
+    assert as_digits.task is BUILTIN_TASKS["digits"]
     train_idx, _ = stratified_split(y, 0.25, seed=0)
     np.testing.assert_allclose(
-        denormalize(as_digits.train_x, as_digits.meta), x[train_idx][:, None] / 255.0, atol=1e-5
+        as_digits.task.denormalize(as_digits.train_x), x[train_idx][:, None] / 255.0, atol=1e-5
     )
 
 
@@ -393,8 +393,8 @@ def test_folder_data_from_image_folder(tmp_path):
     as_digits = load_folder_data(str(tmp_path), "digits", seed=0)
 
     # Assert
-    assert inferred.meta.class_names == ("3", "7")
-    assert inferred.meta.image_size == 6 and inferred.meta.channels == 1
+    assert inferred.task.class_names == ("3", "7")
+    assert inferred.task.input_shape == (1, 6, 6)
     assert (inferred.num_train, inferred.num_test) == (6, 2)
     assert inferred.class_counts().tolist() == [3, 3]
     assert as_digits.train_x.shape == (6, 1, 8, 8)  # resized to the digits shape
