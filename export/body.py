@@ -78,6 +78,8 @@ def _probe(fp32: np.ndarray, int8: np.ndarray, labels: np.ndarray) -> dict[str, 
 def _agreement(fp32: ExportResult, int8: QuantizeResult, held_out: tuple[np.ndarray, np.ndarray] | None,
                input_shape: tuple[int, ...], count: int, seed: int) -> dict[str, Any]:
     """How closely the int8 model's features follow the fp32 model's (see the module docstring)."""
+    if held_out is not None and len(held_out[0]) == 0:
+        held_out = None
     x = held_out[0] if held_out is not None else random_samples(input_shape, count, seed + AGREEMENT_SEED_OFFSET)
     reference = run_batched(cpu_session(fp32.path.read_bytes()), x)
     quantized = run_batched(cpu_session(int8.path.read_bytes()), x)
@@ -98,7 +100,8 @@ def check_options(quantize: str | None, also_fp32: bool, fp16: bool, calibration
     if quantize and fp16:
         raise ValueError("int8 quantization starts from the fp32 model; fp16 and int8 exclude each other")
     if also_fp32 and not quantize:
-        raise ValueError("also_fp32 keeps the fp32 model beside an int8 one; it needs quantize='int8'")
+        raise ValueError("also_fp32 (--also-fp32) keeps the fp32 model beside an int8 one; it needs "
+                         "quantize='int8' (--quantize int8)")
     if calibration_size < 1:
         raise ValueError(f"calibration_size must be positive, got {calibration_size}")
 

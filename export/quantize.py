@@ -84,7 +84,9 @@ def operator_precision(model: onnx.ModelProto) -> OperatorPrecision:
     """Count the compute nodes of a QDQ model: a weighted operator (WEIGHTED_OPERATORS) all of
     whose inputs come from DequantizeLinear runs on int8 values; any other node (element-wise,
     pooling, reshaping, or a weighted one the quantizer skipped) is left in float. Counts are in
-    the order the types first appear in the graph."""
+    the order the types first appear in the graph, and of the graph as written: onnxruntime may
+    still fold a ReLU that sits between a DequantizeLinear and a QuantizeLinear into an integer
+    kernel when it loads the model."""
     producer = {output: node.op_type for node in model.graph.node for output in node.output}
     quantized: dict[str, int] = {}
     left: dict[str, int] = {}

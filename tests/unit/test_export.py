@@ -377,6 +377,18 @@ def test_bad_shapes_and_options_are_refused_by_name(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_export_help_says_where_int8_and_fp32_go(capsys: pytest.CaptureFixture[str]) -> None:
+    # Execute
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+
+    # Assert
+    shown = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0
+    assert "--also-fp32" in shown and "<stem>.fp32.onnx beside --out" in shown
+    assert "write a static int8 QDQ model (per channel) at --out" in shown
+
+
 def imported_modules(source: str, package: str) -> set[str]:
     """Every module a Python source of `package` imports, at any depth (inside functions too),
     relative imports resolved against the package."""
