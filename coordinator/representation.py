@@ -46,25 +46,16 @@ class RepresentationError(ValueError):
 
 
 @dataclass(frozen=True)
-class RunBody:
-    """A freshly built body of the run's model, the shape of one sample, and the metadata that
-    describes them (task, normalization, classes, model)."""
-
-    body: nn.Module
-    input_shape: tuple[int, ...]
-    metadata: dict[str, Any]
-
-
-@dataclass
 class Representation:
-    """The run's global body with its weights loaded (eval mode) and the metadata to embed."""
+    """A body of the run's model, the shape of one sample, and the metadata to embed with it
+    (task, normalization, classes, model; once loaded, also algorithm, run id and round)."""
 
     body: nn.Module
     input_shape: tuple[int, ...]
     metadata: dict[str, Any]
 
 
-def build_run_body(config: Mapping[str, Any]) -> RunBody:
+def build_run_body(config: Mapping[str, Any]) -> Representation:
     """A fresh body of the run's model for the run's task (the run's configuration as its
     checkpoint records it)."""
     if "dataset" not in config:
@@ -77,7 +68,7 @@ def build_run_body(config: Mapping[str, Any]) -> RunBody:
     task = TaskSpec(meta.name, "image", shape, meta.num_classes, meta.class_names, meta.mean, meta.std)
     metadata = {"task": task.to_plain(), "normalization": {"mean": list(meta.mean), "std": list(meta.std)},
                 "class_names": list(meta.class_names), "dataset": meta.name, "model": model}
-    return RunBody(body, shape, metadata)
+    return Representation(body, shape, metadata)
 
 
 def run_samples(config: Mapping[str, Any], data_dir: str | None, count: int,
@@ -108,7 +99,8 @@ def _body_arrays(state: Mapping[str, ArrayGroup]) -> dict[str, np.ndarray]:
     for values in state.values():
         for name, value in _stripped(values).items():
             if name in arrays and not np.array_equal(arrays[name], value):
-                raise RepresentationError(f"{_PREFIX}{name} appears in several global state groups with different values")
+                raise RepresentationError(f"{_PREFIX}{name} appears in several global state groups with "
+                                          "different values")
             arrays[name] = value
     return arrays
 

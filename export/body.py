@@ -84,7 +84,7 @@ def _agreement(fp32: ExportResult, int8: QuantizeResult, held_out: tuple[np.ndar
     reference = run_batched(cpu_session(fp32.path.read_bytes()), x)
     quantized = run_batched(cpu_session(int8.path.read_bytes()), x)
     agreement: dict[str, Any] = {
-        "agreement_inputs": f"{len(x)} held-out real samples" if held_out is not None else f"{len(x)} seeded random samples",
+        "agreement_inputs": f"{len(x)} {'held-out real' if held_out is not None else 'seeded random'} samples",
         "feature_correlation": float(np.corrcoef(reference.ravel(), quantized.ravel())[0, 1]),
         "feature_max_abs_diff": float(np.max(np.abs(reference - quantized))),
     }

@@ -253,7 +253,8 @@ def signal_and_tabular_bodies() -> dict[str, tuple[torch.nn.Module, np.ndarray, 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("kind", ["signal", "features"])
-def test_signal_and_tabular_bodies_compose_with_numpy_and_torch_heads(tmp_path: Path, kind: str, precision: str) -> None:
+def test_signal_and_tabular_bodies_compose_with_numpy_and_torch_heads(tmp_path: Path, kind: str,
+                                                                      precision: str) -> None:
     # Prepare
     body, x, y = signal_and_tabular_bodies()[kind]
     summary = export_body(body, x.shape[1:], tmp_path / "body.onnx", metadata={"task": {"kind": kind}},
