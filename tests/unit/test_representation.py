@@ -20,11 +20,12 @@ from coordinator.release import export_release
 from coordinator.representation import (
     RepresentationError,
     body_statistics_needed,
+    build_run_body,
     representation,
     save_body_statistics,
     saved_body_statistics,
 )
-from edge_sdk.models import build_body, statistics_keys
+from edge_sdk.models import statistics_keys
 
 CONFIG = {"algorithm": "fedavg", "dataset": "digits", "model": "cnn8", "seed": 3}
 
@@ -32,7 +33,7 @@ CONFIG = {"algorithm": "fedavg", "dataset": "digits", "model": "cnn8", "seed": 3
 def global_state(seed: int = 5) -> dict[str, dict[str, np.ndarray]]:
     """A cnn8 body's arrays as a global state holds them (`body.*`), with non-initial statistics."""
     torch.manual_seed(seed)
-    body, _ = build_body("cnn8", in_channels=1, image_size=8)
+    body = build_run_body(CONFIG).body
     for key in statistics_keys(body):
         if key.endswith(("running_mean", "running_var")):
             body.state_dict()[key].uniform_(0.5, 1.5)
