@@ -205,10 +205,10 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import json
 
-    from export.run import export_run
+    from .export_command import export_run
 
-    summary = export_run(args.run, args.out, part=args.part, quantize=args.quantize, fp16=args.fp16,
-                         calibration_size=args.calibration_size, data_dir=args.data_dir)
+    summary = export_run(args.run, args.out, part=args.part, quantize=args.quantize, also_fp32=args.also_fp32,
+                         fp16=args.fp16, calibration_size=args.calibration_size, data_dir=args.data_dir)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -290,9 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="export a run's frozen representation to ONNX (checked against PyTorch)")
     export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")
-    export.add_argument("--out", required=True, help="the ONNX file to write (int8: also <stem>.int8.onnx)")
+    export.add_argument("--out", required=True, help="the ONNX file to write, in the precision asked for (fp32, "
+                                                     "--fp16, or --quantize int8)")
     export.add_argument("--part", default="body", help="which part to export (body)")
-    export.add_argument("--quantize", choices=["int8"], help="also write a static int8 QDQ model, per channel")
+    export.add_argument("--quantize", choices=["int8"], help="write a static int8 QDQ model (per channel) at --out")
+    export.add_argument("--also-fp32", action="store_true",
+                        help="with --quantize int8: keep the fp32 model too, as <stem>.fp32.onnx beside --out")
     export.add_argument("--fp16", action="store_true", help="store the weights in float16")
     export.add_argument("--calibration-size", type=int, default=256, help="real images for calibration and checks")
     export.add_argument("--data-dir", help="where the run's dataset is (default: as the run had it)")

@@ -1,22 +1,25 @@
 """The released representation and the global class prototypes.
 
 After training, an algorithm whose global state holds a whole body (RepPer; any algorithm on
-request) has that body exported to ONNX. The coordinator publishes a small retained manifest
-(sha256, size, metadata), so devices that join later still see it, and sends the bytes to each
-device that asks (FETCH), chunked, on the device's own topic. Weak devices report class counts
-and feature means; `PrototypePool` pools them, weighted by counts, into global prototypes that
-go out with the final evaluation.
+request) has that body exported to ONNX from the state arrays the coordinator holds in memory
+(`export` never reads a checkpoint, nor imports the coordinator). The coordinator publishes a
+small retained manifest (sha256, size, metadata), so devices that join later still see it, and
+sends the bytes to each device that asks (FETCH), chunked, on the device's own topic. Weak
+devices report class counts and feature means; `PrototypePool` pools them, weighted by counts,
+into global prototypes that go out with the final evaluation.
 
 Algorithms that share the body but keep its BatchNorm statistics personal (FedAvg, FedPer,
 FedRep, ...) release on request (`--release`): the trainers first compute the statistics of
 the global body on their training data, and `StatisticsPool` pools them into what the export
-needs (saved beside the checkpoint, `export.run.STATISTICS_NAME`).
+needs (passed to the export, and saved beside the checkpoint for a later `edgepfl export`,
+`coordinator.representation.STATISTICS_NAME`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,13 @@ import numpy as np
 
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
+from .representation import representation, run_samples
+
 log = logging.getLogger(__name__)
 
 PROTOTYPES = "prototypes"
+CHECK_SAMPLES = 256
+"""Real samples of the run's data the released body is checked against PyTorch on."""
 
 
 @dataclass(frozen=True)
@@ -44,12 +51,19 @@ class Release:
         return {"artifact": {"onnx": np.frombuffer(self.data, dtype=np.uint8)}}
 
 
-def export_release(run_dir: Path) -> Release:
-    """Export the run's representation (from its latest checkpoint) to run_dir/release/."""
-    from export.run import export_run
+def export_release(run_dir: Path, state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *, run_id: str,
+                   round_: int, statistics: ArrayGroup | None = None) -> Release:
+    """Export the run's global body, from the global `state` and pooled `statistics` (`body.*`
+    BatchNorm buffers) held in memory, to run_dir/release/representation.onnx (fp32, parity
+    checked on CHECK_SAMPLES real samples of the run's data). `config` is the run's
+    configuration as its checkpoint records it."""
+    from export import export_body
 
+    loaded = representation(state, config, run_id=run_id, round_=round_, statistics=statistics)
+    samples, _ = run_samples(config, None, CHECK_SAMPLES)
     path = run_dir / "release" / "representation.onnx"
-    summary = export_run(run_dir, path)
+    summary = export_body(loaded.body, loaded.input_shape, path, metadata=loaded.metadata, samples=samples,
+                          seed=int(config.get("seed", 0)))
     data = path.read_bytes()
     release = Release(path, data, hashlib.sha256(data).hexdigest(), summary["metadata"])
     log.info("released %s (%d bytes, sha256 %s)", path, len(data), release.sha256[:12])

@@ -456,8 +456,9 @@ class Coordinator:
     def _release_phase(self) -> None:
         """Export and publish the representation; pool the weak devices' class prototypes; then
         evaluate the whole fleet, weak devices included, sending the pooled prototypes along."""
-        self._pool_body_statistics()
-        self.release = export_release(self.out)
+        statistics = self._pool_body_statistics()
+        self.release = export_release(self.out, self.algorithm.state, to_plain(self.config), run_id=self.run_id,
+                                      round_=self.completed, statistics=statistics)
         self._publish_release()
         self.ledger.event("released", round=self.completed, sha256=self.release.sha256, size=len(self.release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": self.release.sha256,
@@ -477,20 +478,23 @@ class Coordinator:
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
                              "devices": len(self.ledger.final)})
 
-    def _pool_body_statistics(self) -> None:
+    def _pool_body_statistics(self) -> ArrayGroup:
         """For an algorithm that keeps BatchNorm statistics personal: the trainers compute those
-        of the global body on their training data; pooled, they are saved for the export."""
-        from export.run import RepresentationError, body_statistics_needed, save_body_statistics
+        of the global body on their training data; pooled, they go to the export (and are saved
+        for a later `edgepfl export`). Empty when the global state holds them."""
+        from .representation import RepresentationError, body_statistics_needed, save_body_statistics
 
-        needed = body_statistics_needed(self.out)
+        needed = body_statistics_needed(self.algorithm.state, to_plain(self.config), run_id=self.run_id)
         if not needed:
-            return
+            return {}
         pool = StatisticsPool(needed)
         self._evaluate(self.completed, targets=self.registry.online("trainer"), phase=STATISTICS, statistics=pool)
         if not pool.devices:
             raise RepresentationError("no trainer sent the global body's BatchNorm statistics: nothing to release")
-        path = save_body_statistics(self.out, self.completed, pool.result())
+        statistics = pool.result()
+        path = save_body_statistics(self.out, self.completed, statistics)
         log.info("BatchNorm statistics of the global body pooled from %d devices: %s", pool.devices, path)
+        return statistics
 
     # -- the report ------------------------------------------------------------------------
     def _report(self, wall_seconds: float) -> dict[str, Any]:

@@ -6,7 +6,9 @@ bug: every personalized model built on it would be wrong. `export_module` theref
 in memory, runs the ONNX model with onnxruntime (CPU) on seeded random inputs at two batch sizes
 (which also proves the dynamic batch axis) and on caller-given real inputs, compares with the
 module in eval mode, and writes the file (atomically) only when every difference is within the
-tolerance; otherwise it raises `ExportMismatchError` and writes nothing.
+tolerance; otherwise it raises `ExportMismatchError` and writes nothing. A sample is an image
+[C, H, W], a signal [C, L] or a feature vector [D]; the module is any `nn.Module` mapping a batch
+of them to features [N, d].
 
 Decisions:
 - The exporter is the TorchScript-based one (`dynamo=False`): torch 2.15's default exporter
@@ -33,7 +35,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,12 +67,34 @@ class ExportMismatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class ExportResult:
+    """One exported file and how closely it follows the PyTorch module."""
+
     path: Path
     sha256: str
     size_bytes: int
     max_abs_diff: float
     metadata: dict[str, Any]
     """The metadata_props as written (decoded)."""
+    parity: dict[str, float]
+    """max |onnx - torch| per input set checked ("random batch of 1", ..., "check_inputs")."""
+
+
+def sample_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
+    """`input_shape` as a tuple of 1 to 3 positive ints ([D], [C, L] or [C, H, W]), or a
+    ValueError naming it."""
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"input_shape must be a sequence of ints, got {input_shape!r}") from None
+    if not 1 <= len(shape) <= 3 or any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must be [D], [C, L] or [C, H, W] with positive sizes, got {list(shape)}")
+    return shape
+
+
+def random_samples(input_shape: Sequence[int], count: int, seed: int) -> np.ndarray:
+    """`count` seeded standard-normal samples [count, *input_shape] (float32): stand-ins for
+    normalized inputs when no real ones are at hand."""
+    return np.random.default_rng(seed).standard_normal((count, *sample_shape(input_shape))).astype(np.float32)
 
 
 def weights_sha256(module: nn.Module) -> str:
@@ -129,9 +153,9 @@ def _reference(module: nn.Module, x: np.ndarray, batch_size: int = CHECK_BATCH) 
 
 
 def _parity(module: nn.Module, session: ort.InferenceSession, inputs: Iterable[tuple[str, np.ndarray]],
-            tolerance: float | None, fp16: bool) -> float:
-    """The largest |onnx - torch| over all input sets; raises ExportMismatchError past the bound."""
-    worst = 0.0
+            tolerance: float | None, fp16: bool) -> dict[str, float]:
+    """max |onnx - torch| per input set; raises ExportMismatchError past the bound."""
+    diffs: dict[str, float] = {}
     for label, x in inputs:
         expected = _reference(module, x)
         actual = run_batched(session, x)
@@ -146,13 +170,13 @@ def _parity(module: nn.Module, session: ort.InferenceSession, inputs: Iterable[t
                 f"{label}: max |onnx - torch| = {diff:.3g} exceeds {bound:.3g} "
                 f"({'fp16' if fp16 else 'fp32'}; output max |torch| = {peak:.3g})")
         log.debug("%s: max |onnx - torch| = %.3g (bound %.3g)", label, diff, bound)
-        worst = max(worst, diff)
-    return worst
+        diffs[label] = diff
+    return diffs
 
 
 def export_module(
     module: nn.Module,
-    input_shape: tuple[int, int, int],
+    input_shape: Sequence[int],
     path: str | Path,
     *,
     metadata: Mapping[str, Any],
@@ -160,25 +184,27 @@ def export_module(
     fp16: bool = False,
     check_inputs: np.ndarray | None = None,
     tolerance: float | None = None,
+    seed: int = 0,
 ) -> ExportResult:
-    """Export `module` ([N, C, H, W] -> [N, d]) to the ONNX file `path` and verify it.
+    """Export `module` ([N, *input_shape] -> [N, d]) to the ONNX file `path` and verify it.
 
-    The model has input `input` (float32 [batch, *input_shape]) and output `features`; its
-    metadata_props are `metadata` plus `format` (unless given) and `weights_sha256`, each value
-    JSON-encoded. The module is exported from an eval-mode CPU copy (the caller's module is left
-    as it was). Parity with PyTorch is checked on seeded random inputs (batches of 1 and 7) and
-    on `check_inputs` [N, *input_shape]: `tolerance` bounds max |onnx - torch|; None means
+    `input_shape` is one sample's shape: [C, H, W], [C, L] or [D]. The model has input `input`
+    (float32 [batch, *input_shape]) and output `features`; its metadata_props are `metadata`
+    plus `format` (unless given) and `weights_sha256`, each value JSON-encoded. The module is
+    exported from an eval-mode CPU copy (the caller's module is left as it was). Parity with
+    PyTorch is checked on random inputs seeded by `seed` (batches of 1 and 7) and on
+    `check_inputs` [N, *input_shape]: `tolerance` bounds max |onnx - torch|; None means
     `RELATIVE[fp16] * max(1, max |torch|)` per input set (1e-4 fp32, 1e-2 fp16). A mismatch
     raises ExportMismatchError and leaves `path` untouched.
     """
     if opset < 17:
         raise ValueError(f"opset must be 17 or more, got {opset}")
-    shape = tuple(int(s) for s in input_shape)
+    shape = sample_shape(input_shape)
     if check_inputs is not None and tuple(check_inputs.shape[1:]) != shape:
         raise ValueError(f"check_inputs have shape {list(check_inputs.shape[1:])}, the model takes {list(shape)}")
     path = Path(path)
     reference = copy.deepcopy(module).cpu().eval()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     randoms = [(f"random batch of {n}", rng.standard_normal((n, *shape)).astype(np.float32)) for n in RANDOM_BATCHES]
     model = torch_to_onnx(reference, torch.from_numpy(randoms[-1][1]), input_name=INPUT_NAME,
                           output_name=OUTPUT_NAME, opset=opset)
@@ -194,9 +220,10 @@ def export_module(
     onnx.checker.check_model(model)
     data = model.SerializeToString()
     checks = randoms if check_inputs is None else [*randoms, ("check_inputs", np.asarray(check_inputs, np.float32))]
-    worst = _parity(reference, cpu_session(data), checks, tolerance, fp16)
+    parity = _parity(reference, cpu_session(data), checks, tolerance, fp16)
+    worst = max(parity.values())
     write_atomic(path, data)
-    result = ExportResult(path, hashlib.sha256(data).hexdigest(), len(data), worst, written)
+    result = ExportResult(path, hashlib.sha256(data).hexdigest(), len(data), worst, written, parity)
     log.info("exported %s (%s, %d bytes, max |onnx - torch| %.3g)", path, "fp16" if fp16 else "fp32",
              result.size_bytes, worst)
     return result

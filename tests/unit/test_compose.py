@@ -3,6 +3,7 @@
 For every head kind the composed model's `label` must be what the Python pipeline (torch body,
 then the head's `predict`) says, and `probabilities` must have one column per class of the
 dataset that sums to 1 (the softmax of the head's scores), zeros for classes the head never saw.
+Bodies of 1-D signals [C, L] and of feature vectors [D], fp32 or int8, compose like images.
 `edge_sdk.lite.compose` and the heads must work where torch, scikit-learn and scipy cannot be
 imported at all.
 """
@@ -28,7 +29,7 @@ from edge_sdk.lite.compose import ComposeError, compose, dense_head_to_onnx, ncm
 from edge_sdk.lite.heads import HEADS, class_statistics, fit_head
 from edge_sdk.models import build_body
 from edge_sdk.training import recalibrate_batchnorm
-from export import compose_torch_head, export_module
+from export import compose_torch_head, export_body, export_module
 
 CLASSES = 10
 TRAIN = slice(0, 1200)
@@ -230,6 +231,58 @@ def test_a_body_at_a_newer_opset_takes_an_opset_17_head(setup: Setup, tmp_path: 
     label, probabilities = setup.run(path)
     assert float(np.mean(label == setup.y[TEST])) > 0.5
     assert_probabilities(probabilities)
+
+
+def signal_and_tabular_bodies() -> dict[str, tuple[torch.nn.Module, np.ndarray, np.ndarray]]:
+    """Small seeded bodies with seeded samples and labels: a conv1d body on 2-channel windows
+    [2, 32] whose class is the dominant frequency, and an MLP on 12 features whose class is the
+    sign pattern of the first two."""
+    rng = np.random.default_rng(7)
+    labels = np.arange(400) % 3
+    t = np.linspace(0, 1, 32, dtype=np.float32)
+    windows = np.sin(2 * np.pi * (2 + 3 * labels)[:, None, None] * t + rng.uniform(0, 3, (400, 2, 1)))
+    windows = (windows + 0.2 * rng.standard_normal((400, 2, 32))).astype(np.float32)
+    vectors = rng.standard_normal((400, 12)).astype(np.float32)
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv1d(2, 8, 5, padding=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool1d(4),
+                               torch.nn.Flatten())
+    mlp = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU())
+    return {"signal": (conv.eval(), windows, labels),
+            "features": (mlp.eval(), vectors, (vectors[:, 0] > 0) + (vectors[:, 1] > 0).astype(np.int64))}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["signal", "features"])
+def test_signal_and_tabular_bodies_compose_with_numpy_and_torch_heads(tmp_path: Path, kind: str,
+                                                                      precision: str) -> None:
+    # Prepare
+    body, x, y = signal_and_tabular_bodies()[kind]
+    summary = export_body(body, x.shape[1:], tmp_path / "body.onnx", metadata={"task": {"kind": kind}},
+                          quantize="int8" if precision == "int8" else None, samples=x[:200])
+    features = ort.InferenceSession(summary["path"], providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    dim, classes = summary["metadata"]["feature_dim"], 3
+    head = fit_head("lr", features[:200], y[:200], num_classes=classes, seed=0)
+    torch.manual_seed(1)
+    torch_head = torch.nn.Linear(dim, classes)
+
+    # Execute
+    numpy_path = compose(summary["path"], head.to_onnx(dim), tmp_path / "lr.onnx", num_classes=classes,
+                         metadata={"head": "lr"})
+    torch_path = compose_torch_head(summary["path"], torch_head, tmp_path / "torch.onnx", num_classes=classes,
+                                    metadata={})
+
+    # Assert
+    run = {path: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        ["label", "probabilities"], {"input": x[200:]}) for path in (numpy_path, torch_path)}
+    np.testing.assert_array_equal(run[numpy_path][0], head.predict(features[200:]))
+    with torch.no_grad():
+        logits = torch_head(torch.from_numpy(features[200:]))
+    np.testing.assert_array_equal(run[torch_path][0], logits.argmax(dim=1).numpy())
+    for _, probabilities in run.values():
+        assert probabilities.shape == (len(x) - 200, classes)
+        np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    metadata = {p.key: json.loads(p.value) for p in onnx.load(str(numpy_path)).metadata_props}
+    assert metadata["task"] == {"kind": kind} and metadata["input_shape"] == list(x.shape[1:])
 
 
 BLOCKED = ("torch", "torchvision", "sklearn", "scipy", "skl2onnx")
