@@ -37,8 +37,8 @@ from edge_sdk.algorithms.dc_pfl import (
     decode_stats,
     stats_spec,
 )
-from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.models import build_body, seeded_init
+from edge_sdk.algorithms.torch_device import SHARED
+from edge_sdk.models import build_body, describe, seeded_init
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
@@ -109,15 +109,14 @@ class DcPflServer(ServerAlgorithm):
     Hyper = Hyper
 
     def __init__(self, hyper: Hyper, context: ServerContext):
-        meta = context.meta
-        self.num_classes = meta.num_classes
-        self.dim = build_body(context.model, in_channels=meta.channels, image_size=meta.image_size)[1]
+        task = context.task
+        self.num_classes = task.num_classes
+        self.dim = build_body(context.model, task)[1]
         for name in hyper.body_model_names():
-            dim = build_body(name, in_channels=meta.channels, image_size=meta.image_size)[1]
+            dim = build_body(name, task)[1]
             if dim != self.dim:
-                raise ValueError(
-                    f"body_models: {name} has feature dimension {dim}, the run's model {context.model} {self.dim}"
-                )
+                raise ValueError(f"body_models: {name} has feature dimension {dim}, the run's model "
+                                 f"{describe(context.model)} {self.dim}")
         self._registration: dict[str, int] = {}
         self._reports: dict[str, ArrayGroup] = {}
         super().__init__(hyper, context)

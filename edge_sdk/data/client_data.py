@@ -31,7 +31,7 @@ class ClientData:
     train_y: np.ndarray
     test_x: np.ndarray
     test_y: np.ndarray
-    meta: DatasetMeta
+    task: DatasetMeta
     domain: str | None = None
 
     @property
@@ -45,8 +45,8 @@ class ClientData:
         return int(self.test_y.shape[0])
 
     def class_counts(self) -> np.ndarray:
-        """Training examples per class, length `meta.num_classes` (the client's label skew)."""
-        return np.bincount(self.train_y, minlength=self.meta.num_classes)
+        """Training examples per class, length `task.num_classes` (the client's label skew)."""
+        return np.bincount(self.train_y, minlength=self.task.num_classes)
 
 
 def _split_seed(seed: int, index: int) -> int:
