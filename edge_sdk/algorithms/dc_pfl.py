@@ -45,7 +45,7 @@ from ..params import ArraySpec, check_arrays
 from ..protocol import ArrayGroup
 from ..training import LossFn, eval_mode, predict, run_epochs, to_device
 from .base import FitResult, Task
-from .torch_device import SHARED, TorchDevice
+from .torch_device import TorchDevice
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ to the user's loss.
 
 from __future__ import annotations
 
-import copy
 from typing import ClassVar
 
 import torch
