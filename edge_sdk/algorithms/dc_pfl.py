@@ -98,7 +98,8 @@ class Hyper:
     calibration_batch_size: int = 32
     """Mini-batch size of Eq. (12)."""
     body_models: str = ""
-    """Comma-separated body models assigned round-robin in registration order; empty: the run's model."""
+    """Comma-separated models (built-in names or import paths of factories) whose bodies are
+    assigned round-robin in registration order; empty: the run's model."""
 
     def __post_init__(self) -> None:
         CovarianceMode.parse(self.covariance)
@@ -210,7 +211,7 @@ class DcPflDevice(TorchDevice):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        dim, classes = self.model.feature_dim, self.task.num_classes
+        dim, classes = self.model.feature_dim, self.data.task.num_classes
         self.means_spec: ArraySpec = {"means": ((classes, dim), "float32"), "has_mean": ((classes,), "bool")}
         log.debug("dc_pfl device with body %s (d=%d)", describe(self.network_spec()), dim)
 
@@ -262,7 +263,7 @@ class DcPflDevice(TorchDevice):
         """Eq. (6)-(7) over the training set with the current body, encoded for the wire."""
         with eval_mode(self.model):
             features = predict(self.model.body, self.train_x).double().cpu().numpy()
-        counts, means, covs = class_statistics(features, self.data.train_y, self.task.num_classes)
+        counts, means, covs = class_statistics(features, self.data.train_y, self.data.task.num_classes)
         return encode_stats(counts, means, covs, self.hyper.mode, self.hyper.wire_dtype)
 
     def fit(self, task: Task) -> FitResult:

@@ -137,7 +137,7 @@ class DualFedDevice(TorchDevice):
     def build_network(self, base: nn.Module) -> DualFedNet:
         """The factory's body (built again, alone, so that a built-in body and the parts DualFed
         adds draw the same initial weights as ever), a projector and the two classifiers."""
-        return build_network(self.model_spec, self.task, self.hyper, self.settings.seed)
+        return build_network(self.model_spec, self.data.task, self.hyper, self.settings.seed)
 
     # -- local training --------------------------------------------------------------------
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -146,7 +146,7 @@ class DualFedDevice(TorchDevice):
 
     def main_branch_loss(self, generator: torch.Generator) -> LossFn:
         """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch."""
-        task, model = self.task, self.model
+        task, model = self.data.task, self.model
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             views = task_views(xb, task, generator).flatten(0, 1)

@@ -154,8 +154,8 @@ class FediOSDevice(TorchDevice):
         """The factory's model of the federation seed supplies the generic body, the factory's
         model of the device's own seed the personal body; the head is FediOS's linear map on R^D."""
         block, capacity = parse_assignment(self.assignment)
-        personal_body, _ = seeded_body(self.model_spec, self.task, self.client_seed)
-        head = shared_head(base.feature_dim, capacity, self.task.num_classes, self.settings.seed)
+        personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
+        head = shared_head(base.feature_dim, capacity, self.data.task.num_classes, self.settings.seed)
         return FediOSNet(base.body, personal_body, head, block, self.hyper.alpha)
 
     def fit(self, task: Task) -> FitResult:

@@ -187,12 +187,12 @@ class RepPerDevice(TorchDevice):
     def build_network(self, base: nn.Module) -> RepPerNet:
         """The stage-1 network: the factory's body (built again, alone, so that a built-in body
         and the projector draw the same initial weights as ever) and the projector."""
-        return build_network(self.model_spec, self.task, self.hyper, self.settings.seed)
+        return build_network(self.model_spec, self.data.task, self.hyper, self.settings.seed)
 
     # -- stage 1: common representation learning -------------------------------------------
     def contrastive_loss(self, generator: torch.Generator) -> LossFn:
         """Eq. (4)-(5) on two augmented views of every sample of the batch."""
-        task = self.task
+        task = self.data.task
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             views = task_views(xb, task, generator)
@@ -221,12 +221,12 @@ class RepPerDevice(TorchDevice):
         """Fit the configured personal head on the training features; return its label predictor."""
         hyper = self.hyper
         if hyper.head in ("linear", "mlp"):
-            head = fit_torch_head(hyper.head, features, self.train_y, self.task.num_classes,
+            head = fit_torch_head(hyper.head, features, self.train_y, self.data.task.num_classes,
                                   hidden=hyper.head_hidden, epochs=hyper.head_epochs,
                                   batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed)
             self.head = head
             return lambda f: predict(head, f).argmax(dim=1)
-        lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.task.num_classes,
+        lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.data.task.num_classes,
                                   hidden=hyper.head_hidden, seed=seed)
         self.head = lite_head
         return lambda f: torch.as_tensor(lite_head.predict(f.cpu().numpy()), device=f.device)

@@ -15,7 +15,6 @@ from typing import ClassVar
 
 import torch
 
-from ..data.task import TaskSpec
 from ..models import ModelSpec, PartedNet, build_model, check_capabilities, statistics_keys
 from ..models.capabilities import COMMON
 from ..params import Partition, check_arrays, partition_by_parts, spec_of
@@ -52,11 +51,6 @@ class TorchDevice(DeviceAlgorithm):
         self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
         self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
 
-    @property
-    def task(self) -> TaskSpec:
-        """What a sample of this device's data is."""
-        return self.data.task
-
     def network_spec(self) -> ModelSpec:
         """The model this device builds: the run's (or the factory the device was given)."""
         return self.model_spec
@@ -64,7 +58,7 @@ class TorchDevice(DeviceAlgorithm):
     def base_model(self) -> PartedNet:
         """The model factory's network for the task from the run's seed: the same weights on
         every device and on the coordinator."""
-        return build_model(self.network_spec(), self.task, seed=self.settings.seed)
+        return build_model(self.network_spec(), self.data.task, seed=self.settings.seed)
 
     def build_network(self, base: PartedNet) -> torch.nn.Module:
         """The device's network made from `base` (the factory's model, capabilities checked);

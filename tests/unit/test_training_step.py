@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from builtin_tasks import DIGITS, digits_client
+from builtin_tasks import digits_client
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import Task, TrainingStepRefused, TrainSettings
 from edge_sdk.client import EdgeClient
@@ -121,4 +121,4 @@ def test_edge_client_hands_the_factory_and_the_step_to_the_algorithm(tmp_path: P
     # Assert
     assert client.algorithm.model_spec is factory
     assert client.algorithm.user_optimizer is adam and client.algorithm.user_loss is smoothed
-    assert client.algorithm.task == DIGITS
+    assert client.algorithm.base_model().feature_dim == 128
