@@ -1,9 +1,9 @@
 """Small bodies: CNNs with BatchNorm for 8x8, 28x28, 32x32 and any-size images, a 1-D CNN for
 signals and an MLP for feature vectors.
 
-Each builder returns `(body, feature_dim)`: the body maps [B, C, H, W] to [B, feature_dim]. They are
-small enough to train on an edge device, and their BatchNorm layers give the personalization
-algorithms running statistics to keep local.
+Each builder returns `(body, feature_dim)`: the body maps a batch of inputs to [B, feature_dim].
+They are small enough to train on an edge device, and the CNNs' BatchNorm layers give the
+personalization algorithms running statistics to keep local.
 """
 
 from __future__ import annotations
