@@ -2,7 +2,9 @@
 
 Grayscale digit-like images (digits, MNIST, Fashion-MNIST) get small random affine changes
 (rotation, shift, scale); natural colour images (CIFAR) get a random crop after padding and a
-horizontal flip. Inputs are normalized [B, C, H, W] tensors.
+horizontal flip. Inputs are normalized [B, C, H, W] tensors. Signals and feature vectors,
+where a geometric change means nothing, get a random per-sample scale and Gaussian noise
+(`task_views`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .data.task import TaskSpec
 
 
 def family_of(channels: int) -> str:
@@ -49,3 +53,18 @@ def two_views(x: torch.Tensor, channels: int, generator: torch.Generator) -> tor
     """[B, C, H, W] -> [B, 2, C, H, W]: two independent augmentations of every image."""
     augment = random_crop_flip if family_of(channels) == "natural" else random_affine
     return torch.stack([augment(x, generator), augment(x, generator)], dim=1)
+
+
+def jitter(x: torch.Tensor, generator: torch.Generator, *, scale: float = 0.1, noise: float = 0.1) -> torch.Tensor:
+    """Each sample multiplied by its own factor 1 + scale * N(0, 1), plus noise * N(0, 1) per
+    entry (inputs are normalized, so `noise` is in units of a feature's standard deviation)."""
+    factor = 1.0 + scale * torch.randn((x.shape[0],) + (1,) * (x.dim() - 1), generator=generator)
+    return x * factor.to(x.device) + noise * torch.randn(x.shape, generator=generator).to(x.device)
+
+
+def task_views(x: torch.Tensor, task: TaskSpec, generator: torch.Generator) -> torch.Tensor:
+    """[B, *input_shape] -> [B, 2, *input_shape]: two augmentations of every sample of `task`:
+    `two_views` for images, `jitter` for signals and feature vectors."""
+    if task.kind == "image":
+        return two_views(x, task.channels, generator)
+    return torch.stack([jitter(x, generator), jitter(x, generator)], dim=1)

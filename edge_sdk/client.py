@@ -21,10 +21,11 @@ from typing import Any, Callable
 import numpy as np
 
 from . import algorithms, codecs
-from .algorithms.base import DeviceAlgorithm, Task, TrainSettings
+from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task, TrainSettings
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
+from .models import ModelSpec
 from .params import floats_finite
 from .protocol import STATISTICS, Envelope, Kind
 from .session import DeviceSession
@@ -35,7 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class EdgeClient(DeviceSession):
-    """One trainer device. `run()` blocks until the run finishes or `stop` is set."""
+    """One trainer device. `run()` blocks until the run finishes or `stop` is set.
+
+    `model` (a factory `factory(task) -> nn.Module`, or a spec) replaces the run's model on this
+    device; `optimizer` (`fn(params, settings) -> Optimizer`) and `loss` (`fn(logits, targets)
+    -> Tensor`) replace the local training step where the algorithm allows it (FedAvg family).
+    """
 
     def __init__(
         self,
@@ -46,6 +52,9 @@ class EdgeClient(DeviceSession):
         compute_lock: threading.Lock | None = None,
         attack: str | None = None,
         amp: bool = False,
+        model: ModelSpec | None = None,
+        optimizer: OptimizerFactory | None = None,
+        loss: LossOverride | None = None,
         **session: Any,
     ):
         super().__init__(client_id, **session)
@@ -57,6 +66,7 @@ class EdgeClient(DeviceSession):
             log.warning("%s behaves as an adversary: its uploads are corrupted (%s)", client_id, attack)
         self._compute_lock = compute_lock or nullcontext()
         self.amp = amp
+        self.training_overrides = {"model": model, "optimizer": optimizer, "loss": loss}
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
         self.rounds_trained = 0
@@ -79,7 +89,7 @@ class EdgeClient(DeviceSession):
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
         seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
         self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed,
-                                       welcome.config.get("assignment", {}))
+                                       welcome.config.get("assignment", {}), **self.training_overrides)
         self.algorithm_id = algorithm_id
         saved = self.store.load()
         if saved is not None and (saved.run_id, saved.algorithm) == (welcome.run_id, algorithm_id):

@@ -11,8 +11,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import NoHyper
-from edge_sdk.data import DatasetMeta
+from edge_sdk.data.task import TaskSpec
+from edge_sdk.models import ModelSpec, build_model, check_capabilities
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup
 
@@ -21,10 +23,11 @@ from ..robust import AggregationSettings, Aggregator, make_aggregator
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What an algorithm may know about the run."""
+    """What an algorithm may know about the run: `model` is the run's model spec (a name, an
+    import path or a factory) and `task` what a sample is."""
 
-    model: str
-    meta: DatasetMeta
+    model: ModelSpec
+    task: TaskSpec
     seed: int
     rounds: int
     clients: int
@@ -42,7 +45,14 @@ class ServerAlgorithm(ABC):
     def __init__(self, hyper: Any, context: ServerContext):
         self.hyper = hyper
         self.context = context
+        self.check_model()
         self.state: dict[str, ArrayGroup] = self.initial_state()
+
+    def check_model(self) -> None:
+        """Refuse, before anything starts, a model that lacks a capability the algorithm's device
+        side needs (`ModelCapabilityError` naming both)."""
+        check_capabilities(load_device(self.id), build_model(self.context.model, self.context.task,
+                                                             seed=self.context.seed))
 
     def shares_body(self) -> bool:
         """Whether the global state holds the body's parameters: only then can it be released."""

@@ -11,7 +11,7 @@ grows. The split rule lives in `edge_sdk.algorithms.cd2_pfed`, shared with the d
 from __future__ import annotations
 
 from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, personal_fraction, upload_spec
-from edge_sdk.algorithms.part_sharing import SHARED
+from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.params import ArraySpec
 
 from .base import ServerContext

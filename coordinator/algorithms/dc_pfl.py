@@ -17,8 +17,9 @@ not depend on arrival order):
 Down next round: phi^{t+1} and mu^{t+1}. A class that no reporting client has keeps its
 previous mean (and stays without one until first seen). EVALUATE carries phi only.
 
-Heterogeneous bodies: `Hyper.body_models` names the architectures, handed out round-robin in
-registration order by `assignment`; all must have the feature dimension of the run's model.
+Heterogeneous bodies: `Hyper.body_models` names the architectures (model factories, resolved as
+the run's model is), handed out round-robin in registration order by `assignment`; each must
+have DC-PFL's capabilities and the feature dimension of the run's model.
 The order lives in memory: a coordinator restarted from a checkpoint hands them out anew.
 """
 
@@ -33,12 +34,13 @@ from torch import nn
 from edge_sdk.algorithms.dc_pfl import (
     GLOBAL_MEANS,
     STATS,
+    DcPflDevice,
     Hyper,
     decode_stats,
     stats_spec,
 )
-from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.models import build_body, seeded_init
+from edge_sdk.algorithms.torch_device import SHARED
+from edge_sdk.models import build_body, build_model, check_capabilities, describe, seeded_init
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
@@ -109,15 +111,15 @@ class DcPflServer(ServerAlgorithm):
     Hyper = Hyper
 
     def __init__(self, hyper: Hyper, context: ServerContext):
-        meta = context.meta
-        self.num_classes = meta.num_classes
-        self.dim = build_body(context.model, in_channels=meta.channels, image_size=meta.image_size)[1]
+        task = context.task
+        self.num_classes = task.num_classes
+        self.dim = build_body(context.model, task)[1]
         for name in hyper.body_model_names():
-            dim = build_body(name, in_channels=meta.channels, image_size=meta.image_size)[1]
-            if dim != self.dim:
-                raise ValueError(
-                    f"body_models: {name} has feature dimension {dim}, the run's model {context.model} {self.dim}"
-                )
+            body_model = build_model(name, task)
+            check_capabilities(DcPflDevice, body_model)
+            if body_model.feature_dim != self.dim:
+                raise ValueError(f"body_models: {name} has feature dimension {body_model.feature_dim}, the run's "
+                                 f"model {describe(context.model)} {self.dim}")
         self._registration: dict[str, int] = {}
         self._reports: dict[str, ArrayGroup] = {}
         super().__init__(hyper, context)

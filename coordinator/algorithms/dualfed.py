@@ -8,7 +8,7 @@ server never holds a projector or a personal head.
 from __future__ import annotations
 
 from edge_sdk.algorithms.dualfed import SHARED_PARTS, DualFedDevice, build_network
-from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.algorithms.torch_device import SHARED, model_partition
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
@@ -20,7 +20,7 @@ class DualFedServer(PartSharingServer):
     Hyper = DualFedDevice.Hyper
 
     def initial_state(self) -> dict[str, ArrayGroup]:
-        network = build_network(self.context.model, self.context.meta, self.hyper, self.context.seed)
+        network = build_network(self.context.model, self.context.task, self.hyper, self.context.seed)
         return {SHARED: state_arrays(network, model_partition(network, SHARED_PARTS).shared)}
 
     def accumulate(self, client_id, groups, metrics, weight) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from torch import nn
 
 from edge_sdk.algorithms.fedios import FediOSDevice, seeded_body, shared_head
-from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.algorithms.torch_device import SHARED, model_partition
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
@@ -47,9 +47,9 @@ class FediOSServer(PartSharingServer):
         return self.hyper.capacity or self.context.clients
 
     def initial_state(self) -> dict[str, ArrayGroup]:
-        meta, seed = self.context.meta, self.context.seed
-        body, feature_dim = seeded_body(self.context.model, meta, seed)
-        parts = nn.ModuleDict({"body": body, "head": shared_head(feature_dim, self.capacity, meta.num_classes, seed)})
+        task, seed = self.context.task, self.context.seed
+        body, feature_dim = seeded_body(self.context.model, task, seed)
+        parts = nn.ModuleDict({"body": body, "head": shared_head(feature_dim, self.capacity, task.num_classes, seed)})
         return {SHARED: state_arrays(parts, model_partition(parts, self.device.shared_parts).shared), BLOCKS: {}}
 
     def task_groups(self, round_: int) -> dict[str, ArrayGroup]:

@@ -1,10 +1,14 @@
-"""Server side of the FedAvg family: weighted average of the shared parts, by name."""
+"""Server side of the FedAvg family: weighted average of the shared parts, by name.
+
+A pure part-sharing algorithm has no server module of its own: the registry
+(`coordinator.algorithms.load`) derives its server from its device class with `server_for`.
+"""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from edge_sdk.algorithms.part_sharing import SHARED, PartSharingDevice, model_partition
+from edge_sdk.algorithms.torch_device import SHARED, TorchDevice, model_partition
 from edge_sdk.models import build_model
 from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
@@ -20,17 +24,10 @@ class PartSharingServer(ServerAlgorithm):
     is written once.
     """
 
-    device: ClassVar[type[PartSharingDevice]]
+    device: ClassVar[type[TorchDevice]]
 
     def initial_state(self) -> dict[str, ArrayGroup]:
-        meta = self.context.meta
-        model = build_model(
-            self.context.model,
-            in_channels=meta.channels,
-            num_classes=meta.num_classes,
-            image_size=meta.image_size,
-            seed=self.context.seed,
-        )
+        model = build_model(self.context.model, self.context.task, seed=self.context.seed)
         return {SHARED: state_arrays(model, model_partition(model, self.device.shared_parts, self.device.share_statistics).shared)}
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
@@ -44,3 +41,11 @@ class PartSharingServer(ServerAlgorithm):
 
     def end_round(self, round_: int) -> None:
         self.state = {SHARED: self._mean.result()}
+
+
+def server_for(device: type[TorchDevice]) -> type[PartSharingServer]:
+    """The server of a pure part-sharing algorithm: the example-weighted mean of its device
+    class's `shared_parts`, with the device's id and hyperparameters."""
+    name = device.__name__.removesuffix("Device") + "Server"
+    return type(name, (PartSharingServer,), {"id": device.id, "device": device, "Hyper": device.Hyper,
+                                             "__module__": __name__, "__doc__": f"{device.id}: {PartSharingServer.__doc__}"})

@@ -7,7 +7,7 @@ evaluation and sends nothing but metrics up.
 
 from __future__ import annotations
 
-from edge_sdk.algorithms.part_sharing import SHARED, model_partition
+from edge_sdk.algorithms.torch_device import SHARED, model_partition
 from edge_sdk.algorithms.repper import RepPerDevice, build_network
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
@@ -22,7 +22,7 @@ class RepPerServer(PartSharingServer):
     releases_representation = True
 
     def initial_state(self) -> dict[str, ArrayGroup]:
-        network = build_network(self.context.model, self.context.meta, self.hyper, self.context.seed)
+        network = build_network(self.context.model, self.context.task, self.hyper, self.context.seed)
         partition = model_partition(network, RepPerDevice.shared_parts, RepPerDevice.share_statistics)
         return {SHARED: state_arrays(network, partition.shared)}
 

@@ -10,10 +10,20 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..data import ClientData
 from ..protocol import ArrayGroup
+
+if TYPE_CHECKING:  # torch stays out of this module's imports: the registry loads without it
+    import torch
+
+    from ..models import Capability, ModelSpec
+
+OptimizerFactory = Callable[[Any, "TrainSettings"], "torch.optim.Optimizer"]
+"""A trainer's own local optimizer: (parameters, the run's settings) -> optimizer."""
+LossOverride = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+"""A trainer's own loss: (logits, targets) -> scalar loss (e.g. label smoothing, class weights)."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +67,20 @@ class FitResult:
     metrics: dict[str, float]
 
 
+class TrainingStepRefused(ValueError):
+    """A user optimizer or loss given to an algorithm whose local objective is its own."""
+
+
 class DeviceAlgorithm(ABC):
-    """One algorithm's device side. Subclasses set `id` and, if they have any, `Hyper`."""
+    """One algorithm's device side. Subclasses set `id`, the model capabilities they need
+    (`requires`) and, if they have any, `Hyper`. `model` is a factory (or spec) that replaces
+    the run's `settings.model` on this device; `optimizer` and `loss` replace the local training
+    step's where the algorithm allows it (`accepts_training_step`)."""
 
     id: ClassVar[str]
     Hyper: ClassVar[type] = NoHyper
+    requires: ClassVar[tuple["Capability", ...]] = ()
+    accepts_training_step: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -71,13 +90,23 @@ class DeviceAlgorithm(ABC):
         device: str,
         client_seed: int,
         assignment: dict[str, Any] | None = None,
+        *,
+        model: "ModelSpec | None" = None,
+        optimizer: OptimizerFactory | None = None,
+        loss: LossOverride | None = None,
     ):
+        if (optimizer is not None or loss is not None) and not self.accepts_training_step:
+            raise TrainingStepRefused(f"{self.id} has its own local objective and optimizer: it takes no user "
+                                      f"optimizer or loss (the FedAvg family does)")
         self.hyper = hyper
         self.settings = settings
         self.data = data
         self.device_name = device
         self.client_seed = client_seed
         self.assignment = assignment or {}
+        self.model_spec: "ModelSpec" = settings.model if model is None else model
+        self.user_optimizer = optimizer
+        self.user_loss = loss
 
     @abstractmethod
     def fit(self, task: Task) -> FitResult:

@@ -43,11 +43,12 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..models import statistics_keys
+from ..models.capabilities import CHANNEL_STRUCTURE, COMMON, LINEAR_HEAD
 from ..params import ArraySpec, check_arrays, part_of, spec_of
 from ..protocol import ArrayGroup
 from ..training import LossFn, accuracy, eval_mode, load_arrays, run_epochs, state_arrays
 from .base import FitResult, Task
-from .part_sharing import SHARED, PartSharingDevice
+from .torch_device import SHARED, TorchDevice
 
 GW0_PREFIX = "g_w0."
 """Prefix of the shared sub-network's BatchNorm statistics in the device's personal state."""
@@ -151,11 +152,12 @@ def cyclic_distillation(logits_local: torch.Tensor, logits_global: torch.Tensor)
     return 0.5 * (kl_local_global + kl_global_local)
 
 
-class CD2PFedDevice(PartSharingDevice):
+class CD2PFedDevice(TorchDevice):
     """Full network trained with CE + cyclic distillation; only the shared channels travel."""
 
     id = "cd2_pfed"
     Hyper = Hyper
+    requires = (*COMMON, LINEAR_HEAD, CHANNEL_STRUCTURE)
     shared_parts = ("body", "head")
 
     def __init__(self, *args, **kwargs):

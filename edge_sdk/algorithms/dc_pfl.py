@@ -39,23 +39,13 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from ..models import build_model, statistics_keys
-from ..params import ArraySpec, check_arrays, partition_by_parts, spec_of
+from ..models import ModelSpec, describe
+from ..models.capabilities import COMMON, LINEAR_HEAD
+from ..params import ArraySpec, check_arrays
 from ..protocol import ArrayGroup
-from ..training import (
-    LossFn,
-    accuracy,
-    eval_mode,
-    load_arrays,
-    pick_device,
-    place,
-    predict,
-    run_epochs,
-    state_arrays,
-    to_device,
-)
-from .base import DeviceAlgorithm, FitResult, Task
-from .part_sharing import SHARED
+from ..training import LossFn, eval_mode, predict, run_epochs, to_device
+from .base import FitResult, Task
+from .torch_device import TorchDevice
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +98,8 @@ class Hyper:
     calibration_batch_size: int = 32
     """Mini-batch size of Eq. (12)."""
     body_models: str = ""
-    """Comma-separated body models assigned round-robin in registration order; empty: the run's model."""
+    """Comma-separated models (built-in names or import paths of factories) whose bodies are
+    assigned round-robin in registration order; empty: the run's model."""
 
     def __post_init__(self) -> None:
         CovarianceMode.parse(self.covariance)
@@ -210,34 +201,25 @@ def _diag_matrices(diagonals: np.ndarray) -> np.ndarray:
 
 
 # -- the device -----------------------------------------------------------------------------
-class DcPflDevice(DeviceAlgorithm):
+class DcPflDevice(TorchDevice):
     """Personal body, global linear head; trains with the auxiliary loss, uploads class statistics."""
 
     id = "dc_pfl"
     Hyper = Hyper
+    requires = (*COMMON, LINEAR_HEAD)
+    shared_parts = ("head",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        meta = self.data.meta
-        self.device = pick_device(self.device_name)
-        self.model_name = str(self.assignment.get("model", self.settings.model))
-        self.model = place(build_model(self.model_name, in_channels=meta.channels, num_classes=meta.num_classes,
-                                       image_size=meta.image_size, seed=self.settings.seed), self.device)
-        partition = partition_by_parts(self.model.state_dict().keys(), ("head",), statistics_keys(self.model))
-        self.head_keys, self.body_keys = partition.shared, partition.personal
-        self.head_spec = spec_of(state_arrays(self.model, self.head_keys))
-        dim, classes = self.model.feature_dim, meta.num_classes
+        dim, classes = self.model.feature_dim, self.data.task.num_classes
         self.means_spec: ArraySpec = {"means": ((classes, dim), "float32"), "has_mean": ((classes,), "bool")}
-        self.train_x, self.train_y = (to_device(a, self.device) for a in (self.data.train_x, self.data.train_y))
-        self.test_x, self.test_y = (to_device(a, self.device) for a in (self.data.test_x, self.data.test_y))
-        log.debug("dc_pfl device with body %s (d=%d)", self.model_name, dim)
+        log.debug("dc_pfl device with body %s (d=%d)", describe(self.network_spec()), dim)
+
+    def network_spec(self) -> ModelSpec:
+        """The body the coordinator assigned this device (`body_models`), else the run's model."""
+        return self.assignment.get("model", self.model_spec)
 
     # -- what travels ----------------------------------------------------------------------
-    def load_head(self, task: Task) -> None:
-        if SHARED in task.groups:
-            check_arrays(SHARED, task.groups[SHARED], self.head_spec)
-            load_arrays(self.model, task.groups[SHARED])
-
     def global_means(self, task: Task) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(means [C, d], has_mean [C]) on the device, or None when no class has a mean yet."""
         group = task.groups.get(GLOBAL_MEANS)
@@ -247,13 +229,6 @@ class DcPflDevice(DeviceAlgorithm):
         if not np.asarray(group["has_mean"]).any():
             return None
         return to_device(np.array(group["means"]), self.device), to_device(np.array(group["has_mean"]), self.device)
-
-    def personal_state(self) -> ArrayGroup:
-        return state_arrays(self.model, self.body_keys)
-
-    def load_personal_state(self, arrays: ArrayGroup) -> None:
-        check_arrays("personal", arrays, spec_of(self.personal_state()))
-        load_arrays(self.model, arrays)
 
     # -- local work ------------------------------------------------------------------------
     def local_loss(self, means: tuple[torch.Tensor, torch.Tensor] | None) -> LossFn:
@@ -273,7 +248,7 @@ class DcPflDevice(DeviceAlgorithm):
 
     def train_locally(self, task: Task) -> float:
         self.model.train()
-        generator = torch.Generator().manual_seed(self.client_seed * 100_003 + task.round)
+        generator = self.generator(task.round)
         return run_epochs(
             self.local_loss(self.global_means(task)),
             torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=0.9),
@@ -288,19 +263,17 @@ class DcPflDevice(DeviceAlgorithm):
         """Eq. (6)-(7) over the training set with the current body, encoded for the wire."""
         with eval_mode(self.model):
             features = predict(self.model.body, self.train_x).double().cpu().numpy()
-        counts, means, covs = class_statistics(features, self.data.train_y, self.data.meta.num_classes)
+        counts, means, covs = class_statistics(features, self.data.train_y, self.data.task.num_classes)
         return encode_stats(counts, means, covs, self.hyper.mode, self.hyper.wire_dtype)
 
     def fit(self, task: Task) -> FitResult:
-        self.load_head(task)
+        self.load_shared(task)
         loss = self.train_locally(task)
         return FitResult({STATS: self.statistics()}, {"num_examples": len(self.train_y), "loss": loss})
 
     def evaluate(self, task: Task) -> dict[str, float]:
-        self.load_head(task)
-        with eval_mode(self.model):
-            acc = accuracy(self.model, self.test_x, self.test_y)
-        return {"accuracy": acc, "num_test": len(self.test_y)}
+        self.load_shared(task)
+        return {"accuracy": self.test_accuracy(self.model), "num_test": len(self.test_y)}
 
 
 DEVICE = DcPflDevice

@@ -11,7 +11,7 @@ softmax(head(u)) (`ensemble="prob"`); the official code sums logits (`ensemble="
 Local round, stage-wise (Sec. 4.2):
 (a) `global_head` frozen; `body`, `projector` and `head` train for `local_epochs` epochs on
     CE(head(u)) + lam * SupCon(u), Eq. (6)-(8), with the SupCon "out" form of Eq. (7) over two
-    augmented views of every image (`edge_sdk.augment.two_views`); the cross-entropy term is the
+    augmented views of every image (`edge_sdk.augment.task_views`); the cross-entropy term is the
     mean over both views.
 (b) `body`, `projector` and `head` frozen (the body in evaluation mode, so its BatchNorm
     statistics do not move either); `global_head` trains for `global_head_epochs` epochs on
@@ -44,13 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..augment import two_views
-from ..data import DatasetMeta
+from ..augment import task_views
+from ..data.task import TaskSpec
 from ..losses import supcon_loss
-from ..models import build_body, seeded_init
+from ..models import ModelSpec, build_body, seeded_init
+from ..models.capabilities import COMMON, PROJECTOR
 from ..training import LossFn, accuracy, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
-from .part_sharing import SHARED, PartSharingDevice
+from .torch_device import SHARED, TorchDevice
 
 log = logging.getLogger(__name__)
 
@@ -113,27 +114,30 @@ def ensemble(global_logits: torch.Tensor, personal_logits: torch.Tensor, mode: s
     raise ValueError(f"ensemble must be 'prob' or 'logit', got {mode!r}")
 
 
-def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> DualFedNet:
+def build_network(model: ModelSpec, task: TaskSpec, hyper: Hyper, seed: int) -> DualFedNet:
     """The same initial network on every device and on the server for the run's seed."""
     with seeded_init(seed):
-        body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
+        body, feature_dim = build_body(model, task)
         hidden = hyper.projector_hidden or max(1, feature_dim // 2)
-        return DualFedNet(body, feature_dim, meta.num_classes, hidden)
+        return DualFedNet(body, feature_dim, task.num_classes, hidden)
 
 
 def parameters_of(model: nn.Module, parts: tuple[str, ...]) -> list[nn.Parameter]:
     return [p for name in parts for p in getattr(model, name).parameters()]
 
 
-class DualFedDevice(PartSharingDevice):
+class DualFedDevice(TorchDevice):
     """Stage (a) trains the main branch, stage (b) the global classifier; both heads predict."""
 
     id = "dualfed"
+    requires = (*COMMON, PROJECTOR)
     Hyper = Hyper
     shared_parts = SHARED_PARTS
 
-    def build_network(self) -> DualFedNet:
-        return build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed)
+    def build_network(self, base: nn.Module) -> DualFedNet:
+        """The factory's body (built again, alone, so that a built-in body and the parts DualFed
+        adds draw the same initial weights as ever), a projector and the two classifiers."""
+        return build_network(self.model_spec, self.data.task, self.hyper, self.settings.seed)
 
     # -- local training --------------------------------------------------------------------
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -142,10 +146,10 @@ class DualFedDevice(PartSharingDevice):
 
     def main_branch_loss(self, generator: torch.Generator) -> LossFn:
         """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch."""
-        channels, model = self.data.meta.channels, self.model
+        task, model = self.data.task, self.model
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            views = two_views(xb, channels, generator).flatten(0, 1)
+            views = task_views(xb, task, generator).flatten(0, 1)
             u = model.projector(model.body(views))
             ce = F.cross_entropy(model.head(u), yb.repeat_interleave(2))
             contrastive = supcon_loss(u.view(len(yb), 2, -1), yb, self.hyper.temperature, variant="out")

@@ -43,11 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import DatasetMeta
-from ..models import build_model, seeded_init
-from ..training import LossFn, accuracy, eval_mode
-from .base import Task
-from .part_sharing import PartSharingDevice
+from ..data.task import TaskSpec
+from ..models import ModelSpec, PartedNet, build_model, seeded_init
+from ..models.capabilities import COMMON, LINEAR_HEAD, TWO_EXTRACTORS
+from ..training import LossFn, accuracy, eval_mode, run_epochs
+from .base import FitResult, Task
+from .torch_device import SHARED, TorchDevice
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,9 @@ def project(features: torch.Tensor, block: int, dim: int) -> torch.Tensor:
 
 
 # -- the model ------------------------------------------------------------------------------
-def seeded_body(model: str, meta: DatasetMeta, seed: int) -> tuple[nn.Module, int]:
+def seeded_body(model: ModelSpec, task: TaskSpec, seed: int) -> tuple[nn.Module, int]:
     """A feature extractor initialized from `seed` (the federation seed gives the generic `body`), and d."""
-    net = build_model(model, in_channels=meta.channels, num_classes=meta.num_classes,
-                      image_size=meta.image_size, seed=seed)
+    net = build_model(model, task, seed=seed)
     return net.body, net.feature_dim
 
 
@@ -142,27 +142,31 @@ def parse_assignment(assignment: dict[str, Any]) -> tuple[int, int]:
     return block, capacity
 
 
-class FediOSDevice(PartSharingDevice):
+class FediOSDevice(TorchDevice):
     """Trains body, personal_body and head jointly; body and head travel."""
 
     id = "fedios"
     Hyper = Hyper
+    requires = (*COMMON, LINEAR_HEAD, TWO_EXTRACTORS)
     shared_parts = ("body", "head")
 
-    def build_network(self) -> FediOSNet:
+    def build_network(self, base: PartedNet) -> FediOSNet:
+        """The factory's model of the federation seed supplies the generic body, the factory's
+        model of the device's own seed the personal body; the head is FediOS's linear map on R^D."""
         block, capacity = parse_assignment(self.assignment)
-        meta = self.data.meta
-        # The PartedNet of the federation seed supplies the generic body.
-        generic = super().build_network()
-        personal_body, _ = seeded_body(self.settings.model, meta, self.client_seed)
-        head = shared_head(generic.feature_dim, capacity, meta.num_classes, self.settings.seed)
-        return FediOSNet(generic.body, personal_body, head, block, self.hyper.alpha)
+        personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
+        head = shared_head(base.feature_dim, capacity, self.data.task.num_classes, self.settings.seed)
+        return FediOSNet(base.body, personal_body, head, block, self.hyper.alpha)
 
-    def optimizer(self, params=None) -> torch.optim.Optimizer:
-        return super().optimizer(params, momentum=self.hyper.momentum)
-
-    def local_loss(self, task: Task) -> LossFn:
-        return fedios_loss(self.model, self.hyper.lam)
+    def fit(self, task: Task) -> FitResult:
+        """Alg. 1 lines 6-16: load the global body and head, minimize Eq. (12) with SGD, send them up."""
+        self.load_shared(task)
+        self.model.train()
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=self.hyper.momentum)
+        loss = run_epochs(fedios_loss(self.model, self.hyper.lam), optimizer, self.train_x, self.train_y,
+                          epochs=self.settings.local_epochs, batch_size=self.settings.batch_size,
+                          generator=self.generator(task.round))
+        return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
 
     def evaluate(self, task: Task) -> dict[str, float]:
         """Personalized: head(phi_f). Global: head(P^g body(x))."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..training import LossFn, cross_entropy_loss
+from ..training import LossFn
 from .base import Task
 from .part_sharing import PartSharingDevice
 
@@ -37,9 +37,9 @@ class FedProxDevice(PartSharingDevice):
         return [p for name, p in self.model.named_parameters() if name in shared]
 
     def local_loss(self, task: Task) -> LossFn:
-        """CE + mu/2 * ||w - w_global||^2, anchored at the shared parameters as they are now
-        (`fit` calls this right after loading the global model)."""
-        ce = cross_entropy_loss(self.model)
+        """CE (or the trainer's own loss) + mu/2 * ||w - w_global||^2, anchored at the shared
+        parameters as they are now (`fit` calls this right after loading the global model)."""
+        ce = self.objective(self.model)
         params = self.shared_parameters()
         anchor = [p.detach().clone() for p in params]
         mu = self.hyper.mu

@@ -2,7 +2,7 @@
 "A Closer Look at Personalization in Federated Image Classification", papers/repper.txt).
 
 Stage 1, CRL (every training round, 1..T): a selected device loads the global `body`, draws two
-augmented views of every training image (`edge_sdk.augment.two_views`) and minimizes the
+augmented views of every training image (`edge_sdk.augment.task_views`) and minimizes the
 supervised contrastive loss of Eq. (4)-(5) on z = r / ||r||, r = body(x) (`supcon_loss`,
 variant "out" = Khosla et al.'s Eq. 2, the 1/|P(j)| average outside the log; "in" = Eq. (5) as
 printed, the average inside; see the Decision below), temperature 0.1, Adam with lr 1e-3 and weight decay 1e-4 (Sec. 6.1). Labels only define the
@@ -55,14 +55,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..augment import two_views
-from ..data import DatasetMeta
+from ..augment import task_views
+from ..data.task import TaskSpec
 from ..lite.heads import CONSTANT_FEATURE_STD, fit_head
 from ..losses import supcon_loss
-from ..models import build_body, seeded_init
+from ..models import ModelSpec, build_body, seeded_init
+from ..models.capabilities import COMMON, PROJECTOR
 from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
-from .part_sharing import SHARED, PartSharingDevice
+from .torch_device import SHARED, TorchDevice
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,10 @@ class RepPerNet(nn.Module):
 SHARED_PARTS = ("body", "projector")
 
 
-def build_network(model: str, meta: DatasetMeta, hyper: Hyper, seed: int) -> RepPerNet:
+def build_network(model: ModelSpec, task: TaskSpec, hyper: Hyper, seed: int) -> RepPerNet:
     """The same initial network on every device and on the server for the run's seed."""
     with seeded_init(seed):
-        body, feature_dim = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
+        body, feature_dim = build_body(model, task)
         return RepPerNet(body, feature_dim, hyper.projection_dim)
 
 
@@ -170,10 +171,11 @@ def fit_lite_head(kind: str, features: np.ndarray, labels: np.ndarray, num_class
     return fit_head(LITE_HEADS[kind], features, labels, num_classes=num_classes, seed=seed, hidden=hidden)
 
 
-class RepPerDevice(PartSharingDevice):
+class RepPerDevice(TorchDevice):
     """Stage 1 in `fit` (contrastive body training), stage 2 in `evaluate` (personal head)."""
 
     id = "repper"
+    requires = (*COMMON, PROJECTOR)
     Hyper = Hyper
     shared_parts = SHARED_PARTS
     share_statistics = True
@@ -182,16 +184,18 @@ class RepPerDevice(PartSharingDevice):
         super().__init__(*args, **kwargs)
         self.head: Any = None  # the last evaluation's fitted personal head
 
-    def build_network(self) -> RepPerNet:
-        return build_network(self.settings.model, self.data.meta, self.hyper, self.settings.seed)
+    def build_network(self, base: nn.Module) -> RepPerNet:
+        """The stage-1 network: the factory's body (built again, alone, so that a built-in body
+        and the projector draw the same initial weights as ever) and the projector."""
+        return build_network(self.model_spec, self.data.task, self.hyper, self.settings.seed)
 
     # -- stage 1: common representation learning -------------------------------------------
     def contrastive_loss(self, generator: torch.Generator) -> LossFn:
-        """Eq. (4)-(5) on two augmented views of every image of the batch."""
-        channels = self.data.meta.channels
+        """Eq. (4)-(5) on two augmented views of every sample of the batch."""
+        task = self.data.task
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            views = two_views(xb, channels, generator)
+            views = task_views(xb, task, generator)
             embeddings = self.model(views.flatten(0, 1)).view(len(yb), 2, -1)
             return supcon_loss(embeddings, yb, self.hyper.temperature, self.hyper.variant)
 
@@ -217,12 +221,12 @@ class RepPerDevice(PartSharingDevice):
         """Fit the configured personal head on the training features; return its label predictor."""
         hyper = self.hyper
         if hyper.head in ("linear", "mlp"):
-            head = fit_torch_head(hyper.head, features, self.train_y, self.data.meta.num_classes,
+            head = fit_torch_head(hyper.head, features, self.train_y, self.data.task.num_classes,
                                   hidden=hyper.head_hidden, epochs=hyper.head_epochs,
                                   batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed)
             self.head = head
             return lambda f: predict(head, f).argmax(dim=1)
-        lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.data.meta.num_classes,
+        lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.data.task.num_classes,
                                   hidden=hyper.head_hidden, seed=seed)
         self.head = lite_head
         return lambda f: torch.as_tensor(lite_head.predict(f.cpu().numpy()), device=f.device)

@@ -1,7 +1,9 @@
-"""Model registry and the helpers federated algorithms use to split a model into named parts.
+"""Models: factories, the body/head split, and the helpers algorithms use on named parts.
 
-Every model is a `PartedNet` whose top-level children are the parts `body` (features) and `head`
-(classifier). Algorithms partition `state_dict` keys by part, and treat BatchNorm running
+A model comes from a factory `factory(task) -> nn.Module` (`registry`): a built-in name, an
+import path, an entry point or a callable. `build_model` turns what the factory returns into a
+`PartedNet` whose top-level children are the parts `body` (features) and `head` (classifier),
+with seeded weights. Algorithms partition `state_dict` keys by part, and treat BatchNorm running
 statistics (found by module type with `statistics_keys`) as personal.
 """
 
@@ -9,88 +11,59 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from edge_sdk.models.cnn import cnn8, cnn8_wide, cnn28, cnn32
-from edge_sdk.models.torchvision_models import mobilenet_v3_small_body, resnet18_body
+from ..data.task import TaskSpec
+from .capabilities import Capability, ModelCapabilityError, check_capabilities
+from .parted import ModelError, PartedNet, as_parted, feature_dim_of, split
+from .registry import (
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    MODEL_NAMES,
+    BuiltinModel,
+    ModelFactory,
+    ModelSpec,
+    default_model_for,
+    describe,
+    resolve_factory,
+)
+from .signature import Signature, first_mismatch, model_signature
 
 __all__ = [
+    "BUILTINS",
+    "ENTRY_POINT_GROUP",
     "MODEL_NAMES",
+    "Capability",
+    "ModelCapabilityError",
+    "ModelError",
+    "ModelFactory",
+    "ModelSpec",
     "PartedNet",
+    "Signature",
     "build_body",
     "build_model",
+    "check_capabilities",
     "count_parameters",
+    "describe",
     "default_model_for",
+    "first_mismatch",
+    "model_signature",
     "part_keys",
+    "resolve_factory",
     "seeded_init",
+    "split",
     "state_nbytes",
     "statistics_keys",
 ]
 
 logger = logging.getLogger(__name__)
 
-_BodyBuilder = Callable[[int, int], tuple[nn.Module, int]]
-"""(in_channels, image_size) -> (body, feature_dim)."""
-
-# name -> (builder, the image sizes it accepts; None when any size works)
-_REGISTRY: dict[str, tuple[_BodyBuilder, tuple[int, ...] | None]] = {
-    "cnn8": (lambda c, s: cnn8(c), (8,)),
-    "cnn8_wide": (lambda c, s: cnn8_wide(c), (8,)),
-    "cnn28": (lambda c, s: cnn28(c), (28,)),
-    "cnn32": (lambda c, s: cnn32(c), (32,)),
-    "resnet18": (lambda c, s: resnet18_body(c), None),
-    "mobilenet_v3_small": (mobilenet_v3_small_body, None),
-}
-
-MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-
-_DEFAULT_FOR_SIZE = {8: "cnn8", 28: "cnn28", 32: "cnn32"}
-
 _STATISTIC_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def build_body(name: str, *, in_channels: int, image_size: int) -> tuple[nn.Module, int]:
-    """Build the feature extractor `name` for [B, in_channels, image_size, image_size] inputs.
-
-    Returns `(body, feature_dim)`. Raises ValueError for an unknown name or an image size the
-    model cannot take, so a misconfigured run fails before training starts.
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
-    if in_channels < 1 or image_size < 1:
-        raise ValueError(f"in_channels and image_size must be positive, got {in_channels}, {image_size}")
-    builder, sizes = _REGISTRY[name]
-    if sizes is not None and image_size not in sizes:
-        allowed = ", ".join(f"{s}x{s}" for s in sizes)
-        raise ValueError(f"model {name!r} takes images of size {allowed}, not {image_size}x{image_size}")
-    return builder(in_channels, image_size)
-
-
-class PartedNet(nn.Module):
-    """A classifier made of named parts: `body` (features) then `head` (linear classifier).
-
-    The attribute names are the part names that prefix the `state_dict` keys (`body.*`, `head.*`).
-    """
-
-    def __init__(self, body: nn.Module, head: nn.Module, feature_dim: int) -> None:
-        super().__init__()
-        self.body = body
-        self.head = head
-        self.feature_dim = feature_dim
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Map inputs [B, C, H, W] to features [B, feature_dim]."""
-        return self.body(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map inputs [B, C, H, W] to logits [B, num_classes]."""
-        return self.head(self.body(x))
-
 
 _SEEDED_INIT = threading.RLock()
 """Serializes seeded initializations: torch's global RNG is one per process, so two threads
@@ -107,37 +80,42 @@ def seeded_init(seed: int) -> Iterator[None]:
         yield
 
 
-def build_model(
-    name: str, *, in_channels: int, num_classes: int, image_size: int, seed: int | None = None
-) -> PartedNet:
-    """Build model `name` with a linear head for `num_classes`.
+def _seeded(seed: int | None) -> AbstractContextManager:
+    return seeded_init(seed) if seed is not None else nullcontext()
 
-    With `seed`, initialization is deterministic (every client can start from the same weights):
-    `seeded_init`.
+
+def build_model(spec: ModelSpec, task: TaskSpec, *, seed: int | None = None) -> PartedNet:
+    """The model `spec` names for `task`, as a `PartedNet` with its measured `feature_dim`.
+
+    With `seed`, initialization is deterministic (the coordinator and every device start from the
+    same weights): `seeded_init`. Raises ModelError for a spec that does not resolve, a module
+    without a body/head split, or a body whose output is not [B, D].
     """
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be positive, got {num_classes}")
-
-    def make() -> PartedNet:
-        body, feature_dim = build_body(name, in_channels=in_channels, image_size=image_size)
-        return PartedNet(body, nn.Linear(feature_dim, num_classes), feature_dim)
-
-    if seed is None:
-        model = make()
-    else:
-        with seeded_init(seed):
-            model = make()
-    logger.debug("built %s: %d parameters, seed %s", name, count_parameters(model), seed)
+    where = describe(spec)
+    factory = resolve_factory(spec, task)
+    with _seeded(seed):
+        module = factory(task)
+    if not isinstance(module, nn.Module):
+        raise ModelError(f"model {where}: the factory returned a {type(module).__name__}, not an nn.Module")
+    model = as_parted(module, where)
+    model.feature_dim = feature_dim_of(model.body, task, where)
+    logger.debug("built %s: %d parameters, seed %s", where, count_parameters(model), seed)
     return model
 
 
-def default_model_for(image_size: int) -> str:
-    """The small CNN suited to square images of `image_size` pixels (8, 28 or 32)."""
-    try:
-        return _DEFAULT_FOR_SIZE[image_size]
-    except KeyError:
-        sizes = ", ".join(str(s) for s in _DEFAULT_FOR_SIZE)
-        raise ValueError(f"no default model for image size {image_size}; sizes with one: {sizes}") from None
+def build_body(spec: ModelSpec, task: TaskSpec, *, seed: int | None = None) -> tuple[nn.Module, int]:
+    """The feature extractor of model `spec` for `task`, and its feature dimension.
+
+    A built-in model builds its body alone (no head is drawn from the random state, so an
+    algorithm that adds its own parts after the body, inside its own `seeded_init`, gets the same
+    weights as ever); any other factory builds the whole model and gives its body.
+    """
+    factory = resolve_factory(spec, task)
+    if isinstance(factory, BuiltinModel):
+        with _seeded(seed):
+            return factory.body(task)
+    model = build_model(factory, task, seed=seed)
+    return model.body, model.feature_dim
 
 
 def statistics_keys(module: nn.Module) -> set[str]:

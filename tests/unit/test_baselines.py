@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from edge_sdk import wire
@@ -21,7 +22,7 @@ from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import DeviceAlgorithm, Task, TrainSettings
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.config import ConfigError, from_mapping
-from edge_sdk.data import DATASETS, ClientData, load_client_data
+from edge_sdk.data import ClientData
 from edge_sdk.params import check_arrays, part_of
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.training import batches, cross_entropy_loss, recalibrate_batchnorm, run_epochs
@@ -56,7 +57,7 @@ def one_thread():
 def datas() -> list[ClientData]:
     """The first examples of each of 3 digits clients (dirichlet, seed 0), to keep the tests fast."""
     parts = [
-        load_client_data("digits", num_clients=NUM_CLIENTS, index=i, partition="dirichlet", seed=0)
+        digits_client(i, num_clients=NUM_CLIENTS, partition="dirichlet", seed=0)
         for i in range(NUM_CLIENTS)
     ]
     return [
@@ -68,7 +69,7 @@ def datas() -> list[ClientData]:
 
 def make_server(algorithm_id: str, **hyper):
     cls = load_server(algorithm_id)
-    context = ServerContext("cnn8", DATASETS["digits"], seed=0, rounds=SETTINGS.rounds, clients=NUM_CLIENTS)
+    context = ServerContext("cnn8", DIGITS, seed=0, rounds=SETTINGS.rounds, clients=NUM_CLIENTS)
     return cls(from_mapping(cls.Hyper, hyper), context)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.cd2_pfed import CD2PFedServer
 from edge_sdk import wire
@@ -21,7 +22,6 @@ from edge_sdk.algorithms.cd2_pfed import (
     personal_fraction,
 )
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.data import load_client_data
 from edge_sdk.params import check_arrays
 from edge_sdk.protocol import Envelope, Kind
 
@@ -31,7 +31,7 @@ MARKER = np.float32(7.25)
 
 @pytest.fixture(scope="module")
 def data():
-    return load_client_data("digits", num_clients=10, index=0, partition="dirichlet", seed=0)
+    return digits_client(0, num_clients=10, partition="dirichlet", seed=0)
 
 
 def make_device(data, *, lr: float = 0.05, rounds: int = ROUNDS) -> CD2PFedDevice:
@@ -40,7 +40,7 @@ def make_device(data, *, lr: float = 0.05, rounds: int = ROUNDS) -> CD2PFedDevic
 
 
 def make_server(data, rounds: int = ROUNDS) -> CD2PFedServer:
-    return CD2PFedServer(Hyper(), ServerContext("cnn8", data.meta, seed=0, rounds=rounds, clients=10))
+    return CD2PFedServer(Hyper(), ServerContext("cnn8", data.task, seed=0, rounds=rounds, clients=10))
 
 
 def test_personal_fraction_is_p_t_over_T() -> None:

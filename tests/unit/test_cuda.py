@@ -6,20 +6,20 @@ import numpy as np
 import pytest
 import torch
 
+from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
-from coordinator.algorithms.fedavg import FedAvgServer
+from coordinator.algorithms import load as load_server
 from edge_sdk.algorithms.base import NoHyper, Task, TrainSettings
 from edge_sdk.algorithms.fedavg import FedAvgDevice
-from edge_sdk.data import load_client_data
 from edge_sdk.training import mixed_precision, pick_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 
 def test_fedavg_round_on_cuda_with_amp_returns_host_arrays():
-    data = load_client_data("digits", num_clients=2, index=0, seed=0)
+    data = digits_client(0, num_clients=2, partition="iid", seed=0)
     settings = TrainSettings(model="cnn8", rounds=1, local_epochs=1, batch_size=32, lr=0.05, seed=0)
-    server = FedAvgServer(NoHyper(), ServerContext("cnn8", data.meta, seed=0, rounds=1, clients=2))
+    server = load_server("fedavg")(NoHyper(), ServerContext("cnn8", data.task, seed=0, rounds=1, clients=2))
     device = FedAvgDevice(NoHyper(), settings, data, "cuda", client_seed=1)
 
     with mixed_precision(True):

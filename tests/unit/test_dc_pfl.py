@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from builtin_tasks import DIGITS, digits_client
 from coordinator.aggregate import pool_class_stats
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dc_pfl import DcPflServer, sample_virtual_features, virtual_counts
@@ -25,18 +26,18 @@ from edge_sdk.algorithms.dc_pfl import (
     encode_stats,
 )
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.data import DATASETS, ClientData, load_client_data
-from edge_sdk.data.datasets import DatasetMeta
+from edge_sdk.data import ClientData
+from edge_sdk.data.task import TaskSpec
 from edge_sdk.params import check_arrays
 from edge_sdk.protocol import Envelope, Kind, Reason, ValidationError
 from edge_sdk.training import eval_mode
 
 SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, lr=0.05, seed=0)
-CONTEXT = ServerContext(model="cnn8", meta=DATASETS["digits"], seed=0, rounds=2, clients=10)
+CONTEXT = ServerContext(model="cnn8", task=DIGITS, seed=0, rounds=2, clients=10)
 
 
 def _device(index: int, hyper: Hyper = Hyper(), server: DcPflServer | None = None) -> DcPflDevice:
-    data = load_client_data("digits", num_clients=10, index=index, partition="dirichlet", alpha=0.5, seed=0)
+    data = digits_client(index, num_clients=10, partition="dirichlet", alpha=0.5, seed=0)
     assignment = server.assignment(f"dev{index:03d}") if server is not None else {}
     return DcPflDevice(hyper, SETTINGS, data, "cpu", client_seed=index, assignment=assignment)
 
@@ -320,23 +321,23 @@ def test_hyper_rejects_an_unknown_covariance_mode() -> None:
 
 
 # -- heterogeneous bodies ------------------------------------------------------------------------
-def _synthetic(meta: DatasetMeta, seed: int) -> ClientData:
+def _synthetic(task: TaskSpec, seed: int) -> ClientData:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(24, 1, 28, 28)).astype(np.float32)
-    y = np.tile(np.arange(meta.num_classes), 6).astype(np.int64)
+    y = np.tile(np.arange(task.num_classes), 6).astype(np.int64)
     x[:, 0, :4, :4] += y[:, None, None]  # a learnable cue
-    return ClientData(x[:16], y[:16], x[16:], y[16:], meta)
+    return ClientData(x[:16], y[:16], x[16:], y[16:], task)
 
 
 def test_heterogeneous_bodies_share_the_classifier() -> None:
     # Prepare: 28x28 data, bodies cnn28 and resnet18 (both d = 512) handed out round-robin;
     # diagonal covariances keep the 512 x 512 eigendecompositions out of validation
-    meta = dataclasses.replace(DATASETS["digits"], name="synthetic28", image_size=28, num_classes=4,
+    task = dataclasses.replace(DIGITS, name="synthetic28", input_shape=(1, 28, 28), num_classes=4,
                                class_names=("0", "1", "2", "3"))
     hyper = Hyper(body_models="cnn28,resnet18", covariance="diag", virtual_features=100)
-    server = DcPflServer(hyper, ServerContext(model="cnn28", meta=meta, seed=0, rounds=2, clients=3))
+    server = DcPflServer(hyper, ServerContext(model="cnn28", task=task, seed=0, rounds=2, clients=3))
     settings = dataclasses.replace(SETTINGS, model="cnn28")
-    devices = {cid: DcPflDevice(hyper, settings, _synthetic(meta, i), "cpu", i, server.assignment(cid))
+    devices = {cid: DcPflDevice(hyper, settings, _synthetic(task, i), "cpu", i, server.assignment(cid))
                for i, cid in enumerate(["a", "b", "c"])}
 
     # Execute: two rounds, then the deployed models
@@ -350,7 +351,7 @@ def test_heterogeneous_bodies_share_the_classifier() -> None:
     metrics = [device.evaluate(Task(2, server.eval_groups(), {"final": True})) for device in devices.values()]
 
     # Assert
-    assert [d.model_name for d in devices.values()] == ["cnn28", "resnet18", "cnn28"]
+    assert [d.network_spec() for d in devices.values()] == ["cnn28", "resnet18", "cnn28"]
     assert server.assignment("b") == {"model": "resnet18"}
     assert all(0.0 <= m["accuracy"] <= 1.0 and m["num_test"] == 8 for m in metrics)
     assert server.state[GLOBAL_MEANS]["has_mean"].all()

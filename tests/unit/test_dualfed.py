@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch import nn
 
+from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dualfed import DualFedServer
 from edge_sdk import wire
 from edge_sdk.algorithms.base import Task, TrainSettings
 from edge_sdk.algorithms.dualfed import DualFedDevice, Hyper, ensemble
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.data import DATASETS, load_client_data
 from edge_sdk.models import statistics_keys
 from edge_sdk.protocol import Envelope, Kind
 
@@ -28,12 +28,12 @@ SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, 
 
 
 def make_device(index: int = 0, hyper: Hyper = Hyper()) -> DualFedDevice:
-    data = load_client_data("digits", num_clients=10, index=index, partition="dirichlet", seed=0)
+    data = digits_client(index, num_clients=10, partition="dirichlet", seed=0)
     return DualFedDevice(hyper, SETTINGS, data, "cpu", client_seed=100 + index)
 
 
 def make_server(hyper: Hyper = Hyper()) -> DualFedServer:
-    return DualFedServer(hyper, ServerContext("cnn8", DATASETS["digits"], seed=0, rounds=3, clients=10))
+    return DualFedServer(hyper, ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
 
 
 def snapshot(module: nn.Module, part: str) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import torch
 
+from builtin_tasks import digits_client
 from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
@@ -16,7 +17,6 @@ from edge_sdk import wire
 from edge_sdk.algorithms.base import Task, TrainSettings
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, project
 from edge_sdk.algorithms.part_sharing import SHARED
-from edge_sdk.data import load_client_data
 from edge_sdk.params import check_arrays
 from edge_sdk.protocol import Envelope, Kind
 
@@ -25,11 +25,11 @@ CAPACITY = 3
 
 @pytest.fixture(scope="module")
 def data():
-    return load_client_data("digits", num_clients=10, index=0, partition="dirichlet", seed=0)
+    return digits_client(0, num_clients=10, partition="dirichlet", seed=0)
 
 
 def make_server(data, clients: int = CAPACITY, capacity: int = 0) -> FediOSServer:
-    return FediOSServer(Hyper(capacity=capacity), ServerContext("cnn8", data.meta, seed=0, rounds=5, clients=clients))
+    return FediOSServer(Hyper(capacity=capacity), ServerContext("cnn8", data.task, seed=0, rounds=5, clients=clients))
 
 
 def make_device(data, assignment: dict) -> FediOSDevice:

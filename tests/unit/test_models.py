@@ -11,6 +11,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
+from edge_sdk.data.task import TaskSpec
+
 from edge_sdk.models import (
     MODEL_NAMES,
     PartedNet,
@@ -33,18 +35,26 @@ CASES = [
     ("mobilenet_v3_small", 1, 28),
     ("mobilenet_v3_small", 3, 32),
 ]
-EXPECTED_FEATURES = {"cnn8": 128, "cnn8_wide": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512, "mobilenet_v3_small": 576}
+EXPECTED_FEATURES = {"cnn8": 128, "cnn8_wide": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512, "mobilenet_v3_small": 576,
+                     "cnn_adaptive": 128, "cnn1d": 128, "mlp": 128}
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def image_task(channels: int, size: int, height: int | None = None) -> TaskSpec:
+    """A 10-class image task of `channels` x `height` (default `size`) x `size` pixels."""
+    return TaskSpec("images", "image", (channels, height or size, size), 10, tuple(str(i) for i in range(10)),
+                    (0.5,) * channels, (0.25,) * channels)
+
+
 def test_model_names_are_the_registry() -> None:
-    assert MODEL_NAMES == ("cnn8", "cnn8_wide", "cnn28", "cnn32", "resnet18", "mobilenet_v3_small")
+    assert MODEL_NAMES == ("cnn8", "cnn8_wide", "cnn28", "cnn32", "resnet18", "mobilenet_v3_small",
+                           "cnn_adaptive", "cnn1d", "mlp")
 
 
 @pytest.mark.parametrize(("name", "channels", "size"), CASES)
 def test_model_maps_inputs_to_logits_and_features(name: str, channels: int, size: int) -> None:
     # Prepare
-    model = build_model(name, in_channels=channels, num_classes=10, image_size=size, seed=0)
+    model = build_model(name, image_task(channels, size), seed=0)
     x = torch.randn(2, channels, size, size)
 
     # Execute
@@ -59,13 +69,13 @@ def test_model_maps_inputs_to_logits_and_features(name: str, channels: int, size
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", [n for n in MODEL_NAMES if n != "cnn1d"])
 def test_build_body_returns_the_feature_dim(name: str) -> None:
     # Prepare
     size = {"cnn8": 8, "cnn8_wide": 8, "cnn28": 28}.get(name, 32)
 
     # Execute
-    body, feature_dim = build_body(name, in_channels=3, image_size=size)
+    body, feature_dim = build_body(name, image_task(3, size))
     out = body.eval()(torch.randn(2, 3, size, size))
 
     # Assert
@@ -76,7 +86,7 @@ def test_build_body_returns_the_feature_dim(name: str) -> None:
 @pytest.mark.parametrize(("name", "channels", "size"), CASES[:5])
 def test_parts_partition_the_state_dict(name: str, channels: int, size: int) -> None:
     # Prepare
-    model = build_model(name, in_channels=channels, num_classes=10, image_size=size)
+    model = build_model(name, image_task(channels, size))
 
     # Execute
     parts = part_keys(model)
@@ -92,7 +102,7 @@ def test_parts_partition_the_state_dict(name: str, channels: int, size: int) -> 
 
 def test_part_keys_rejects_state_outside_children() -> None:
     # Prepare
-    model = build_model("cnn8", in_channels=1, num_classes=10, image_size=8)
+    model = build_model("cnn8", image_task(1, 8))
     model.scale = nn.Parameter(torch.ones(1))
 
     # Execute / Assert
@@ -102,7 +112,7 @@ def test_part_keys_rejects_state_outside_children() -> None:
 
 def test_statistics_keys_finds_exactly_the_batchnorm_buffers() -> None:
     # Prepare
-    model = build_model("cnn28", in_channels=1, num_classes=10, image_size=28)
+    model = build_model("cnn28", image_task(1, 28))
     parameter_keys = {name for name, _ in model.named_parameters()}
 
     # Execute
@@ -136,14 +146,14 @@ def test_statistics_keys_goes_by_module_type_not_name() -> None:
 @pytest.mark.parametrize("name", ["cnn32", "resnet18"])
 def test_seeded_builds_are_reproducible_and_seed_dependent(name: str) -> None:
     # Prepare
-    kwargs = dict(in_channels=3, num_classes=10, image_size=32)
+    task = image_task(3, 32)
     torch.manual_seed(123)
     global_before = torch.random.get_rng_state()
 
     # Execute
-    a = build_model(name, seed=7, **kwargs).state_dict()
-    b = build_model(name, seed=7, **kwargs).state_dict()
-    c = build_model(name, seed=8, **kwargs).state_dict()
+    a = build_model(name, task, seed=7).state_dict()
+    b = build_model(name, task, seed=7).state_dict()
+    c = build_model(name, task, seed=8).state_dict()
 
     # Assert
     assert torch.equal(torch.random.get_rng_state(), global_before)
@@ -159,7 +169,7 @@ def test_seeded_builds_in_concurrent_threads_get_the_same_weights() -> None:
 
     def build() -> None:
         start.wait()
-        built.append(build_model("resnet18", in_channels=1, num_classes=10, image_size=28, seed=7).state_dict())
+        built.append(build_model("resnet18", image_task(1, 28), seed=7).state_dict())
 
     # Execute
     workers = [threading.Thread(target=build) for _ in range(threads)]
@@ -169,7 +179,7 @@ def test_seeded_builds_in_concurrent_threads_get_the_same_weights() -> None:
         worker.join()
 
     # Assert
-    reference = build_model("resnet18", in_channels=1, num_classes=10, image_size=28, seed=7).state_dict()
+    reference = build_model("resnet18", image_task(1, 28), seed=7).state_dict()
     assert len(built) == threads
     assert all(torch.equal(state[k], reference[k]) for state in built for k in reference)
 
@@ -177,23 +187,31 @@ def test_seeded_builds_in_concurrent_threads_get_the_same_weights() -> None:
 @pytest.mark.parametrize(("name", "size", "allowed"), [("cnn8", 28, "8x8"), ("cnn28", 32, "28x28"), ("cnn32", 28, "32x32")])
 def test_wrong_image_size_names_the_allowed_sizes(name: str, size: int, allowed: str) -> None:
     with pytest.raises(ValueError, match=allowed):
-        build_model(name, in_channels=1, num_classes=10, image_size=size)
+        build_model(name, image_task(1, size))
 
 
 def test_unknown_model_lists_the_names() -> None:
-    with pytest.raises(ValueError, match="cnn8.*mobilenet_v3_small"):
-        build_body("vgg11", in_channels=3, image_size=32)
+    with pytest.raises(ValueError, match="vgg11.*cnn8.*mobilenet_v3_small"):
+        build_body("vgg11", image_task(3, 32))
 
 
-def test_default_model_for_image_size() -> None:
-    assert [default_model_for(s) for s in (8, 28, 32)] == ["cnn8", "cnn28", "cnn32"]
-    with pytest.raises(ValueError, match="8, 28, 32"):
-        default_model_for(64)
+def test_default_model_for_each_kind_of_task() -> None:
+    # Prepare
+    signal = TaskSpec("vibration", "signal", (3, 50), 4, tuple("abcd"), (0.0,) * 3, (1.0,) * 3)
+    features = TaskSpec("tabular", "features", (13,), 3, tuple("abc"), (0.0,) * 13, (1.0,) * 13)
+
+    # Execute
+    images = [default_model_for(image_task(1, s)) for s in (8, 28, 32)]
+    others = [default_model_for(t) for t in (image_task(3, 64), image_task(3, 8, height=12), signal, features)]
+
+    # Assert
+    assert images == ["cnn8", "cnn28", "cnn32"]
+    assert others == ["cnn_adaptive", "cnn_adaptive", "cnn1d", "mlp"]
 
 
 def test_size_reports() -> None:
     # Prepare
-    model = build_model("cnn8", in_channels=1, num_classes=10, image_size=8)
+    model = build_model("cnn8", image_task(1, 8))
     n_params = count_parameters(model)
     n_float_buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
@@ -213,7 +231,7 @@ def test_cnn8_learns_digits() -> None:
         x, digits.target, test_size=0.25, random_state=0, stratify=digits.target
     )
     x_train, y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    model = build_model("cnn8", in_channels=1, num_classes=10, image_size=8, seed=0)
+    model = build_model("cnn8", image_task(1, 8), seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
 
@@ -236,7 +254,7 @@ def test_place_gives_conv_models_channels_last_weights_and_the_same_outputs() ->
     # Prepare
     from edge_sdk.training import place, state_arrays
 
-    model = build_model("cnn32", in_channels=3, num_classes=10, image_size=32, seed=0).eval()
+    model = build_model("cnn32", image_task(3, 32), seed=0).eval()
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     expected = model(x)
     keys = list(model.state_dict())

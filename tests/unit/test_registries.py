@@ -9,6 +9,7 @@ import pytest
 import coordinator.algorithms as server_registry
 import edge_sdk.algorithms as device_registry
 from coordinator.algorithms.base import ServerAlgorithm
+from coordinator.algorithms.part_sharing import PartSharingServer
 from edge_sdk.algorithms.base import DeviceAlgorithm
 
 SPEC_IDS = ("local fedavg fedavg_ft fedprox fedper fedrep lg_fedavg repper dualfed dc_pfl cd2_pfed fedios").split()
@@ -32,3 +33,14 @@ def test_each_id_has_a_device_and_a_server_side_that_agree(algorithm_id):
 def test_unknown_id_is_rejected_by_name():
     with pytest.raises(ValueError, match="fedsgd"):
         server_registry.load("fedsgd")
+
+
+@pytest.mark.parametrize("algorithm_id", ["fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg"])
+def test_a_pure_part_sharing_server_is_derived_from_its_device(algorithm_id):
+    # Execute
+    server = server_registry.load(algorithm_id)
+
+    # Assert: the mean of the device's shared parts, one class per id
+    assert issubclass(server, PartSharingServer)
+    assert server.device is device_registry.load(algorithm_id)
+    assert server_registry.load(algorithm_id) is server

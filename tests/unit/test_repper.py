@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.repper import RepPerServer
 from edge_sdk import wire
@@ -20,7 +21,7 @@ from edge_sdk.algorithms.base import FitResult, Task, TrainSettings
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.algorithms.repper import Hyper, RepPerDevice, fit_torch_head
 from edge_sdk.config import ConfigError, from_mapping
-from edge_sdk.data import DATASETS, ClientData, load_client_data
+from edge_sdk.data import ClientData
 from edge_sdk.models import statistics_keys
 from edge_sdk.protocol import Envelope, Kind
 
@@ -28,12 +29,12 @@ SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, 
 
 
 def make_device(index: int, hyper: Hyper = Hyper(), data: ClientData | None = None) -> RepPerDevice:
-    data = data or load_client_data("digits", num_clients=10, index=index, partition="dirichlet", seed=0)
+    data = data or digits_client(index, num_clients=10, partition="dirichlet", seed=0)
     return RepPerDevice(hyper, SETTINGS, data, "cpu", client_seed=100 + index)
 
 
 def make_server(hyper: Hyper = Hyper()) -> RepPerServer:
-    return RepPerServer(hyper, ServerContext("cnn8", DATASETS["digits"], seed=0, rounds=3, clients=10))
+    return RepPerServer(hyper, ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
 
 
 def one_round(server: RepPerServer, devices: list[RepPerDevice], round_: int = 1) -> list[FitResult]:
@@ -151,7 +152,7 @@ def test_a_single_class_device_still_gets_a_numpy_head() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(12, 1, 8, 8)).astype(np.float32)
     y = np.full(12, 3, dtype=np.int64)
-    data = ClientData(x[:8], y[:8], x[8:], y[8:], DATASETS["digits"])
+    data = ClientData(x[:8], y[:8], x[8:], y[8:], DIGITS)
     device = make_device(0, Hyper(head="lr"), data)
 
     # Execute

@@ -1,0 +1,105 @@
+"""The plumbing every PyTorch device algorithm shares, and nothing of any algorithm's behaviour.
+
+`TorchDevice` builds the device's network from the model factory (the run's `settings.model`,
+or the factory the device was given) after checking the capabilities the algorithm needs,
+places the network and the data on the accelerator, partitions the state into what travels
+and what stays (by part name), loads and returns the shared arrays, keeps the personal state,
+and hands out seeded generators. An algorithm module subclasses it and writes only its own
+mathematics: what it trains, on which loss, and what goes up.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import ClassVar
+
+import torch
+
+from ..models import ModelSpec, PartedNet, build_model, check_capabilities, statistics_keys
+from ..models.capabilities import COMMON
+from ..params import Partition, check_arrays, partition_by_parts, spec_of
+from ..protocol import ArrayGroup
+from ..training import accuracy, eval_mode, load_arrays, pick_device, place, recalibrate_batchnorm, state_arrays, to_device
+from .base import DeviceAlgorithm, Task
+
+SHARED = "shared"
+"""The group name of the shared parameters, down (global) and up (local update)."""
+
+
+def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...], share_statistics: bool = False) -> Partition:
+    """Shared parts' keys are shared; BatchNorm running statistics only with `share_statistics`."""
+    statistics = () if share_statistics else statistics_keys(model)
+    return partition_by_parts(model.state_dict().keys(), shared_parts, statistics)
+
+
+class TorchDevice(DeviceAlgorithm):
+    """A device algorithm on one PyTorch network whose `shared_parts` travel and whose other
+    parts (and BatchNorm statistics, unless `share_statistics`) stay on the device."""
+
+    requires = COMMON
+    shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
+    share_statistics: ClassVar[bool] = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device = pick_device(self.device_name)
+        base = self.base_model()
+        check_capabilities(type(self), base)
+        self.model = place(self.build_network(base), self.device)
+        self.partition = model_partition(self.model, self.shared_parts, self.share_statistics)
+        self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
+        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
+
+    def network_spec(self) -> ModelSpec:
+        """The model this device builds: the run's (or the factory the device was given)."""
+        return self.model_spec
+
+    def base_model(self) -> PartedNet:
+        """The model factory's network for the task from the run's seed: the same weights on
+        every device and on the coordinator."""
+        return build_model(self.network_spec(), self.data.task, seed=self.settings.seed)
+
+    def build_network(self, base: PartedNet) -> torch.nn.Module:
+        """The device's network made from `base` (the factory's model, capabilities checked);
+        its top-level children are the parts `shared_parts` names. By default `base` as it
+        is; algorithms that add or replace parts override this."""
+        return base
+
+    # -- what travels ----------------------------------------------------------------------
+    def load_shared(self, task: Task) -> None:
+        """Load the round's shared arrays (if any came down) after checking them exactly."""
+        if SHARED in task.groups:
+            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
+            load_arrays(self.model, task.groups[SHARED])
+
+    def shared_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.shared)
+
+    def body_statistics(self, task: Task) -> ArrayGroup:
+        """The global body's BatchNorm statistics on this device's training split (`body.*`
+        keys), recomputed on a copy so that the device's own statistics stay as they are."""
+        if "body" not in self.shared_parts:
+            return {}
+        self.load_shared(task)
+        body = copy.deepcopy(self.model.body)
+        recalibrate_batchnorm(body, self.train_x)
+        return {f"body.{key}": value for key, value in state_arrays(body, sorted(statistics_keys(body))).items()}
+
+    # -- what stays ------------------------------------------------------------------------
+    def personal_state(self) -> ArrayGroup:
+        return state_arrays(self.model, self.partition.personal)
+
+    def load_personal_state(self, arrays: ArrayGroup) -> None:
+        check_arrays("personal", arrays, spec_of(self.personal_state()))
+        load_arrays(self.model, arrays)
+
+    # -- reproducibility and scoring -------------------------------------------------------
+    def generator(self, round_: int) -> torch.Generator:
+        """The device's generator for round `round_` (batch order, augmentations)."""
+        return torch.Generator().manual_seed(self.client_seed * 100_003 + round_)
+
+    def test_accuracy(self, model: torch.nn.Module) -> float:
+        """Accuracy of `model` (in evaluation mode) on the device's test split."""
+        with eval_mode(model):
+            return accuracy(model, self.test_x, self.test_y)

@@ -1,0 +1,34 @@
+"""What a model looks like from outside: its state names and shapes, and the first difference.
+
+The coordinator compares a registering device's signature with its own, so a device built from
+another model is refused by name at registration, not by a crash in the middle of a round.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+Signature = list[tuple[str, tuple[int, ...]]]
+
+
+def model_signature(module: nn.Module) -> Signature:
+    """(name, shape) of every `state_dict` entry (parameters and buffers), in order."""
+    return [(name, tuple(int(s) for s in tensor.shape)) for name, tensor in module.state_dict().items()]
+
+
+def first_mismatch(expected: Signature, actual: Signature) -> str | None:
+    """A sentence naming the first entry where `actual` (a device's) differs from `expected`
+    (the coordinator's), or None when they agree."""
+    for index, ((want_name, want_shape), (got_name, got_shape)) in enumerate(zip(expected, actual)):
+        if want_name != got_name:
+            return (f"parameter {index}: the coordinator's model has {want_name!r} {list(want_shape)}, this one "
+                    f"{got_name!r} {list(got_shape)}")
+        if tuple(want_shape) != tuple(got_shape):
+            return f"parameter {want_name!r}: the coordinator's has shape {list(want_shape)}, this one {list(got_shape)}"
+    if len(expected) > len(actual):
+        name, shape = expected[len(actual)]
+        return f"parameter {name!r} {list(shape)} of the coordinator's model is missing ({len(actual)} of {len(expected)})"
+    if len(actual) > len(expected):
+        name, shape = actual[len(expected)]
+        return f"parameter {name!r} {list(shape)} is not in the coordinator's model ({len(actual)}, not {len(expected)})"
+    return None
