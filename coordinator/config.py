@@ -232,7 +232,9 @@ def _section(section: str, changes: Mapping[str, Any], where: str, base: RunConf
         return cls(**current)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:  # the section's own check, which names the key
+        raise ConfigError(str(exc)) from None
+    except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 

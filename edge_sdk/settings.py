@@ -106,9 +106,10 @@ def settings_of(section: type) -> Iterator[Setting]:
 
 
 def check(ok: bool, key: str, what: str, value: Any) -> None:
-    """Raise a ConfigError naming `key` unless `ok`."""
+    """Raise a ValueError naming `key` unless `ok` (readers of a file or flags turn it into a
+    ConfigError, with where the value came from when that helps)."""
     if not ok:
-        raise ConfigError(f"{key} must be {what}, got {value!r}")
+        raise ValueError(f"{key} must be {what}, got {value!r}")
 
 
 _MODEL_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")

@@ -45,7 +45,7 @@ def main() -> None:
     protocol = "3.1.1" if embedded else "auto"  # amqtt speaks MQTT 3.1.1 only
     try:
         with tempfile.TemporaryDirectory() as out:
-            config = RunConfig(algorithm=args.algorithm, dataset="digits", clients=args.devices, rounds=args.rounds,
+            config = RunConfig.of(algorithm=args.algorithm, dataset="digits", clients=args.devices, rounds=args.rounds,
                                partition="dirichlet", alpha=0.5, federation="example", out=out,
                                mqtt_protocol=protocol, min_clients=args.devices, quorum_grace=0.0)
             devices = [
