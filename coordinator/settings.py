@@ -44,8 +44,8 @@ class RunSettings:
     clients: int = setting(10, defines=DEFINES, commands=ALL_COMMANDS,
                            help="number of devices (devices: number of partitions of --dataset)")
     release: bool = setting(False, help="export and publish the global body after training (RepPer always does; "
-                                        "algorithms that keep BatchNorm statistics personal pool the global body's "
-                                        "from the trainers)")
+                                        "algorithms that keep BatchNorm statistics personal first pool the global "
+                                        "body's from the trainers; refused for a personal body: local, lg_fedavg)")
     out: str = setting("runs/latest", help="output folder (report.json, metrics.jsonl, curves.png, checkpoint)")
 
     def __post_init__(self) -> None:
@@ -111,7 +111,7 @@ class SimulationSettings:
     commands: ClassVar[tuple[str, ...]] = ("simulate",)
 
     workers: int = setting(0, shown_default="one per core", help="device worker processes (0: one per core)")
-    device: str = setting("auto", commands=("simulate", "client"), help="auto | cpu | cuda | cuda:N | mps")
+    device: str = setting("auto", commands=("simulate", "client"), help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
     amp: bool = setting(False, commands=("simulate", "client"), help="automatic mixed precision on CUDA devices")
     lite_fraction: float = setting(0.0, defines=DEFINES,
                                    help="this share of the devices are weak ones (ONNX Runtime + a numpy head)")

@@ -137,13 +137,15 @@ class TrainSettings:
     rounds: int = setting(5, help="federated rounds")
     local_epochs: int = setting(2, defines=DEFINES, help="local epochs per round")
     batch_size: int = setting(32, defines=DEFINES, help="local batch size")
-    lr: float = setting(0.05, defines=DEFINES, help="local learning rate")
+    lr: float = setting(0.05, defines=DEFINES, help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise)")
     seed: int = setting(0, defines=DEFINES, commands=ALL_COMMANDS,
                         help="the run's seed (selection, partition, initialization)")
     upload_codec: str = setting("fp32", defines=DEFINES,
-                                help="fp32 | fp16 | int8: how devices encode their uploads (changes from the broadcast)")
+                                help="fp32 | fp16 | int8: devices send their change from the broadcast in full, "
+                                     "half or a quarter of the bytes")
     grad_clip_norm: float = setting(0.0, defines=DEFINES_IF_SET,
-                                    help="devices clip each local step's gradients to this L2 norm (0: off)")
+                                    help="devices scale each local step's gradients to at most this L2 norm "
+                                         "(0: off); announced in WELCOME, so every trainer clips alike")
 
     def __post_init__(self) -> None:
         check_model_spec(self.model)
@@ -178,7 +180,8 @@ class BrokerSettings:
     credentials: str | None = setting(None, help="credentials.json from `edgepfl broker-config` (coordinator and "
                                                  "device accounts)")
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, commands=RUN_COMMANDS,
-                              help="largest message the coordinator publishes whole, in bytes; larger ones are chunked")
+                              help="largest message the coordinator publishes whole, in bytes (16 KiB to 64 MiB, "
+                                   "e.g. 131072 for cloud brokers); larger ones are chunked")
     upload_chunk_size: int = setting(DEFAULT_UPLOAD_CHUNK_SIZE, commands=("simulate",),
                                      help="the same for the simulated devices' uploads (an update is one message)")
     flow_control_bytes: int = setting(1 << 20, commands=RUN_COMMANDS,
