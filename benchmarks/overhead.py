@@ -407,10 +407,10 @@ def main() -> None:
     workers = args.workers or os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="edgepfl-overhead-") as workdir:
         base = RunConfig.of(algorithm="fedavg", dataset=args.dataset or ("digits" if args.quick else "fmnist"),
-                         data_dir=args.data_dir, clients=args.clients or (3 if args.quick else 10),
-                         rounds=args.rounds or (2 if args.quick else 5), local_epochs=args.local_epochs,
-                         seed=args.seed, workers=workers, device=args.device, eval_every=1, round_timeout=600.0,
-                         registration_timeout=300.0, quorum_grace=0.0)
+                            data_dir=args.data_dir, clients=args.clients or (3 if args.quick else 10),
+                            rounds=args.rounds or (2 if args.quick else 5), local_epochs=args.local_epochs,
+                            seed=args.seed, workers=workers, device=args.device, eval_every=1, round_timeout=600.0,
+                            registration_timeout=300.0, quorum_grace=0.0)
         base = base.replace(min_clients=base.run.clients)
         result: dict = {"machine": machine_info(), "baseline": "inprocess",
                         "settings": {"quick": args.quick, "dataset": base.run.dataset, "model": base.model_name,

@@ -106,8 +106,8 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 def start_coordinator(url: str, out, *, clients: int, finish: threading.Event | None = None):
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=clients, rounds=1, out=str(out),
-                       federation=FEDERATION, round_timeout=30, registration_timeout=120, local_epochs=1,
-                       min_clients=clients)
+                          federation=FEDERATION, round_timeout=30, registration_timeout=120, local_epochs=1,
+                          min_clients=clients)
     counter = MessageCounter()
     transport = MqttTransport(f"{FEDERATION}.coordinator", MqttSettings(url=url), counter=counter)
     transport.connect()

@@ -234,7 +234,7 @@ def test_only_the_body_is_exportable_and_a_run_needs_a_checkpoint(tmp_path: Path
 
 def tiny_run(algorithm: str, out: Path, broker_url: str, **options) -> Path:
     run_simulation(RunConfig.of(algorithm=algorithm, dataset="digits", clients=3, rounds=1, out=str(out),
-                             broker=broker_url, workers=1, **options))
+                                broker=broker_url, workers=1, **options))
     return out
 
 
