@@ -3,7 +3,7 @@
 Every declared setting that a command takes becomes one flag, `--` + its key dashed, with the
 setting's help and its default. A flag the user leaves out is None in the parsed namespace, so
 the TOML file (or the section's default) decides. Booleans are switches (`--release`,
-`--no-release`). Only the settings modules are imported: `edgepfl --help` stays instant.
+`--no-release`). Only light modules are imported (no torch): `edgepfl --help` stays instant.
 """
 
 from __future__ import annotations
@@ -12,28 +12,16 @@ import argparse
 import typing
 from typing import Any, Iterable, Iterator
 
-from edge_sdk.settings import ALL_COMMANDS, BrokerSettings, Setting, TrainSettings, settings_of
+from edge_sdk.settings import ALL_COMMANDS, Setting, settings_of
 
-from .robust import AggregationSettings
-from .settings import RoundSettings, RunSettings, SimulationSettings
-
-SECTION_CLASSES: dict[str, type] = {
-    "run": RunSettings,
-    "training": TrainSettings,
-    "round": RoundSettings,
-    "aggregation": AggregationSettings,
-    "broker": BrokerSettings,
-    "simulation": SimulationSettings,
-}
-"""The sections of a run, by attribute and TOML table name, in the order `--help` shows them."""
+from .config import SECTIONS, all_settings
 
 
 def settings_for(command: str) -> Iterator[tuple[str, Setting]]:
     """(section, setting) for every setting `command` takes as a flag."""
-    for section, cls in SECTION_CLASSES.items():
-        for item in settings_of(cls):
-            if command in item.commands:
-                yield section, item
+    for section, item in all_settings():
+        if command in item.commands:
+            yield section, item
 
 
 def _argument_type(cls: type, item: Setting) -> type:
@@ -50,7 +38,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> list[str
     """Add a flag for every setting `command` takes, one argument group per section; returns
     the keys (the namespace attributes) added."""
     keys = []
-    for section, cls in SECTION_CLASSES.items():
+    for section, cls in SECTIONS.items():
         items = [item for item in settings_of(cls) if command in item.commands]
         if not items:
             continue
@@ -82,7 +70,7 @@ def section_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 def flag_table() -> str:
     """The README's table of the settings: flag, TOML section, default, commands, meaning."""
     lines = ["| flag | TOML | default | commands | meaning |", "|---|---|---|---|---|"]
-    for section, cls in SECTION_CLASSES.items():
+    for section, cls in SECTIONS.items():
         for item in settings_of(cls):
             commands = "all" if set(item.commands) == set(ALL_COMMANDS) else ", ".join(item.commands)
             meaning = item.info.help.replace("|", "\\|")

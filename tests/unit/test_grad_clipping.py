@@ -4,14 +4,13 @@ and that adding it left the fingerprints of earlier runs (the benchmarks' run ca
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
 
 from coordinator.config import RunConfig, build_config
-from edge_sdk.algorithms.base import TrainSettings
 from edge_sdk.config import ConfigError, from_mapping
+from edge_sdk.settings import TrainSettings
 from edge_sdk.training import gradient_clipping, run_epochs
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.cli import build_parser
 from coordinator.config import KEYS, SECTIONS, RunConfig, build_config
-from coordinator.flags import SECTION_CLASSES, flag_table, settings_for
+from coordinator.flags import flag_table, settings_for
 from edge_sdk.config import ConfigError
 from edge_sdk.settings import ALL_COMMANDS, BrokerSettings, TrainSettings, settings_of
 
@@ -38,10 +38,6 @@ def _flags(command: str) -> dict[str, str]:
 
 
 # -- declarations --------------------------------------------------------------------------
-
-
-def test_the_cli_and_the_config_know_the_same_sections():
-    assert SECTION_CLASSES == SECTIONS
 
 
 def test_every_setting_of_a_run_is_a_flag_of_simulate_whose_help_shows_its_default():
