@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from .flags import add_setting_flags, given, section_values
+from .flags import add_setting_flags, given, section_from
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -95,12 +95,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.client import EdgeClient
+    from edge_sdk.settings import BrokerSettings
 
     from .settings import SimulationSettings
 
-    simulation = SimulationSettings(**section_values(SimulationSettings, args))
+    simulation = section_from(SimulationSettings, args)
+    broker = section_from(BrokerSettings, args)
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    broker = _broker_settings(args)
     client = EdgeClient(args.client_id, _device_data(args), broker=broker.mqtt_settings(args.client_id),
                         federation=broker.federation, amp=simulation.amp, device=simulation.device, **upload,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
@@ -110,30 +111,25 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def _device_data(args: argparse.Namespace):
     """A device's own data (--data) or its partition of a built-in dataset (--index)."""
+    from edge_sdk.settings import TrainSettings
+
     from .settings import RunSettings
 
-    if args.index is not None and args.data is not None:
-        raise SystemExit(f"edgepfl {args.command}: give --index (a partition of --dataset) or --data, not both")
-    if args.index is None and args.data is None:
-        raise SystemExit(f"edgepfl {args.command}: give --index (a partition of --dataset) or --data (your own data)")
-    seed = args.seed if args.seed is not None else 0
-    return RunSettings(**section_values(RunSettings, args)).client_data(args.index, seed)
-
-
-def _broker_settings(args: argparse.Namespace):
-    from edge_sdk.settings import BrokerSettings
-
-    return BrokerSettings(**section_values(BrokerSettings, args))
+    if (args.index is None) == (args.data is None):
+        raise SystemExit(f"edgepfl {args.command}: give either --index (a partition of --dataset) or --data "
+                         "(your own data)")
+    return section_from(RunSettings, args).client_data(args.index, section_from(TrainSettings, args).seed)
 
 
 def cmd_lite_client(args: argparse.Namespace) -> int:
     from edge_sdk.lite import LiteClient
+    from edge_sdk.settings import BrokerSettings
 
     from .settings import SimulationSettings
 
-    head = SimulationSettings(**section_values(SimulationSettings, args)).head
+    head = section_from(SimulationSettings, args).head
+    broker = section_from(BrokerSettings, args)
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
-    broker = _broker_settings(args)
     client = LiteClient(args.client_id, _device_data(args), head=head, providers=providers,
                         share_prototypes=not args.no_prototypes, broker=broker.mqtt_settings(args.client_id),
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")

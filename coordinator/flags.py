@@ -61,10 +61,11 @@ def given(args: argparse.Namespace, keys: Iterable[str]) -> dict[str, Any]:
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
 
 
-def section_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for section `cls` from the flags given in `args` (the rest: defaults)."""
-    return {item.name: getattr(args, item.key) for item in settings_of(cls)
-            if getattr(args, item.key, None) is not None}
+def section_from(cls: type, args: argparse.Namespace) -> Any:
+    """Section `cls` from the flags given in `args` (the rest: its defaults), as a device command
+    builds the sections it takes part of."""
+    return cls(**{item.name: getattr(args, item.key) for item in settings_of(cls)
+                  if getattr(args, item.key, None) is not None})
 
 
 def flag_table() -> str:

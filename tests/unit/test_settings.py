@@ -288,3 +288,32 @@ def test_device_commands_take_the_data_flags_but_not_the_run_flags():
 
     assert {"dataset", "data", "data_dir", "partition", "clients", "seed", "device", "amp"} <= client
     assert not {"algorithm", "rounds", "model", "lr", "workers"} & client
+
+
+def test_a_device_takes_its_partition_from_the_generated_flags():
+    # Prepare
+    import numpy as np
+
+    from coordinator.cli import _device_data
+    from edge_sdk.data import load_client_data
+
+    args = build_parser().parse_args(["client", "--client-id", "d", "--index", "1", "--clients", "4", "--seed", "2"])
+
+    # Execute
+    data = _device_data(args)
+
+    # Assert
+    expected = load_client_data("digits", num_clients=4, index=1, partition="iid", seed=2, alpha=0.5,
+                                classes_per_client=2, data_dir=None)
+    assert np.array_equal(data.train_y, expected.train_y)
+
+
+def test_a_device_needs_either_index_or_data():
+    from coordinator.cli import _device_data
+
+    neither = build_parser().parse_args(["lite-client", "--client-id", "d"])
+    both = build_parser().parse_args(["lite-client", "--client-id", "d", "--index", "1", "--data", "x.npz"])
+
+    for args in (neither, both):
+        with pytest.raises(SystemExit, match="--index.*--data"):
+            _device_data(args)
