@@ -102,7 +102,7 @@ class RunConfig:
     def to_flat(self) -> dict[str, Any]:
         """Every setting by its flat key, plus hyper (and the declared task when set): what a
         checkpoint records and what `RunConfig.of` and a flat TOML file take back."""
-        flat: dict[str, Any] = {item.key: getattr(getattr(self, section), item.name) for section, item in all_settings()}
+        flat = {item.key: getattr(getattr(self, section), item.name) for section, item in all_settings()}
         flat["hyper"] = dict(self.hyper)
         if self.declared_task is not None:
             flat["declared_task"] = dict(self.declared_task)

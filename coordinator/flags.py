@@ -75,5 +75,6 @@ def flag_table() -> str:
         for item in settings_of(cls):
             commands = "all" if set(item.commands) == set(ALL_COMMANDS) else ", ".join(item.commands)
             meaning = item.info.help.replace("|", "\\|")
-            lines.append(f"| `{item.flag}` | `[{section}] {item.key}` | {item.shown_default} | {commands} | {meaning} |")
+            lines.append(f"| `{item.flag}` | `[{section}] {item.key}` | {item.shown_default} | {commands} "
+                         f"| {meaning} |")
     return "\n".join(lines) + "\n"

@@ -111,7 +111,8 @@ class SimulationSettings:
     commands: ClassVar[tuple[str, ...]] = ("simulate",)
 
     workers: int = setting(0, shown_default="one per core", help="device worker processes (0: one per core)")
-    device: str = setting("auto", commands=("simulate", "client"), help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
+    device: str = setting("auto", commands=("simulate", "client"),
+                          help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
     amp: bool = setting(False, commands=("simulate", "client"), help="automatic mixed precision on CUDA devices")
     lite_fraction: float = setting(0.0, defines=DEFINES,
                                    help="this share of the devices are weak ones (ONNX Runtime + a numpy head)")

@@ -137,7 +137,8 @@ class TrainSettings:
     rounds: int = setting(5, help="federated rounds")
     local_epochs: int = setting(2, defines=DEFINES, help="local epochs per round")
     batch_size: int = setting(32, defines=DEFINES, help="local batch size")
-    lr: float = setting(0.05, defines=DEFINES, help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise)")
+    lr: float = setting(0.05, defines=DEFINES,
+                        help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise)")
     seed: int = setting(0, defines=DEFINES, commands=ALL_COMMANDS,
                         help="the run's seed (selection, partition, initialization)")
     upload_codec: str = setting("fp32", defines=DEFINES,

@@ -259,4 +259,5 @@ def test_uploads_travel_whole_and_the_coordinator_reads_under_flow_control_by_de
     config = build_config(None, {}, {})
 
     assert config.broker.upload_chunk_size == MAX_CHUNK_SIZE and config.broker.chunk_size == 1 << 20
-    assert config.coordinator_transport("mqtt://127.0.0.1:1883").incoming.max_bytes == config.broker.flow_control_bytes > 0
+    transport = config.coordinator_transport("mqtt://127.0.0.1:1883")
+    assert transport.incoming.max_bytes == config.broker.flow_control_bytes > 0

@@ -222,7 +222,7 @@ def test_a_malformed_model_spec_is_refused_naming_the_key(spec):
 
 
 def test_fingerprints_are_those_of_runs_made_before_the_sections():
-    # Prepare: the values were computed with the flat RunConfig of commit d157eed
+    # Prepare: the values were computed with the flat RunConfig of commit b28907c
     non_default = RunConfig.of(
         algorithm="fedprox", dataset="fmnist", partition="dirichlet", alpha=0.3, clients=20, fraction=0.5, rounds=9,
         local_epochs=1, batch_size=64, lr=0.1, model="cnn28", seed=3, holdout_clients=2, aggregation="trimmed_mean",
