@@ -95,7 +95,11 @@ class RunConfig:
                    declared_task=dict(declared_task) if declared_task is not None else None)
 
     def replace(self, **values: Any) -> RunConfig:
-        """A copy with the flat keys in `values` changed (`config.replace(out="runs/b", rounds=9)`)."""
+        """A copy with the flat keys in `values` changed (`config.replace(out="runs/b", rounds=9)`);
+        naming one of `dataset` and `data` drops the other."""
+        for named, other in (("data", "dataset"), ("dataset", "data")):
+            if named in values and other not in values:
+                values = {**values, other: None}
         changed = _sections(values, where="RunConfig.replace", base=self)
         return dataclasses.replace(self, **changed)
 

@@ -203,6 +203,8 @@ def test_a_task_table_is_passed_through(tmp_path):
 def test_data_replaces_dataset_and_both_are_refused_naming_both():
     assert RunConfig.of().run.dataset == "digits"
     assert RunConfig.of(data="mine.npz").run.dataset is None
+    assert RunConfig.of().replace(data="mine.npz").run.dataset is None  # the one named replaces the other
+    assert RunConfig.of(data="mine.npz").replace(dataset="fmnist").run.data is None
     with pytest.raises(ConfigError, match="dataset.*data"):
         RunConfig.of(dataset="fmnist", data="mine.npz")
 
