@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from edge_sdk.settings import ALL_COMMANDS, Setting, settings_of
 
-from .config import SECTIONS, all_settings
-
-
-def settings_for(command: str) -> Iterator[tuple[str, Setting]]:
-    """(section, setting) for every setting `command` takes as a flag."""
-    for section, item in all_settings():
-        if command in item.commands:
-            yield section, item
+from .config import SECTIONS
 
 
 def _argument_type(cls: type, item: Setting) -> type:
@@ -50,8 +43,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> list[str
                 group.add_argument(item.flag, dest=item.key, action=argparse.BooleanOptionalAction, default=None,
                                    help=text)
             else:
-                group.add_argument(item.flag, dest=item.key, type=kind, default=None, metavar=item.key.upper(),
-                                   help=text)
+                group.add_argument(item.flag, dest=item.key, type=kind, default=None, help=text)
             keys.append(item.key)
     return keys
 
