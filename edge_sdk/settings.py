@@ -50,12 +50,11 @@ class SettingInfo:
     """How `--help` shows the default when the value itself would mislead (e.g. None)."""
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, key: str | None = None, defines: str | None = None,
-            commands: tuple[str, ...] | None = None, shown_default: str | None = None,
-            default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field carrying its `SettingInfo` (see the module docstring)."""
+def setting(default: Any, *, help: str, key: str | None = None, defines: str | None = None,
+            commands: tuple[str, ...] | None = None, shown_default: str | None = None) -> Any:
+    """A dataclass field with `default`, carrying its `SettingInfo` (see the module docstring)."""
     info = SettingInfo(help, key, defines, commands, shown_default)
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"setting": info})
+    return dataclasses.field(default=default, metadata={"setting": info})
 
 
 @dataclass(frozen=True)
@@ -78,19 +77,15 @@ class Setting:
 
     @property
     def flag(self) -> str:
+        """The command-line flag."""
         return "--" + self.key.replace("_", "-")
 
     @property
-    def default(self) -> Any:
-        if self.field.default_factory is not dataclasses.MISSING:
-            return self.field.default_factory()
-        return self.field.default
-
-    @property
     def shown_default(self) -> str:
+        """The default as `--help` and the README show it."""
         if self.info.shown_default is not None:
             return self.info.shown_default
-        default = self.default
+        default = self.field.default
         if isinstance(default, bool):
             return "on" if default else "off"
         return "none" if default is None else str(default)
