@@ -22,7 +22,6 @@ imported as `_runs` from the script's own folder; nothing in the package imports
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import logging
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import RunConfig
+from coordinator.config import KEYS, RunConfig
 from coordinator.simulate import run_simulation
 from edge_sdk.protocol import Reason
 
@@ -115,18 +114,17 @@ class Setting:
 def bench_config(**fields: Any) -> RunConfig:
     """A RunConfig for a benchmark run: all selected devices must answer, rounds never time out
     in practice, two device workers, and a test for every `RunConfig` field asked for."""
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    missing = sorted(set(fields) - known)
+    missing = sorted(set(fields) - set(KEYS) - {"hyper"})
     if missing:
         raise ValueError(f"this checkout's RunConfig has no field {', '.join(missing)}")
     defaults = {"workers": 2, "round_timeout": 3600.0, "min_clients": 1, "registration_timeout": 600.0}
     merged = {**defaults, **fields}
     merged.setdefault("quorum_grace", merged["round_timeout"])
-    return RunConfig(**merged)
+    return RunConfig.of(**merged)
 
 
 def has_field(name: str) -> bool:
-    return name in {f.name for f in dataclasses.fields(RunConfig)}
+    return name in KEYS or name == "hyper"
 
 
 def diverged_in(record: dict[str, Any]) -> int:
@@ -234,9 +232,10 @@ class RunView:
 
 # -- the cache --------------------------------------------------------------------------------
 def run_folder_name(config: RunConfig) -> str:
-    setting = Setting(config.partition, config.alpha, config.classes_per_client, config.fraction)
-    evaluation = "" if config.eval_every == 1 else f"-e{config.eval_every}"  # not in the fingerprint
-    return (f"{config.algorithm}-{config.dataset}-{setting.partition_name}-f{config.fraction:g}-s{config.seed}"
+    setting = Setting(config.run.partition, config.run.alpha, config.run.classes_per_client, config.round.fraction)
+    evaluation = "" if config.round.eval_every == 1 else f"-e{config.round.eval_every}"  # not in the fingerprint
+    return (f"{config.run.algorithm}-{config.run.dataset}-{setting.partition_name}-f{config.round.fraction:g}"
+            f"-s{config.training.seed}"
             f"{evaluation}-{config.fingerprint()}")
 
 
@@ -260,7 +259,7 @@ class RunCache:
         return self.root / run_folder_name(config)
 
     def run(self, config: RunConfig) -> RunView | None:
-        """The run of `config` as of `config.rounds` rounds (None, logged, if it failed).
+        """The run of `config` as of `config.training.rounds` rounds (None, logged, if it failed).
 
         A lock file beside the run's folder keeps two benchmark processes from driving the same
         run at once: the second waits for the first and then reuses its result (with `cached_only`
@@ -281,22 +280,22 @@ class RunCache:
             return self._run_locked(config, out)
 
     def _run_locked(self, config: RunConfig, out: Path) -> RunView | None:
-        config = dataclasses.replace(config, out=str(out), broker=self.broker)
+        config = config.replace(out=str(out), broker=self.broker)
         report_path = out / "report.json"
         if self.fresh and out not in self._cleared:  # --fresh: recompute once per invocation
             shutil.rmtree(out, ignore_errors=True)
             self._cleared.add(out)
         if report_path.exists():
             report = json.loads(report_path.read_text())
-            if report["rounds_completed"] >= config.rounds:
-                return self._checked(RunView(config, report, out, config.rounds, cached=True, seconds=0.0))
+            if report["rounds_completed"] >= config.training.rounds:
+                return self._checked(RunView(config, report, out, config.training.rounds, cached=True, seconds=0.0))
         if self.cached_only:
             self.missing.append(out.name)
             return None
         if report_path.exists():
-            log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.rounds)
+            log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.training.rounds)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+        (out / "bench_config.json").write_text(json.dumps(config.to_flat(), indent=2, default=str))
         started = time.monotonic()
         try:
             report = run_simulation(config)
@@ -306,11 +305,11 @@ class RunCache:
             self._failed.add(out)
             return None
         seconds = time.monotonic() - started
-        if report["rounds_completed"] < config.rounds:
+        if report["rounds_completed"] < config.training.rounds:
             self.failures.append({"run": out.name, "error": f"stopped after {report['rounds_completed']} rounds"})
             self._failed.add(out)
             return None
-        return self._checked(RunView(config, report, out, config.rounds, cached=False, seconds=seconds))
+        return self._checked(RunView(config, report, out, config.training.rounds, cached=False, seconds=seconds))
 
     def _checked(self, view: RunView) -> RunView | None:
         """The view, or None when the run is not a clean measurement (a device missing from a

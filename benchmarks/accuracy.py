@@ -193,9 +193,9 @@ def load_body(view: RunView, client_id: str):
     from edge_sdk.store import PersonalStore
 
     config = view.config
-    meta = DATASETS[config.dataset]
+    meta = DATASETS[config.run.dataset]
     body, _ = build_body(config.model_name, in_channels=meta.channels, image_size=meta.image_size)
-    if config.algorithm in PERSONAL_BODY:
+    if config.run.algorithm in PERSONAL_BODY:
         state = PersonalStore(view.out / "state" / client_id).load()
         if state is None:
             raise FileNotFoundError(f"no personal state for {client_id} in {view.out / 'state'}")
@@ -224,7 +224,6 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
     import torch
 
     from edge_sdk.algorithms.repper import fit_lite_head
-    from edge_sdk.data import load_client_data
     from edge_sdk.training import predict, recalibrate_batchnorm
 
     config = view.config
@@ -239,12 +238,10 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
             results[client_id] = {name: done[name] for name in [*kinds, "varying"]}
             continue
         index = device_index(client_id)
-        data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
-                                seed=config.seed, alpha=config.alpha, classes_per_client=config.classes_per_client,
-                                data_dir=config.data_dir)
+        data = config.run.client_data(index, config.training.seed)
         body = load_body(view, client_id)
         train_x, test_x = torch.from_numpy(data.train_x), torch.from_numpy(data.test_x)
-        if config.algorithm not in PERSONAL_BODY:
+        if config.run.algorithm not in PERSONAL_BODY:
             recalibrate_batchnorm(body, train_x)  # BatchNorm statistics are the device's own
         body.eval()
         train_f, test_f = predict(body, train_x).numpy(), predict(body, test_x).numpy()
@@ -253,7 +250,7 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
             if name in done:
                 continue
             head = fit_lite_head(kind, train_f, data.train_y, data.meta.num_classes, hidden=HEAD_HIDDEN,
-                                 seed=config.seed * 1000 + index)
+                                 seed=config.training.seed * 1000 + index)
             done[name] = float((head.predict(test_f) == data.test_y).mean()) if len(data.test_y) else float("nan")
         cache[key] = done
         cache_path.write_text(json.dumps(cache, indent=2))

@@ -123,7 +123,7 @@ def config_for(args, algorithm: str, *, dataset: str | None = None, clients: int
 def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:
     traffic = view.traffic()
     return {
-        "algorithm": algorithm, "model": view.config.model_name, "clients": view.config.clients,
+        "algorithm": algorithm, "model": view.config.model_name, "clients": view.config.run.clients,
         "rounds": view.report["rounds_completed"],
         "mb_up_per_round": traffic["up_train"] / 1e6,
         "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,

@@ -51,7 +51,6 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -129,29 +128,28 @@ def run_loopback(config: RunConfig) -> dict:
     from coordinator.server import Coordinator
     from coordinator.simulate import client_id_for, split_among_workers
     from edge_sdk.client import EdgeClient
-    from edge_sdk.data import load_client_data
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Topics
 
     torch.set_num_threads(1)
     hub = LoopbackBroker()
-    federation = config.federation
+    federation = config.broker.federation
     threads = []
-    for indices in split_among_workers(config.clients, config.worker_count):
+    for indices in split_among_workers(config.run.clients, config.worker_count):
         lock = threading.Lock()
         for index in indices:
-            data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
-                                    seed=config.seed, alpha=config.alpha, data_dir=config.data_dir)
+            data = config.run.client_data(index, config.training.seed)
             client_id = client_id_for(index)
-            client = EdgeClient(client_id, data, device=config.device, compute_lock=lock, federation=federation,
-                                state_dir=Path(config.out) / "state" / client_id, chunk_size=config.chunk_size,
+            client = EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,
+                                federation=federation, state_dir=Path(config.run.out) / "state" / client_id,
+                                chunk_size=config.broker.chunk_size,
                                 transport=hub.transport(f"{federation}.{client_id}"))
             threads.append(threading.Thread(target=client.run, name=client_id, daemon=True))
     transport = hub.transport(f"{federation}.coordinator")
     transport.connect()
     rounds: list[dict] = []
     with ChannelTimer() as timer:
-        coordinator = Coordinator(config, Channel(transport, Topics(federation), chunk_size=config.chunk_size),
+        coordinator = Coordinator(config, Channel(transport, Topics(federation), chunk_size=config.broker.chunk_size),
                                   on_round=lambda entry: rounds.append(_round_entry(entry, timer)))
         started = time.monotonic()
         for thread in threads:
@@ -172,7 +170,6 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
 
     from coordinator.simulate import client_id_for
     from edge_sdk.client import EdgeClient
-    from edge_sdk.data import load_client_data
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Envelope
 
@@ -188,11 +185,11 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
     unused = LoopbackBroker()
     clients = []
     for index in indices:
-        data = load_client_data(config.dataset, num_clients=config.clients, index=index, partition=config.partition,
-                                seed=config.seed, alpha=config.alpha, data_dir=config.data_dir)
+        data = config.run.client_data(index, config.training.seed)
         client_id = client_id_for(index)
-        client = DirectClient(client_id, data, device=config.device, federation=config.federation,
-                              state_dir=Path(config.out) / "state" / client_id, transport=unused.transport(client_id))
+        client = DirectClient(client_id, data, device=config.simulation.device, federation=config.broker.federation,
+                              state_dir=Path(config.run.out) / "state" / client_id,
+                              transport=unused.transport(client_id))
         client.outbox = []
         clients.append(client)
     conn.send([(c.client_id, *c.hello()) for c in clients])
@@ -222,7 +219,7 @@ def run_inprocess(config: RunConfig) -> dict:
     started = time.monotonic()
     context = multiprocessing.get_context("spawn")
     workers, conns = [], []
-    for indices in split_among_workers(config.clients, config.worker_count):
+    for indices in split_among_workers(config.run.clients, config.worker_count):
         parent, child = context.Pipe()
         process = context.Process(target=_direct_worker, args=(config, indices, child), daemon=True)
         process.start()
@@ -231,11 +228,11 @@ def run_inprocess(config: RunConfig) -> dict:
     try:
         # the real Coordinator, on a loopback channel, writes the WELCOMEs and holds the server algorithm
         hub = LoopbackBroker()
-        topics = Topics(config.federation)
+        topics = Topics(config.broker.federation)
         listener = hub.transport("listener")
         listener.connect()
         listener.subscribe(f"{topics.prefix}/down/+/{Kind.WELCOME.value}")
-        transport = hub.transport(f"{config.federation}.coordinator")
+        transport = hub.transport(f"{config.broker.federation}.coordinator")
         transport.connect()
         coordinator = Coordinator(config, Channel(transport, topics))
         algorithm = coordinator.algorithm
@@ -252,7 +249,7 @@ def run_inprocess(config: RunConfig) -> dict:
             conn.send(("welcome", welcome))
         for conn in conns:
             conn.recv()
-        limits = UpdateLimits(config.max_examples, config.max_update_norm)
+        limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm)
 
         def broadcast(command: str, envelope: Envelope, on_reply) -> None:
             for conn in conns:
@@ -267,9 +264,9 @@ def run_inprocess(config: RunConfig) -> dict:
         rounds: list[dict] = []
         devices = sorted(examples)
         accuracy = None
-        for round_ in range(1, config.rounds + 1):
+        for round_ in range(1, config.training.rounds + 1):
             began = time.monotonic()
-            selected = select_clients(devices, config.fraction, config.seed, round_)
+            selected = select_clients(devices, config.round.fraction, config.training.seed, round_)
             algorithm.begin_round(round_)
             groups = algorithm.task_groups(round_)
             task = Envelope(Kind.TRAIN, COORDINATOR, run_id=coordinator.run_id, round=round_, groups=groups,
@@ -287,7 +284,8 @@ def run_inprocess(config: RunConfig) -> dict:
             results: dict[str, float] = {}
             request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=coordinator.run_id, round=round_,
                                groups=algorithm.eval_groups(),
-                               config={"selected": devices, "final": round_ >= config.rounds, "phase": "round"})
+                               config={"selected": devices, "final": round_ >= config.training.rounds,
+                                       "phase": "round"})
             broadcast("evaluate", request, lambda reply: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
             seconds = time.monotonic() - began
             accuracy = statistics.fmean(results.values())
@@ -408,20 +406,21 @@ def main() -> None:
         variants = list(dict.fromkeys(variants))
     workers = args.workers or os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="edgepfl-overhead-") as workdir:
-        base = RunConfig(algorithm="fedavg", dataset=args.dataset or ("digits" if args.quick else "fmnist"),
-                         data_dir=args.data_dir, clients=args.clients or (3 if args.quick else 10),
-                         rounds=args.rounds or (2 if args.quick else 5), local_epochs=args.local_epochs,
-                         seed=args.seed, workers=workers, device=args.device, eval_every=1, round_timeout=600.0,
-                         registration_timeout=300.0, quorum_grace=0.0)
-        base = replace(base, min_clients=base.clients)
+        base = RunConfig.of(algorithm="fedavg", dataset=args.dataset or ("digits" if args.quick else "fmnist"),
+                            data_dir=args.data_dir, clients=args.clients or (3 if args.quick else 10),
+                            rounds=args.rounds or (2 if args.quick else 5), local_epochs=args.local_epochs,
+                            seed=args.seed, workers=workers, device=args.device, eval_every=1, round_timeout=600.0,
+                            registration_timeout=300.0, quorum_grace=0.0)
+        base = base.replace(min_clients=base.run.clients)
         result: dict = {"machine": machine_info(), "baseline": "inprocess",
-                        "settings": {"quick": args.quick, "dataset": base.dataset, "model": base.model_name,
-                                     "clients": base.clients, "rounds": base.rounds, "local_epochs": base.local_epochs,
-                                     "workers": workers, "device": base.device, "seed": base.seed,
+                        "settings": {"quick": args.quick, "dataset": base.run.dataset, "model": base.model_name,
+                                     "clients": base.run.clients, "rounds": base.training.rounds,
+                                     "local_epochs": base.training.local_epochs,
+                                     "workers": workers, "device": base.simulation.device, "seed": base.training.seed,
                                      "variants": variants, "broker": args.broker},
                         "variants": {}}
         for name in variants:
-            config = replace(base, out=str(Path(workdir) / name), federation=f"overhead-{uuid.uuid4().hex[:8]}")
+            config = base.replace(out=str(Path(workdir) / name), federation=f"overhead-{uuid.uuid4().hex[:8]}")
             print(f"{name} ...", flush=True)
             try:
                 if name == "inprocess":
@@ -432,7 +431,7 @@ def main() -> None:
                     run = run_mqtt(config)  # broker=None: run_simulation starts the embedded amqtt broker
                 else:
                     with broker(args.broker or name, Path(workdir) / name) as (url, protocol, _):
-                        run = run_mqtt(replace(config, broker=url, mqtt_protocol=protocol))
+                        run = run_mqtt(config.replace(broker=url, mqtt_protocol=protocol))
             except Exception as exc:  # a variant that fails is reported, the others still run
                 run = {"error": f"{type(exc).__name__}: {exc}"}
             result["variants"][name] = run

@@ -34,8 +34,9 @@ def main() -> None:
     out = Path(args.out)
     rows = []
     for index, (name, settings) in enumerate(SETTINGS):
-        config = RunConfig(algorithm="fedavg", dataset="digits", clients=15, rounds=2 if args.quick else 5, seed=3,
-                           broker=args.broker, workers=2, out=str(out / "robustness" / f"setting{index}"), **settings)
+        config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=15, rounds=2 if args.quick else 5, seed=3,
+                              broker=args.broker, workers=2, out=str(out / "robustness" / f"setting{index}"),
+                              **settings)
         report = run_simulation(config)
         rows.append({"setting": name, "accuracy": report["final"]["personalized_accuracy"]["mean"],
                      "rejections": report["rejections"]})

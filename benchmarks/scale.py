@@ -185,8 +185,8 @@ def _coordinator_main(config_fields: dict, conn) -> None:
     from coordinator.server import Coordinator
 
     return_freed_buffers()  # as `edgepfl coordinator` does
-    config = RunConfig(**config_fields)
-    transport = config.coordinator_transport(config.broker)
+    config = RunConfig.of(**config_fields)
+    transport = config.coordinator_transport(config.broker.broker)
     transport.connect()
     rounds: list[dict] = []
     current: dict = {}
@@ -536,13 +536,13 @@ def main() -> None:
 
     args.library = {key: getattr(args, key) for key in ("chunk_size", "upload_chunk_size", "flow_control_bytes")
                     if getattr(args, key) is not None}
-    library = RunConfig(**args.library)
-    args.upload_chunk_size = library.upload_chunk_size
+    library = RunConfig.of(**args.library)
+    args.upload_chunk_size = library.broker.upload_chunk_size
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": args.quick, "devices": args.devices, "rounds": args.rounds,
-                                 "dataset": args.dataset, "model": args.model, "chunk_size": library.chunk_size,
-                                 "upload_chunk_size": library.upload_chunk_size,
-                                 "flow_control_bytes": library.flow_control_bytes,
+                                 "dataset": args.dataset, "model": args.model, "chunk_size": library.broker.chunk_size,
+                                 "upload_chunk_size": library.broker.upload_chunk_size,
+                                 "flow_control_bytes": library.broker.flow_control_bytes,
                                  "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
                                  "device_keepalive": args.device_keepalive,
                                  "mosquitto_conf": None if args.broker else conf,

@@ -11,79 +11,14 @@ import logging
 import sys
 from typing import Any
 
-def bool_flag(value: str) -> bool:
-    """`--flag`, `--flag true` or `--flag false`."""
-    if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-    return value.lower() in ("true", "1", "yes")
+from .flags import add_setting_flags, given, section_from
 
 
-RUN_FLAGS: list[tuple[str, type, str]] = [
-    ("--algorithm", str, "algorithm id (fedavg, ...)"),
-    ("--dataset", str, "digits | fmnist | mnist | cifar10 | cifar100"),
-    ("--data-dir", str, "where dataset files are (default: system locations, then a download)"),
-    ("--partition", str, "iid | dirichlet | shards | domains"),
-    ("--alpha", float, "Dirichlet concentration (partition=dirichlet)"),
-    ("--classes-per-client", int, "classes per device (partition=shards)"),
-    ("--clients", int, "number of devices"),
-    ("--fraction", float, "fraction of devices selected per round"),
-    ("--rounds", int, "federated rounds"),
-    ("--local-epochs", int, "local epochs per round"),
-    ("--batch-size", int, "local batch size"),
-    ("--lr", float, "local learning rate"),
-    ("--model", str, "auto | cnn8 | cnn8_wide | cnn28 | cnn32 | resnet18 | mobilenet_v3_small"),
-    ("--seed", int, "the run's seed (selection, partition, initialization)"),
-    ("--broker", str, "mqtt://host:port of an existing broker (simulate: default embedded amqtt)"),
-    ("--federation", str, "federation name (topic namespace)"),
-    ("--eval-every", int, "evaluate every N rounds (and after the last)"),
-    ("--round-timeout", float, "seconds before a round closes with the replies it has"),
-    ("--min-clients", int, "quorum: replies needed to aggregate a round"),
-    ("--holdout-clients", int, "devices never selected for training (they only personalize at evaluation)"),
-    ("--quorum-grace", float, "seconds to wait for stragglers once the quorum replied"),
-    ("--registration-timeout", float, "seconds to wait for --clients devices to register"),
-    ("--chunk-size", int, "largest message the coordinator publishes whole, in bytes (default 1 MiB); larger "
-                          "ones are chunked"),
-    ("--upload-chunk-size", int, "simulate: the same for the devices' uploads (default 64 MiB: an update is one "
-                                 "message)"),
-    ("--flow-control-bytes", int, "the coordinator stops reading from the broker while it holds this many bytes of "
-                                  "received messages (default 1 MiB; 0: off)"),
-    ("--device", str, "auto | cpu | cuda | cuda:N | mps (simulated devices)"),
-    ("--aggregation", str, "mean | median | trimmed_mean (robust rules hold every update of a round)"),
-    ("--trim-fraction", float, "share of the largest and of the smallest values dropped by trimmed_mean"),
-    ("--clip-norm", float, "clip each update's change to this L2 norm before aggregating (0: off)"),
-    ("--aggregation-dtype", str, "float32 | float64: what the mean sums updates in (float64: one more model of "
-                                 "memory; runs then repeat bit for bit whatever order updates arrive in)"),
-    ("--lite-fraction", float, "simulate: this share of the devices are weak ones (ONNX Runtime + a numpy head)"),
-    ("--head", str, "svm | lr | mlp | ncm: the weak devices' personal head"),
-    ("--release", bool_flag, "export and publish the global body after training (RepPer always does; algorithms "
-                             "that keep BatchNorm statistics personal pool the global body's from the trainers)"),
-    ("--adversaries", int, "simulate: this many devices corrupt their uploads (robustness experiments)"),
-    ("--attack", str, "sign_flip | noise | nan | mixed (what the adversaries do)"),
-    ("--upload-codec", str, "fp32 | fp16 | int8: how devices encode their uploads (changes from the broadcast)"),
-    ("--amp", bool_flag, "automatic mixed precision on CUDA devices"),
-    ("--max-update-norm", float, "reject updates that move the shared state further than this (0: off)"),
-    ("--grad-clip-norm", float, "devices clip each local step's gradients to this L2 norm (0: off)"),
-    ("--mqtt-protocol", str, "auto | 5 | 3.1.1"),
-    ("--username", str, "MQTT username"),
-    ("--password", str, "MQTT password"),
-    ("--ca-file", str, "CA certificate for TLS (mqtts://)"),
-    ("--cert-file", str, "client certificate for mutual TLS"),
-    ("--key-file", str, "client key for mutual TLS"),
-    ("--credentials", str, "credentials.json from `edgepfl broker-config` (coordinator and device accounts)"),
-    ("--out", str, "output folder (report.json, metrics.jsonl, curves.png, checkpoint)"),
-]
-
-
-def _add_run_flags(parser: argparse.ArgumentParser, *, workers: bool) -> None:
-    parser.add_argument("--config", help="TOML file with the same keys as these flags")
+def _add_run_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file: the flags' keys, flat or in [section] tables (flags override it)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="algorithm hyperparameter (repeatable)")
-    for flag, kind, text in RUN_FLAGS:
-        if kind is bool_flag:
-            parser.add_argument(flag, type=kind, nargs="?", const=True, default=None, help=text)
-        else:
-            parser.add_argument(flag, type=kind, default=None, help=text)
-    if workers:
-        parser.add_argument("--workers", type=int, default=None, help="device worker processes (default: cores)")
+    parser.set_defaults(setting_keys=add_setting_flags(parser, command))
 
 
 def _run_config(args: argparse.Namespace):
@@ -91,11 +26,7 @@ def _run_config(args: argparse.Namespace):
 
     from .config import build_config
 
-    overrides: dict[str, Any] = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in RUN_FLAGS
-    }
-    overrides["workers"] = getattr(args, "workers", None)
-    return build_config(args.config, overrides, parse_assignments(args.set))
+    return build_config(args.config, given(args, args.setting_keys), parse_assignments(args.set))
 
 
 def _summary(report: dict[str, Any], out: str) -> str:
@@ -127,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(total=config.rounds, desc=f"{config.algorithm}", unit="round")
+        bar = tqdm(total=config.training.rounds, desc=config.run.algorithm, unit="round")
     traffic = [0]
 
     def on_round(record: dict[str, Any]) -> None:
@@ -140,64 +71,68 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     report = run_simulation(config, on_round=on_round)
     if bar is not None:
         bar.close()
-    print(_summary(report, config.out))
+    print(_summary(report, config.run.out))
     return 0
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    from edge_sdk.settings import DEFAULT_BROKER
+
     from .memory import return_freed_buffers
     from .server import Coordinator
 
     config = _run_config(args)
     return_freed_buffers()
-    transport = config.coordinator_transport(config.broker or "mqtt://127.0.0.1:1883")
+    transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()
     try:
         report = Coordinator(config, config.coordinator_channel(transport)).run()
     finally:
         transport.close()
-    print(_summary(report, config.out))
+    print(_summary(report, config.run.out))
     return 0
 
 
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.client import EdgeClient
+    from edge_sdk.settings import BrokerSettings
 
+    from .settings import SimulationSettings
+
+    simulation = section_from(SimulationSettings, args)
+    broker = section_from(BrokerSettings, args)
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    client = EdgeClient(args.client_id, _device_data(args), broker=_mqtt_settings(args), federation=args.federation,
-                        amp=args.amp, **upload,
-                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", device=args.device)
+    client = EdgeClient(args.client_id, _device_data(args), broker=broker.mqtt_settings(args.client_id),
+                        federation=broker.federation, amp=simulation.amp, device=simulation.device, **upload,
+                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     client.run()
     return 0
 
 
 def _device_data(args: argparse.Namespace):
-    """A device's own data (--data) or its partition of a known dataset (--index)."""
-    from edge_sdk.data import load_client_data, load_folder_data
+    """A device's own data (--data) or its partition of a built-in dataset (--index)."""
+    from edge_sdk.settings import TrainSettings
 
-    if args.data:
-        return load_folder_data(args.data, args.dataset, seed=args.seed)
-    if args.index is None:
-        raise SystemExit(f"edgepfl {args.command}: give --index (a partition of --dataset) or --data (your own data)")
-    return load_client_data(args.dataset, num_clients=args.clients, index=args.index, partition=args.partition,
-                            seed=args.seed, alpha=args.alpha, classes_per_client=args.classes_per_client,
-                            data_dir=args.data_dir)
+    from .settings import RunSettings
 
-
-def _mqtt_settings(args: argparse.Namespace):
-    from edge_sdk.transport import MqttSettings
-
-    return MqttSettings(url=args.broker, username=args.username, password=args.password, ca_file=args.ca_file,
-                        cert_file=args.cert_file, key_file=args.key_file, protocol=args.protocol)
+    if (args.index is None) == (args.data is None):
+        raise SystemExit(f"edgepfl {args.command}: give either --index (a partition of --dataset) or --data "
+                         "(your own data)")
+    return section_from(RunSettings, args).client_data(args.index, section_from(TrainSettings, args).seed)
 
 
 def cmd_lite_client(args: argparse.Namespace) -> int:
     from edge_sdk.lite import LiteClient
+    from edge_sdk.settings import BrokerSettings
 
+    from .settings import SimulationSettings
+
+    head = section_from(SimulationSettings, args).head
+    broker = section_from(BrokerSettings, args)
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
-    client = LiteClient(args.client_id, _device_data(args), head=args.head, providers=providers,
-                        share_prototypes=not args.no_prototypes, broker=_mqtt_settings(args),
-                        federation=args.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
+    client = LiteClient(args.client_id, _device_data(args), head=head, providers=providers,
+                        share_prototypes=not args.no_prototypes, broker=broker.mqtt_settings(args.client_id),
+                        federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     client.run()
     return 0
 
@@ -231,31 +166,13 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--username", help="MQTT username")
-    parser.add_argument("--password", help="MQTT password")
-    parser.add_argument("--ca-file", help="CA certificate for TLS (mqtts://)")
-    parser.add_argument("--cert-file", help="client certificate for mutual TLS")
-    parser.add_argument("--key-file", help="client key for mutual TLS")
-    parser.add_argument("--protocol", default="auto", help="MQTT version: auto | 5 | 3.1.1")
-
-
-def _add_device_flags(parser: argparse.ArgumentParser) -> None:
-    """What every device command takes: where the broker is, who it is, where its data is."""
-    parser.add_argument("--broker", default="mqtt://127.0.0.1:1883")
-    parser.add_argument("--federation", default="default")
-    parser.add_argument("--client-id", required=True)
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--data", help="this device's own data: an .npz with x, y or an ImageFolder directory")
-    parser.add_argument("--partition", default="iid")
-    parser.add_argument("--alpha", type=float, default=0.5)
-    parser.add_argument("--classes-per-client", type=int, default=2)
-    parser.add_argument("--clients", type=int, default=10, help="number of partitions of --dataset")
-    parser.add_argument("--index", type=int, help="which partition of --dataset is this device's")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--state-dir", help="where personal state is kept (default edgepfl-state/<client-id>)")
-    _add_connection_flags(parser)
+def _add_device_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """What every device command takes: who it is, where its data is, how it reaches the broker."""
+    parser.add_argument("--client-id", required=True, help="this device's id (its MQTT client id and username)")
+    parser.add_argument("--index", type=int,
+                        help="which partition of --dataset is this device's (simulations; else give --data)")
+    parser.add_argument("--state-dir", help="where personal state is kept (default: edgepfl-state/<client-id>)")
+    add_setting_flags(parser, command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,27 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     simulate = sub.add_parser("simulate", help="a whole federation on this machine over MQTT")
-    _add_run_flags(simulate, workers=True)
+    _add_run_flags(simulate, "simulate")
     simulate.add_argument("--quiet", action="store_true", help="no progress bar")
     simulate.set_defaults(handler=cmd_simulate)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator against a broker")
-    _add_run_flags(coordinator, workers=False)
+    _add_run_flags(coordinator, "coordinator")
     coordinator.set_defaults(handler=cmd_coordinator)
 
     client = sub.add_parser("client", help="run one trainer device")
-    _add_device_flags(client)
-    client.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
-    client.add_argument("--amp", action="store_true", help="automatic mixed precision on CUDA")
+    _add_device_flags(client, "client")
     client.add_argument("--chunk-size", type=int,
                         help="largest upload published as one message, in bytes (default 64 MiB; lower it for a "
                              "broker whose packet limit is smaller and that does not announce it over MQTT 5)")
     client.set_defaults(handler=cmd_client)
 
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
-    _add_device_flags(lite)
-    lite.add_argument("--head", default="svm", choices=["svm", "lr", "mlp", "ncm"], help="the personal head")
-    lite.add_argument("--providers", default="auto", help="ONNX Runtime providers, comma-separated, or auto")
+    _add_device_flags(lite, "lite-client")
+    lite.add_argument("--providers", default="auto",
+                      help="ONNX Runtime providers, comma-separated, or auto (default: auto)")
     lite.add_argument("--no-prototypes", action="store_true", help="do not report class counts and means")
     lite.set_defaults(handler=cmd_lite_client)
 

@@ -1,210 +1,245 @@
-"""The run configuration: one dataclass, filled from defaults, a TOML file and the command line.
+"""The run configuration: settings sections, filled from defaults, a TOML file and the command line.
 
-TOML files use the same keys as the command-line flags (`local_epochs` or `local-epochs`), plus
-one `[algorithm.<id>]` table per algorithm for its hyperparameters (the algorithm itself is then
-chosen with `id` in the `[algorithm]` table).
+A RunConfig is made of sections (`run`, `training`, `round`, `aggregation`, `broker`,
+`simulation`), each a dataclass whose fields declare their key, help and role (see
+`edge_sdk.settings`). TOML takes the keys either flat (`dataset = "fmnist"`, `local-epochs = 3`:
+the same keys as the command-line flags) or in section tables (`[training]`, `[round]`, ...),
+plus one `[algorithm.<id>]` table per algorithm for its hyperparameters (the algorithm itself is
+then chosen with `id` in the `[algorithm]` table) and an optional `[task]` table that declares
+the task of a user's data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 import os
-from pathlib import Path
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 
-from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
-from edge_sdk.config import ConfigError, from_mapping, load_toml
-from edge_sdk.data import DATASETS, PARTITIONS
-from edge_sdk.models import MODEL_NAMES, default_model_for
-from edge_sdk.attacks import ATTACKS
-from edge_sdk.codecs import CODECS
-from edge_sdk.channel import Channel
-from edge_sdk.protocol import Topics
-from edge_sdk.transport import MqttSettings, MqttTransport
+from edge_sdk.config import ConfigError, coerce, load_toml
+from edge_sdk.settings import DEFINES, DEFINES_IF_SET, BrokerSettings, Setting, TrainSettings, settings_of
 
 from .robust import AggregationSettings
+from .settings import RoundSettings, RunSettings, SimulationSettings
+
+SECTIONS: dict[str, type] = {
+    "run": RunSettings,
+    "training": TrainSettings,
+    "round": RoundSettings,
+    "aggregation": AggregationSettings,
+    "broker": BrokerSettings,
+    "simulation": SimulationSettings,
+}
+"""The sections of a RunConfig, by attribute (and TOML table) name."""
 
 
-def load_credentials(path: str, account: str) -> tuple[str, str]:
-    """(username, password) of `account` ("coordinator" or a device id) in a credentials.json
-    as written by `edgepfl broker-config`."""
-    try:
-        document = json.loads(Path(path).read_text())
-        entry = document["coordinator"] if account == "coordinator" else document["devices"][account]
-        return entry["username"], entry["password"]
-    except FileNotFoundError:
-        raise ConfigError(f"credentials file {path} does not exist") from None
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise ConfigError(f"credentials file {path} has no entry for {account!r}") from None
+def all_settings() -> Iterator[tuple[str, Setting]]:
+    """Every declared setting of a run, with the name of its section."""
+    for section, cls in SECTIONS.items():
+        for item in settings_of(cls):
+            yield section, item
+
+
+KEYS: dict[str, tuple[str, Setting]] = {item.key: (section, item) for section, item in all_settings()}
+"""Flat key -> (section, setting): keys are unique across sections."""
 
 
 @dataclass
 class RunConfig:
-    """Everything that defines a federated run, plus how it is executed."""
+    """Everything that defines a federated run, plus how it is executed, in sections."""
 
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    partition: str = "iid"
-    alpha: float = 0.5
-    classes_per_client: int = 2
-    clients: int = 10
-    fraction: float = 1.0
-    rounds: int = 5
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.05
-    model: str = "auto"
-    seed: int = 0
-    eval_every: int = 1
-    federation: str = "default"
-    round_timeout: float = 120.0
-    min_clients: int = 1
-    holdout_clients: int = 0
-    quorum_grace: float = 10.0
-    registration_timeout: float = 300.0
-    max_examples: int = 1_000_000
-    max_update_norm: float = 0.0
-    aggregation: str = "mean"
-    trim_fraction: float = 0.2
-    clip_norm: float = 0.0
-    grad_clip_norm: float = 0.0
-    aggregation_dtype: str = "float32"
-    release: bool = False
-    lite_fraction: float = 0.0
-    head: str = "svm"
-    adversaries: int = 0
-    attack: str = "sign_flip"
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    upload_chunk_size: int = DEFAULT_UPLOAD_CHUNK_SIZE
-    flow_control_bytes: int = 1 << 20
-    out: str = "runs/latest"
-    broker: str | None = None
-    workers: int = 0
-    device: str = "auto"
-    amp: bool = False
-    upload_codec: str = "fp32"
-    mqtt_protocol: str = "auto"
-    username: str | None = None
-    password: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    credentials: str | None = None
+    run: RunSettings = field(default_factory=RunSettings)
+    training: TrainSettings = field(default_factory=TrainSettings)
+    round: RoundSettings = field(default_factory=RoundSettings)
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    simulation: SimulationSettings = field(default_factory=SimulationSettings)
     hyper: dict[str, Any] = field(default_factory=dict)
+    """The algorithm's hyperparameters (`[algorithm.<id>]` and `--set`)."""
+    declared_task: dict[str, Any] | None = None
+    """The `[task]` table: kind, input_shape, class_names, mean, std of a user's data."""
 
     def __post_init__(self) -> None:
         from edge_sdk.algorithms import ALGORITHM_IDS
+        from edge_sdk.attacks import ATTACKS
+        from edge_sdk.codecs import CODECS
+        from edge_sdk.data import DATASETS, PARTITIONS
 
+        run, simulation = self.run, self.simulation
         checks = [
-            (self.algorithm in ALGORITHM_IDS, "algorithm", f"one of {', '.join(ALGORITHM_IDS)}"),
-            (self.dataset in DATASETS, "dataset", f"one of {', '.join(DATASETS)}"),
-            (self.partition in PARTITIONS, "partition", f"one of {', '.join(PARTITIONS)}"),
-            (self.model == "auto" or self.model in MODEL_NAMES, "model", f"auto or one of {', '.join(MODEL_NAMES)}"),
-            (self.alpha > 0, "alpha", "positive"),
-            (self.seed >= 0, "seed", "zero or more"),
-            (self.clients >= 1, "clients", "at least 1"),
-            (0 < self.fraction <= 1, "fraction", "in (0, 1]"),
-            (self.rounds >= 1, "rounds", "at least 1"),
-            (self.local_epochs >= 1, "local_epochs", "at least 1"),
-            (self.batch_size >= 1, "batch_size", "at least 1"),
-            (self.lr > 0, "lr", "positive"),
-            (self.eval_every >= 1, "eval_every", "at least 1"),
-            (self.round_timeout > 0, "round_timeout", "positive"),
-            (self.min_clients >= 1, "min_clients", "at least 1"),
-            (0 <= self.holdout_clients < self.clients, "holdout_clients", "zero or more and fewer than clients"),
-            (self.quorum_grace >= 0, "quorum_grace", "zero or more"),
-            (self.max_examples >= 1, "max_examples", "at least 1"),
-            (self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive"),
-            (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm",
-             "zero (off) or a positive finite norm"),
-            (0 <= self.adversaries <= self.clients, "adversaries", "between 0 and clients"),
-            (0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)"),
-            (self.head in ("svm", "lr", "mlp", "ncm"), "head", "svm, lr, mlp or ncm"),
-            (self.upload_codec in CODECS, "upload_codec", f"one of {', '.join(CODECS)}"),
-            (self.attack in (*ATTACKS, "mixed"), "attack", f"one of {', '.join(ATTACKS)} or mixed"),
-            (self.mqtt_protocol in ("auto", "5", "3.1.1"), "mqtt_protocol", "auto, 5 or 3.1.1"),
-            (self.workers >= 0, "workers", "zero (one per core) or more"),
-            (self.flow_control_bytes >= 0, "flow_control_bytes", "zero (off) or more"),
+            (run.algorithm in ALGORITHM_IDS, "algorithm", run.algorithm, f"one of {', '.join(ALGORITHM_IDS)}"),
+            (run.dataset is None or run.dataset in DATASETS, "dataset", run.dataset, f"one of {', '.join(DATASETS)}"),
+            (run.partition in PARTITIONS, "partition", run.partition, f"one of {', '.join(PARTITIONS)}"),
+            (self.training.upload_codec in CODECS, "upload_codec", self.training.upload_codec,
+             f"one of {', '.join(CODECS)}"),
+            (simulation.attack in (*ATTACKS, "mixed"), "attack", simulation.attack,
+             f"one of {', '.join(ATTACKS)} or mixed"),
+            (self.round.holdout_clients < run.clients, "holdout_clients", self.round.holdout_clients,
+             "zero or more and fewer than clients"),
+            (simulation.adversaries <= run.clients, "adversaries", simulation.adversaries, "between 0 and clients"),
         ]
-        for ok, key, what in checks:
+        for ok, key, value, what in checks:
             if not ok:
-                raise ConfigError(f"{key} must be {what}, got {getattr(self, key)!r}")
-        if self.lite_devices >= self.clients:
-            raise ConfigError(f"lite_fraction {self.lite_fraction} leaves no trainer device among {self.clients}")
-        try:
-            check_chunk_size(self.chunk_size)
-            check_chunk_size(self.upload_chunk_size, "upload_chunk_size")
-            self.aggregation_settings
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+                raise ConfigError(f"{key} must be {what}, got {value!r}")
+        if self.lite_devices >= run.clients:
+            raise ConfigError(f"lite_fraction {simulation.lite_fraction} leaves no trainer device among {run.clients}")
+
+    @classmethod
+    def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,
+           **values: Any) -> RunConfig:
+        """A RunConfig from flat keys (`RunConfig.of(algorithm="fedrep", rounds=3)`); unknown keys are named."""
+        return cls(**_sections(values, where="RunConfig.of"), hyper=dict(hyper or {}),
+                   declared_task=dict(declared_task) if declared_task is not None else None)
+
+    def replace(self, **values: Any) -> RunConfig:
+        """A copy with the flat keys in `values` changed (`config.replace(out="runs/b", rounds=9)`);
+        naming one of `dataset` and `data` drops the other."""
+        for named, other in (("data", "dataset"), ("dataset", "data")):
+            if named in values and other not in values:
+                values = {**values, other: None}
+        changed = _sections(values, where="RunConfig.replace", base=self)
+        return dataclasses.replace(self, **changed)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every setting by its flat key, plus hyper (and the declared task when set): what a
+        checkpoint records and what `RunConfig.of` and a flat TOML file take back."""
+        flat = {item.key: getattr(getattr(self, section), item.name) for section, item in all_settings()}
+        flat["hyper"] = dict(self.hyper)
+        if self.declared_task is not None:
+            flat["declared_task"] = dict(self.declared_task)
+        return flat
+
+    def task(self):
+        """The run's task (contract 1: `edge_sdk.data.resolve_task(dataset, data, data_dir, declared)`).
+
+        This branch knows the built-in datasets only; `data` and `declared_task` need the task
+        resolution of piece h-task, which replaces this body at merge.
+        """
+        from edge_sdk.data import DATASETS
+
+        if self.run.data is not None or self.declared_task is not None:
+            raise ConfigError("data and [task] need edge_sdk.data.resolve_task, not available in this build")
+        return DATASETS[self.run.dataset]
 
     @property
     def model_name(self) -> str:
-        return default_model_for(DATASETS[self.dataset].image_size) if self.model == "auto" else self.model
+        """The model spec the run trains: `training.model`, with `auto` resolved for the task."""
+        from edge_sdk.models import default_model_for
 
-    @property
-    def aggregation_settings(self) -> AggregationSettings:
-        return AggregationSettings(self.aggregation, self.trim_fraction, self.clip_norm, self.aggregation_dtype)
+        model = self.training.model
+        return default_model_for(self.task().image_size) if model == "auto" else model
+
+    def welcome_settings(self) -> dict[str, Any]:
+        """The training section as devices receive it in WELCOME: the model resolved, and
+        `grad_clip_norm` only when set (devices older than it accept the message unchanged)."""
+        settings = dataclasses.asdict(dataclasses.replace(self.training, model=self.model_name))
+        if not settings["grad_clip_norm"]:
+            del settings["grad_clip_norm"]
+        return settings
 
     def attack_of(self, index: int) -> str | None:
         """The attack simulated device `index` runs: the first `adversaries` devices are adversaries;
         `mixed` gives them sign_flip, noise and nan in turn."""
-        if index >= self.adversaries:
+        from edge_sdk.attacks import ATTACKS
+
+        if index >= self.simulation.adversaries:
             return None
-        return ATTACKS[index % len(ATTACKS)] if self.attack == "mixed" else self.attack
+        attack = self.simulation.attack
+        return ATTACKS[index % len(ATTACKS)] if attack == "mixed" else attack
 
     @property
     def lite_devices(self) -> int:
         """How many simulated devices are weak ones: the last ones by index."""
-        return int(round(self.lite_fraction * self.clients))
+        return int(round(self.simulation.lite_fraction * self.run.clients))
 
     @property
     def worker_count(self) -> int:
-        return self.workers or os.cpu_count() or 1
+        return self.simulation.workers or os.cpu_count() or 1
 
-    def coordinator_transport(self, url: str) -> MqttTransport:
+    def coordinator_transport(self, url: str):
         """The coordinator's connection (not yet connected), with flow control: its network
         thread stops reading while the coordinator holds more than `flow_control_bytes` of
         received messages, so a round's backlog of uploads waits at the broker, not here."""
-        return MqttTransport(f"{self.federation}.coordinator", self.mqtt_settings(url),
-                             flow_control_bytes=self.flow_control_bytes)
+        from edge_sdk.transport import MqttTransport
 
-    def coordinator_channel(self, transport) -> Channel:
+        return MqttTransport(f"{self.broker.federation}.coordinator", self.mqtt_settings(url),
+                             flow_control_bytes=self.broker.flow_control_bytes)
+
+    def coordinator_channel(self, transport):
         """The coordinator's channel: room to reassemble an upload from every device at once
         (chunked uploads of a whole fleet interleave at the broker)."""
-        return Channel(transport, Topics(self.federation), chunk_size=self.chunk_size,
-                       max_pending_blobs=2 * self.clients + 64)
+        from edge_sdk.channel import Channel
+        from edge_sdk.protocol import Topics
 
-    def mqtt_settings(self, url: str, account: str = "coordinator") -> MqttSettings:
-        """How this side connects: explicit username/password, else `account` in `credentials`."""
-        username, password = self.username, self.password
-        if username is None and self.credentials:
-            username, password = load_credentials(self.credentials, account)
-        return MqttSettings(url=url, username=username, password=password, ca_file=self.ca_file,
-                            cert_file=self.cert_file, key_file=self.key_file, protocol=self.mqtt_protocol)
+        return Channel(transport, Topics(self.broker.federation), chunk_size=self.broker.chunk_size,
+                       max_pending_blobs=2 * self.run.clients + 64)
+
+    def mqtt_settings(self, url: str, account: str = "coordinator"):
+        """How `account` connects to `url`: explicit username/password, else its entry in `credentials`."""
+        return self.broker.mqtt_settings(account, url)
 
     def fingerprint(self) -> str:
         """A hash of the settings that define the run's results; a resume requires the same one.
 
-        `rounds` is left out so a finished run can be extended; so are paths, timeouts and how
-        the run is executed.
+        The settings declared with `defines` enter it by their flat key (`rounds` is left out
+        so a finished run can be extended; so are paths, timeouts and how the run is executed);
+        those declared `DEFINES_IF_SET` only when set, so runs made before they existed keep
+        their fingerprint.
         """
-        defining = {k: v for k, v in asdict(self).items() if k in _DEFINING or (k in _DEFINING_IF_SET and v)}
+        defining: dict[str, Any] = {}
+        for section, item in all_settings():
+            value = getattr(getattr(self, section), item.name)
+            if item.info.defines == DEFINES or (item.info.defines == DEFINES_IF_SET and value):
+                defining[item.key] = value
+        defining["hyper"] = self.hyper
         defining["model"] = self.model_name
+        if self.declared_task is not None:
+            defining["declared_task"] = self.declared_task
         return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-_DEFINING = {
-    "algorithm", "dataset", "partition", "alpha", "classes_per_client", "clients", "fraction",
-    "local_epochs", "batch_size", "lr", "model", "seed", "hyper", "holdout_clients",
-    "aggregation", "trim_fraction", "clip_norm", "adversaries", "attack", "lite_fraction", "head", "upload_codec",
-}
-_DEFINING_IF_SET = {"grad_clip_norm"}
-"""Settings added after runs were cached: they define a run only when set, so runs made before keep their fingerprint."""
+def _sections(values: Mapping[str, Any], *, where: str, base: RunConfig | None = None) -> dict[str, Any]:
+    """The sections that `values` (flat keys) change, built on `base` (or the defaults); unknown
+    keys and bad values are named."""
+    routed: dict[str, dict[str, Any]] = {}
+    for raw_key, value in values.items():
+        key = raw_key.replace("-", "_")
+        if key not in KEYS:
+            raise ConfigError(f"unknown key {raw_key!r} in {where}; known keys: {', '.join(sorted(KEYS))}")
+        routed.setdefault(KEYS[key][0], {})[key] = value
+    return {section: _section(section, changes, where, base) for section, changes in routed.items()}
+
+
+def _table_keys(section: str, table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keys of a `[section]` table, checked to belong to that section."""
+    for raw_key in table:
+        key = raw_key.replace("-", "_")
+        if key not in KEYS or KEYS[key][0] != section:
+            home = f"; it belongs to [{KEYS[key][0]}]" if key in KEYS else ""
+            known = ", ".join(item.key for item in settings_of(SECTIONS[section]))
+            raise ConfigError(f"unknown key {raw_key!r} in [{section}] of {where}{home}; known keys: {known}")
+    return dict(table)
+
+
+def _section(section: str, changes: Mapping[str, Any], where: str, base: RunConfig | None):
+    """Section `section` of `base` (or its defaults) with `changes` (flat keys) coerced and applied."""
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    current = dataclasses.asdict(getattr(base, section)) if base is not None else {}
+    for key, value in changes.items():
+        name = KEYS[key][1].name
+        current[name] = coerce(key, value, hints[name])
+    try:
+        return cls(**current)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # the section's own check, which names the key
+        raise ConfigError(str(exc)) from None
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def build_config(
@@ -215,21 +250,29 @@ def build_config(
     In TOML the algorithm is either `algorithm = "<id>"` or, next to hyperparameter tables,
     `[algorithm]` with `id = "<id>"` and one `[algorithm.<id>]` table per algorithm.
     """
-    values: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
     hyper_tables: dict[str, dict[str, Any]] = {}
+    declared_task = None
     if file:
         document = load_toml(file)
         section = document.pop("algorithm", None)
         if isinstance(section, dict):
             if "id" in section:
-                values["algorithm"] = section.pop("id")
+                flat["algorithm"] = section.pop("id")
             if not all(isinstance(t, dict) for t in section.values()):
                 raise ConfigError(f"{file}: [algorithm] takes `id` and one [algorithm.<id>] table per algorithm")
             hyper_tables = section
         elif section is not None:
-            values["algorithm"] = section
-        values.update(document)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    config = from_mapping(RunConfig, values, where=file or "command line")
-    config.hyper = {**hyper_tables.get(config.algorithm, {}), **assignments}
+            flat["algorithm"] = section
+        declared_task = document.pop("task", None)
+        if declared_task is not None and not isinstance(declared_task, dict):
+            raise ConfigError(f"{file}: task must be a [task] table (kind, input_shape, class_names, mean, std)")
+        for key, value in document.items():
+            if key in SECTIONS and isinstance(value, dict):
+                flat.update(_table_keys(key, value, file))
+            else:
+                flat[key] = value
+    flat.update({k: v for k, v in overrides.items() if v is not None})
+    config = RunConfig(**_sections(flat, where=file or "command line"), declared_task=declared_task)
+    config.hyper = {**hyper_tables.get(config.run.algorithm, {}), **assignments}
     return config

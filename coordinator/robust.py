@@ -17,6 +17,7 @@ import numpy as np
 
 from edge_sdk.params import blocks, flat
 from edge_sdk.protocol import ArrayGroup
+from edge_sdk.settings import DEFINES, setting
 
 from .aggregate import WeightedMean, aligned_reference, squared_distance
 
@@ -31,10 +32,17 @@ class Aggregator(Protocol):
 
 @dataclass(frozen=True)
 class AggregationSettings:
-    rule: str = "mean"
-    trim_fraction: float = 0.2
-    clip_norm: float = 0.0  # 0: no clipping
-    dtype: str = "float32"  # what the mean sums float32 updates in (aggregate.accumulator_dtype)
+    """How the coordinator combines a round's updates: the `[aggregation]` section of a run."""
+
+    rule: str = setting("mean", key="aggregation", defines=DEFINES,
+                        help="mean | median | trimmed_mean (robust rules hold every update of a round)")
+    trim_fraction: float = setting(0.2, defines=DEFINES,
+                                   help="share of the largest and of the smallest values dropped by trimmed_mean")
+    clip_norm: float = setting(0.0, defines=DEFINES,
+                               help="clip each update's change to this L2 norm before aggregating (0: off)")
+    dtype: str = setting("float32", key="aggregation_dtype",
+                         help="float32 | float64: what the mean sums updates in (float64: one more model of memory; "
+                              "runs then repeat bit for bit whatever order updates arrive in)")
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATIONS:

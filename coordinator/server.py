@@ -21,7 +21,6 @@ from typing import Any, Callable
 from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
-from edge_sdk.data import DATASETS
 from edge_sdk.protocol import COORDINATOR, STATISTICS, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
@@ -71,17 +70,17 @@ class Coordinator:
         self.topics = channel.topics
         self.clock = clock
         self.on_round = on_round
-        self.out = Path(config.out)
+        self.out = Path(config.run.out)
         self.registry = DeviceRegistry()
-        algorithm_cls = algorithms.load(config.algorithm)
-        self.hyper = algorithms.hyperparameters(config.algorithm, config.hyper)
-        context = ServerContext(config.model_name, DATASETS[config.dataset], config.seed, config.rounds,
-                                config.clients, config.aggregation_settings)
+        algorithm_cls = algorithms.load(config.run.algorithm)
+        self.hyper = algorithms.hyperparameters(config.run.algorithm, config.hyper)
+        context = ServerContext(config.model_name, config.task(), config.training.seed, config.training.rounds,
+                                config.run.clients, config.aggregation)
         self.algorithm = algorithm_cls(self.hyper, context)
-        if config.release and not self.algorithm.shares_body():
-            raise ConfigError(f"release: {config.algorithm} keeps the body personal, there is no global "
+        if config.run.release and not self.algorithm.shares_body():
+            raise ConfigError(f"release: {config.run.algorithm} keeps the body personal, there is no global "
                               "representation to release")
-        self.limits = UpdateLimits(config.max_examples, config.max_update_norm)
+        self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm)
         self.incarnation = new_message_id()[:12]
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.run_id = new_message_id()[:16]
@@ -115,7 +114,7 @@ class Coordinator:
         return saved.history
 
     def _checkpoint(self) -> None:
-        history = {**self.ledger.to_history(), "config": to_plain(self.config)}
+        history = {**self.ledger.to_history(), "config": self.config.to_flat()}
         checkpoint.save(
             self.checkpoint_path,
             checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state, history),
@@ -128,11 +127,11 @@ class Coordinator:
         self.channel.transport.subscribe(self.topics.all_up())
         self._status("registering")
         self._await_devices()
-        for round_ in range(self.completed + 1, self.config.rounds + 1):
+        for round_ in range(self.completed + 1, self.config.training.rounds + 1):
             self._play_round(round_)
-        if not self.ledger.final and self.completed >= self.config.rounds:
+        if not self.ledger.final and self.completed >= self.config.training.rounds:
             self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
-        if self.config.release or self.algorithm.releases_representation:
+        if self.config.run.release or self.algorithm.releases_representation:
             self._release_phase()
         report = self._report(time.time() - started)
         write_report(self.out, report)
@@ -147,22 +146,22 @@ class Coordinator:
             run_id=self.run_id,
             round=self.completed,
             config={"state": state, "incarnation": self.incarnation, "epoch": self._connections,
-                    "rounds": self.config.rounds, "algorithm": self.config.algorithm},
+                    "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm},
         )
         self.channel.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
     def _await_devices(self) -> None:
-        deadline = self.clock() + self.config.registration_timeout
-        while len(self.registry.online()) < self.config.clients and self.clock() < deadline:
+        deadline = self.clock() + self.config.round.registration_timeout
+        while len(self.registry.online()) < self.config.run.clients and self.clock() < deadline:
             self._serve(min(1.0, deadline - self.clock()), on_reply=self._stale_reply)
         have = len(self.registry.online("trainer"))
-        if have < self.config.min_clients:
+        if have < self.config.round.min_clients:
             raise RegistrationTimeout(
-                f"only {have} trainer devices registered within {self.config.registration_timeout:.0f} s; "
-                f"--min-clients is {self.config.min_clients}"
+                f"only {have} trainer devices registered within {self.config.round.registration_timeout:.0f} s; "
+                f"--min-clients is {self.config.round.min_clients}"
             )
-        if self.config.holdout_clients:
-            self.holdout = frozenset(self.registry.online("trainer")[-self.config.holdout_clients:])
+        if self.config.round.holdout_clients:
+            self.holdout = frozenset(self.registry.online("trainer")[-self.config.round.holdout_clients:])
             log.info("held out of training (heads only): %s", ", ".join(sorted(self.holdout)))
         log.info("%d devices registered (%d trainers); starting", len(self.registry.devices), have)
 
@@ -250,19 +249,10 @@ class Coordinator:
             round=self.completed,
             config={
                 "incarnation": self.incarnation,
-                "algorithm": self.config.algorithm,
+                "algorithm": self.config.run.algorithm,
                 "hyper": to_plain(self.hyper),
                 "assignment": self.algorithm.assignment(hello.sender),
-                "settings": {
-                    "model": self.config.model_name,
-                    "rounds": self.config.rounds,
-                    "local_epochs": self.config.local_epochs,
-                    "batch_size": self.config.batch_size,
-                    "lr": self.config.lr,
-                    "seed": self.config.seed,
-                    "upload_codec": self.config.upload_codec,
-                    **({"grad_clip_norm": self.config.grad_clip_norm} if self.config.grad_clip_norm else {}),
-                },
+                "settings": self.config.welcome_settings(),
             },
         )
         self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), welcome)
@@ -317,11 +307,11 @@ class Coordinator:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
         rejections0 = dict(self.channel.rejections)
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
-        selected = select_clients(candidates, self.config.fraction, self.config.seed, round_)
+        selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self._status("training")
         collector, outcome = self._train(round_, selected)
         evaluation = None
-        if round_ % self.config.eval_every == 0 or round_ == self.config.rounds:
+        if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
             evaluation = self.ledger.final = self._evaluate(round_)
         sent1, received1 = self.channel.counter.snapshot()
         accuracies = [m["accuracy"] for cid, m in (evaluation or {}).items() if cid not in self.holdout]
@@ -345,7 +335,8 @@ class Coordinator:
         self._checkpoint()
         self.metrics.append({"event": "round", **entry})
         acc = (record.personalized_accuracy or {}).get("mean")
-        log.info("round %d/%d: %s, %d/%d replied, accuracy %s, %.2f MB, %.1f s", round_, self.config.rounds,
+        log.info("round %d/%d: %s, %d/%d replied, accuracy %s, %.2f MB, %.1f s", round_,
+                 self.config.training.rounds,
                  record.outcome, record.participants, record.selected,
                  f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
         if self.on_round is not None:
@@ -361,9 +352,9 @@ class Coordinator:
         collector = RoundCollector(
             round_,
             frozenset(selected),
-            min_replies=max(1, min(self.config.min_clients, len(selected))),
-            deadline=self.clock() + self.config.round_timeout,
-            grace=self.config.quorum_grace,
+            min_replies=max(1, min(self.config.round.min_clients, len(selected))),
+            deadline=self.clock() + self.config.round.round_timeout,
+            grace=self.config.round.quorum_grace,
         )
         outcome = self._request(Kind.TRAIN, task, collector, lambda r: self._on_update(r, round_, groups, collector))
         if collector.enough:
@@ -380,7 +371,8 @@ class Coordinator:
         registered = self.registry.devices[envelope.sender].num_examples
         spec = self.algorithm.update_spec(round_)
         try:
-            envelope = replace(envelope, groups=codecs.decode(self.config.upload_codec, envelope.groups, sent, spec))
+            envelope = replace(envelope, groups=codecs.decode(self.config.training.upload_codec, envelope.groups, sent,
+                                                              spec))
             weight = check_update(envelope, spec, sent, registered, self.limits)
             self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
         except ProtocolError as err:
@@ -405,9 +397,9 @@ class Coordinator:
         self._status("evaluating")
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
                            groups={**self.algorithm.eval_groups(), **(extra_groups or {})},
-                           config={"selected": targets, "final": round_ >= self.config.rounds, "phase": phase})
+                           config={"selected": targets, "final": round_ >= self.config.training.rounds, "phase": phase})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
-                                   deadline=self.clock() + self.config.round_timeout, grace=0.0)
+                                   deadline=self.clock() + self.config.round.round_timeout, grace=0.0)
         results: dict[str, dict[str, Any]] = {}
 
         def on_result(received: Received) -> None:
@@ -466,7 +458,7 @@ class Coordinator:
         lite = self.registry.online("lite")
         extra: dict[str, ArrayGroup] = {}
         if lite:
-            meta = DATASETS[self.config.dataset]
+            meta = self.config.task()
             pool = PrototypePool(meta.num_classes, int(self.release.metadata["feature_dim"]))
             self._evaluate(self.completed, targets=lite, phase="prototypes", prototypes=pool)
             if pool.devices:
@@ -509,13 +501,13 @@ class Coordinator:
         traffic = self.ledger.traffic()
         return {
             "run_id": self.run_id,
-            "algorithm": self.config.algorithm,
+            "algorithm": self.config.run.algorithm,
             "hyperparameters": to_plain(self.hyper),
-            "dataset": self.config.dataset,
-            "partition": self.config.partition,
+            "dataset": self.config.run.dataset,
+            "partition": self.config.run.partition,
             "model": self.config.model_name,
-            "clients": self.config.clients,
-            "fraction": self.config.fraction,
+            "clients": self.config.run.clients,
+            "fraction": self.config.round.fraction,
             "rounds_completed": self.completed,
             "rounds": rounds,
             "final": {

@@ -14,16 +14,18 @@ import multiprocessing.connection
 import signal
 import threading
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from edge_sdk.settings import BrokerSettings, TrainSettings
 from edge_sdk.transport import MqttSettings
 
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
 from .server import Coordinator
+from .settings import RunSettings, SimulationSettings
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +35,27 @@ class WorkerSpec:
     """What one worker process needs to host its share of the virtual devices."""
 
     indices: tuple[int, ...]
-    settings: dict[str, MqttSettings]  # per device id
-    federation: str
-    dataset: str
-    data_dir: str | None
-    partition: str
-    alpha: float
-    classes_per_client: int
-    clients: int
-    seed: int
-    state_root: str
-    device: str
-    amp: bool
-    upload_chunk_size: int
-    log_level: int
+    connections: dict[str, MqttSettings]  # per device id
+    run: RunSettings
+    training: TrainSettings
+    broker: BrokerSettings
+    simulation: SimulationSettings
     attacks: dict[int, str | None]
     lite_heads: dict[int, str]  # weak devices: index -> head kind
+    state_root: str
     models_dir: str
+    log_level: int
+
+    @classmethod
+    def for_devices(cls, config: RunConfig, indices: tuple[int, ...], url: str) -> WorkerSpec:
+        """The spec of a worker hosting devices `indices` of `config`'s run, reaching the broker at `url`."""
+        first_lite = config.run.clients - config.lite_devices
+        return cls(indices, {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices},
+                   config.run, config.training, config.broker, config.simulation,
+                   {i: config.attack_of(i) for i in indices},
+                   {i: config.simulation.head for i in indices if i >= first_lite},
+                   str(Path(config.run.out) / "state"), str(Path(config.run.out) / "models"),
+                   logging.getLogger().getEffectiveLevel())
 
 
 def client_id_for(index: int) -> str:
@@ -61,27 +67,24 @@ def _worker_main(spec: WorkerSpec) -> None:
     import torch
 
     from edge_sdk.client import EdgeClient
-    from edge_sdk.data import load_client_data
 
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     lock = threading.Lock()
     threads = []
     for index in spec.indices:
-        data = load_client_data(spec.dataset, num_clients=spec.clients, index=index, partition=spec.partition,
-                                seed=spec.seed, alpha=spec.alpha, classes_per_client=spec.classes_per_client,
-                                data_dir=spec.data_dir)
+        data = spec.run.client_data(index, spec.training.seed)
         client_id = client_id_for(index)
-        session = {"broker": spec.settings[client_id], "federation": spec.federation,
-                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.upload_chunk_size}
+        session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
+                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.broker.upload_chunk_size}
         if index in spec.lite_heads:
             from edge_sdk.lite import LiteClient
 
             client = LiteClient(client_id, data, head=spec.lite_heads[index],
                                 model_path=Path(spec.models_dir) / f"{client_id}.onnx", **session)
         else:
-            client = EdgeClient(client_id, data, device=spec.device, amp=spec.amp, compute_lock=lock,
-                                attack=spec.attacks[index], **session)
+            client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
+                                compute_lock=lock, attack=spec.attacks[index], **session)
         thread = threading.Thread(target=client.run, name=client_id, daemon=True)
         thread.start()
         threads.append(thread)
@@ -129,29 +132,23 @@ def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threa
 
 
 def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run `config` end to end and return the report (also written to `config.out`)."""
-    hyperparameters(config.algorithm, config.hyper)  # a bad key fails before anything starts
-    if config.federation == "default":
-        config = replace(config, federation=f"sim-{uuid.uuid4().hex[:8]}")
-    broker = EmbeddedBroker().start() if config.broker is None else None
-    url = broker.url if broker else config.broker
+    """Run `config` end to end and return the report (also written to `config.run.out`)."""
+    hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
+    if config.broker.federation == "default":
+        config = config.replace(federation=f"sim-{uuid.uuid4().hex[:8]}")
+    broker = EmbeddedBroker().start() if config.broker.broker is None else None
+    url = broker.url if broker else config.broker.broker
     if broker is not None:
-        config = replace(config, mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
+        config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
     workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
     done = threading.Event()
     try:
-        for indices in split_among_workers(config.clients, config.worker_count):
-            settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
-            spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
-                              config.alpha, config.classes_per_client, config.clients, config.seed,
-                              str(Path(config.out) / "state"), config.device, config.amp, config.upload_chunk_size,
-                              logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices},
-                              {i: config.head for i in indices if i >= config.clients - config.lite_devices},
-                              str(Path(config.out) / "models"))
+        for indices in split_among_workers(config.run.clients, config.worker_count):
+            spec = WorkerSpec.for_devices(config, indices, url)
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
-            workers[process] = list(settings)
+            workers[process] = list(spec.connections)
         watch_workers(workers, done)
         transport = config.coordinator_transport(url)
         transport.connect()

@@ -21,13 +21,14 @@ from typing import Any, Callable
 import numpy as np
 
 from . import algorithms, codecs
-from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task, TrainSettings
+from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
 from .models import ModelSpec
 from .params import floats_finite
 from .protocol import STATISTICS, Envelope, Kind
+from .settings import TrainSettings
 from .session import DeviceSession
 from .store import PersonalState, PersonalStore
 from .training import gradient_clipping, mixed_precision

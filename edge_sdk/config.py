@@ -46,20 +46,22 @@ def parse_assignments(pairs: list[str] | None) -> dict[str, str]:
     return result
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
+def coerce(key: str, value: Any, annotation: Any) -> Any:
+    """`value` (from TOML or, as a string, from the command line) as type `annotation`; a
+    ConfigError naming `key` when it is not one."""
     origin = typing.get_origin(annotation)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
-        return _coerce(key, value, args[0])
+        return coerce(key, value, args[0])
     if origin is typing.Literal:
         if value not in typing.get_args(annotation):
             raise ConfigError(f"{key} must be one of {list(typing.get_args(annotation))}, got {value!r}")
         return value
     if origin in (tuple, list):
         items = value.split(",") if isinstance(value, str) else list(value)
-        return origin(_coerce(key, v, args[0]) if args else v for v in items)
+        return origin(coerce(key, v, args[0]) if args else v for v in items)
     try:
         if annotation in (int, float) and isinstance(value, bool):
             raise ValueError(value)
@@ -91,7 +93,7 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any], *, where: str = "conf
         key = raw_key.replace("-", "_")
         if key not in fields:
             raise ConfigError(f"unknown key {raw_key!r} in {where}; known keys: {', '.join(sorted(fields))}")
-        values[key] = _coerce(f"{where}.{key}", value, hints[key])
+        values[key] = coerce(f"{where}.{key}", value, hints[key])
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:

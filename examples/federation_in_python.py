@@ -45,9 +45,9 @@ def main() -> None:
     protocol = "3.1.1" if embedded else "auto"  # amqtt speaks MQTT 3.1.1 only
     try:
         with tempfile.TemporaryDirectory() as out:
-            config = RunConfig(algorithm=args.algorithm, dataset="digits", clients=args.devices, rounds=args.rounds,
-                               partition="dirichlet", alpha=0.5, federation="example", out=out,
-                               mqtt_protocol=protocol, min_clients=args.devices, quorum_grace=0.0)
+            config = RunConfig.of(algorithm=args.algorithm, dataset="digits", clients=args.devices, rounds=args.rounds,
+                                  partition="dirichlet", alpha=0.5, federation="example", out=out,
+                                  mqtt_protocol=protocol, min_clients=args.devices, quorum_grace=0.0)
             devices = [
                 EdgeClient(f"dev{i}", load_client_data("digits", num_clients=args.devices, index=i,
                                                        partition="dirichlet", alpha=0.5, seed=0),

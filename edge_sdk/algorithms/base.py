@@ -7,13 +7,13 @@ returns is persisted on the device only and never leaves it.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..data import ClientData
 from ..protocol import ArrayGroup
+from ..settings import TrainSettings
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: the registry loads without it
     import torch
@@ -29,25 +29,6 @@ LossOverride = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 @dataclass(frozen=True)
 class NoHyper:
     """For algorithms without hyperparameters of their own."""
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """The run's training settings, announced by the coordinator in WELCOME."""
-
-    model: str
-    rounds: int
-    local_epochs: int
-    batch_size: int
-    lr: float
-    seed: int
-    upload_codec: str = "fp32"
-    grad_clip_norm: float = 0.0
-    """Local gradient-norm clipping (`training.gradient_clipping`); 0: off."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0):
-            raise ValueError(f"grad_clip_norm must be zero (off) or a positive finite norm, got {self.grad_clip_norm}")
 
 
 @dataclass

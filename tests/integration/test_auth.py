@@ -21,7 +21,7 @@ import pytest
 from brokers import require_mosquitto
 from coordinator.broker import free_port, wait_for_port
 from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
-from coordinator.config import load_credentials
+from edge_sdk.settings import load_credentials
 from edge_sdk.transport import Incoming, MqttSettings, MqttTransport, TransportError
 
 pytestmark = pytest.mark.integration

@@ -82,8 +82,8 @@ def run(url: str, out, federation: str, *, disturb: bool):
     # float64 sums: the mean does not depend on the order the three replies arrive in, so the
     # two runs can be compared bit for bit (float32 sums differ in the last bit, and training
     # in round 2 amplifies that)
-    config = RunConfig(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, out=str(out),
-                       federation=federation, round_timeout=60, chunk_size=CHUNK, aggregation_dtype="float64")
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, out=str(out),
+                          federation=federation, round_timeout=60, chunk_size=CHUNK, aggregation_dtype="float64")
     settings = MqttSettings(url=url)
     threads = []
     for index in range(3):

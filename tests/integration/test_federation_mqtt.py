@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 
 def run_federation(url: str, protocol: str, out, *, clients: int = 3, rounds: int = 2, **overrides):
     """Coordinator in this thread, devices in threads with their own MQTT connections."""
-    config = RunConfig(algorithm="fedavg", dataset="digits", clients=clients, rounds=rounds, out=str(out),
-                       federation="itest", round_timeout=60, registration_timeout=60, local_epochs=1, **overrides)
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=clients, rounds=rounds, out=str(out),
+                          federation="itest", round_timeout=60, registration_timeout=60, local_epochs=1, **overrides)
     settings = MqttSettings(url=url, protocol=protocol)
     stop = threading.Event()
     devices = []

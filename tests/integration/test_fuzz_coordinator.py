@@ -105,15 +105,15 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def start_coordinator(url: str, out, *, clients: int, finish: threading.Event | None = None):
-    config = RunConfig(algorithm="fedavg", dataset="digits", clients=clients, rounds=1, out=str(out),
-                       federation=FEDERATION, round_timeout=30, registration_timeout=120, local_epochs=1,
-                       min_clients=clients)
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=clients, rounds=1, out=str(out),
+                          federation=FEDERATION, round_timeout=30, registration_timeout=120, local_epochs=1,
+                          min_clients=clients)
     counter = MessageCounter()
     transport = MqttTransport(f"{FEDERATION}.coordinator", MqttSettings(url=url), counter=counter)
     transport.connect()
     # `finish` fast-forwards the coordinator's clock, ending its registration wait at once
     clock = (lambda: time.monotonic() + (1e6 if finish.is_set() else 0.0)) if finish else time.monotonic
-    coordinator = Coordinator(config, Channel(transport, TOPICS, chunk_size=config.chunk_size), clock=clock)
+    coordinator = Coordinator(config, Channel(transport, TOPICS, chunk_size=config.broker.chunk_size), clock=clock)
     thread = CoordinatorThread(coordinator)
     thread.start()
     return coordinator, thread, transport, counter

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.integration
 
 
 def accuracy(url: str, out, **settings) -> tuple[float, dict]:
-    config = RunConfig(algorithm="fedavg", dataset="digits", clients=15, rounds=5, seed=3, broker=url, workers=2,
-                       out=str(out), round_timeout=120, **settings)
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=15, rounds=5, seed=3, broker=url, workers=2,
+                          out=str(out), round_timeout=120, **settings)
     report = run_simulation(config)
     return report["final"]["personalized_accuracy"]["mean"], report
 

@@ -99,7 +99,7 @@ def test_clipped_runs_are_cached_apart_and_a_bad_norm_is_refused(accuracy):
                                   setting, 1)
     default = accuracy.run_config(accuracy.parse_args(["--holdout", "0"]), "lg_fedavg", setting, 1)
 
-    assert clipped.grad_clip_norm == 5.0 and default.grad_clip_norm == 0.0
+    assert clipped.training.grad_clip_norm == 5.0 and default.training.grad_clip_norm == 0.0
     assert clipped.fingerprint() != default.fingerprint()
     with pytest.raises(SystemExit, match="--grad-clip-norm -1.0: zero"):
         accuracy.parse_args(["--grad-clip-norm", "-1"])

@@ -28,7 +28,7 @@ def test_defaults_without_file_or_overrides():
 
     # Assert
     assert config == RunConfig()
-    assert (config.algorithm, config.rounds, config.lr, config.hyper) == ("fedavg", 5, 0.05, {})
+    assert (config.run.algorithm, config.training.rounds, config.training.lr, config.hyper) == ("fedavg", 5, 0.05, {})
 
 
 def test_toml_then_flags_then_set(tmp_path):
@@ -48,11 +48,11 @@ def test_toml_then_flags_then_set(tmp_path):
                           parse_assignments(["mu=0.5"]))
 
     # Assert
-    assert config.rounds == 9  # the flag beats the file
-    assert config.lr == 0.1  # a flag left at None does not override the file
-    assert config.local_epochs == 3  # dashed TOML keys work
-    assert config.clients == 4
-    assert config.batch_size == RunConfig().batch_size  # untouched default
+    assert config.training.rounds == 9  # the flag beats the file
+    assert config.training.lr == 0.1  # a flag left at None does not override the file
+    assert config.training.local_epochs == 3  # dashed TOML keys work
+    assert config.run.clients == 4
+    assert config.training.batch_size == RunConfig().training.batch_size  # untouched default
     assert config.hyper == {"mu": "0.5", "keep": "table"}  # --set beats the table
 
 
@@ -87,7 +87,7 @@ def test_toml_can_choose_the_algorithm(tmp_path):
     config = build_config(path, {}, {})
 
     # Assert
-    assert (config.algorithm, config.rounds, config.hyper) == ("fedper", 2, {})
+    assert (config.run.algorithm, config.training.rounds, config.hyper) == ("fedper", 2, {})
 
 
 def test_algorithm_id_next_to_its_tables(tmp_path):
@@ -105,7 +105,7 @@ def test_algorithm_id_next_to_its_tables(tmp_path):
     config = build_config(path, {}, {})
 
     # Assert
-    assert config.algorithm == "fedprox"
+    assert config.run.algorithm == "fedprox"
     assert config.hyper == {"mu": 0.25}
 
 
@@ -187,7 +187,7 @@ def test_negative_seed_is_rejected_up_front():
 
 def test_string_values_from_the_command_line_are_coerced():
     config = build_config(None, {"rounds": "3", "lr": "0.2", "data_dir": "none"}, {})
-    assert (config.rounds, config.lr, config.data_dir) == (3, 0.2, None)
+    assert (config.training.rounds, config.training.lr, config.run.data_dir) == (3, 0.2, None)
 
 
 @pytest.mark.parametrize("pair", ["lr", "=0.1", "  =x"])
@@ -232,10 +232,10 @@ def test_fingerprint_ignores_rounds_paths_and_broker_but_not_lr():
     base = RunConfig()
 
     # Execute
-    same = [dataclasses.replace(base, rounds=50), dataclasses.replace(base, out="elsewhere"),
-            dataclasses.replace(base, broker="mqtt://10.0.0.1:1883"), dataclasses.replace(base, round_timeout=5.0)]
-    different = [dataclasses.replace(base, lr=0.1), dataclasses.replace(base, seed=1),
-                 dataclasses.replace(base, algorithm="fedper"), dataclasses.replace(base, hyper={"mu": 0.1})]
+    same = [base.replace(rounds=50), base.replace(out="elsewhere"), base.replace(broker="mqtt://10.0.0.1:1883"),
+            base.replace(round_timeout=5.0)]
+    different = [base.replace(lr=0.1), base.replace(seed=1), base.replace(algorithm="fedper"),
+                 dataclasses.replace(base, hyper={"mu": 0.1})]
 
     # Assert
     assert all(c.fingerprint() == base.fingerprint() for c in same)
@@ -244,8 +244,8 @@ def test_fingerprint_ignores_rounds_paths_and_broker_but_not_lr():
 
 def test_fingerprint_resolves_the_auto_model():
     # "auto" and the model it stands for are the same run
-    auto = RunConfig(dataset="digits", model="auto")
-    assert auto.fingerprint() == RunConfig(dataset="digits", model=auto.model_name).fingerprint()
+    auto = RunConfig.of(dataset="digits", model="auto")
+    assert auto.fingerprint() == RunConfig.of(dataset="digits", model=auto.model_name).fingerprint()
 
 
 @pytest.mark.parametrize("key, value", [("upload_chunk_size", 1024), ("chunk_size", 1 << 30),
@@ -258,5 +258,6 @@ def test_bad_transfer_and_aggregation_settings_are_named(key, value):
 def test_uploads_travel_whole_and_the_coordinator_reads_under_flow_control_by_default():
     config = build_config(None, {}, {})
 
-    assert config.upload_chunk_size == MAX_CHUNK_SIZE and config.chunk_size == 1 << 20
-    assert config.coordinator_transport("mqtt://127.0.0.1:1883").incoming.max_bytes == config.flow_control_bytes > 0
+    assert config.broker.upload_chunk_size == MAX_CHUNK_SIZE and config.broker.chunk_size == 1 << 20
+    transport = config.coordinator_transport("mqtt://127.0.0.1:1883")
+    assert transport.incoming.max_bytes == config.broker.flow_control_bytes > 0

@@ -442,8 +442,8 @@ def test_a_run_needs_a_checkpoint_and_contradicting_options_are_refused_first(tm
 
 
 def tiny_run(algorithm: str, out: Path, broker_url: str, **options) -> Path:
-    run_simulation(RunConfig(algorithm=algorithm, dataset="digits", clients=3, rounds=1, out=str(out),
-                             broker=broker_url, workers=1, **options))
+    run_simulation(RunConfig.of(algorithm=algorithm, dataset="digits", clients=3, rounds=1, out=str(out),
+                                broker=broker_url, workers=1, **options))
     return out
 
 

@@ -4,14 +4,13 @@ and that adding it left the fingerprints of earlier runs (the benchmarks' run ca
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
 
 from coordinator.config import RunConfig, build_config
-from edge_sdk.algorithms.base import TrainSettings
 from edge_sdk.config import ConfigError, from_mapping
+from edge_sdk.settings import TrainSettings
 from edge_sdk.training import gradient_clipping, run_epochs
 
 
@@ -52,6 +51,6 @@ def test_the_fingerprint_changes_with_clipping_and_not_without():
     base = RunConfig()
     # the fingerprints of these configs before grad_clip_norm existed: cached runs must keep theirs
     assert base.fingerprint() == "70de55c5bbe64c40"
-    assert RunConfig(dataset="fmnist", lr=0.1, algorithm="fedrep", hyper={"momentum": 0.5}).fingerprint() == \
+    assert RunConfig.of(dataset="fmnist", lr=0.1, algorithm="fedrep", hyper={"momentum": 0.5}).fingerprint() == \
         "d6ca0ea1b48da1aa"
-    assert dataclasses.replace(base, grad_clip_norm=1.0).fingerprint() != base.fingerprint()
+    assert base.replace(grad_clip_norm=1.0).fingerprint() != base.fingerprint()

@@ -310,7 +310,7 @@ class Federation:
                         seed=0, federation=self.topics.federation, out=str(self.tmp_path / "run"),
                         round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0, device="cpu")
         settings.update(changes)
-        return RunConfig(**settings)
+        return RunConfig.of(**settings)
 
     def state_dir(self, client_id: str) -> Path:
         return self.tmp_path / "state" / client_id
@@ -335,7 +335,7 @@ class Federation:
 
         transport = self.broker.transport("coordinator")
         transport.connect()
-        return Coordinator(config, Channel(transport, self.topics, chunk_size=config.chunk_size))
+        return Coordinator(config, Channel(transport, self.topics, chunk_size=config.broker.chunk_size))
 
     def spy(self, kind: Kind) -> Channel:
         """A bystander that decodes (and reassembles) every upstream message of `kind`."""
@@ -397,7 +397,7 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
     assert report["rounds_completed"] == 2
     assert [r["outcome"] for r in report["rounds"]] == ["complete", "complete"]
     assert [r["participants"] for r in report["rounds"]] == [3, 3]
-    assert _metrics_rounds(Path(config.out)) == [1, 2]
+    assert _metrics_rounds(Path(config.run.out)) == [1, 2]
     assert sorted(report["final"]["per_client"]) == devices
     assert report["rejections"] == {}
     assert federation.devices_exit(), "devices should leave on the retained 'finished' status"
@@ -445,7 +445,7 @@ def test_a_device_killed_mid_round_is_not_waited_for(federation):
     assert (rounds[0]["selected"], rounds[0]["participants"], rounds[0]["outcome"]) == (3, 2, "complete")
     assert (rounds[1]["selected"], rounds[1]["participants"], rounds[1]["outcome"]) == (2, 2, "complete")
     assert victim not in result["final"]["per_client"]
-    assert rounds[0]["seconds"] < config.quorum_grace  # closed by the Last Will, not by the grace period
+    assert rounds[0]["seconds"] < config.round.quorum_grace  # closed by the Last Will, not by the grace period
 
 
 def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
@@ -464,7 +464,7 @@ def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
     rounds = report["rounds"]
     assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 2, "complete")] * 2
     assert [r["rejections"] for r in rounds] == [{"non_finite": 1}] * 2
-    assert all(r["seconds"] < config.round_timeout for r in rounds)
+    assert all(r["seconds"] < config.round.round_timeout for r in rounds)
     assert report["final"]["per_client"]["dev000"]["accuracy"] > 0.5, "the NaN upload leaked into the model"
 
 
@@ -481,7 +481,7 @@ def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(fed
     # Assert: every update was rejected without waiting, and no device stored its diverged state
     rounds = report["rounds"]
     assert [(r["outcome"], r["rejections"]) for r in rounds] == [("aborted", {"non_finite": 3})] * 2
-    assert all(r["seconds"] < config.round_timeout for r in rounds)
+    assert all(r["seconds"] < config.round.round_timeout for r in rounds)
     assert "training diverged in round 1" in caplog.text
     for device in devices:
         assert PersonalStore(federation.state_dir(device)).load() is None, f"{device} saved a diverged state"
@@ -565,5 +565,5 @@ def test_resume_continues_the_same_run(federation):
     assert report2["rounds_completed"] == 3
     assert [r["round"] for r in report2["rounds"]] == [1, 2, 3]
     assert report2["rounds"][2]["outcome"] == "complete"
-    assert _metrics_rounds(Path(second.config.out)) == [1, 2, 3]
+    assert _metrics_rounds(Path(second.config.run.out)) == [1, 2, 3]
     assert federation.devices_exit()

@@ -1,0 +1,129 @@
+"""The coordinator's settings sections: what a run is, how its rounds go, how it is simulated.
+
+Together with `edge_sdk.settings.TrainSettings` (training), `edge_sdk.settings.BrokerSettings`
+(broker) and `coordinator.robust.AggregationSettings` (aggregation) they make up a RunConfig.
+Each field is declared once with `setting(...)`; flags, TOML keys and the fingerprint follow.
+Only light modules are imported, so `edgepfl --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from edge_sdk.config import ConfigError
+from edge_sdk.settings import ALL_COMMANDS, DEFINES, DEFINES_IF_SET, RUN_COMMANDS, check, setting
+
+DEFAULT_DATASET = "digits"
+"""The dataset of a run that names neither `dataset` nor `data`."""
+HEADS = ("svm", "lr", "mlp", "ncm")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the run is: the algorithm, the data and how it is split among the devices (`[run]`)."""
+
+    commands: ClassVar[tuple[str, ...]] = RUN_COMMANDS
+
+    algorithm: str = setting("fedavg", defines=DEFINES, help="algorithm id (fedavg, fedrep, repper, ...)")
+    dataset: str | None = setting(None, defines=DEFINES, commands=ALL_COMMANDS,
+                                  shown_default=f"{DEFAULT_DATASET} unless --data is given",
+                                  help="a built-in dataset: digits | fmnist | mnist | cifar10 | cifar100")
+    data: str | None = setting(None, defines=DEFINES_IF_SET, commands=ALL_COMMANDS,
+                               help="your own data instead of --dataset: an .npz with x and y, a .csv with a label "
+                                    "column or an ImageFolder directory")
+    data_dir: str | None = setting(None, commands=ALL_COMMANDS,
+                                   shown_default="system locations, then a download",
+                                   help="where the built-in datasets' files are")
+    partition: str = setting("iid", defines=DEFINES, commands=ALL_COMMANDS,
+                             help="iid | dirichlet | shards | domains")
+    alpha: float = setting(0.5, defines=DEFINES, commands=ALL_COMMANDS,
+                           help="Dirichlet concentration (partition=dirichlet)")
+    classes_per_client: int = setting(2, defines=DEFINES, commands=ALL_COMMANDS,
+                                      help="classes per device (partition=shards)")
+    clients: int = setting(10, defines=DEFINES, commands=ALL_COMMANDS,
+                           help="number of devices (devices: number of partitions of --dataset)")
+    release: bool = setting(False, help="export and publish the global body after training (RepPer always does; "
+                                        "algorithms that keep BatchNorm statistics personal first pool the global "
+                                        "body's from the trainers; refused for a personal body: local, lg_fedavg)")
+    out: str = setting("runs/latest", help="output folder (report.json, metrics.jsonl, curves.png, checkpoint)")
+
+    def __post_init__(self) -> None:
+        if self.dataset is not None and self.data is not None:
+            raise ConfigError(f"give either dataset ({self.dataset!r}) or data ({self.data!r}), not both")
+        if self.dataset is None and self.data is None:
+            object.__setattr__(self, "dataset", DEFAULT_DATASET)
+        check(self.alpha > 0, "alpha", "positive", self.alpha)
+        check(self.clients >= 1, "clients", "at least 1", self.clients)
+
+    def client_data(self, index: int | None, seed: int):
+        """Device `index`'s partition of `dataset`, or (no index) a device's own `data` file.
+
+        A partition of a user's `data` file needs `edge_sdk.data.load_client_data(..., data=...)`
+        of piece h-task, which the merge wires in here.
+        """
+        from edge_sdk.data import load_client_data, load_folder_data
+
+        if index is None:
+            if self.data is None:
+                raise ConfigError("give index (a partition of dataset) or data (the device's own data)")
+            return load_folder_data(self.data, seed=seed)
+        if self.dataset is None:
+            raise ConfigError("partitions of a data file need edge_sdk.data.load_client_data(data=...)")
+        return load_client_data(self.dataset, num_clients=self.clients, index=index, partition=self.partition,
+                                seed=seed, alpha=self.alpha, classes_per_client=self.classes_per_client,
+                                data_dir=self.data_dir)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """How each round goes: who is selected, how long it waits, what it accepts (`[round]`)."""
+
+    commands: ClassVar[tuple[str, ...]] = RUN_COMMANDS
+
+    fraction: float = setting(1.0, defines=DEFINES, help="fraction of devices selected per round")
+    eval_every: int = setting(1, help="evaluate every N rounds (and after the last)")
+    round_timeout: float = setting(120.0, help="seconds before a round closes with the replies it has")
+    min_clients: int = setting(1, help="quorum: replies needed to aggregate a round")
+    holdout_clients: int = setting(0, defines=DEFINES,
+                                   help="devices never selected for training (they only personalize at evaluation)")
+    quorum_grace: float = setting(10.0, help="seconds to wait for stragglers once the quorum replied")
+    registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
+    max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
+    max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
+
+    def __post_init__(self) -> None:
+        check(0 < self.fraction <= 1, "fraction", "in (0, 1]", self.fraction)
+        check(self.eval_every >= 1, "eval_every", "at least 1", self.eval_every)
+        check(self.round_timeout > 0, "round_timeout", "positive", self.round_timeout)
+        check(self.min_clients >= 1, "min_clients", "at least 1", self.min_clients)
+        check(self.holdout_clients >= 0, "holdout_clients", "zero or more and fewer than clients", self.holdout_clients)
+        check(self.quorum_grace >= 0, "quorum_grace", "zero or more", self.quorum_grace)
+        check(self.max_examples >= 1, "max_examples", "at least 1", self.max_examples)
+        check(self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive", self.max_update_norm)
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """How `edgepfl simulate` hosts the devices: processes, accelerator, weak and adversarial
+    devices (`[simulation]`)."""
+
+    commands: ClassVar[tuple[str, ...]] = ("simulate",)
+
+    workers: int = setting(0, shown_default="one per core", help="device worker processes (0: one per core)")
+    device: str = setting("auto", commands=("simulate", "client"),
+                          help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
+    amp: bool = setting(False, commands=("simulate", "client"), help="automatic mixed precision on CUDA devices")
+    lite_fraction: float = setting(0.0, defines=DEFINES,
+                                   help="this share of the devices are weak ones (ONNX Runtime + a numpy head)")
+    head: str = setting("svm", defines=DEFINES, commands=("simulate", "lite-client"),
+                        help="svm | lr | mlp | ncm: the weak devices' personal head")
+    adversaries: int = setting(0, defines=DEFINES,
+                               help="this many devices corrupt their uploads (robustness experiments)")
+    attack: str = setting("sign_flip", defines=DEFINES, help="sign_flip | noise | nan | mixed (what adversaries do)")
+
+    def __post_init__(self) -> None:
+        check(self.workers >= 0, "workers", "zero (one per core) or more", self.workers)
+        check(0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)", self.lite_fraction)
+        check(self.head in HEADS, "head", "svm, lr, mlp or ncm", self.head)
+        check(self.adversaries >= 0, "adversaries", "between 0 and clients", self.adversaries)

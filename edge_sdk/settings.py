@@ -1,0 +1,219 @@
+"""Settings declared once: typed sections whose fields say their help, flag and role.
+
+A section is a dataclass; each field is made with `setting(...)`, which records its help text,
+its key (the TOML key and, dashed, the command-line flag) when that differs from the field
+name, whether it defines a run's results (and so its fingerprint), and which `edgepfl`
+commands take it. The command line, the TOML reader, the README's flag table, WELCOME and the
+run fingerprint are all derived from these declarations.
+
+The two sections both sides of the wire need live here: `TrainSettings` (what the coordinator
+announces in WELCOME and every device trains with) and `BrokerSettings` (how any process
+connects). Only the standard library is imported, so building a parser stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
+from .config import ConfigError
+
+RUN_COMMANDS = ("simulate", "coordinator")
+"""The commands that run a federation (and so build a RunConfig)."""
+DEVICE_COMMANDS = ("client", "lite-client")
+ALL_COMMANDS = RUN_COMMANDS + DEVICE_COMMANDS
+
+DEFINES = "always"
+DEFINES_IF_SET = "if_set"
+"""A setting added after runs were cached: it defines a run only when set (truthy), so runs made
+before it existed keep their fingerprint."""
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """What a field of a settings section declares besides its type and default."""
+
+    help: str
+    key: str | None = None
+    """The TOML key (`_`) and flag (`--` + dashed) when not the field name."""
+    defines: str | None = None
+    """DEFINES, DEFINES_IF_SET or None: whether the setting defines the run's results."""
+    commands: tuple[str, ...] | None = None
+    """The commands that take it as a flag; None: the section's `commands`."""
+    shown_default: str | None = None
+    """How `--help` shows the default when the value itself would mislead (e.g. None)."""
+
+
+def setting(default: Any, *, help: str, key: str | None = None, defines: str | None = None,
+            commands: tuple[str, ...] | None = None, shown_default: str | None = None) -> Any:
+    """A dataclass field with `default`, carrying its `SettingInfo` (see the module docstring)."""
+    info = SettingInfo(help, key, defines, commands, shown_default)
+    return dataclasses.field(default=default, metadata={"setting": info})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting of a section, as the CLI, TOML and fingerprint see it."""
+
+    field: dataclasses.Field
+    info: SettingInfo
+    commands: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The attribute of the section."""
+        return self.field.name
+
+    @property
+    def key(self) -> str:
+        """The flat key: TOML key, fingerprint key and (dashed) flag."""
+        return self.info.key or self.field.name
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag."""
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def shown_default(self) -> str:
+        """The default as `--help` and the README show it."""
+        if self.info.shown_default is not None:
+            return self.info.shown_default
+        default = self.field.default
+        if isinstance(default, bool):
+            return "on" if default else "off"
+        return "none" if default is None else str(default)
+
+
+def settings_of(section: type) -> Iterator[Setting]:
+    """The declared settings of a section class, in declaration order."""
+    commands = getattr(section, "commands", RUN_COMMANDS)
+    for f in dataclasses.fields(section):
+        info = f.metadata.get("setting")
+        if info is not None:
+            yield Setting(f, info, info.commands if info.commands is not None else commands)
+
+
+def check(ok: bool, key: str, what: str, value: Any) -> None:
+    """Raise a ValueError naming `key` unless `ok` (readers of a file or flags turn it into a
+    ConfigError, with where the value came from when that helps)."""
+    if not ok:
+        raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
+_MODEL_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
+"""A built-in name (`cnn8`, `auto`) or an import path `package.module:attribute`."""
+
+
+def check_model_spec(spec: str) -> None:
+    """Refuse a `model` that is neither a name nor `package.module:attribute` (syntax only: whether
+    it resolves is `edge_sdk.models.resolve_factory`'s business)."""
+    dotted_without_attribute = "." in spec and ":" not in spec
+    check(isinstance(spec, str) and bool(_MODEL_SPEC.match(spec)) and not dotted_without_attribute, "model",
+          "auto, a built-in model name or an import path package.module:factory", spec)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The run's training settings: the `[training]` section, announced by the coordinator in
+    WELCOME and used as is by every trainer device."""
+
+    commands: ClassVar[tuple[str, ...]] = RUN_COMMANDS
+
+    model: str = setting("auto", defines=DEFINES,
+                         help="auto (the task's default), a built-in name (cnn8, cnn8_wide, cnn28, cnn32, resnet18, "
+                              "mobilenet_v3_small) or an import path package.module:factory")
+    rounds: int = setting(5, help="federated rounds")
+    local_epochs: int = setting(2, defines=DEFINES, help="local epochs per round")
+    batch_size: int = setting(32, defines=DEFINES, help="local batch size")
+    lr: float = setting(0.05, defines=DEFINES,
+                        help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise)")
+    seed: int = setting(0, defines=DEFINES, commands=ALL_COMMANDS,
+                        help="the run's seed (selection, partition, initialization)")
+    upload_codec: str = setting("fp32", defines=DEFINES,
+                                help="fp32 | fp16 | int8: devices send their change from the broadcast in full, "
+                                     "half or a quarter of the bytes")
+    grad_clip_norm: float = setting(0.0, defines=DEFINES_IF_SET,
+                                    help="devices scale each local step's gradients to at most this L2 norm "
+                                         "(0: off); announced in WELCOME, so every trainer clips alike")
+
+    def __post_init__(self) -> None:
+        check_model_spec(self.model)
+        check(self.rounds >= 1, "rounds", "at least 1", self.rounds)
+        check(self.local_epochs >= 1, "local_epochs", "at least 1", self.local_epochs)
+        check(self.batch_size >= 1, "batch_size", "at least 1", self.batch_size)
+        check(self.lr > 0, "lr", "positive", self.lr)
+        check(self.seed >= 0, "seed", "zero or more", self.seed)
+        check(math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm",
+              "zero (off) or a positive finite norm", self.grad_clip_norm)
+
+
+MQTT_PROTOCOLS = ("auto", "5", "3.1.1")
+DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """How a process reaches the federation: the `[broker]` section, the same flags on every command."""
+
+    commands: ClassVar[tuple[str, ...]] = ALL_COMMANDS
+
+    broker: str | None = setting(None, help="mqtt://host:port or mqtts://host:port of the broker",
+                                 shown_default=f"simulate: an embedded amqtt broker; others: {DEFAULT_BROKER}")
+    federation: str = setting("default", help="federation name (topic namespace)")
+    mqtt_protocol: str = setting("auto", help="MQTT version: auto | 5 | 3.1.1")
+    username: str | None = setting(None, help="MQTT username")
+    password: str | None = setting(None, help="MQTT password")
+    ca_file: str | None = setting(None, help="CA certificate for TLS (mqtts://)")
+    cert_file: str | None = setting(None, help="client certificate for mutual TLS")
+    key_file: str | None = setting(None, help="client key for mutual TLS")
+    credentials: str | None = setting(None, help="credentials.json from `edgepfl broker-config` (coordinator and "
+                                                 "device accounts)")
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, commands=RUN_COMMANDS,
+                              help="largest message the coordinator publishes whole, in bytes (16 KiB to 64 MiB, "
+                                   "e.g. 131072 for cloud brokers); larger ones are chunked")
+    upload_chunk_size: int = setting(DEFAULT_UPLOAD_CHUNK_SIZE, commands=("simulate",),
+                                     help="the same for the simulated devices' uploads (an update is one message)")
+    flow_control_bytes: int = setting(1 << 20, commands=RUN_COMMANDS,
+                                      help="the coordinator stops reading from the broker while it holds this many "
+                                           "bytes of received messages (0: off)")
+
+    def __post_init__(self) -> None:
+        check(self.mqtt_protocol in MQTT_PROTOCOLS, "mqtt_protocol", "auto, 5 or 3.1.1", self.mqtt_protocol)
+        check(self.flow_control_bytes >= 0, "flow_control_bytes", "zero (off) or more", self.flow_control_bytes)
+        try:
+            check_chunk_size(self.chunk_size)
+            check_chunk_size(self.upload_chunk_size, "upload_chunk_size")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def mqtt_settings(self, account: str, url: str | None = None):
+        """How `account` ("coordinator" or a device id) connects to `url` (default: `broker`, else
+        the local default): explicit username/password, else `account` in `credentials`."""
+        from .transport import MqttSettings
+
+        username, password = self.username, self.password
+        if username is None and self.credentials:
+            username, password = load_credentials(self.credentials, account)
+        return MqttSettings(url=url or self.broker or DEFAULT_BROKER, username=username, password=password,
+                            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+                            protocol=self.mqtt_protocol)
+
+
+def load_credentials(path: str, account: str) -> tuple[str, str]:
+    """(username, password) of `account` ("coordinator" or a device id) in a credentials.json
+    as written by `edgepfl broker-config`."""
+    try:
+        document = json.loads(Path(path).read_text())
+        entry = document["coordinator"] if account == "coordinator" else document["devices"][account]
+        return entry["username"], entry["password"]
+    except FileNotFoundError:
+        raise ConfigError(f"credentials file {path} does not exist") from None
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise ConfigError(f"credentials file {path} has no entry for {account!r}") from None
