@@ -188,13 +188,11 @@ def load_body(view: RunView, client_id: str):
     import torch
 
     from coordinator.checkpoint import load as load_checkpoint
-    from edge_sdk.data import DATASETS
     from edge_sdk.models import build_body
     from edge_sdk.store import PersonalStore
 
     config = view.config
-    meta = DATASETS[config.run.dataset]
-    body, _ = build_body(config.model_name, in_channels=meta.channels, image_size=meta.image_size)
+    body, _ = build_body(config.model_name, config.task())
     if config.run.algorithm in PERSONAL_BODY:
         state = PersonalStore(view.out / "state" / client_id).load()
         if state is None:
@@ -249,7 +247,7 @@ def fit_heads(view: RunView, client_ids: list[str], kinds: dict[str, str]) -> di
         for name, kind in kinds.items():
             if name in done:
                 continue
-            head = fit_lite_head(kind, train_f, data.train_y, data.meta.num_classes, hidden=HEAD_HIDDEN,
+            head = fit_lite_head(kind, train_f, data.train_y, data.task.num_classes, hidden=HEAD_HIDDEN,
                                  seed=config.training.seed * 1000 + index)
             done[name] = float((head.predict(test_f) == data.test_y).mean()) if len(data.test_y) else float("nan")
         cache[key] = done

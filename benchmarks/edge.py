@@ -37,7 +37,7 @@ from threadpoolctl import threadpool_limits
 from torch import nn
 
 from _machine import machine_info
-from edge_sdk.data import DATASETS, load_dataset
+from edge_sdk.data import load_dataset
 from edge_sdk.lite.heads import HEADS, fit_head
 from edge_sdk.models import build_model
 from edge_sdk.training import recalibrate_batchnorm
@@ -101,16 +101,15 @@ def probe(train: np.ndarray, y_train: np.ndarray, tests: dict[str, np.ndarray], 
 def measure_model(name: str, dataset: str, args, workdir: Path) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
     """The model's row of the table, and its fp32 features and labels of the probe's training images."""
     data = load_dataset(dataset)
-    meta = DATASETS[dataset]
+    task = data.task
     rng = np.random.default_rng(0)
     order = rng.permutation(len(data.y))
     n_probe = min(2000, len(order) // 4)
     train_idx, probe_train, probe_test = (order[:args.train_examples], order[-2 * n_probe:-n_probe], order[-n_probe:])
-    model = build_model(name, in_channels=meta.channels, num_classes=meta.num_classes, image_size=meta.image_size,
-                        seed=0)
+    model = build_model(name, task, seed=0)
     train_briefly(model, data.x[train_idx], data.y[train_idx], args.epochs)
     body = model.body.eval()
-    shape = (meta.channels, meta.image_size, meta.image_size)
+    shape = task.input_shape
     fp32 = export_module(body, shape, workdir / f"{name}.onnx", metadata={"model": name, "dataset": dataset},
                          check_inputs=data.x[probe_test[:256]])
     int8 = quantize_int8(fp32.path, workdir / f"{name}.int8.onnx", data.x[train_idx[:256]])

@@ -61,17 +61,19 @@ class RunConfig:
     """The algorithm's hyperparameters (`[algorithm.<id>]` and `--set`)."""
     declared_task: dict[str, Any] | None = None
     """The `[task]` table: kind, input_shape, class_names, mean, std of a user's data."""
+    _task: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from edge_sdk.algorithms import ALGORITHM_IDS
         from edge_sdk.attacks import ATTACKS
         from edge_sdk.codecs import CODECS
-        from edge_sdk.data import DATASETS, PARTITIONS
+        from edge_sdk.data import BUILTIN_TASKS, PARTITIONS
 
         run, simulation = self.run, self.simulation
         checks = [
             (run.algorithm in ALGORITHM_IDS, "algorithm", run.algorithm, f"one of {', '.join(ALGORITHM_IDS)}"),
-            (run.dataset is None or run.dataset in DATASETS, "dataset", run.dataset, f"one of {', '.join(DATASETS)}"),
+            (run.dataset is None or run.dataset in BUILTIN_TASKS, "dataset", run.dataset,
+             f"one of {', '.join(BUILTIN_TASKS)}"),
             (run.partition in PARTITIONS, "partition", run.partition, f"one of {', '.join(PARTITIONS)}"),
             (self.training.upload_codec in CODECS, "upload_codec", self.training.upload_codec,
              f"one of {', '.join(CODECS)}"),
@@ -113,16 +115,16 @@ class RunConfig:
         return flat
 
     def task(self):
-        """The run's task (contract 1: `edge_sdk.data.resolve_task(dataset, data, data_dir, declared)`).
+        """The run's task: the built-in dataset's, or inferred from the `data` file, with what the
+        `[task]` table declares; resolved once (a data file is read to infer it)."""
+        if self._task is None:
+            from edge_sdk.data import resolve_task
 
-        This branch knows the built-in datasets only; `data` and `declared_task` need the task
-        resolution of piece h-task, which replaces this body at merge.
-        """
-        from edge_sdk.data import DATASETS
-
-        if self.run.data is not None or self.declared_task is not None:
-            raise ConfigError("data and [task] need edge_sdk.data.resolve_task, not available in this build")
-        return DATASETS[self.run.dataset]
+            try:
+                self._task = resolve_task(self.run.dataset, self.run.data, self.run.data_dir, self.declared_task)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        return self._task
 
     @property
     def model_name(self) -> str:
@@ -130,7 +132,7 @@ class RunConfig:
         from edge_sdk.models import default_model_for
 
         model = self.training.model
-        return default_model_for(self.task().image_size) if model == "auto" else model
+        return default_model_for(self.task()) if model == "auto" else model
 
     def welcome_settings(self) -> dict[str, Any]:
         """The training section as devices receive it in WELCOME: the model resolved, and

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk.models import ModelSpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from .representation import representation, run_samples
@@ -52,14 +53,14 @@ class Release:
 
 
 def export_release(run_dir: Path, state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *, run_id: str,
-                   round_: int, statistics: ArrayGroup | None = None) -> Release:
+                   round_: int, statistics: ArrayGroup | None = None, model: ModelSpec | None = None) -> Release:
     """Export the run's global body, from the global `state` and pooled `statistics` (`body.*`
     BatchNorm buffers) held in memory, to run_dir/release/representation.onnx (fp32, parity
     checked on CHECK_SAMPLES real samples of the run's data). `config` is the run's
-    configuration as its checkpoint records it."""
+    configuration as its checkpoint records it; `model` the run's model spec or factory."""
     from export import export_body
 
-    loaded = representation(state, config, run_id=run_id, round_=round_, statistics=statistics)
+    loaded = representation(state, config, run_id=run_id, round_=round_, statistics=statistics, model=model)
     samples, _ = run_samples(config, None, CHECK_SAMPLES)
     path = run_dir / "release" / "representation.onnx"
     summary = export_body(loaded.body, loaded.input_shape, path, metadata=loaded.metadata, samples=samples,

@@ -26,9 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_sdk.data import DATASETS, load_dataset
-from edge_sdk.data.task import TaskSpec
-from edge_sdk.models import build_body, default_model_for, statistics_keys
+from edge_sdk.data import Dataset, TaskSpec, load_dataset, load_user_dataset, resolve_task
+from edge_sdk.models import ModelSpec, build_body, default_model_for, describe, statistics_keys
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.store import write_atomic
 
@@ -55,20 +54,36 @@ class Representation:
     metadata: dict[str, Any]
 
 
-def build_run_body(config: Mapping[str, Any]) -> Representation:
-    """A fresh body of the run's model for the run's task (the run's configuration as its
-    checkpoint records it)."""
-    if "dataset" not in config:
-        raise RepresentationError("the run's configuration names no dataset: its task is unknown")
-    meta = DATASETS[config["dataset"]]
-    model = config.get("model", "auto")
-    model = default_model_for(meta.image_size) if model == "auto" else model
-    body, _ = build_body(model, in_channels=meta.channels, image_size=meta.image_size)
-    shape = (meta.channels, meta.image_size, meta.image_size)
-    task = TaskSpec(meta.name, "image", shape, meta.num_classes, meta.class_names, meta.mean, meta.std)
-    metadata = {"task": task.to_plain(), "normalization": {"mean": list(meta.mean), "std": list(meta.std)},
-                "class_names": list(meta.class_names), "dataset": meta.name, "model": model}
-    return Representation(body, shape, metadata)
+def run_task(config: Mapping[str, Any]) -> TaskSpec:
+    """The run's task: as the configuration records it (`task`), else resolved from its dataset,
+    data file and declared `[task]` table."""
+    if "task" in config:
+        return TaskSpec.from_plain(config["task"])
+    try:
+        return resolve_task(config.get("dataset"), config.get("data"), config.get("data_dir"),
+                            config.get("declared_task"))
+    except ValueError as exc:
+        raise RepresentationError(f"the run's task is unknown: {exc}") from None
+
+
+def build_run_body(config: Mapping[str, Any], model: ModelSpec | None = None) -> Representation:
+    """A fresh body of the run's model (`model`, else the configuration's `model`) for the run's
+    task (the run's configuration as its checkpoint records it)."""
+    task = run_task(config)
+    spec = model if model is not None else config.get("model", "auto")
+    spec = default_model_for(task) if spec == "auto" else spec
+    body, _ = build_body(spec, task)
+    metadata = {"task": task.to_plain(), "normalization": {"mean": list(task.mean), "std": list(task.std)},
+                "class_names": list(task.class_names), "dataset": task.name, "model": describe(spec)}
+    return Representation(body, task.input_shape, metadata)
+
+
+def _run_pool(config: Mapping[str, Any], data_dir: str | None) -> Dataset:
+    """The normalized pool of the run's data: its built-in dataset or its data file."""
+    if config.get("dataset"):
+        return load_dataset(config["dataset"], data_dir if data_dir is not None else config.get("data_dir"))
+    label_column = (config.get("declared_task") or {}).get("label_column")
+    return load_user_dataset(config["data"], run_task(config), label_column=label_column)
 
 
 def run_samples(config: Mapping[str, Any], data_dir: str | None, count: int,
@@ -76,7 +91,7 @@ def run_samples(config: Mapping[str, Any], data_dir: str | None, count: int,
     """`count` real normalized samples of the run's data (an order seeded by the run's seed) for
     parity checks and calibration, and up to `held_out` other labelled ones; `data_dir`
     defaults to the run's."""
-    pool = load_dataset(config["dataset"], data_dir if data_dir is not None else config.get("data_dir"))
+    pool = _run_pool(config, data_dir)
     order = np.random.default_rng(int(config.get("seed", 0))).permutation(len(pool.y))
     rest = order[count:count + held_out]
     return pool.x[order[:count]], (pool.x[rest], pool.y[rest])
@@ -122,23 +137,24 @@ def _missing_statistics(body: nn.Module, arrays: Mapping[str, np.ndarray], confi
 
 
 def body_statistics_needed(state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *,
-                           run_id: str) -> dict[str, tuple[int, ...]]:
+                           run_id: str, model: ModelSpec | None = None) -> dict[str, tuple[int, ...]]:
     """The body's BatchNorm statistics (`body.*` keys and shapes) that a release needs from the
     devices: empty when the global state holds them (RepPer). Raises RepresentationError when
     the body is not global at all."""
-    body = build_run_body(config).body
+    body = build_run_body(config, model).body
     missing = _missing_statistics(body, _body_arrays(state), config, run_id, allowed=True)
     shapes = body.state_dict()
     return {f"{_PREFIX}{key}": tuple(shapes[key].shape) for key in sorted(missing)}
 
 
 def representation(state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *, run_id: str, round_: int,
-                   statistics: Mapping[str, np.ndarray] | None = None, part: str = "body") -> Representation:
+                   statistics: Mapping[str, np.ndarray] | None = None, part: str = "body",
+                   model: ModelSpec | None = None) -> Representation:
     """The run's global `part` (only "body" for now) built from the global `state` arrays and
     the pooled `statistics` (`body.*` keys), weights loaded, in eval mode."""
     if part not in PARTS:
         raise ValueError(f"cannot export part {part!r}; exportable parts: {', '.join(PARTS)}")
-    run = build_run_body(config)
+    run = build_run_body(config, model)
     arrays = {**_stripped(statistics or {}), **_body_arrays(state)}
     _missing_statistics(run.body, arrays, config, run_id, allowed=False)
     expected = set(run.body.state_dict())

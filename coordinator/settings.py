@@ -56,23 +56,18 @@ class RunSettings:
         check(self.alpha > 0, "alpha", "positive", self.alpha)
         check(self.clients >= 1, "clients", "at least 1", self.clients)
 
-    def client_data(self, index: int | None, seed: int):
-        """Device `index`'s partition of `dataset`, or (no index) a device's own `data` file.
-
-        A partition of a user's `data` file needs `edge_sdk.data.load_client_data(..., data=...)`
-        of piece h-task, which the merge wires in here.
-        """
+    def client_data(self, index: int | None, seed: int, declared: dict | None = None):
+        """Device `index`'s partition of `dataset` or of the `data` file, or (no index) a device's
+        own `data` file; `declared` is the run's `[task]` table."""
         from edge_sdk.data import load_client_data, load_folder_data
 
         if index is None:
             if self.data is None:
                 raise ConfigError("give index (a partition of dataset) or data (the device's own data)")
-            return load_folder_data(self.data, seed=seed)
-        if self.dataset is None:
-            raise ConfigError("partitions of a data file need edge_sdk.data.load_client_data(data=...)")
-        return load_client_data(self.dataset, num_clients=self.clients, index=index, partition=self.partition,
-                                seed=seed, alpha=self.alpha, classes_per_client=self.classes_per_client,
-                                data_dir=self.data_dir)
+            return load_folder_data(self.data, seed=seed, declared=declared)
+        return load_client_data(self.dataset, data=self.data, num_clients=self.clients, index=index,
+                                partition=self.partition, seed=seed, alpha=self.alpha,
+                                classes_per_client=self.classes_per_client, data_dir=self.data_dir, declared=declared)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class WorkerSpec:
     training: TrainSettings
     broker: BrokerSettings
     simulation: SimulationSettings
+    declared_task: dict | None
     attacks: dict[int, str | None]
     lite_heads: dict[int, str]  # weak devices: index -> head kind
     state_root: str
@@ -51,7 +52,7 @@ class WorkerSpec:
         """The spec of a worker hosting devices `indices` of `config`'s run, reaching the broker at `url`."""
         first_lite = config.run.clients - config.lite_devices
         return cls(indices, {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices},
-                   config.run, config.training, config.broker, config.simulation,
+                   config.run, config.training, config.broker, config.simulation, config.declared_task,
                    {i: config.attack_of(i) for i in indices},
                    {i: config.simulation.head for i in indices if i >= first_lite},
                    str(Path(config.run.out) / "state"), str(Path(config.run.out) / "models"),
@@ -73,7 +74,7 @@ def _worker_main(spec: WorkerSpec) -> None:
     lock = threading.Lock()
     threads = []
     for index in spec.indices:
-        data = spec.run.client_data(index, spec.training.seed)
+        data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
         client_id = client_id_for(index)
         session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
                    "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.broker.upload_chunk_size}

@@ -51,12 +51,12 @@ def test_weak_device_example_personalizes_a_released_body_without_torch(tmp_path
     # Prepare: a body exported as the server would, and a device's own images as an .npz
     from sklearn.datasets import load_digits
 
-    from edge_sdk.data import DATASETS
+    from edge_sdk.data import BUILTIN_TASKS
     from edge_sdk.models import build_body
     from export.onnx_export import export_module
 
-    meta = DATASETS["digits"]
-    body, feature_dim = build_body("cnn8", in_channels=1, image_size=8)
+    meta = BUILTIN_TASKS["digits"]
+    body, feature_dim = build_body("cnn8", meta)
     export_module(body.eval(), (1, 8, 8), tmp_path / "body.onnx",
                   metadata={"input_shape": [1, 8, 8], "normalization": {"mean": list(meta.mean), "std": list(meta.std)},
                             "feature_dim": feature_dim, "class_names": list(meta.class_names)})

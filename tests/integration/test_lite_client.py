@@ -80,7 +80,7 @@ def representation(tmp_path_factory) -> bytes:
 
     task = BUILTIN_TASKS["digits"]
     torch.manual_seed(0)
-    body, feature_dim = build_body("cnn8", in_channels=task.channels, image_size=task.input_shape[-1])
+    body, feature_dim = build_body("cnn8", task)
     metadata = {"input_shape": list(task.input_shape),
                 "normalization": {"mean": list(task.mean), "std": list(task.std)}, "feature_dim": feature_dim,
                 "class_names": list(task.class_names), "algorithm": "repper", "run_id": RUN, "round": 3,

@@ -18,8 +18,9 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from edge_sdk import wire
+from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
-from edge_sdk.algorithms.base import DeviceAlgorithm, Task, TrainSettings
+from edge_sdk.algorithms.base import DeviceAlgorithm, Task
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import ClientData

@@ -10,9 +10,9 @@ from torch import nn
 import user_models
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
+from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
-from edge_sdk.algorithms.base import TrainSettings
 from edge_sdk.data import ClientData
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.models import ModelCapabilityError, build_model, check_capabilities, split

@@ -13,7 +13,8 @@ from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.cd2_pfed import CD2PFedServer
 from edge_sdk import wire
-from edge_sdk.algorithms.base import Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.cd2_pfed import (
     CD2PFedDevice,
     Hyper,

@@ -52,7 +52,7 @@ class Setup:
         pool = load_dataset("digits")
         self.x, self.y = np.array(pool.x), np.array(pool.y)
         torch.manual_seed(0)
-        body, self.dim = build_body("cnn8", in_channels=1, image_size=8)
+        body, self.dim = build_body("cnn8", pool.task)
         recalibrate_batchnorm(body, torch.from_numpy(self.x[:512]))
         self.body = body.eval()
         with torch.no_grad():

@@ -9,7 +9,8 @@ import torch
 from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms import load as load_server
-from edge_sdk.algorithms.base import NoHyper, Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import NoHyper, Task
 from edge_sdk.algorithms.fedavg import FedAvgDevice
 from edge_sdk.training import mixed_precision, pick_device
 

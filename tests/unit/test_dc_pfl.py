@@ -14,7 +14,8 @@ from coordinator.aggregate import pool_class_stats
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dc_pfl import DcPflServer, sample_virtual_features, virtual_counts
 from edge_sdk import wire
-from edge_sdk.algorithms.base import Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.dc_pfl import (
     GLOBAL_MEANS,
     STATS,

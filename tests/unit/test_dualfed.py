@@ -18,7 +18,8 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dualfed import DualFedServer
 from edge_sdk import wire
-from edge_sdk.algorithms.base import Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.dualfed import DualFedDevice, Hyper, ensemble
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.models import statistics_keys

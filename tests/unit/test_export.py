@@ -13,6 +13,7 @@ coordinator, and `edge_sdk/` imports neither.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -34,7 +35,7 @@ from coordinator.export_command import export_run, load_representation
 from coordinator.representation import RepresentationError
 from coordinator.simulate import run_simulation
 from edge_sdk.config import ConfigError
-from edge_sdk.data import load_client_data, load_dataset
+from edge_sdk.data import BUILTIN_TASKS, load_client_data, load_dataset
 from edge_sdk.models import build_body, statistics_keys
 from edge_sdk.training import recalibrate_batchnorm
 from export import (
@@ -69,7 +70,7 @@ def digits_at(size: int) -> np.ndarray:
 def body_with_statistics(name: str, x: np.ndarray) -> nn.Module:
     """A seeded body whose BatchNorm statistics come from real images, in eval mode."""
     torch.manual_seed(0)
-    body, _ = build_body(name, in_channels=1, image_size=x.shape[-1])
+    body, _ = build_body(name, dataclasses.replace(BUILTIN_TASKS["digits"], input_shape=tuple(x.shape[1:])))
     recalibrate_batchnorm(body, torch.from_numpy(x[:512]))
     return body.eval()
 
@@ -472,7 +473,7 @@ def test_a_repper_run_loads_with_its_statistics_and_the_export_command_reproduce
     assert not body.training
     for key in statistics_keys(body) | {"0.weight"}:
         np.testing.assert_array_equal(body.state_dict()[key].numpy(), saved.state["shared"][f"body.{key}"])
-    digits = load_dataset("digits").meta
+    digits = load_dataset("digits").task
     assert representation.metadata == {
         "task": {"name": "digits", "kind": "image", "input_shape": [1, 8, 8], "num_classes": 10,
                  "class_names": list(digits.class_names), "mean": list(digits.mean), "std": list(digits.std)},

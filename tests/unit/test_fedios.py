@@ -14,7 +14,8 @@ from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
 from edge_sdk import wire
-from edge_sdk.algorithms.base import Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, project
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.params import check_arrays

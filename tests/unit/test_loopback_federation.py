@@ -404,7 +404,7 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
 
     # Assert: what went up, as a bystander decoded it
     results = _drain(spy)
-    model = build_model(config.model_name, in_channels=1, num_classes=10, image_size=8, seed=0)
+    model = build_model(config.model_name, config.task(), seed=0)
     statistics = statistics_keys(model)
     assert statistics  # the model has BatchNorm statistics to keep home
     assert sorted((e.sender, e.round) for e in results) == sorted((d, r) for d in devices for r in (1, 2))

@@ -17,7 +17,8 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.repper import RepPerServer
 from edge_sdk import wire
-from edge_sdk.algorithms.base import FitResult, Task, TrainSettings
+from edge_sdk.settings import TrainSettings
+from edge_sdk.algorithms.base import FitResult, Task
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.algorithms.repper import Hyper, RepPerDevice, fit_torch_head
 from edge_sdk.config import ConfigError, from_mapping

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from builtin_tasks import digits_client
+from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
-from edge_sdk.algorithms.base import Task, TrainingStepRefused, TrainSettings
+from edge_sdk.algorithms.base import Task, TrainingStepRefused
 from edge_sdk.client import EdgeClient
 from edge_sdk.protocol import Envelope, Kind
 

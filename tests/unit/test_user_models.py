@@ -13,9 +13,10 @@ import user_models
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from edge_sdk import wire
+from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
-from edge_sdk.algorithms.base import Task, TrainSettings
+from edge_sdk.algorithms.base import Task
 from edge_sdk.data import ClientData
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.params import check_arrays, floats_finite
