@@ -1,33 +1,68 @@
-"""The released representation and the global class prototypes.
+"""The release phase: after training, the representation goes out to the fleet.
 
 After training, an algorithm whose global state holds a whole body (RepPer; any algorithm on
 request) has that body exported to ONNX. The coordinator publishes a small retained manifest
 (sha256, size, metadata), so devices that join later still see it, and sends the bytes to each
-device that asks (FETCH), chunked, on the device's own topic. Weak devices report class counts
-and feature means; `PrototypePool` pools them, weighted by counts, into global prototypes that
-go out with the final evaluation.
+device that asks (FETCH), chunked, on the device's own topic.
 
-Algorithms that share the body but keep its BatchNorm statistics personal (FedAvg, FedPer,
-FedRep, ...) release on request (`--release`): the trainers first compute the statistics of
-the global body on their training data, and `StatisticsPool` pools them into what the export
-needs (saved beside the checkpoint, `export.run.STATISTICS_NAME`).
+What the phase gathers from devices goes through one interface, a `Pool`: each device's share
+arrives in an EVAL_RES, is checked, then added; the pooled result goes on. Two pools exist:
+- `StatisticsPool`: algorithms that share the body but keep its BatchNorm statistics personal
+  (FedAvg, FedPer, FedRep, ...) release on request (`--release`); the trainers first compute the
+  statistics of the global body on their training data, pooled into what the export needs
+  (saved in the run folder, `RunFolder.body_statistics`).
+- `PrototypePool`: weak devices report class counts and feature means, pooled, weighted by
+  counts, into global prototypes that go out with the final evaluation.
+`ReleasePhase` runs these steps in order; the coordinator only says how to ask devices
+(`gather`) and publishes what the phase produces.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
+from edge_sdk.protocol import STATISTICS, ArrayGroup, Reason, ValidationError
+
+from .run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
 PROTOTYPES = "prototypes"
+
+
+class Pool(ABC):
+    """Devices' shares of something the release needs, pooled from their EVAL_RES replies."""
+
+    group: ClassVar[str]
+    """The EVAL_RES array group that carries a device's share."""
+    phase: ClassVar[str]
+    """The EVALUATE phase that asks the devices for it."""
+    required: ClassVar[bool]
+    """Whether a reply without the group is refused (otherwise it is evaluated, not pooled)."""
+    evaluates: ClassVar[bool]
+    """Whether the replies are evaluations too (they carry an accuracy)."""
+
+    devices: int
+    """Devices pooled so far."""
+
+    @abstractmethod
+    def check(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        """Raise `ValidationError` for a share that must not be pooled."""
+
+    @abstractmethod
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        """Pool one checked share from a device registered with `registered_examples`."""
+
+    @abstractmethod
+    def result(self) -> ArrayGroup:
+        """What was pooled."""
 
 
 @dataclass(frozen=True)
@@ -44,20 +79,23 @@ class Release:
         return {"artifact": {"onnx": np.frombuffer(self.data, dtype=np.uint8)}}
 
 
-def export_release(run_dir: Path) -> Release:
-    """Export the run's representation (from its latest checkpoint) to run_dir/release/."""
+def export_release(folder: RunFolder) -> Release:
+    """Export the run's representation (from its latest checkpoint) to `folder.release`."""
     from export.run import export_run
 
-    path = run_dir / "release" / "representation.onnx"
-    summary = export_run(run_dir, path)
+    path = folder.release
+    summary = export_run(folder.path, path)
     data = path.read_bytes()
     release = Release(path, data, hashlib.sha256(data).hexdigest(), summary["metadata"])
     log.info("released %s (%d bytes, sha256 %s)", path, len(data), release.sha256[:12])
     return release
 
 
-class PrototypePool:
-    """Global class means from devices' (counts [C], means [C, d]), weighted by the counts."""
+class PrototypePool(Pool):
+    """Global class means from devices' (counts [C], means [C, d]), weighted by the counts.
+    Weak devices send them along with their evaluation; one that sends none is not pooled."""
+
+    group, phase, required, evaluates = PROTOTYPES, "prototypes", False, True
 
     def __init__(self, num_classes: int, dim: int):
         self.num_classes, self.dim = num_classes, dim
@@ -83,7 +121,7 @@ class PrototypePool:
             raise ValidationError(Reason.MALFORMED, f"class counts sum to {int(counts.sum())} "
                                                     f"for a device with {registered_examples} examples")
 
-    def add(self, arrays: ArrayGroup) -> None:
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
         counts = arrays["counts"].astype(np.int64)
         self.counts += counts
         self._sums += counts[:, None] * arrays["means"].astype(np.float64)
@@ -97,13 +135,15 @@ class PrototypePool:
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
-class StatisticsPool:
+class StatisticsPool(Pool):
     """The global body's BatchNorm statistics pooled from devices' (weighted by their examples).
 
     Means are averaged; a variance is pooled as E[x^2] - E[x]^2 over the union of the devices'
     data (each device's variance plus the spread of its mean around the pooled one), exact for
     the first layer and the usual approximation for deeper ones. `num_batches_tracked` (unused in
-    inference) keeps the largest count."""
+    inference) keeps the largest count. The trainers send the statistics instead of an evaluation."""
+
+    group, phase, required, evaluates = STATISTICS, STATISTICS, True, False
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         self.shapes = shapes
@@ -111,7 +151,7 @@ class StatisticsPool:
         self._weight = 0.0
         self.devices = 0
 
-    def check(self, arrays: ArrayGroup) -> None:
+    def check(self, arrays: ArrayGroup, registered_examples: int) -> None:
         """Reject statistics with other keys or shapes, non-finite values or negative variances."""
         if set(arrays) != set(self.shapes):
             raise ValidationError(Reason.UNEXPECTED_ARRAYS,
@@ -129,7 +169,8 @@ class StatisticsPool:
             if key.endswith(_VAR) and (value < 0).any():
                 raise ValidationError(Reason.MALFORMED, f"{key} has negative variances")
 
-    def add(self, arrays: ArrayGroup, weight: float) -> None:
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        weight = float(registered_examples)
         for key, value in arrays.items():
             if key.endswith(_COUNT):
                 self._sums[key] = np.maximum(self._sums.get(key, value), value)
@@ -155,3 +196,47 @@ class StatisticsPool:
                 mean = pooled[key[:-len(_VAR)] + _MEAN].astype(np.float64)
                 pooled[key] = np.maximum(total / self._weight - mean ** 2, 0.0).astype(np.float32)
         return pooled
+
+
+class ReleasePhase:
+    """The steps of a release, in order: pool the body's statistics where the export needs
+    them, export, then pool the weak devices' prototypes for the final evaluation.
+
+    `gather(targets, pool)` asks the `targets` for the pool's phase and pools their replies (the
+    coordinator's evaluation round); publishing and the final evaluation stay with the caller."""
+
+    def __init__(self, folder: RunFolder, num_classes: int, gather: Callable[[list[str], Pool], None]):
+        self.folder = folder
+        self.num_classes = num_classes
+        self.gather = gather
+
+    def pool_body_statistics(self, trainers: list[str], round_: int) -> None:
+        """For an algorithm that keeps BatchNorm statistics personal: the trainers compute those
+        of the global body on their training data; pooled, they are saved for the export."""
+        from export.run import RepresentationError, body_statistics_needed, save_body_statistics
+
+        needed = body_statistics_needed(self.folder.path)
+        if not needed:
+            return
+        pool = StatisticsPool(needed)
+        self.gather(trainers, pool)
+        if not pool.devices:
+            raise RepresentationError("no trainer sent the global body's BatchNorm statistics: nothing to release")
+        path = save_body_statistics(self.folder.path, round_, pool.result())
+        log.info("BatchNorm statistics of the global body pooled from %d devices: %s", pool.devices, path)
+
+    def export(self) -> Release:
+        """The representation of the latest checkpoint, exported."""
+        return export_release(self.folder)
+
+    def prototypes(self, lite: list[str], release: Release) -> dict[str, ArrayGroup]:
+        """The weak devices' class prototypes pooled, as the groups to send with the final
+        evaluation (none when no weak device sent any)."""
+        if not lite:
+            return {}
+        pool = PrototypePool(self.num_classes, int(release.metadata["feature_dim"]))
+        self.gather(lite, pool)
+        if not pool.devices:
+            return {}
+        log.info("global prototypes pooled from %d devices go out with the final evaluation", pool.devices)
+        return {PROTOTYPES: pool.result()}

@@ -23,6 +23,7 @@ from edge_sdk.transport import MqttSettings
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
+from .run_folder import RunFolder
 from .server import Coordinator
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,10 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             settings = {client_id_for(i): device_settings(config, url, client_id_for(i)) for i in indices}
             spec = WorkerSpec(indices, settings, config.federation, config.dataset, config.data_dir, config.partition,
                               config.alpha, config.classes_per_client, config.clients, config.seed,
-                              str(Path(config.out) / "state"), config.device, config.amp, config.upload_chunk_size,
+                              str(RunFolder(config.out).state_dir), config.device, config.amp, config.upload_chunk_size,
                               logging.getLogger().getEffectiveLevel(), {i: config.attack_of(i) for i in indices},
                               {i: config.head for i in indices if i >= config.clients - config.lite_devices},
-                              str(Path(config.out) / "models"))
+                              str(RunFolder(config.out).models_dir))
             process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
             process.start()
             workers[process] = list(settings)

@@ -29,8 +29,8 @@ def test_pooled_statistics_are_those_of_the_union_of_the_devices_data() -> None:
     # Execute
     for data, batches in ((first, 3), (second, 7)):
         statistics = device_statistics(data, batches)
-        pool.check(statistics)
-        pool.add(statistics, weight=len(data))
+        pool.check(statistics, registered_examples=len(data))
+        pool.add(statistics, registered_examples=len(data))
     pooled = pool.result()
 
     # Assert
@@ -57,7 +57,7 @@ def test_bad_statistics_are_rejected_with_their_reason(change, reason) -> None:
 
     # Execute
     with pytest.raises(ValidationError) as error:
-        StatisticsPool(SHAPES).check(statistics)
+        StatisticsPool(SHAPES).check(statistics, registered_examples=4)
 
     # Assert
     assert error.value.reason == reason
@@ -79,7 +79,7 @@ def test_prototypes_are_pooled_weighted_by_class_counts() -> None:
     # Execute
     for report in reports:
         pool.check(report, registered_examples=10)
-        pool.add(report)
+        pool.add(report, registered_examples=10)
     result = pool.result()
 
     # Assert
