@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
 from edge_sdk.data import DATASETS
@@ -34,7 +33,7 @@ from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, summarize, write_report
 from .rounds import Outcome, RoundCollector, select_clients
 from .run_folder import RunFolder
-from .validation import UpdateLimits, check_update
+from .validation import UpdateLimits, checked_update
 
 log = logging.getLogger(__name__)
 
@@ -394,17 +393,15 @@ class Coordinator:
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
         registered = self.registry.devices[envelope.sender].num_examples
-        spec = self.algorithm.update_spec(round_)
         validating = self.clock()
         try:
-            envelope = replace(envelope, groups=codecs.decode(self.config.upload_codec, envelope.groups, sent, spec))
-            weight = check_update(envelope, spec, sent, registered, self.limits)
-            self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
+            groups, weight = checked_update(self.algorithm, round_, envelope, sent, registered, self.limits,
+                                            self.config.upload_codec)
         except ProtocolError as err:
             self._refuse(envelope, collector, err.reason, f"update from {envelope.sender}: {err.detail}")
             return
         accumulating = self.clock()
-        self.algorithm.accumulate(envelope.sender, envelope.groups, envelope.metrics, weight)
+        self.algorithm.accumulate(envelope.sender, groups, envelope.metrics, weight)
         accepted = self.clock()
         collector.accept(envelope.sender, envelope.msg_id, accepted)
         self.events.emit(UpdateAccepted(round_, envelope.sender, received.size, accepted - started,

@@ -16,6 +16,7 @@ from torch import nn
 
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dualfed import DualFedServer
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.algorithms.base import Task, TrainSettings
 from edge_sdk.algorithms.dualfed import DualFedDevice, Hyper, ensemble
@@ -174,10 +175,7 @@ def test_server_weights_uniformly_or_by_examples(weighting: str, expected: float
     second = {k: np.full_like(v, 5.0) for k, v in server.state[SHARED].items()}
 
     # Execute
-    server.begin_round(1)
-    server.accumulate("a", {SHARED: first}, {"num_examples": 30}, 30.0)
-    server.accumulate("b", {SHARED: second}, {"num_examples": 10}, 10.0)
-    server.end_round(1)
+    play_round(server, {"a": FixedUpdate({SHARED: first}, 30), "b": FixedUpdate({SHARED: second}, 10)}, 1)
 
     # Assert: uniform (1 + 5) / 2 = 3; by examples (30 * 1 + 10 * 5) / 40 = 2
     assert all(np.allclose(v, expected) for v in server.state[SHARED].values())

@@ -12,6 +12,7 @@ import torch
 from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.algorithms.base import Task, TrainSettings
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, project
@@ -62,9 +63,7 @@ def test_server_assigns_unique_stable_blocks_also_to_late_joiners(data) -> None:
     # Execute: two devices, one registers again, a round passes, a late joiner arrives
     first, second = server.assignment("dev000"), server.assignment("dev001")
     again = server.assignment("dev000")
-    server.begin_round(1)
-    server.accumulate("dev000", {SHARED: server.state[SHARED]}, {}, weight=1.0)
-    server.end_round(1)
+    play_round(server, {"dev000": FixedUpdate({SHARED: server.state[SHARED]}, 1)}, 1)
     late = server.assignment("dev002")
 
     # Assert
