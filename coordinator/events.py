@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Union
 
+from edge_sdk.channel import ChannelSnapshot
+
 
 @dataclass(frozen=True)
 class RegistrationOpened:
@@ -77,10 +79,12 @@ class RoundEvaluated:
 
 @dataclass(frozen=True)
 class RoundEnded:
-    """The round is checkpointed; `record` is its line in metrics.jsonl."""
+    """The round is checkpointed; `record` is its line in metrics.jsonl, `channel` what the
+    coordinator's channel did during the round (messages, bytes, rejections, seconds)."""
 
     round: int
     record: dict[str, Any]
+    channel: ChannelSnapshot
 
 
 Event = Union[RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated, RoundEvaluated,

@@ -250,7 +250,12 @@ class Coordinator:
         self.registry.register(hello.sender, kind, int(examples), hello.config)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
-        welcome = Envelope(
+        self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+
+    def welcome(self, client_id: str) -> Envelope:
+        """The WELCOME a registered device receives: the run, the algorithm with its
+        hyperparameters, the device's assignment and the training settings."""
+        return Envelope(
             Kind.WELCOME,
             COORDINATOR,
             run_id=self.run_id,
@@ -259,7 +264,7 @@ class Coordinator:
                 "incarnation": self.incarnation,
                 "algorithm": self.config.algorithm,
                 "hyper": to_plain(self.hyper),
-                "assignment": self.algorithm.assignment(hello.sender),
+                "assignment": self.algorithm.assignment(client_id),
                 "settings": {
                     "model": self.config.model_name,
                     "rounds": self.config.rounds,
@@ -272,7 +277,6 @@ class Coordinator:
                 },
             },
         )
-        self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), welcome)
 
     def _offline(self, client_id: str) -> None:
         if client_id in self.registry.devices and self.registry.devices[client_id].online:
@@ -322,7 +326,7 @@ class Coordinator:
     # -- one round -------------------------------------------------------------------------
     def _play_round(self, round_: int) -> None:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
-        rejections0 = dict(self.channel.rejections)
+        channel0 = self.channel.counters.snapshot()
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
         selected = select_clients(candidates, self.config.fraction, self.config.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
@@ -337,6 +341,7 @@ class Coordinator:
             self.events.emit(RoundEvaluated(round_, len(evaluation), (summarize(accuracies) or {}).get("mean"),
                                             self.clock() - evaluating))
         sent1, received1 = self.channel.counter.snapshot()
+        channel = self.channel.counters.snapshot() - channel0
         global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
         record = RoundRecord(
             round=round_,
@@ -348,8 +353,7 @@ class Coordinator:
             bytes_up=received1 - received0,
             bytes_down=sent1 - sent0,
             seconds=self.clock() - started,
-            rejections={k: v - rejections0.get(k, 0) for k, v in self.channel.rejections.items()
-                        if v != rejections0.get(k, 0)},
+            rejections=channel.rejections,
         )
         entry = asdict(record)
         self.completed = round_
@@ -360,7 +364,7 @@ class Coordinator:
         log.info("round %d/%d: %s, %d/%d replied, accuracy %s, %.2f MB, %.1f s", round_, self.config.rounds,
                  record.outcome, record.participants, record.selected,
                  f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
-        self.events.emit(RoundEnded(round_, entry))
+        self.events.emit(RoundEnded(round_, entry, channel))
 
     def _train(self, round_: int, selected: list[str], started: float) -> tuple[RoundCollector, Outcome]:
         """Broadcast TRAIN, fold the replies in, aggregate. What was broadcast is let go on return,

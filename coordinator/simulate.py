@@ -23,6 +23,7 @@ from edge_sdk.transport import MqttSettings
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
+from .events import Event
 from .run_folder import RunFolder
 from .server import Coordinator
 
@@ -129,8 +130,10 @@ def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threa
     return thread
 
 
-def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run `config` end to end and return the report (also written to `config.out`)."""
+def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
+                   on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
+    """Run `config` end to end and return the report (also written to `config.out`); `on_event`
+    receives every event of the coordinator (coordinator/events.py)."""
     hyperparameters(config.algorithm, config.hyper)  # a bad key fails before anything starts
     if config.federation == "default":
         config = replace(config, federation=f"sim-{uuid.uuid4().hex[:8]}")
@@ -158,6 +161,8 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
         transport.connect()
         try:
             coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
+            if on_event is not None:
+                coordinator.subscribe(on_event)
             report = coordinator.run()
         finally:
             transport.close()

@@ -13,6 +13,7 @@ from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
 from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.run_folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.algorithms.base import Task, TrainSettings
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, project
@@ -79,7 +80,7 @@ def test_block_map_survives_a_coordinator_restart(data, tmp_path) -> None:
     # Prepare
     server = make_server(data)
     blocks = {cid: server.assignment(cid)["block"] for cid in ("dev000", "dev001")}
-    path = tmp_path / "checkpoint.msgpack"
+    path = RunFolder(tmp_path).checkpoint
     checkpoint.save(path, checkpoint.Checkpoint("run", 1, "fp", server.state))
 
     # Execute: a new coordinator process restores the checkpointed state

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.run_folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, topic_matches
@@ -313,7 +314,7 @@ class Federation:
         return RunConfig(**settings)
 
     def state_dir(self, client_id: str) -> Path:
-        return self.tmp_path / "state" / client_id
+        return RunFolder(self.tmp_path).device_state(client_id)
 
     def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None) -> str:
         from edge_sdk.client import EdgeClient
@@ -377,7 +378,7 @@ def _drain(channel: Channel) -> list[Envelope]:
 
 
 def _metrics_rounds(out: Path) -> list[int]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
     return [entry["round"] for entry in lines if entry.get("event") == "round"]
 
 
