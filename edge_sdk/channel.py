@@ -180,26 +180,27 @@ class Channel:
         arrays are copied once, into the message or its frames made one at a time."""
         started = time.perf_counter()
         try:
-            sent = self._send(topic, envelope, retain)
+            size, sent = self._send(topic, envelope, retain)
         finally:
             self.counters.send_seconds += time.perf_counter() - started
-        self.counters.record("sent", envelope.kind, sent)
+        self.counters.record("sent", envelope.kind, size)
         return sent
 
-    def _send(self, topic: str, envelope: Envelope, retain: bool) -> int:
+    def _send(self, topic: str, envelope: Envelope, retain: bool) -> tuple[int, int]:
+        """(the encoded envelope's size, the bytes published: its frames' when chunked)."""
         pieces = wire.encode_pieces(envelope)
         size, room = sum(len(piece) for piece in pieces), self._broker_room(topic)
         if size <= min(self.chunk_size, room):
             payload = b"".join(pieces)
             self.transport.publish(topic, payload, retain=retain)
-            return size
+            return size, size
         if retain:
             raise ValueError("retained messages must fit in one chunk")
         sent = 0
         for frame in iter_frames(pieces, max(MIN_CHUNK_SIZE, min(self.chunk_size, room - FRAME_OVERHEAD))):
             self.transport.publish(topic, frame)
             sent += len(frame)
-        return sent
+        return size, sent
 
     def _broker_room(self, topic: str) -> int:
         """The largest payload the broker takes on `topic` (unbounded when it did not say)."""
