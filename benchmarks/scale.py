@@ -29,8 +29,9 @@ round starts through /proc/self/clear_refs and read once the round is recorded: 
 collection, aggregation, the last round's evaluation and the checkpoint) and its peak over the
 RSS before round 1, as a multiple of the model's size, the backlog of the coordinator's incoming
 queue (messages, and bytes held under flow control) and of the reassembly (partly received
-chunked messages), the rejections, and whether every update arrived (updates accepted == devices; the quorum is set to all devices so a round waits for
-every update until `--round-timeout`). Also the broker's RSS and Mosquitto's $SYS count of
+chunked messages), the rejections, and whether every update arrived (updates accepted ==
+devices; the quorum is set to all devices so a round waits for every update until
+`--round-timeout`). Also the broker's RSS and Mosquitto's $SYS count of
 dropped messages. Evaluation runs once, after the last round. The simulated devices use an MQTT
 keepalive of 300 s (`--device-keepalive`): hundreds of them share a few cores here, and a
 device's PINGRESP waits behind the broadcast its process has not read yet.

@@ -413,7 +413,8 @@ class Coordinator:
 
     # -- evaluation ------------------------------------------------------------------------
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
-                  pool: Pool | None = None, extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
+                  pool: Pool | None = None,
+                  extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
         and the weak devices once a representation is released. With a `pool` (a release
         phase), what the devices send in the pool's group is checked and pooled into it."""

@@ -55,7 +55,7 @@ class Received:
     topic: str
     address: TopicAddress
     envelope: Envelope
-    size: int = 0
+    size: int
 
 
 @dataclass(frozen=True)
