@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import KEYS, RunConfig
+from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
 from edge_sdk.protocol import Reason
 
@@ -281,7 +282,7 @@ class RunCache:
 
     def _run_locked(self, config: RunConfig, out: Path) -> RunView | None:
         config = config.replace(out=str(out), broker=self.broker)
-        report_path = out / "report.json"
+        report_path = RunFolder(out).report
         if self.fresh and out not in self._cleared:  # --fresh: recompute once per invocation
             shutil.rmtree(out, ignore_errors=True)
             self._cleared.add(out)

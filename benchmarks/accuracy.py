@@ -188,18 +188,19 @@ def load_body(view: RunView, client_id: str):
     import torch
 
     from coordinator.checkpoint import load as load_checkpoint
+    from coordinator.run_folder import RunFolder
     from edge_sdk.models import build_body
     from edge_sdk.store import PersonalStore
 
     config = view.config
     body, _ = build_body(config.model_name, config.task())
     if config.run.algorithm in PERSONAL_BODY:
-        state = PersonalStore(view.out / "state" / client_id).load()
+        state = PersonalStore(RunFolder(view.out).device_state(client_id)).load()
         if state is None:
-            raise FileNotFoundError(f"no personal state for {client_id} in {view.out / 'state'}")
+            raise FileNotFoundError(f"no personal state for {client_id} in {RunFolder(view.out).state_dir}")
         arrays = state.arrays
     else:
-        checkpoint = load_checkpoint(view.out / "checkpoint.msgpack")
+        checkpoint = load_checkpoint(RunFolder(view.out).checkpoint)
         arrays = {k: v for group in checkpoint.state.values() for k, v in group.items()}
     weights = {k.removeprefix("body."): torch.from_numpy(np.array(v)) for k, v in arrays.items() if k.startswith("body.")}
     missing, unexpected = body.load_state_dict(weights, strict=False)

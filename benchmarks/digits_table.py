@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.run_folder import RunFolder
 from edge_sdk.algorithms import ALGORITHM_IDS
 
 PAPERS = {
@@ -32,7 +33,7 @@ def run(algorithm: str, rounds: int, broker: str | None, out: Path) -> dict:
         command += ["--broker", broker]
     started = time.monotonic()
     subprocess.run(command, check=True, capture_output=True, text=True)
-    report = json.loads((out / algorithm / "report.json").read_text())
+    report = json.loads(RunFolder(out / algorithm).report.read_text())
     final = report["final"]
     return {
         "algorithm": algorithm,

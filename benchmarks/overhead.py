@@ -26,7 +26,9 @@ The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 de
   the LoopbackBroker: the loopback broker is in-memory, so every device would have to live in this
   one process, and the devices' Python work would then share one GIL instead of spreading over
   the worker processes the MQTT runs use: the baseline would be slower than the real layout and
-  flatter the ratio.
+  flatter the ratio. The round's coordinator side is `coordinator.inprocess.InProcessRound`
+  (`begin_round`, the task, the coordinator's own update checks, `accumulate`, `end_round`),
+  the WELCOMEs are the real `Coordinator.welcome`.
 - `loopback` (optional, `--variants`): the same `Coordinator` and `EdgeClient`s over
   `edge_sdk.loopback.LoopbackBroker`, all in this process, devices as threads with one compute
   lock per would-be worker: the protocol without the network, under one GIL.
@@ -34,8 +36,9 @@ The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 de
 Round time is the coordinator's own per-round `seconds` (selection to the end of that round's
 evaluation) and, in the loop, the same span. The ratio is MQTT / in-process per round; the
 headline is the ratio of the summed round times. Identical computation is checked by the final
-personalized accuracy, which should agree across variants. Time the coordinator spends in
-`Channel.send` and `Channel` receive processing is measured per round to show where a gap comes from.
+personalized accuracy, which should agree across variants. Time the coordinator's channel spends
+sending and accepting messages is read per round from the coordinator's `RoundEnded` event (its
+channel's counters) to show where a gap comes from.
 
 Writes overhead.json, overhead.md and overhead.png to --out.
 """
@@ -55,6 +58,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from coordinator.config import RunConfig
+from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 
 from _brokers import broker, machine_info
@@ -62,59 +66,31 @@ from _brokers import broker, machine_info
 MB = 1_000_000
 
 
-# -- timing the coordinator's messaging ------------------------------------------------------
-class ChannelTimer:
-    """Seconds the coordinator's Channel spends sending (encode, chunk, publish calls) and
-    accepting (unpack, reassemble, decode, checks) messages, per round."""
-
-    def __init__(self) -> None:
-        self.seconds = {"send": 0.0, "accept": 0.0}
-        self._originals = (Channel.send, Channel._accept)
-
-    def __enter__(self) -> "ChannelTimer":
-        send, accept = self._originals
-
-        def timed(name, fn):
-            def wrapper(channel, *args, **kwargs):
-                if "coordinator" not in channel.transport.client_id:
-                    return fn(channel, *args, **kwargs)
-                started = time.perf_counter()
-                try:
-                    return fn(channel, *args, **kwargs)
-                finally:
-                    self.seconds[name] += time.perf_counter() - started
-
-            return wrapper
-
-        Channel.send, Channel._accept = timed("send", send), timed("accept", accept)
-        return self
-
-    def take(self) -> dict[str, float]:
-        taken = dict(self.seconds)
-        self.seconds = {"send": 0.0, "accept": 0.0}
-        return taken
-
-    def __exit__(self, *exc: object) -> None:
-        Channel.send, Channel._accept = self._originals
-
-
-def _round_entry(entry: dict, timer: ChannelTimer) -> dict:
-    messaging = timer.take()
+# -- the coordinator's rounds, as its events report them ------------------------------------
+def _round_entry(event) -> dict:
+    """One round's line from the coordinator's `RoundEnded` event."""
+    entry = event.record
     return {"round": entry["round"], "seconds": entry["seconds"], "participants": entry["participants"],
             "accuracy": (entry.get("personalized_accuracy") or {}).get("mean"), "bytes_up": entry["bytes_up"],
-            "bytes_down": entry["bytes_down"], "coordinator_send_seconds": messaging["send"],
-            "coordinator_accept_seconds": messaging["accept"]}
+            "bytes_down": entry["bytes_down"], "coordinator_send_seconds": event.channel.send_seconds,
+            "coordinator_accept_seconds": event.channel.accept_seconds}
 
 
 # -- the MQTT variants -----------------------------------------------------------------------
 def run_mqtt(config: RunConfig) -> dict:
     from coordinator.simulate import run_simulation
 
+    from coordinator.events import RoundEnded
+
     rounds: list[dict] = []
-    with ChannelTimer() as timer:
-        started = time.monotonic()
-        report = run_simulation(config, on_round=lambda entry: rounds.append(_round_entry(entry, timer)))
-        wall = time.monotonic() - started
+
+    def on_event(event) -> None:
+        if isinstance(event, RoundEnded):
+            rounds.append(_round_entry(event))
+
+    started = time.monotonic()
+    report = run_simulation(config, on_event=on_event)
+    wall = time.monotonic() - started
     return {"rounds": rounds, "wall_seconds": wall,
             "final_accuracy": report["final"]["personalized_accuracy"]["mean"],
             "bytes_up": report["communication"]["bytes_up"], "bytes_down": report["communication"]["bytes_down"],
@@ -125,6 +101,7 @@ def run_mqtt(config: RunConfig) -> dict:
 def run_loopback(config: RunConfig) -> dict:
     import torch
 
+    from coordinator.events import RoundEnded
     from coordinator.server import Coordinator
     from coordinator.simulate import client_id_for, split_among_workers
     from edge_sdk.client import EdgeClient
@@ -141,21 +118,20 @@ def run_loopback(config: RunConfig) -> dict:
             data = config.run.client_data(index, config.training.seed)
             client_id = client_id_for(index)
             client = EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,
-                                federation=federation, state_dir=Path(config.run.out) / "state" / client_id,
+                                federation=federation, state_dir=RunFolder(config.run.out).device_state(client_id),
                                 chunk_size=config.broker.chunk_size,
                                 transport=hub.transport(f"{federation}.{client_id}"))
             threads.append(threading.Thread(target=client.run, name=client_id, daemon=True))
     transport = hub.transport(f"{federation}.coordinator")
     transport.connect()
     rounds: list[dict] = []
-    with ChannelTimer() as timer:
-        coordinator = Coordinator(config, Channel(transport, Topics(federation), chunk_size=config.broker.chunk_size),
-                                  on_round=lambda entry: rounds.append(_round_entry(entry, timer)))
-        started = time.monotonic()
-        for thread in threads:
-            thread.start()
-        report = coordinator.run()
-        wall = time.monotonic() - started
+    coordinator = Coordinator(config, Channel(transport, Topics(federation), chunk_size=config.broker.chunk_size))
+    coordinator.subscribe(lambda event: rounds.append(_round_entry(event)), RoundEnded)
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    report = coordinator.run()
+    wall = time.monotonic() - started
     for thread in threads:
         thread.join(timeout=30)
     return {"rounds": rounds, "wall_seconds": wall, "final_accuracy": report["final"]["personalized_accuracy"]["mean"],
@@ -188,7 +164,7 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
         data = config.run.client_data(index, config.training.seed)
         client_id = client_id_for(index)
         client = DirectClient(client_id, data, device=config.simulation.device, federation=config.broker.federation,
-                              state_dir=Path(config.run.out) / "state" / client_id,
+                              state_dir=RunFolder(config.run.out).device_state(client_id),
                               transport=unused.transport(client_id))
         client.outbox = []
         clients.append(client)
@@ -208,11 +184,13 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
 
 
 def run_inprocess(config: RunConfig) -> dict:
+    from coordinator import checkpoint
+    from coordinator.inprocess import InProcessRound
     from coordinator.rounds import select_clients
     from coordinator.server import Coordinator
     from coordinator.simulate import split_among_workers
-    from coordinator.validation import UpdateLimits, check_update
-    from edge_sdk import wire
+    from coordinator.validation import UpdateLimits
+    from edge_sdk.config import to_plain
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 
@@ -226,30 +204,24 @@ def run_inprocess(config: RunConfig) -> dict:
         workers.append(process)
         conns.append(parent)
     try:
-        # the real Coordinator, on a loopback channel, writes the WELCOMEs and holds the server algorithm
-        hub = LoopbackBroker()
-        topics = Topics(config.broker.federation)
-        listener = hub.transport("listener")
-        listener.connect()
-        listener.subscribe(f"{topics.prefix}/down/+/{Kind.WELCOME.value}")
-        transport = hub.transport(f"{config.broker.federation}.coordinator")
-        transport.connect()
-        coordinator = Coordinator(config, Channel(transport, topics))
+        # the real Coordinator (on an unused loopback channel) writes the WELCOMEs and holds the server algorithm
+        transport = LoopbackBroker().transport(f"{config.broker.federation}.coordinator")
+        coordinator = Coordinator(config, Channel(transport, Topics(config.broker.federation)))
         algorithm = coordinator.algorithm
         examples: dict[str, int] = {}
         welcomes: list[dict] = []
         for conn in conns:
             welcome: dict = {}
-            for client_id, metrics, capabilities in conn.recv():
-                coordinator._register(Envelope(Kind.HELLO, client_id, metrics=metrics, config=capabilities))
+            for client_id, metrics, _ in conn.recv():
                 examples[client_id] = int(metrics["num_examples"])
-                welcome[client_id] = wire.decode(listener.incoming.get(timeout=10).payload)
+                welcome[client_id] = coordinator.welcome(client_id)
             welcomes.append(welcome)
         for conn, welcome in zip(conns, welcomes):
             conn.send(("welcome", welcome))
         for conn in conns:
             conn.recv()
         limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm)
+        folder = RunFolder(config.run.out)
 
         def broadcast(command: str, envelope: Envelope, on_reply) -> None:
             for conn in conns:
@@ -267,20 +239,10 @@ def run_inprocess(config: RunConfig) -> dict:
         for round_ in range(1, config.training.rounds + 1):
             began = time.monotonic()
             selected = select_clients(devices, config.round.fraction, config.training.seed, round_)
-            algorithm.begin_round(round_)
-            groups = algorithm.task_groups(round_)
-            task = Envelope(Kind.TRAIN, COORDINATOR, run_id=coordinator.run_id, round=round_, groups=groups,
-                            config={"selected": selected, **algorithm.task_config(round_)})
-            replied = []
-
-            def on_update(reply: Envelope) -> None:
-                weight = check_update(reply, algorithm.update_spec(round_), groups, examples[reply.sender], limits)
-                algorithm.validate_update(reply.sender, reply.groups, reply.metrics, examples[reply.sender])
-                algorithm.accumulate(reply.sender, reply.groups, reply.metrics, weight)
-                replied.append(reply.sender)
-
-            broadcast("train", task, on_update)
-            algorithm.end_round(round_)
+            training = InProcessRound(algorithm, round_, selected, run_id=coordinator.run_id,
+                                      codec=config.training.upload_codec, limits=limits)
+            broadcast("train", training.task, lambda reply: training.accept(reply, examples[reply.sender]))
+            training.finish()
             results: dict[str, float] = {}
             request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=coordinator.run_id, round=round_,
                                groups=algorithm.eval_groups(),
@@ -289,9 +251,10 @@ def run_inprocess(config: RunConfig) -> dict:
             broadcast("evaluate", request, lambda reply: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
             seconds = time.monotonic() - began
             accuracy = statistics.fmean(results.values())
-            coordinator.completed = round_
-            coordinator._checkpoint()
-            rounds.append({"round": round_, "seconds": seconds, "participants": len(replied), "accuracy": accuracy})
+            checkpoint.save(folder.checkpoint, checkpoint.Checkpoint(coordinator.run_id, round_, config.fingerprint(),
+                                                                     algorithm.state, {"config": to_plain(config)}))
+            rounds.append({"round": round_, "seconds": seconds, "participants": len(training.weights),
+                           "accuracy": accuracy})
         wall = time.monotonic() - started
         for conn in conns:
             conn.send(("stop", None))

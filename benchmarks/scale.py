@@ -18,18 +18,20 @@ accuracy), hosted as threads in several device processes, one MQTT connection ea
 model: cnn32 on CIFAR-100's shape (924,804 parameters, 3.7 MB of float32), so every device
 uploads a ~1M-parameter update; the coordinator only needs the dataset's shape, never its data.
 
-Per device count it records: the time to register all devices (from starting the device
-processes, and from their first connection attempt), per round the latency (`begin_round` to the
-end of `end_round`: broadcast, collection, validation and aggregation), the aggregation time
-(inside `accumulate` and `end_round`, measured by wrapping the server algorithm's methods), the
-validation time (`check_update`), the coordinator's peak RSS over the whole round (the kernel's
-high-water mark, VmHWM, reset at `begin_round` through /proc/self/clear_refs and read once the
-round is recorded: broadcast, collection, aggregation, the last round's evaluation and the
-checkpoint) and its peak over the RSS before round 1, as a multiple of the model's size, the
-backlog of the coordinator's incoming queue (messages, and bytes held under flow control) and
-of the reassembly (partly received chunked messages), the rejections, and whether every update
-arrived (updates accepted == devices; the quorum is set to all devices so a round waits for
-every update until `--round-timeout`). Also the broker's RSS and Mosquitto's $SYS count of
+Per device count it records, from the coordinator's public events (`Coordinator.subscribe`)
+and its channel's counters (`Channel.counters`), nothing patched: the time to register all
+devices (from starting the device processes, and from their first connection attempt), per round
+the latency (the round's start to the end of `end_round`: broadcast, collection, validation and
+aggregation), the aggregation time (the algorithm's `accumulate` and `end_round`), the
+validation time (decoding the upload codec, `check_update` and the algorithm's own checks), the
+coordinator's peak RSS over the whole round (the kernel's high-water mark, VmHWM, reset when the
+round starts through /proc/self/clear_refs and read once the round is recorded: broadcast,
+collection, aggregation, the last round's evaluation and the checkpoint) and its peak over the
+RSS before round 1, as a multiple of the model's size, the backlog of the coordinator's incoming
+queue (messages, and bytes held under flow control) and of the reassembly (partly received
+chunked messages), the rejections, and whether every update arrived (updates accepted ==
+devices; the quorum is set to all devices so a round waits for every update until
+`--round-timeout`). Also the broker's RSS and Mosquitto's $SYS count of
 dropped messages. Evaluation runs once, after the last round. The simulated devices use an MQTT
 keepalive of 300 s (`--device-keepalive`): hundreds of them share a few cores here, and a
 device's PINGRESP waits behind the broadcast its process has not read yet.
@@ -177,10 +179,11 @@ def _reset_peak() -> bool:
 
 
 def _coordinator_main(config_fields: dict, conn) -> None:
-    """The coordinator process: set up as `edgepfl coordinator` does, with its algorithm's methods
-    timed and its memory read around each round."""
-    import coordinator.server as server_module
+    """The coordinator process: set up as `edgepfl coordinator` does; its events time the rounds
+    and mark when to read its memory."""
     from coordinator.config import RunConfig
+    from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundStarted,
+                                    UpdateAccepted)
     from coordinator.memory import return_freed_buffers
     from coordinator.server import Coordinator
 
@@ -188,77 +191,54 @@ def _coordinator_main(config_fields: dict, conn) -> None:
     config = RunConfig.of(**config_fields)
     transport = config.coordinator_transport(config.broker.broker)
     transport.connect()
+    channel = config.coordinator_channel(transport)
+    coordinator = Coordinator(config, channel)
+    state = coordinator.algorithm.state
+    model_bytes = sum(a.nbytes for group in state.values() for a in group.values())
+    model_params = sum(a.size for group in state.values() for a in group.values())
+    marks: dict = {"rss_after_start": _read_status("VmRSS"), "reassembly_limits": channel.reassembly_limits}
     rounds: list[dict] = []
     current: dict = {}
 
-    def round_recorded(entry: dict) -> None:
-        if "ended_at" not in current:  # no end_round: the round was aborted (too few updates)
-            current["ended_at"] = time.monotonic()
-        current.update(peak_rss=_read_status("VmHWM"), rss_at_end=_read_status("VmRSS"))
-        rounds.append(dict(current))
-
-    coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=round_recorded)
-    algorithm = coordinator.algorithm
-    model_bytes = sum(a.nbytes for group in algorithm.state.values() for a in group.values())
-    model_params = sum(a.size for group in algorithm.state.values() for a in group.values())
-    marks: dict = {"rss_after_start": _read_status("VmRSS")}
-
-    def timed(name: str, fn):
-        def wrapper(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                current[name] = current.get(name, 0.0) + time.perf_counter() - began
-
-        return wrapper
-
-    await_devices = coordinator._await_devices
-
-    def await_devices_timed() -> None:
+    def registration_opened(event: RegistrationOpened) -> None:
         marks["registering_at"] = time.monotonic()
         conn.send(("registering", None))
-        await_devices()
+
+    def devices_registered(event: DevicesRegistered) -> None:
         marks["registered_at"] = time.monotonic()
         marks["rss_before_round_1"] = _read_status("VmRSS")
 
-    begin_round, accumulate, end_round = algorithm.begin_round, algorithm.accumulate, algorithm.end_round
-
-    def begin_round_timed(round_: int) -> None:
+    def round_started(event: RoundStarted) -> None:
         current.clear()
-        current.update(round=round_, peak_reset=_reset_peak(), rss_at_begin=_read_status("VmRSS"),
-                       began_at=time.monotonic(), accumulated=0, max_backlog=0, max_held_bytes=0)
-        begin_round(round_)
+        channel.counters.reset_peaks()
+        current.update(round=event.round, peak_reset=_reset_peak(), rss_at_begin=_read_status("VmRSS"),
+                       began_at=time.monotonic(), accumulated=0, max_backlog=0, max_held_bytes=0,
+                       accumulate_seconds=0.0, validation_seconds=0.0)
 
-    def accumulate_timed(*args, **kwargs) -> None:
+    def update_accepted(event: UpdateAccepted) -> None:
         current["max_backlog"] = max(current["max_backlog"], transport.incoming.qsize())
         current["max_held_bytes"] = max(current["max_held_bytes"], transport.incoming.held_bytes)
-        if current["accumulated"] == 0:
-            current["first_update_at"] = time.monotonic() - current["began_at"]
-        timed("accumulate_seconds", accumulate)(*args, **kwargs)
+        current.setdefault("first_update_at", event.seconds)
+        current["accumulate_seconds"] += event.accumulate_seconds
+        current["validation_seconds"] += event.validation_seconds
         current["accumulated"] += 1
 
-    def end_round_timed(round_: int) -> None:
-        timed("end_round_seconds", end_round)(round_)
-        current["ended_at"] = time.monotonic()
-        current["peak_rss_aggregated"] = _read_status("VmHWM")
+    def round_aggregated(event: RoundAggregated) -> None:
+        current.update(end_round_seconds=event.seconds, ended_at=time.monotonic(),
+                       peak_rss_aggregated=_read_status("VmHWM"))
 
-    reassembler = coordinator.channel._reassembler
-    add = reassembler.add
+    def round_ended(event: RoundEnded) -> None:
+        if "ended_at" not in current:  # not aggregated: the round was aborted (too few updates)
+            current["ended_at"] = time.monotonic()
+        current.update(peak_rss=_read_status("VmHWM"), rss_at_end=_read_status("VmRSS"),
+                       max_pending_blobs=channel.counters.peak_pending_blobs,
+                       max_pending_bytes=channel.counters.peak_pending_bytes)
+        rounds.append(dict(current))
 
-    def add_tracked(stream, chunk):
-        try:
-            return add(stream, chunk)
-        finally:
-            current["max_pending_blobs"] = max(current.get("max_pending_blobs", 0), len(reassembler._pending))
-            current["max_pending_bytes"] = max(current.get("max_pending_bytes", 0), reassembler.pending_bytes)
-
-    reassembler.add = add_tracked
-    marks["reassembly_limits"] = {"max_pending_blobs": reassembler.max_pending_blobs,
-                                  "max_pending_bytes": reassembler.max_pending_bytes}
-    coordinator._await_devices = await_devices_timed
-    algorithm.begin_round, algorithm.accumulate, algorithm.end_round = begin_round_timed, accumulate_timed, end_round_timed
-    server_module.check_update = timed("validation_seconds", server_module.check_update)
+    for callback, kind in ((registration_opened, RegistrationOpened), (devices_registered, DevicesRegistered),
+                           (round_started, RoundStarted), (update_accepted, UpdateAccepted),
+                           (round_aggregated, RoundAggregated), (round_ended, RoundEnded)):
+        coordinator.subscribe(callback, kind)
     try:
         report = coordinator.run()
         conn.send(("done", {

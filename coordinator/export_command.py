@@ -16,22 +16,23 @@ from export import check_options, export_body
 
 from . import checkpoint
 from .representation import Representation, RepresentationError, representation, run_samples, saved_body_statistics
+from .run_folder import RunFolder
 
-CHECKPOINT_NAME = "checkpoint.msgpack"
 PROBE_SAMPLES = 2000
 """Held-out samples of the run's pool the int8 probe is fitted on (half) and scored on (half)."""
 
 
 def _read(run_dir: Path, part: str) -> tuple[Representation, dict[str, Any]]:
     """The run's global `part` as its latest checkpoint holds it, and the run's configuration."""
-    saved = checkpoint.load(run_dir / CHECKPOINT_NAME)
+    folder = RunFolder(run_dir)
+    saved = checkpoint.load(folder.checkpoint)
     if saved is None:
-        raise RepresentationError(f"{run_dir} has no {CHECKPOINT_NAME}: no round of this run completed")
+        raise RepresentationError(f"{run_dir} has no {folder.checkpoint.name}: no round of this run completed")
     config = dict(saved.history.get("config") or {})
     if "algorithm" not in config:
-        raise RepresentationError(f"{run_dir / CHECKPOINT_NAME} does not record the run's configuration")
+        raise RepresentationError(f"{folder.checkpoint} does not record the run's configuration")
     loaded = representation(saved.state, config, run_id=saved.run_id, round_=saved.round,
-                            statistics=saved_body_statistics(run_dir, saved.round), part=part)
+                            statistics=saved_body_statistics(folder, saved.round), part=part)
     return loaded, config
 
 

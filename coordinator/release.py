@@ -1,33 +1,40 @@
-"""The released representation and the global class prototypes.
+"""The release phase: after training, the representation goes out to the fleet.
 
 After training, an algorithm whose global state holds a whole body (RepPer; any algorithm on
 request) has that body exported to ONNX from the state arrays the coordinator holds in memory
 (`export` never reads a checkpoint, nor imports the coordinator). The coordinator publishes a
 small retained manifest (sha256, size, metadata), so devices that join later still see it, and
-sends the bytes to each device that asks (FETCH), chunked, on the device's own topic. Weak
-devices report class counts and feature means; `PrototypePool` pools them, weighted by counts,
-into global prototypes that go out with the final evaluation.
+sends the bytes to each device that asks (FETCH), chunked, on the device's own topic.
 
-Algorithms that share the body but keep its BatchNorm statistics personal (FedAvg, FedPer,
-FedRep, ...) release on request (`--release`): the trainers first compute the statistics of
-the global body on their training data, and `StatisticsPool` pools them into what the export
-needs (passed to the export, and saved beside the checkpoint for a later `edgepfl export`,
-`coordinator.representation.STATISTICS_NAME`).
+What the phase gathers from devices goes through one interface, a `Pool`: each device's share
+arrives in an EVAL_RES, is checked, then added; the pooled result goes on. Two pools exist:
+- `StatisticsPool`: algorithms that share the body but keep its BatchNorm statistics personal
+  (FedAvg, FedPer, FedRep, ...) release on request (`--release`); the trainers first compute the
+  statistics of the global body on their training data, pooled into what the export needs
+  (passed to the export, and saved in the run folder, `RunFolder.body_statistics`, for a later
+  `edgepfl export`).
+- `PrototypePool`: weak devices report class counts and feature means, pooled, weighted by
+  counts, into global prototypes that go out with the final evaluation.
+`ReleasePhase` runs these steps in order; the coordinator only says how to ask devices
+(`gather`) and publishes what the phase produces.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
 from edge_sdk.models import ModelSpec
-from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
+from edge_sdk.protocol import STATISTICS, ArrayGroup, Reason, ValidationError
+
+from .run_folder import RunFolder
 
 from .representation import representation, run_samples
 
@@ -36,6 +43,34 @@ log = logging.getLogger(__name__)
 PROTOTYPES = "prototypes"
 CHECK_SAMPLES = 256
 """Real samples of the run's data the released body is checked against PyTorch on."""
+
+
+class Pool(ABC):
+    """Devices' shares of something the release needs, pooled from their EVAL_RES replies."""
+
+    group: ClassVar[str]
+    """The EVAL_RES array group that carries a device's share."""
+    phase: ClassVar[str]
+    """The EVALUATE phase that asks the devices for it."""
+    required: ClassVar[bool]
+    """Whether a reply without the group is refused (otherwise it is evaluated, not pooled)."""
+    evaluates: ClassVar[bool]
+    """Whether the replies are evaluations too (they carry an accuracy)."""
+
+    devices: int
+    """Devices pooled so far."""
+
+    @abstractmethod
+    def check(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        """Raise `ValidationError` for a share that must not be pooled."""
+
+    @abstractmethod
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        """Pool one checked share from a device registered with `registered_examples`."""
+
+    @abstractmethod
+    def result(self) -> ArrayGroup:
+        """What was pooled."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +87,17 @@ class Release:
         return {"artifact": {"onnx": np.frombuffer(self.data, dtype=np.uint8)}}
 
 
-def export_release(run_dir: Path, state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *, run_id: str,
+def export_release(folder: RunFolder, state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *, run_id: str,
                    round_: int, statistics: ArrayGroup | None = None, model: ModelSpec | None = None) -> Release:
     """Export the run's global body, from the global `state` and pooled `statistics` (`body.*`
-    BatchNorm buffers) held in memory, to run_dir/release/representation.onnx (fp32, parity
-    checked on CHECK_SAMPLES real samples of the run's data). `config` is the run's
-    configuration as its checkpoint records it; `model` the run's model spec or factory."""
+    BatchNorm buffers) held in memory, to `folder.release` (fp32, parity checked on
+    CHECK_SAMPLES real samples of the run's data). `config` is the run's configuration as its
+    checkpoint records it; `model` the run's model spec or factory."""
     from export import export_body
 
     loaded = representation(state, config, run_id=run_id, round_=round_, statistics=statistics, model=model)
     samples, _ = run_samples(config, None, CHECK_SAMPLES)
-    path = run_dir / "release" / "representation.onnx"
+    path = folder.release
     summary = export_body(loaded.body, loaded.input_shape, path, metadata=loaded.metadata, samples=samples,
                           seed=int(config.get("seed", 0)))
     data = path.read_bytes()
@@ -71,8 +106,11 @@ def export_release(run_dir: Path, state: Mapping[str, ArrayGroup], config: Mappi
     return release
 
 
-class PrototypePool:
-    """Global class means from devices' (counts [C], means [C, d]), weighted by the counts."""
+class PrototypePool(Pool):
+    """Global class means from devices' (counts [C], means [C, d]), weighted by the counts.
+    Weak devices send them along with their evaluation; one that sends none is not pooled."""
+
+    group, phase, required, evaluates = PROTOTYPES, "prototypes", False, True
 
     def __init__(self, num_classes: int, dim: int):
         self.num_classes, self.dim = num_classes, dim
@@ -98,7 +136,7 @@ class PrototypePool:
             raise ValidationError(Reason.MALFORMED, f"class counts sum to {int(counts.sum())} "
                                                     f"for a device with {registered_examples} examples")
 
-    def add(self, arrays: ArrayGroup) -> None:
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
         counts = arrays["counts"].astype(np.int64)
         self.counts += counts
         self._sums += counts[:, None] * arrays["means"].astype(np.float64)
@@ -112,13 +150,15 @@ class PrototypePool:
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
-class StatisticsPool:
+class StatisticsPool(Pool):
     """The global body's BatchNorm statistics pooled from devices' (weighted by their examples).
 
     Means are averaged; a variance is pooled as E[x^2] - E[x]^2 over the union of the devices'
     data (each device's variance plus the spread of its mean around the pooled one), exact for
     the first layer and the usual approximation for deeper ones. `num_batches_tracked` (unused in
-    inference) keeps the largest count."""
+    inference) keeps the largest count. The trainers send the statistics instead of an evaluation."""
+
+    group, phase, required, evaluates = STATISTICS, STATISTICS, True, False
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         self.shapes = shapes
@@ -126,7 +166,7 @@ class StatisticsPool:
         self._weight = 0.0
         self.devices = 0
 
-    def check(self, arrays: ArrayGroup) -> None:
+    def check(self, arrays: ArrayGroup, registered_examples: int) -> None:
         """Reject statistics with other keys or shapes, non-finite values or negative variances."""
         if set(arrays) != set(self.shapes):
             raise ValidationError(Reason.UNEXPECTED_ARRAYS,
@@ -144,7 +184,8 @@ class StatisticsPool:
             if key.endswith(_VAR) and (value < 0).any():
                 raise ValidationError(Reason.MALFORMED, f"{key} has negative variances")
 
-    def add(self, arrays: ArrayGroup, weight: float) -> None:
+    def add(self, arrays: ArrayGroup, registered_examples: int) -> None:
+        weight = float(registered_examples)
         for key, value in arrays.items():
             if key.endswith(_COUNT):
                 self._sums[key] = np.maximum(self._sums.get(key, value), value)
@@ -170,3 +211,57 @@ class StatisticsPool:
                 mean = pooled[key[:-len(_VAR)] + _MEAN].astype(np.float64)
                 pooled[key] = np.maximum(total / self._weight - mean ** 2, 0.0).astype(np.float32)
         return pooled
+
+
+class ReleasePhase:
+    """The steps of a release, in order: pool the body's statistics where the export needs
+    them, export, then pool the weak devices' prototypes for the final evaluation.
+
+    The body is the global `state` the coordinator holds after round `round_`, of the run whose
+    configuration is `config` (as its checkpoint records it) and whose model is `model`.
+    `gather(targets, pool)` asks the `targets` for the pool's phase and pools their replies (the
+    coordinator's evaluation round); publishing and the final evaluation stay with the caller."""
+
+    def __init__(self, folder: RunFolder, num_classes: int, gather: Callable[[list[str], Pool], None], *,
+                 state: Mapping[str, ArrayGroup], config: Mapping[str, Any], model: ModelSpec, run_id: str,
+                 round_: int):
+        self.folder = folder
+        self.num_classes = num_classes
+        self.gather = gather
+        self.state, self.config, self.model = state, config, model
+        self.run_id, self.round = run_id, round_
+        self.statistics: ArrayGroup = {}
+
+    def pool_body_statistics(self, trainers: list[str]) -> None:
+        """For an algorithm that keeps BatchNorm statistics personal: the trainers compute those
+        of the global body on their training data; pooled, they go to the export and are saved
+        for a later `edgepfl export`."""
+        from .representation import RepresentationError, body_statistics_needed, save_body_statistics
+
+        needed = body_statistics_needed(self.state, self.config, run_id=self.run_id, model=self.model)
+        if not needed:
+            return
+        pool = StatisticsPool(needed)
+        self.gather(trainers, pool)
+        if not pool.devices:
+            raise RepresentationError("no trainer sent the global body's BatchNorm statistics: nothing to release")
+        self.statistics = pool.result()
+        path = save_body_statistics(self.folder, self.round, self.statistics)
+        log.info("BatchNorm statistics of the global body pooled from %d devices: %s", pool.devices, path)
+
+    def export(self) -> Release:
+        """The global body with the pooled statistics, exported."""
+        return export_release(self.folder, self.state, self.config, run_id=self.run_id, round_=self.round,
+                              statistics=self.statistics, model=self.model)
+
+    def prototypes(self, lite: list[str], release: Release) -> dict[str, ArrayGroup]:
+        """The weak devices' class prototypes pooled, as the groups to send with the final
+        evaluation (none when no weak device sent any)."""
+        if not lite:
+            return {}
+        pool = PrototypePool(self.num_classes, int(release.metadata["feature_dim"]))
+        self.gather(lite, pool)
+        if not pool.devices:
+            return {}
+        log.info("global prototypes pooled from %d devices go out with the final evaluation", pool.devices)
+        return {PROTOTYPES: pool.result()}

@@ -1,4 +1,5 @@
-"""What a run leaves in `--out`: metrics.jsonl (one line per round), report.json, curves.png."""
+"""What a run leaves in `--out` besides its state: the metrics log (one line per round), the
+report and its curves (file names in `RunFolder`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from edge_sdk.store import write_atomic
+
+from .run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +55,10 @@ class MetricsLog:
             handle.flush()
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    write_atomic(out / "report.json", json.dumps(report, indent=2, sort_keys=True).encode())
-    plot_curves(out / "curves.png", report)
+def write_report(folder: RunFolder, report: dict[str, Any]) -> None:
+    """The report (atomically) and its curves."""
+    write_atomic(folder.report, json.dumps(report, indent=2, sort_keys=True).encode())
+    plot_curves(folder.curves, report)
 
 
 def plot_curves(path: Path, report: dict[str, Any]) -> None:

@@ -31,11 +31,11 @@ from edge_sdk.models import ModelSpec, build_body, default_model_for, describe, 
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.store import write_atomic
 
+from .run_folder import RunFolder
+
 log = logging.getLogger(__name__)
 
 PARTS = ("body",)
-STATISTICS_NAME = "body_statistics.npz"
-"""Pooled BatchNorm statistics of the global body, for runs whose global state lacks them."""
 _PREFIX = "body."
 _MAX_LISTED = 8
 
@@ -132,7 +132,7 @@ def _missing_statistics(body: nn.Module, arrays: Mapping[str, np.ndarray], confi
                                   "so there is nothing global to export")
     if statistics and not allowed:
         raise RepresentationError(f"{lacks} BatchNorm running statistics ({_listed(statistics)}): release the run "
-                                  f"(`--release`) so the devices pool them into {STATISTICS_NAME}")
+                                  f"(`--release`) so the devices pool them into the run folder's body statistics")
     return statistics
 
 
@@ -172,19 +172,19 @@ def representation(state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *
     return Representation(run.body, run.input_shape, metadata)
 
 
-def save_body_statistics(run_dir: str | Path, round_: int, arrays: Mapping[str, np.ndarray]) -> Path:
+def save_body_statistics(folder: RunFolder, round_: int, arrays: Mapping[str, np.ndarray]) -> Path:
     """Write pooled body statistics (`body.*` keys) for the state of `round_` atomically."""
     buffer = io.BytesIO()
     np.savez(buffer, round=np.int64(round_), **arrays)
-    path = Path(run_dir) / STATISTICS_NAME
+    path = folder.body_statistics
     write_atomic(path, buffer.getvalue())
     return path
 
 
-def saved_body_statistics(run_dir: str | Path, round_: int) -> dict[str, np.ndarray]:
+def saved_body_statistics(folder: RunFolder, round_: int) -> dict[str, np.ndarray]:
     """The pooled body statistics (`body.*` keys) saved for the state of `round_`, or nothing:
     statistics of an earlier round's body do not fit this one."""
-    path = Path(run_dir) / STATISTICS_NAME
+    path = folder.body_statistics
     if not path.exists():
         return {}
     with np.load(path, allow_pickle=False) as saved:

@@ -14,24 +14,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from edge_sdk import codecs
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
-from edge_sdk.protocol import COORDINATOR, STATISTICS, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
+from edge_sdk.models import ModelSpec
+from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
+from .events import (DevicesRegistered, Event, EventBus, RegistrationOpened, RoundAggregated, RoundEnded,
+                     RoundEvaluated, RoundStarted, UpdateAccepted)
 from .ledger import Ledger
-from .release import PROTOTYPES, PrototypePool, Release, StatisticsPool, export_release
+from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, summarize, write_report
 from .rounds import Outcome, RoundCollector, select_clients
-from .validation import UpdateLimits, check_update
+from .run_folder import RunFolder
+from .validation import UpdateLimits, checked_update
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ class RoundRecord:
 
 
 class Coordinator:
-    """Runs one federated training over a `Channel`; `run()` returns the report."""
+    """Runs one federated training over a `Channel`; `run()` returns the report. Observers
+    `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record."""
 
     def __init__(
         self,
@@ -64,17 +67,21 @@ class Coordinator:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        model: ModelSpec | None = None,
     ):
         self.config = config
+        self.model: ModelSpec = model if model is not None else config.model_name
         self.channel = channel
         self.topics = channel.topics
         self.clock = clock
-        self.on_round = on_round
-        self.out = Path(config.run.out)
+        self.events = EventBus()
+        if on_round is not None:
+            self.events.subscribe(lambda event: on_round(event.record), RoundEnded)
+        self.folder = RunFolder(config.run.out)
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.run.algorithm)
         self.hyper = algorithms.hyperparameters(config.run.algorithm, config.hyper)
-        context = ServerContext(config.model_name, config.task(), config.training.seed, config.training.rounds,
+        context = ServerContext(self.model, config.task(), config.training.seed, config.training.rounds,
                                 config.run.clients, config.aggregation)
         self.algorithm = algorithm_cls(self.hyper, context)
         if config.run.release and not self.algorithm.shares_body():
@@ -82,7 +89,7 @@ class Coordinator:
                               "representation to release")
         self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm)
         self.incarnation = new_message_id()[:12]
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.metrics = MetricsLog(self.folder.metrics)
         self.run_id = new_message_id()[:16]
         self.completed = 0
         self.holdout: frozenset[str] = frozenset()
@@ -93,18 +100,18 @@ class Coordinator:
         self.release: Release | None = None
         self.ledger = Ledger(channel, self._resume())
 
-    # -- checkpoints -----------------------------------------------------------------------
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.out / "checkpoint.msgpack"
+    def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
+        """Call `callback(event)` for each event of the given types (every event without any)."""
+        self.events.subscribe(callback, *kinds)
 
+    # -- checkpoints -----------------------------------------------------------------------
     def _resume(self) -> dict[str, Any] | None:
-        saved = checkpoint.load(self.checkpoint_path)
+        saved = checkpoint.load(self.folder.checkpoint)
         if saved is None:
             return None
         if saved.fingerprint != self.config.fingerprint():
             raise checkpoint.CheckpointError(
-                f"{self.out} holds run {saved.run_id} with other settings; use another --out to start a new run"
+                f"{self.folder.path} holds run {saved.run_id} with other settings; use another --out to start a new run"
             )
         self.run_id, self.completed = saved.run_id, saved.round
         self.algorithm.state = saved.state
@@ -113,10 +120,15 @@ class Coordinator:
         log.info("resuming run %s after round %d", self.run_id, self.completed)
         return saved.history
 
+    def _record(self) -> dict[str, Any]:
+        """The run's configuration as its checkpoint records it: every setting by its flat key,
+        and the task the run resolved."""
+        return {**self.config.to_flat(), "task": self.config.task().to_plain()}
+
     def _checkpoint(self) -> None:
-        history = {**self.ledger.to_history(), "config": self.config.to_flat()}
+        history = {**self.ledger.to_history(), "config": self._record()}
         checkpoint.save(
-            self.checkpoint_path,
+            self.folder.checkpoint,
             checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state, history),
         )
 
@@ -134,7 +146,7 @@ class Coordinator:
         if self.config.run.release or self.algorithm.releases_representation:
             self._release_phase()
         report = self._report(time.time() - started)
-        write_report(self.out, report)
+        write_report(self.folder, report)
         self._status("finished")
         return report
 
@@ -151,7 +163,9 @@ class Coordinator:
         self.channel.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
     def _await_devices(self) -> None:
-        deadline = self.clock() + self.config.round.registration_timeout
+        opened = self.clock()
+        self.events.emit(RegistrationOpened(self.config.run.clients))
+        deadline = opened + self.config.round.registration_timeout
         while len(self.registry.online()) < self.config.run.clients and self.clock() < deadline:
             self._serve(min(1.0, deadline - self.clock()), on_reply=self._stale_reply)
         have = len(self.registry.online("trainer"))
@@ -164,6 +178,7 @@ class Coordinator:
             self.holdout = frozenset(self.registry.online("trainer")[-self.config.round.holdout_clients:])
             log.info("held out of training (heads only): %s", ", ".join(sorted(self.holdout)))
         log.info("%d devices registered (%d trainers); starting", len(self.registry.devices), have)
+        self.events.emit(DevicesRegistered(len(self.registry.devices), have, self.clock() - opened))
 
     # -- message handling ------------------------------------------------------------------
     def _serve(self, timeout: float, on_reply: Callable[[Received], None]) -> None:
@@ -242,7 +257,12 @@ class Coordinator:
         self.registry.register(hello.sender, kind, int(examples), hello.config)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
-        welcome = Envelope(
+        self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+
+    def welcome(self, client_id: str) -> Envelope:
+        """The WELCOME a registered device receives: the run, the algorithm with its
+        hyperparameters, the device's assignment and the training settings."""
+        return Envelope(
             Kind.WELCOME,
             COORDINATOR,
             run_id=self.run_id,
@@ -251,11 +271,10 @@ class Coordinator:
                 "incarnation": self.incarnation,
                 "algorithm": self.config.run.algorithm,
                 "hyper": to_plain(self.hyper),
-                "assignment": self.algorithm.assignment(hello.sender),
+                "assignment": self.algorithm.assignment(client_id),
                 "settings": self.config.welcome_settings(),
             },
         )
-        self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), welcome)
 
     def _offline(self, client_id: str) -> None:
         if client_id in self.registry.devices and self.registry.devices[client_id].online:
@@ -290,7 +309,7 @@ class Coordinator:
             return False
         reason = collector.check(envelope.sender, envelope.msg_id)
         if reason is Reason.DUPLICATE:
-            self.channel.duplicates += 1
+            self.channel.count_duplicate()
             return False
         if reason is not None:
             self.channel.reject(reason, f"{envelope.kind.value} from {envelope.sender} in round {round_}")
@@ -305,16 +324,22 @@ class Coordinator:
     # -- one round -------------------------------------------------------------------------
     def _play_round(self, round_: int) -> None:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
-        rejections0 = dict(self.channel.rejections)
+        channel0 = self.channel.counters.snapshot()
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
         selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
+        self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
-        collector, outcome = self._train(round_, selected)
+        collector, outcome = self._train(round_, selected, started)
         evaluation = None
+        accuracies: list[float] = []
         if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
+            evaluating = self.clock()
             evaluation = self.ledger.final = self._evaluate(round_)
+            accuracies = [m["accuracy"] for cid, m in evaluation.items() if cid not in self.holdout]
+            self.events.emit(RoundEvaluated(round_, len(evaluation), (summarize(accuracies) or {}).get("mean"),
+                                            self.clock() - evaluating))
         sent1, received1 = self.channel.counter.snapshot()
-        accuracies = [m["accuracy"] for cid, m in (evaluation or {}).items() if cid not in self.holdout]
+        channel = self.channel.counters.snapshot() - channel0
         global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
         record = RoundRecord(
             round=round_,
@@ -326,8 +351,7 @@ class Coordinator:
             bytes_up=received1 - received0,
             bytes_down=sent1 - sent0,
             seconds=self.clock() - started,
-            rejections={k: v - rejections0.get(k, 0) for k, v in self.channel.rejections.items()
-                        if v != rejections0.get(k, 0)},
+            rejections=channel.rejections,
         )
         entry = asdict(record)
         self.completed = round_
@@ -339,10 +363,9 @@ class Coordinator:
                  self.config.training.rounds,
                  record.outcome, record.participants, record.selected,
                  f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
-        if self.on_round is not None:
-            self.on_round(entry)
+        self.events.emit(RoundEnded(round_, entry, channel))
 
-    def _train(self, round_: int, selected: list[str]) -> tuple[RoundCollector, Outcome]:
+    def _train(self, round_: int, selected: list[str], started: float) -> tuple[RoundCollector, Outcome]:
         """Broadcast TRAIN, fold the replies in, aggregate. What was broadcast is let go on return,
         before evaluation and the checkpoint."""
         self.algorithm.begin_round(round_)
@@ -356,40 +379,44 @@ class Coordinator:
             deadline=self.clock() + self.config.round.round_timeout,
             grace=self.config.round.quorum_grace,
         )
-        outcome = self._request(Kind.TRAIN, task, collector, lambda r: self._on_update(r, round_, groups, collector))
+        outcome = self._request(Kind.TRAIN, task, collector,
+                                lambda r: self._on_update(r, round_, groups, collector, started))
         if collector.enough:
+            aggregating = self.clock()
             self.algorithm.end_round(round_)
+            self.events.emit(RoundAggregated(round_, len(collector.replied), self.clock() - aggregating))
         else:
             log.warning("round %d: %d of %d replies, below the quorum of %d; global state unchanged",
                         round_, len(collector.replied), len(selected), collector.min_replies)
         return collector, outcome
 
-    def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector) -> None:
+    def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector,
+                   started: float) -> None:
         envelope = received.envelope
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
         registered = self.registry.devices[envelope.sender].num_examples
-        spec = self.algorithm.update_spec(round_)
+        validating = self.clock()
         try:
-            envelope = replace(envelope, groups=codecs.decode(self.config.training.upload_codec, envelope.groups, sent,
-                                                              spec))
-            weight = check_update(envelope, spec, sent, registered, self.limits)
-            self.algorithm.validate_update(envelope.sender, envelope.groups, envelope.metrics, registered)
+            groups, weight = checked_update(self.algorithm, round_, envelope, sent, registered, self.limits,
+                                            self.config.training.upload_codec)
         except ProtocolError as err:
             self._refuse(envelope, collector, err.reason, f"update from {envelope.sender}: {err.detail}")
             return
-        self.algorithm.accumulate(envelope.sender, envelope.groups, envelope.metrics, weight)
-        collector.accept(envelope.sender, envelope.msg_id, self.clock())
+        accumulating = self.clock()
+        self.algorithm.accumulate(envelope.sender, groups, envelope.metrics, weight)
+        accepted = self.clock()
+        collector.accept(envelope.sender, envelope.msg_id, accepted)
+        self.events.emit(UpdateAccepted(round_, envelope.sender, received.size, accepted - started,
+                                        accumulating - validating, accepted - accumulating))
 
     # -- evaluation ------------------------------------------------------------------------
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
-                  prototypes: PrototypePool | None = None, statistics: StatisticsPool | None = None,
+                  pool: Pool | None = None,
                   extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
-        and the weak devices once a representation is released. With `prototypes`, the class
-        statistics weak devices send along are validated and pooled into it. With `statistics`
-        (phase "statistics") the devices send the global body's BatchNorm statistics instead
-        of metrics, pooled into it."""
+        and the weak devices once a representation is released. With a `pool` (a release
+        phase), what the devices send in the pool's group is checked and pooled into it."""
         if targets is None:
             targets = self.registry.online() if self.release else self.registry.online("trainer")
         if not targets:
@@ -406,30 +433,24 @@ class Coordinator:
             envelope = received.envelope
             if not self._admit(received, Kind.EVAL_RES, round_, collector):
                 return
-            if statistics is not None:
-                try:
-                    statistics.check(envelope.groups.get(STATISTICS, {}))
-                except ProtocolError as err:
-                    self._refuse(envelope, collector, err.reason, f"statistics from {envelope.sender}: {err.detail}")
+            examples = self.registry.devices[envelope.sender].num_examples
+            result: dict[str, Any] = {"kind": self.registry.kind_of(envelope.sender)}
+            if pool is None or pool.evaluates:
+                accuracy = envelope.metrics.get("accuracy")
+                if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
+                    self._refuse(envelope, collector, Reason.MALFORMED,
+                                 f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
                     return
-                statistics.add(envelope.groups[STATISTICS], self.registry.devices[envelope.sender].num_examples)
-                results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender)}
-                collector.accept(envelope.sender, envelope.msg_id, self.clock())
-                return
-            accuracy = envelope.metrics.get("accuracy")
-            if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
-                self._refuse(envelope, collector, Reason.MALFORMED,
-                             f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
-                return
-            if prototypes is not None and PROTOTYPES in envelope.groups:
+                result.update(holdout=envelope.sender in self.holdout, **envelope.metrics)
+            pooled = pool is not None and (pool.required or pool.group in envelope.groups)
+            if pooled:
                 try:
-                    prototypes.check(envelope.groups[PROTOTYPES], self.registry.devices[envelope.sender].num_examples)
+                    pool.check(envelope.groups.get(pool.group, {}), examples)
                 except ProtocolError as err:
-                    self._refuse(envelope, collector, err.reason, f"prototypes from {envelope.sender}: {err.detail}")
+                    self._refuse(envelope, collector, err.reason, f"{pool.group} from {envelope.sender}: {err.detail}")
                     return
-                prototypes.add(envelope.groups[PROTOTYPES])
-            results[envelope.sender] = {"kind": self.registry.kind_of(envelope.sender),
-                                        "holdout": envelope.sender in self.holdout, **envelope.metrics}
+                pool.add(envelope.groups[pool.group], examples)
+            results[envelope.sender] = result
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         self._request(Kind.EVALUATE, request, collector, on_result)
@@ -446,47 +467,27 @@ class Coordinator:
         self.channel.send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
 
     def _release_phase(self) -> None:
-        """Export and publish the representation; pool the weak devices' class prototypes; then
+        """Export and publish the representation (`ReleasePhase` pools what it needs); then
         evaluate the whole fleet, weak devices included, sending the pooled prototypes along."""
-        statistics = self._pool_body_statistics()
-        self.release = export_release(self.out, self.algorithm.state, to_plain(self.config), run_id=self.run_id,
-                                      round_=self.completed, statistics=statistics)
+        phase = ReleasePhase(self.folder, self.algorithm.context.task.num_classes, self._gather,
+                             state=self.algorithm.state, config=self._record(), model=self.model,
+                             run_id=self.run_id, round_=self.completed)
+        phase.pool_body_statistics(self.registry.online("trainer"))
+        self.release = phase.export()
         self._publish_release()
         self.ledger.event("released", round=self.completed, sha256=self.release.sha256, size=len(self.release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": self.release.sha256,
                              "bytes": len(self.release.data), "path": str(self.release.path)})
-        lite = self.registry.online("lite")
-        extra: dict[str, ArrayGroup] = {}
-        if lite:
-            meta = self.config.task()
-            pool = PrototypePool(meta.num_classes, int(self.release.metadata["feature_dim"]))
-            self._evaluate(self.completed, targets=lite, phase="prototypes", prototypes=pool)
-            if pool.devices:
-                extra = {PROTOTYPES: pool.result()}
-                log.info("global prototypes pooled from %d devices go out with the final evaluation", pool.devices)
+        extra = phase.prototypes(self.registry.online("lite"), self.release)
         self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
         self._checkpoint()
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
                              "devices": len(self.ledger.final)})
 
-    def _pool_body_statistics(self) -> ArrayGroup:
-        """For an algorithm that keeps BatchNorm statistics personal: the trainers compute those
-        of the global body on their training data; pooled, they go to the export (and are saved
-        for a later `edgepfl export`). Empty when the global state holds them."""
-        from .representation import RepresentationError, body_statistics_needed, save_body_statistics
-
-        needed = body_statistics_needed(self.algorithm.state, to_plain(self.config), run_id=self.run_id)
-        if not needed:
-            return {}
-        pool = StatisticsPool(needed)
-        self._evaluate(self.completed, targets=self.registry.online("trainer"), phase=STATISTICS, statistics=pool)
-        if not pool.devices:
-            raise RepresentationError("no trainer sent the global body's BatchNorm statistics: nothing to release")
-        statistics = pool.result()
-        path = save_body_statistics(self.out, self.completed, statistics)
-        log.info("BatchNorm statistics of the global body pooled from %d devices: %s", pool.devices, path)
-        return statistics
+    def _gather(self, targets: list[str], pool: Pool) -> None:
+        """Ask `targets` for the pool's phase and pool their replies."""
+        self._evaluate(self.completed, targets=targets, phase=pool.phase, pool=pool)
 
     # -- the report ------------------------------------------------------------------------
     def _report(self, wall_seconds: float) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from edge_sdk.settings import BrokerSettings, TrainSettings
@@ -24,6 +23,8 @@ from edge_sdk.transport import MqttSettings
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
+from .events import Event
+from .run_folder import RunFolder
 from .server import Coordinator
 from .settings import RunSettings, SimulationSettings
 
@@ -43,8 +44,7 @@ class WorkerSpec:
     declared_task: dict | None
     attacks: dict[int, str | None]
     lite_heads: dict[int, str]  # weak devices: index -> head kind
-    state_root: str
-    models_dir: str
+    out: str  # the run folder (RunFolder)
     log_level: int
 
     @classmethod
@@ -55,7 +55,7 @@ class WorkerSpec:
                    config.run, config.training, config.broker, config.simulation, config.declared_task,
                    {i: config.attack_of(i) for i in indices},
                    {i: config.simulation.head for i in indices if i >= first_lite},
-                   str(Path(config.run.out) / "state"), str(Path(config.run.out) / "models"),
+                   config.run.out,
                    logging.getLogger().getEffectiveLevel())
 
 
@@ -77,12 +77,12 @@ def _worker_main(spec: WorkerSpec) -> None:
         data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
         client_id = client_id_for(index)
         session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
-                   "state_dir": Path(spec.state_root) / client_id, "chunk_size": spec.broker.upload_chunk_size}
+                   "state_dir": RunFolder(spec.out).device_state(client_id), "chunk_size": spec.broker.upload_chunk_size}
         if index in spec.lite_heads:
             from edge_sdk.lite import LiteClient
 
             client = LiteClient(client_id, data, head=spec.lite_heads[index],
-                                model_path=Path(spec.models_dir) / f"{client_id}.onnx", **session)
+                                model_path=RunFolder(spec.out).device_model(client_id), **session)
         else:
             client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
                                 compute_lock=lock, attack=spec.attacks[index], **session)
@@ -132,9 +132,14 @@ def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threa
     return thread
 
 
-def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run `config` end to end and return the report (also written to `config.run.out`)."""
+def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
+                   on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
+    """Run `config` end to end and return the report (also written to `config.run.out`); `on_event`
+    receives every event of the coordinator (coordinator/events.py)."""
+    from edge_sdk.models import resolve_factory
+
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
+    resolve_factory(config.model_name, config.task())  # so does a bad model or data file
     if config.broker.federation == "default":
         config = config.replace(federation=f"sim-{uuid.uuid4().hex[:8]}")
     broker = EmbeddedBroker().start() if config.broker.broker is None else None
@@ -155,6 +160,8 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
         transport.connect()
         try:
             coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
+            if on_event is not None:
+                coordinator.subscribe(on_event)
             report = coordinator.run()
         finally:
             transport.close()

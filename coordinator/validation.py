@@ -8,12 +8,17 @@ own checks. The returned weight is the claimed example count, capped.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from edge_sdk import codecs
 from edge_sdk.params import ArraySpec, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
 from .aggregate import aligned_reference, squared_distance
+
+if TYPE_CHECKING:
+    from .algorithms.base import ServerAlgorithm
 
 
 @dataclass(frozen=True)
@@ -56,3 +61,15 @@ def check_update(
         if norm > limits.max_update_norm:
             raise ValidationError(Reason.NORM_TOO_LARGE, f"update norm {norm:.3g} > {limits.max_update_norm:.3g}")
     return float(min(claimed, registered_examples, limits.max_examples))
+
+
+def checked_update(algorithm: ServerAlgorithm, round_: int, envelope: Envelope, sent: dict[str, ArrayGroup],
+                   registered_examples: int, limits: UpdateLimits, codec: str) -> tuple[dict[str, ArrayGroup], float]:
+    """Every check a TRAIN_RES passes before `accumulate`, as the coordinator makes them: the
+    upload codec decoded against what was `sent`, `check_update`, then the algorithm's own
+    checks. Returns the decoded groups and the update's weight; raises ValidationError."""
+    spec = algorithm.update_spec(round_)
+    groups = codecs.decode(codec, envelope.groups, sent, spec)
+    weight = check_update(replace(envelope, groups=groups), spec, sent, registered_examples, limits)
+    algorithm.validate_update(envelope.sender, groups, envelope.metrics, registered_examples)
+    return groups, weight

@@ -4,6 +4,10 @@ Both the coordinator and the devices talk through a `Channel`. Everything that a
 checked before anyone sees it: the topic must belong to the federation, the frame must decode,
 the envelope's sender must be the device named in an upstream topic. Rejections are logged with
 a reason code and counted; identical redeliveries (QoS 1) are dropped by message id.
+
+`Channel.counters` is the public view of what a channel did (envelopes and their bytes by
+direction and kind, rejections by reason, duplicates, time spent sending and accepting, the
+reassembly backlog): benchmarks and tests read it instead of wrapping the channel's methods.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import queue
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import wire
@@ -46,9 +50,79 @@ class Transport(Protocol):
 
 @dataclass(frozen=True)
 class Received:
+    """One accepted envelope, where it came from and its encoded size (reassembled, if chunked)."""
+
     topic: str
     address: TopicAddress
     envelope: Envelope
+    size: int
+
+
+@dataclass(frozen=True)
+class ChannelSnapshot:
+    """The counters of a channel at one moment; `a - b` is what happened between two moments
+    (the reassembly peaks are those of the later one)."""
+
+    messages: dict[str, dict[str, int]]
+    """Envelopes by direction ("sent", "received") and message kind."""
+    bytes: dict[str, dict[str, int]]
+    """Encoded envelope bytes (before chunking, after reassembly) by direction and kind."""
+    rejections: dict[str, int]
+    duplicates: int
+    send_seconds: float
+    """Encoding, chunking and publish calls."""
+    accept_seconds: float
+    """Unpacking, reassembly, decoding and the checks of everything received."""
+    peak_pending_blobs: int
+    peak_pending_bytes: int
+
+    def __sub__(self, earlier: ChannelSnapshot) -> ChannelSnapshot:
+        def minus(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+            return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+        return ChannelSnapshot(
+            {d: minus(k, earlier.messages.get(d, {})) for d, k in self.messages.items()},
+            {d: minus(k, earlier.bytes.get(d, {})) for d, k in self.bytes.items()},
+            minus(self.rejections, earlier.rejections),
+            self.duplicates - earlier.duplicates,
+            self.send_seconds - earlier.send_seconds,
+            self.accept_seconds - earlier.accept_seconds,
+            self.peak_pending_blobs,
+            self.peak_pending_bytes,
+        )
+
+
+@dataclass
+class ChannelCounters:
+    """Live tallies of one channel, updated by the channel only; read them or `snapshot()`."""
+
+    messages: Counter[tuple[str, str]] = field(default_factory=Counter)
+    bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    rejections: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+    send_seconds: float = 0.0
+    accept_seconds: float = 0.0
+    peak_pending_blobs: int = 0
+    peak_pending_bytes: int = 0
+
+    def record(self, direction: str, kind: Kind, size: int) -> None:
+        self.messages[(direction, kind.value)] += 1
+        self.bytes[(direction, kind.value)] += size
+
+    def reset_peaks(self) -> None:
+        """Start measuring the reassembly peaks afresh (e.g. at the start of a round)."""
+        self.peak_pending_blobs = self.peak_pending_bytes = 0
+
+    def snapshot(self) -> ChannelSnapshot:
+        def by_direction(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+            out: dict[str, dict[str, int]] = {"sent": {}, "received": {}}
+            for (direction, kind), n in sorted(counts.items()):
+                out[direction][kind] = n
+            return out
+
+        return ChannelSnapshot(by_direction(self.messages), by_direction(self.bytes), dict(self.rejections),
+                               self.duplicates, self.send_seconds, self.accept_seconds,
+                               self.peak_pending_blobs, self.peak_pending_bytes)
 
 
 class Channel:
@@ -69,8 +143,7 @@ class Channel:
         self.topics = topics
         self.chunk_size = check_chunk_size(chunk_size)
         self.limits = limits
-        self.rejections: Counter[str] = Counter()
-        self.duplicates = 0
+        self.counters = ChannelCounters()
         self.repeatable = repeatable | {Kind.OFFLINE}  # passed on even when seen before
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._reassembler = Reassembler(
@@ -82,25 +155,52 @@ class Channel:
 
     @property
     def counter(self) -> ByteCounter:
+        """The transport's bytes on the wire (topics and chunk frames included), by kind."""
         return self.transport.counter
+
+    @property
+    def rejections(self) -> Counter[str]:
+        """Rejected messages by reason code (read-only view of `counters.rejections`)."""
+        return self.counters.rejections
+
+    @property
+    def duplicates(self) -> int:
+        """Redelivered or repeated messages dropped."""
+        return self.counters.duplicates
+
+    @property
+    def reassembly_limits(self) -> dict[str, int]:
+        """The most partly received blobs, and bytes, this channel holds before dropping the oldest."""
+        return {"max_pending_blobs": self._reassembler.max_pending_blobs,
+                "max_pending_bytes": self._reassembler.max_pending_bytes}
 
     def send(self, topic: str, envelope: Envelope, *, retain: bool = False) -> int:
         """Publish one envelope, chunked when larger than the chunk size or than the broker's
         maximum packet size (where an MQTT 5 broker announces one); returns bytes sent. The
         arrays are copied once, into the message or its frames made one at a time."""
+        started = time.perf_counter()
+        try:
+            size, sent = self._send(topic, envelope, retain)
+        finally:
+            self.counters.send_seconds += time.perf_counter() - started
+        self.counters.record("sent", envelope.kind, size)
+        return sent
+
+    def _send(self, topic: str, envelope: Envelope, retain: bool) -> tuple[int, int]:
+        """(the encoded envelope's size, the bytes published: its frames' when chunked)."""
         pieces = wire.encode_pieces(envelope)
         size, room = sum(len(piece) for piece in pieces), self._broker_room(topic)
         if size <= min(self.chunk_size, room):
             payload = b"".join(pieces)
             self.transport.publish(topic, payload, retain=retain)
-            return size
+            return size, size
         if retain:
             raise ValueError("retained messages must fit in one chunk")
         sent = 0
         for frame in iter_frames(pieces, max(MIN_CHUNK_SIZE, min(self.chunk_size, room - FRAME_OVERHEAD))):
             self.transport.publish(topic, frame)
             sent += len(frame)
-        return sent
+        return size, sent
 
     def _broker_room(self, topic: str) -> int:
         """The largest payload the broker takes on `topic` (unbounded when it did not say)."""
@@ -117,7 +217,11 @@ class Channel:
             except queue.Empty:
                 self._reassembler.expire()
                 return None
-            received = self._accept(incoming)
+            started = time.perf_counter()
+            try:
+                received = self._accept(incoming)
+            finally:
+                self.counters.accept_seconds += time.perf_counter() - started
             if received is not None:
                 return received
             if time.monotonic() >= deadline:
@@ -134,12 +238,13 @@ class Channel:
             address = self.topics.parse(topic)
             if not payload:
                 return None  # a cleared retained message
-            obj = wire.unpack(payload, self.limits)
+            obj, size = wire.unpack(payload, self.limits), len(payload)
             if is_chunk_frame(obj):
                 blob = self._reassembler.add(topic, chunk_from_dict(obj))
+                self._note_backlog()
                 if blob is None:
                     return None
-                obj = wire.unpack(blob, self.limits)
+                obj, size = wire.unpack(blob, self.limits), len(blob)
             envelope = wire.envelope_from_dict(obj, self.limits)
             self._check_sender(address, envelope)
         except ProtocolError as err:
@@ -147,7 +252,13 @@ class Channel:
             return None
         if envelope.kind not in self.repeatable and self._is_duplicate(envelope):
             return None
-        return Received(topic, address, envelope)
+        self.counters.record("received", envelope.kind, size)
+        return Received(topic, address, envelope, size)
+
+    def _note_backlog(self) -> None:
+        counters, reassembler = self.counters, self._reassembler
+        counters.peak_pending_blobs = max(counters.peak_pending_blobs, reassembler.pending_blobs)
+        counters.peak_pending_bytes = max(counters.peak_pending_bytes, reassembler.pending_bytes)
 
     def _check_sender(self, address: TopicAddress, envelope: Envelope) -> None:
         if address.kind != envelope.kind:
@@ -160,16 +271,20 @@ class Channel:
     def _is_duplicate(self, envelope: Envelope) -> bool:
         key = (envelope.sender, envelope.msg_id)
         if key in self._seen:
-            self.duplicates += 1
+            self.count_duplicate()
             return True
         self._seen[key] = None
         if len(self._seen) > 65536:
             self._seen.popitem(last=False)
         return False
 
+    def count_duplicate(self) -> None:
+        """Count one message dropped as a repeat; callers use it for their own checks too."""
+        self.counters.duplicates += 1
+
     def reject(self, reason: Reason, detail: str) -> None:
         """Count and log one rejected message; callers use it for their own checks too."""
-        self.rejections[reason.value] += 1
+        self.counters.rejections[reason.value] += 1
         log.warning("rejected (%s): %s", reason.value, detail)
 
     def _count_drop(self, reason: Reason) -> None:

@@ -145,6 +145,11 @@ class Reassembler:
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
+    @property
+    def pending_blobs(self) -> int:
+        """Blobs partly received, waiting for their other chunks."""
+        return len(self._pending)
+
     def add(self, stream: str, chunk: Chunk) -> bytes | None:
         self.expire()
         key = (stream, chunk.blob_id)

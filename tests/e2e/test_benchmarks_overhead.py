@@ -38,5 +38,8 @@ def test_overhead_quick_compares_mqtt_with_the_in_process_loop(tmp_path):
         assert data["ratios"][name]["ratio"] > 0
         assert len(data["ratios"][name]["ratio_per_round"]) == 2
     assert data["variants"]["amqtt"]["rounds"][0]["bytes_up"] > 0
+    for name in variants.split(",")[:-1]:  # the coordinator's channel, from its RoundEnded events
+        assert all(r["coordinator_send_seconds"] > 0 and r["coordinator_accept_seconds"] > 0
+                   for r in data["variants"][name]["rounds"])
     assert "| variant |" in (tmp_path / "overhead.md").read_text()
     assert (tmp_path / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from coordinator.run_folder import RunFolder
+
 pytestmark = pytest.mark.e2e
 
 
@@ -22,7 +24,7 @@ def test_simulate_three_rounds_writes_report_metrics_and_curves(tmp_path):
 
     assert result.returncode == 0, result.stdout + result.stderr
     assert "personalized accuracy" in result.stdout
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     for key in ("algorithm", "dataset", "partition", "clients", "rounds_completed", "rounds", "final",
                 "communication", "wall_seconds"):
         assert key in report
@@ -33,9 +35,9 @@ def test_simulate_three_rounds_writes_report_metrics_and_curves(tmp_path):
     assert report["final"]["personalized_accuracy"]["mean"] >= 0.8
     assert {c["kind"] for c in report["final"]["per_client"].values()} == {"trainer"}
     assert report["communication"]["by_kind"]["up"]["train_res"] > 0
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
     assert [line["round"] for line in lines if line["event"] == "round"] == [1, 2, 3]
-    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert RunFolder(out).curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_flag_value_names_the_key(tmp_path):

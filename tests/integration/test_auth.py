@@ -21,6 +21,7 @@ import pytest
 from brokers import require_mosquitto
 from coordinator.broker import free_port, wait_for_port
 from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
+from coordinator.run_folder import RunFolder
 from edge_sdk.settings import load_credentials
 from edge_sdk.transport import Incoming, MqttSettings, MqttTransport, TransportError
 
@@ -284,7 +285,7 @@ def test_simulate_runs_against_the_generated_broker(plain, tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert report["rounds_completed"] == 1
     assert report["rounds"][0]["participants"] == 3
     assert sum(report["rejections"].values()) == 0

@@ -15,6 +15,7 @@ import pytest
 
 from coordinator import checkpoint
 from coordinator.config import RunConfig
+from coordinator.run_folder import RunFolder
 from coordinator.server import Coordinator
 from edge_sdk import wire
 from edge_sdk.channel import Channel
@@ -106,7 +107,7 @@ def run(url: str, out, federation: str, *, disturb: bool):
             spy.close()
         for thread in threads:
             thread.join(timeout=30)
-    return report, checkpoint.load(out / "checkpoint.msgpack").state, spy
+    return report, checkpoint.loadRunFolder(out).checkpoint.state, spy
 
 
 LOCK = threading.Lock()  # one device trains at a time: the same arithmetic in both runs

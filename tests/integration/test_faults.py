@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
@@ -105,7 +106,7 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> str:
 
 
 def recorded_rounds(out) -> list[int]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lines = RunFolder(out).metrics.read_text().splitlines()
     return [json.loads(line)["round"] for line in lines if json.loads(line)["event"] == "round"]
 
 
@@ -124,7 +125,7 @@ def test_killed_device_does_not_stall_the_run(mosquitto, tmp_path):
         for process in devices:
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert report["rounds_completed"] == 6
     assert report["rounds"][-1]["participants"] == 2
     assert "dev2" not in report["final"]["per_client"]
@@ -151,7 +152,7 @@ def test_killed_coordinator_resumes_without_repeating_a_round(mosquitto, tmp_pat
         for process in devices:
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert 3 <= killed_after < 8, "the kill happened mid-run"
     assert report["run_id"] == status.run_id
     assert report["rounds_completed"] == 8
@@ -175,7 +176,7 @@ def test_frozen_device_round_closes_at_its_deadline(mosquitto, tmp_path):
             process.send_signal(signal.SIGCONT)
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     late = [r for r in report["rounds"] if r["round"] >= 3]
     assert report["rounds_completed"] == 3
     assert all(r["outcome"] == "deadline" and r["participants"] == 2 for r in late)
@@ -207,7 +208,7 @@ def test_restarted_device_keeps_its_personal_state_and_rejoins(mosquitto, tmp_pa
         for process in devices:
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert rejoined_after < 11, "the device came back with rounds to spare"
     assert "personal state of round" in restarted_log
     assert report["rounds_completed"] == 12
@@ -232,7 +233,7 @@ def test_broker_restart_mid_run_both_sides_reconnect_and_finish(mosquitto, tmp_p
         for process in devices:
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert report["rounds_completed"] == 6
     assert report["events"].get("coordinator_reconnected", 0) >= 1
     assert report["rounds"][-1]["participants"] == 3
@@ -275,7 +276,7 @@ def test_chaos_kills_restarts_and_a_broker_restart(mosquitto, tmp_path):
         for process in devices:
             process.kill()
 
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads(RunFolder(out).report.read_text())
     assert report["rounds_completed"] == 20
     assert recorded_rounds(out) == list(range(1, 21))
     # what happened is on record: devices going offline and every killed device coming back

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from coordinator.config import RunConfig
+from coordinator.run_folder import RunFolder
 from coordinator.server import Coordinator
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient
@@ -53,7 +54,7 @@ def test_three_devices_complete_two_rounds(any_broker, tmp_path):
     assert set(report["final"]["per_client"]) == {"dev0", "dev1", "dev2"}
     assert report["final"]["personalized_accuracy"]["mean"] > 0.5
     assert report["communication"]["bytes_up"] > 0 and report["communication"]["bytes_down"] > 0
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in RunFolder(tmp_path).metrics.read_text().splitlines()]
     assert [line["round"] for line in lines if line["event"] == "round"] == [1, 2]
     for client, thread in devices:
         assert not thread.is_alive(), "devices leave when the coordinator finishes"

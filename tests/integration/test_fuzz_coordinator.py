@@ -356,7 +356,7 @@ def test_coordinator_survives_a_fuzz_flood_then_completes_the_round(mosquitto, t
     # Assert: alive, nothing registered or applied, rejections counted, memory bounded
     assert thread.is_alive() and thread.error is None, f"coordinator died: {thread.error!r}"
     assert coordinator.completed == 0
-    assert not coordinator.checkpoint_path.exists()
+    assert not coordinator.folder.checkpoint.exists()
     assert set(coordinator.registry.devices) == set(REGISTERED)
     assert coordinator.registry.online("trainer") == list(REGISTERED)
     not_counted_at_arrival = labels["chunk-incomplete"]  # held for reassembly, dropped later
@@ -381,7 +381,7 @@ def test_coordinator_survives_a_fuzz_flood_then_completes_the_round(mosquitto, t
     assert report["rounds_completed"] == 1
     assert [r["participants"] for r in report["rounds"]] == [3]
     assert set(report["final"]["per_client"]) == {"dev0", "dev1", "dev2"}
-    assert coordinator.checkpoint_path.exists()
+    assert coordinator.folder.checkpoint.exists()
 
 
 POISON = {

@@ -17,6 +17,7 @@ import torch
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
+from coordinator.inprocess import play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
@@ -79,20 +80,9 @@ def make_device(algorithm_id: str, data: ClientData, index: int = 0, **hyper) ->
     return cls(from_mapping(cls.Hyper, hyper), SETTINGS, data, "cpu", client_seed=1000 + index)
 
 
-def play_round(server, devices: list[DeviceAlgorithm], round_: int) -> list:
-    """One round as the coordinator plays it: TRAIN down, validated replies folded in, aggregate."""
-    server.begin_round(round_)
-    results = []
-    for i, device in enumerate(devices):
-        result = device.fit(Task(round_, server.task_groups(round_), {"selected": []}))
-        spec = server.update_spec(round_)
-        assert set(result.groups) == set(spec)
-        for group, expected in spec.items():
-            check_arrays(group, result.groups[group], expected)
-        server.accumulate(f"dev{i:03d}", result.groups, result.metrics, float(result.metrics["num_examples"]))
-        results.append(result)
-    server.end_round(round_)
-    return results
+def fleet(devices: list[DeviceAlgorithm]) -> dict[str, DeviceAlgorithm]:
+    """The devices by the ids the coordinator would give them."""
+    return {f"dev{i:03d}": device for i, device in enumerate(devices)}
 
 
 def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,7 +97,7 @@ def test_uploads_carry_exactly_the_shared_parts_and_never_a_personal_key(algorit
     devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas)]
 
     # Execute
-    rounds = [play_round(server, devices, r) for r in (1, 2)]
+    rounds = [play_round(server, fleet(devices), r).results.values() for r in (1, 2)]
 
     # Assert
     device = devices[0]
@@ -133,10 +123,12 @@ def test_server_state_is_the_example_weighted_mean_of_the_uploads(algorithm_id, 
     devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas)]
 
     # Execute
-    results = play_round(server, devices, 1)
+    played = play_round(server, fleet(devices), 1)
 
     # Assert
+    results = played.results.values()
     weights = np.array([r.metrics["num_examples"] for r in results], dtype=np.float64)
+    assert list(played.weights.values()) == list(weights)
     for name, value in server.state[SHARED].items():
         expected = sum(w * r.groups[SHARED][name] for w, r in zip(weights, results)) / weights.sum()
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
@@ -147,7 +139,7 @@ def test_evaluation_deploys_the_global_shared_parts_with_the_personal_ones(algor
     # Prepare
     server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
     devices = [make_device(algorithm_id, d, i, **FAST.get(algorithm_id, {})) for i, d in enumerate(datas[:2])]
-    play_round(server, devices, 1)
+    play_round(server, fleet(devices), 1)
 
     # Execute
     metrics = [d.evaluate(Task(1, server.eval_groups(), {"final": True})) for d in devices]
@@ -290,7 +282,7 @@ def test_head_phase_fits_the_head_on_the_features_the_deployed_body_computes(dat
     # fitted by hand on the features of the body recalibrated on the train split, in eval mode
     server = make_server("fedrep")
     device = make_device("fedrep", datas[0])
-    play_round(server, [device], 1)
+    play_round(server, fleet([device]), 1)
     for module in device.model.body.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.reset_running_stats()
@@ -348,7 +340,7 @@ def test_a_new_client_fits_its_head_on_the_frozen_global_body_before_it_is_score
     # Prepare: devices 0 and 1 train a round; device 2 never does (a held-out device), and a
     # twin of it gets the expected head by hand
     server = make_server(algorithm_id, **hyper)
-    play_round(server, [make_device(algorithm_id, d, i, **hyper) for i, d in enumerate(datas[:2])], 1)
+    play_round(server, fleet([make_device(algorithm_id, d, i, **hyper) for i, d in enumerate(datas[:2])]), 1)
     new_client, reference = (make_device(algorithm_id, datas[2], 2, **hyper) for _ in range(2))
     task = Task(1, server.eval_groups(), {"final": True})
     reference.load_shared(task)
@@ -372,7 +364,7 @@ def test_a_device_that_has_trained_is_scored_with_its_head_as_it_is(algorithm_id
     # Prepare
     server = make_server(algorithm_id, **FAST.get(algorithm_id, {}))
     device = make_device(algorithm_id, datas[0], **FAST.get(algorithm_id, {}))
-    play_round(server, [device], 1)
+    play_round(server, fleet([device]), 1)
     personal = device.personal_state()
 
     # Execute
@@ -388,7 +380,7 @@ def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone
     # Prepare: twin devices; only one evaluates (and fine-tunes) between the rounds
     server = make_server("fedavg_ft")
     evaluated, twin = make_device("fedavg_ft", datas[0], ft_epochs=3), make_device("fedavg_ft", datas[0], ft_epochs=3)
-    play_round(server, [evaluated], 1)
+    play_round(server, fleet([evaluated]), 1)
     twin.fit(Task(1, make_server("fedavg_ft").task_groups(1), {}))
     calls = []
     train_head = evaluated.train_head_on_features
@@ -414,7 +406,7 @@ def test_fedavg_ft_without_fine_tuning_reports_the_global_model(datas) -> None:
     # Prepare
     server = make_server("fedavg_ft")
     device = make_device("fedavg_ft", datas[1], ft_epochs=0)
-    play_round(server, [device], 1)
+    play_round(server, fleet([device]), 1)
 
     # Execute
     metrics = device.evaluate(Task(1, server.eval_groups(), {"final": True}))

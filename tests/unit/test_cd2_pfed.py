@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.cd2_pfed import CD2PFedServer
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task
@@ -124,10 +125,7 @@ def test_server_averages_entry_by_entry_and_device_loads_leading_slices(data) ->
     before = {k: p.detach().clone() for k, p in device.model.named_parameters()}
 
     # Execute
-    server.begin_round(round_)
-    server.accumulate("a", {SHARED: first}, {}, weight=2.0)
-    server.accumulate("b", {SHARED: second}, {}, weight=1.0)
-    server.end_round(round_)
+    play_round(server, {"a": FixedUpdate({SHARED: first}, 2), "b": FixedUpdate({SHARED: second}, 1)}, round_)
     device.load_shared(Task(round_ + 1, server.task_groups(round_ + 1), {}))
 
     # Assert: (2 * 1 + 1 * 4) / 3 = 2 in every shared entry (to float32 rounding: the server sums

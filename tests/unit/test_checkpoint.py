@@ -11,6 +11,7 @@ import pytest
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.report import MetricsLog
+from coordinator.run_folder import RunFolder
 
 
 def _sample() -> Checkpoint:
@@ -34,7 +35,7 @@ def _sample() -> Checkpoint:
 
 def test_save_load_round_trip(tmp_path):
     # Prepare
-    path = tmp_path / "checkpoint.msgpack"
+    path = RunFolder(tmp_path).checkpoint
     saved = _sample()
 
     # Execute
@@ -89,11 +90,11 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path):
     out = tmp_path / "out"
 
     # Execute
-    checkpoint.save(out / "checkpoint.msgpack", _sample())
-    checkpoint.save(out / "checkpoint.msgpack", _sample())
+    checkpoint.save(RunFolder(out).checkpoint, _sample())
+    checkpoint.save(RunFolder(out).checkpoint, _sample())
 
     # Assert
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.msgpack"]
+    assert sorted(p.name for p in out.iterdir()) == [RunFolder(out).checkpoint.name]
 
 
 def _document(tmp_path) -> dict:
@@ -124,7 +125,7 @@ def test_corrupt_checkpoint_raises_checkpoint_error(tmp_path, corrupt):
     # Prepare
     document = _document(tmp_path)
     raw = (tmp_path / "source.msgpack").read_bytes()
-    path = tmp_path / "checkpoint.msgpack"
+    path = RunFolder(tmp_path).checkpoint
     path.write_bytes(corrupt(document, raw))
 
     # Execute / Assert
@@ -142,7 +143,7 @@ def _rounds(path) -> list[int]:
 
 def test_metrics_log_never_records_a_round_twice(tmp_path):
     # Prepare
-    path = tmp_path / "metrics.jsonl"
+    path = RunFolder(tmp_path).metrics
     log = MetricsLog(path)
 
     # Execute
@@ -157,7 +158,7 @@ def test_metrics_log_never_records_a_round_twice(tmp_path):
 
 def test_metrics_log_never_records_a_round_twice_across_reopen(tmp_path):
     # Prepare
-    path = tmp_path / "metrics.jsonl"
+    path = RunFolder(tmp_path).metrics
     MetricsLog(path).append({"event": "round", "round": 1})
     MetricsLog(path).append({"event": "round", "round": 2})
 
@@ -173,7 +174,7 @@ def test_metrics_log_never_records_a_round_twice_across_reopen(tmp_path):
 
 def test_metrics_log_writes_other_events_every_time(tmp_path):
     # Prepare
-    path = tmp_path / "metrics.jsonl"
+    path = RunFolder(tmp_path).metrics
     log = MetricsLog(path)
 
     # Execute
@@ -186,7 +187,7 @@ def test_metrics_log_writes_other_events_every_time(tmp_path):
 
 def test_metrics_log_survives_a_line_torn_by_a_crash(tmp_path):
     # Prepare: round 1 complete, then a crash mid-way through round 2's line (no newline)
-    path = tmp_path / "metrics.jsonl"
+    path = RunFolder(tmp_path).metrics
     path.write_text(json.dumps({"event": "round", "round": 1}) + "\n" + '{"event": "round", "ro')
 
     # Execute: the resumed run writes round 2 again

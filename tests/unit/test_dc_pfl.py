@@ -13,6 +13,7 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.aggregate import pool_class_stats
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dc_pfl import DcPflServer, sample_virtual_features, virtual_counts
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task
@@ -142,10 +143,7 @@ def test_server_round_draws_1000_virtual_features_reproducibly(monkeypatch: pyte
     # Execute: the same round twice, replies in different orders
     for order in (["dev001", "dev000"], ["dev000", "dev001"]):
         server = DcPflServer(Hyper(), CONTEXT)
-        server.begin_round(3)
-        for cid in order:
-            server.accumulate(cid, {STATS: uploads[cid]}, {"num_examples": 60}, 60.0)
-        server.end_round(3)
+        play_round(server, {cid: FixedUpdate({STATS: uploads[cid]}, 60) for cid in order}, 3)
         states.append(server.state)
 
     # Assert
@@ -343,12 +341,7 @@ def test_heterogeneous_bodies_share_the_classifier() -> None:
 
     # Execute: two rounds, then the deployed models
     for round_ in (1, 2):
-        server.begin_round(round_)
-        for cid, device in devices.items():
-            groups = _round_trip(device.fit(Task(round_, server.task_groups(round_), {})).groups)
-            server.validate_update(cid, groups, {"num_examples": 16}, 16)
-            server.accumulate(cid, groups, {"num_examples": 16}, 16.0)
-        server.end_round(round_)
+        play_round(server, devices, round_)
     metrics = [device.evaluate(Task(2, server.eval_groups(), {"final": True})) for device in devices.values()]
 
     # Assert

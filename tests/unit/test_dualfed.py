@@ -17,6 +17,7 @@ from torch import nn
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dualfed import DualFedServer
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task
@@ -175,10 +176,7 @@ def test_server_weights_uniformly_or_by_examples(weighting: str, expected: float
     second = {k: np.full_like(v, 5.0) for k, v in server.state[SHARED].items()}
 
     # Execute
-    server.begin_round(1)
-    server.accumulate("a", {SHARED: first}, {"num_examples": 30}, 30.0)
-    server.accumulate("b", {SHARED: second}, {"num_examples": 10}, 10.0)
-    server.end_round(1)
+    play_round(server, {"a": FixedUpdate({SHARED: first}, 30), "b": FixedUpdate({SHARED: second}, 10)}, 1)
 
     # Assert: uniform (1 + 5) / 2 = 3; by examples (30 * 1 + 10 * 5) / 40 = 2
     assert all(np.allclose(v, expected) for v in server.state[SHARED].values())

@@ -13,6 +13,8 @@ from builtin_tasks import digits_client
 from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
+from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.run_folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task
@@ -63,9 +65,7 @@ def test_server_assigns_unique_stable_blocks_also_to_late_joiners(data) -> None:
     # Execute: two devices, one registers again, a round passes, a late joiner arrives
     first, second = server.assignment("dev000"), server.assignment("dev001")
     again = server.assignment("dev000")
-    server.begin_round(1)
-    server.accumulate("dev000", {SHARED: server.state[SHARED]}, {}, weight=1.0)
-    server.end_round(1)
+    play_round(server, {"dev000": FixedUpdate({SHARED: server.state[SHARED]}, 1)}, 1)
     late = server.assignment("dev002")
 
     # Assert
@@ -81,7 +81,7 @@ def test_block_map_survives_a_coordinator_restart(data, tmp_path) -> None:
     # Prepare
     server = make_server(data)
     blocks = {cid: server.assignment(cid)["block"] for cid in ("dev000", "dev001")}
-    path = tmp_path / "checkpoint.msgpack"
+    path = RunFolder(tmp_path).checkpoint
     checkpoint.save(path, checkpoint.Checkpoint("run", 1, "fp", server.state))
 
     # Execute: a new coordinator process restores the checkpointed state

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.run_folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, topic_matches
@@ -198,6 +199,56 @@ def test_redelivered_identical_payload_is_dropped_as_duplicate():
     assert receiver.duplicates == 1 and receiver.rejections == {}
 
 
+def test_channel_counters_count_envelopes_bytes_rejections_and_duplicates_by_kind():
+    # Prepare: a HELLO and a result, then a redelivery of the result, garbage and a second HELLO
+    _, topics, sender, receiver = _pair()
+    result = Envelope(Kind.EVAL_RES, "dev001", metrics={"accuracy": 0.5})
+    n_hello = sender.send(topics.up("dev001", Kind.HELLO), Envelope(Kind.HELLO, "dev001", metrics={"num_examples": 3}))
+    n_result = sender.send(topics.up("dev001", Kind.EVAL_RES), result)
+    sender.transport.publish(topics.up("dev001", Kind.EVAL_RES), wire.encode(result))
+    sender.transport.publish(topics.up("dev001", Kind.TRAIN_RES), b"\xc1garbage")
+    sentinel = _sentinel(sender, topics)
+    n_sentinel = len(wire.encode(sentinel))
+
+    # Execute
+    assert receiver.receive(WAIT) is not None
+    after_first = receiver.counters.snapshot()
+    got = [receiver.receive(WAIT) for _ in range(2)]
+    total = receiver.counters.snapshot()
+
+    # Assert
+    assert [g.envelope.kind for g in got] == [Kind.EVAL_RES, Kind.HELLO] and got[1].size == n_sentinel
+    assert sender.counters.snapshot().messages == {"sent": {"eval_res": 1, "hello": 2}, "received": {}}
+    assert sender.counters.snapshot().bytes["sent"] == {"eval_res": n_result, "hello": n_hello + n_sentinel}
+    assert total.messages["received"] == {"eval_res": 1, "hello": 2}
+    assert total.bytes["received"] == {"eval_res": n_result, "hello": n_hello + n_sentinel}
+    assert (total.rejections, total.duplicates) == ({"malformed": 1}, 1)
+    assert total.accept_seconds > 0 and sender.counters.send_seconds > 0
+    between = total - after_first
+    assert between.messages["received"] == {"eval_res": 1, "hello": 1}
+    assert between.bytes["received"] == {"eval_res": n_result, "hello": n_sentinel}
+    assert (between.rejections, between.duplicates) == ({"malformed": 1}, 1)
+
+
+def test_channel_counters_record_the_reassembly_peak_until_reset():
+    # Prepare: an envelope of four 16 KiB frames
+    _, topics, sender, receiver = _pair(chunk_size=16 << 10)
+    big = Envelope(Kind.TRAIN_RES, "dev001", groups={"g": {"w": np.zeros(14_000, np.float32)}})
+    size = len(wire.encode(big))
+
+    # Execute
+    sender.send(topics.up("dev001", Kind.TRAIN_RES), big)
+    got = receiver.receive(WAIT)
+    peaks = (receiver.counters.peak_pending_blobs, receiver.counters.peak_pending_bytes)
+    receiver.counters.reset_peaks()
+
+    # Assert: one blob was pending, up to its last frame; the whole envelope counted once
+    assert got.size == size and receiver.counters.snapshot().bytes["received"] == {"train_res": size}
+    assert sender.counters.snapshot().bytes["sent"] == {"train_res": size}
+    assert peaks[0] == 1 and 0 < peaks[1] < size
+    assert (receiver.counters.peak_pending_blobs, receiver.counters.peak_pending_bytes) == (0, 0)
+
+
 @pytest.mark.parametrize("payload", [b"\xc1garbage", b"\x93\x01\x02", b"\x81\xa1a\x01"],
                          ids=["not-msgpack", "list", "map-without-fields"])
 def test_garbage_bytes_are_rejected_as_malformed(payload):
@@ -297,6 +348,7 @@ class Federation:
 
     def __init__(self, tmp_path: Path, federation: str):
         self.tmp_path = tmp_path
+        self.folder = RunFolder(tmp_path / "run")
         self.topics = Topics(federation)
         self.broker = LoopbackBroker()
         self.stop = threading.Event()
@@ -307,13 +359,13 @@ class Federation:
         from coordinator.config import RunConfig
 
         settings = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64,
-                        seed=0, federation=self.topics.federation, out=str(self.tmp_path / "run"),
+                        seed=0, federation=self.topics.federation, out=str(self.folder.path),
                         round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0, device="cpu")
         settings.update(changes)
         return RunConfig.of(**settings)
 
     def state_dir(self, client_id: str) -> Path:
-        return self.tmp_path / "state" / client_id
+        return self.folder.device_state(client_id)
 
     def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None) -> str:
         from edge_sdk.client import EdgeClient
@@ -377,7 +429,7 @@ def _drain(channel: Channel) -> list[Envelope]:
 
 
 def _metrics_rounds(out: Path) -> list[int]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
     return [entry["round"] for entry in lines if entry.get("event") == "round"]
 
 
@@ -416,6 +468,66 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
     # Assert: each device kept its personal state on its own disk
     for device in devices:
         assert (federation.state_dir(device) / "personal.msgpack").is_file()
+
+
+def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
+    # Prepare
+    from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundEvaluated,
+                                    RoundStarted, UpdateAccepted)
+
+    config = federation.config(eval_every=1)
+    coordinator = federation.coordinator(config)
+    events: list = []
+    coordinator.subscribe(events.append)
+    ended: list = []
+    coordinator.subscribe(ended.append, RoundEnded)
+    devices = [federation.start_device(i, 3) for i in range(3)]
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: the order
+    kinds = [type(e) for e in events]
+    one_round = [RoundStarted, UpdateAccepted, UpdateAccepted, UpdateAccepted, RoundAggregated, RoundEvaluated,
+                 RoundEnded]
+    assert kinds == [RegistrationOpened, DevicesRegistered, *one_round, *one_round]
+    assert ended == [e for e in events if isinstance(e, RoundEnded)]
+
+    # Assert: the content, against the report and the channel's own counts
+    assert events[0].expected == 3 and (events[1].devices, events[1].trainers) == (3, 3)
+    for round_, record in zip((1, 2), report["rounds"]):
+        started, *updates, aggregated, evaluated, end = events[2 + 7 * (round_ - 1): 2 + 7 * round_]
+        assert started.round == aggregated.round == evaluated.round == end.round == round_
+        assert sorted(started.selected) == devices
+        assert sorted(u.device for u in updates) == devices and all(u.round == round_ for u in updates)
+        assert [u.seconds for u in updates] == sorted(u.seconds for u in updates)
+        assert all(u.validation_seconds >= 0 and u.accumulate_seconds >= 0 for u in updates)
+        assert sum(u.bytes for u in updates) == end.channel.bytes["received"]["train_res"]
+        assert end.channel.messages["received"] == {"train_res": 3, "eval_res": 3}
+        assert aggregated.participants == 3 and evaluated.devices == 3
+        assert evaluated.accuracy == record["personalized_accuracy"]["mean"]
+        assert end.record == record and end.channel.rejections == record["rejections"] == {}
+
+
+def test_a_run_leaves_its_files_where_its_run_folder_names_them(federation):
+    # Prepare
+    from coordinator.checkpoint import load as load_checkpoint
+
+    config = federation.config(rounds=1)
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    folder = federation.folder
+    assert folder.path == Path(config.out)
+    assert json.loads(folder.report.read_text())["run_id"] == report["run_id"]
+    assert load_checkpoint(folder.checkpoint).round == 1
+    assert [json.loads(line)["round"] for line in folder.metrics.read_text().splitlines()] == [1]
+    assert sorted(p.name for p in folder.state_dir.iterdir()) == ["dev000", "dev001", "dev002"]
 
 
 def test_a_device_killed_mid_round_is_not_waited_for(federation):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.release import PrototypePool, StatisticsPool
-from edge_sdk.protocol import Reason, ValidationError
+from coordinator.release import PROTOTYPES, Pool, PrototypePool, Release, ReleasePhase, StatisticsPool
+from coordinator.run_folder import RunFolder
+from edge_sdk.protocol import STATISTICS, Reason, ValidationError
 
 SHAPES = {"body.1.running_mean": (3,), "body.1.running_var": (3,), "body.1.num_batches_tracked": ()}
 
@@ -29,8 +30,8 @@ def test_pooled_statistics_are_those_of_the_union_of_the_devices_data() -> None:
     # Execute
     for data, batches in ((first, 3), (second, 7)):
         statistics = device_statistics(data, batches)
-        pool.check(statistics)
-        pool.add(statistics, weight=len(data))
+        pool.check(statistics, registered_examples=len(data))
+        pool.add(statistics, registered_examples=len(data))
     pooled = pool.result()
 
     # Assert
@@ -57,7 +58,7 @@ def test_bad_statistics_are_rejected_with_their_reason(change, reason) -> None:
 
     # Execute
     with pytest.raises(ValidationError) as error:
-        StatisticsPool(SHAPES).check(statistics)
+        StatisticsPool(SHAPES).check(statistics, registered_examples=4)
 
     # Assert
     assert error.value.reason == reason
@@ -79,9 +80,48 @@ def test_prototypes_are_pooled_weighted_by_class_counts() -> None:
     # Execute
     for report in reports:
         pool.check(report, registered_examples=10)
-        pool.add(report)
+        pool.add(report, registered_examples=10)
     result = pool.result()
 
     # Assert
     np.testing.assert_array_equal(result["counts"], [8, 0, 2])
     np.testing.assert_allclose(result["means"], [[2.5, 2.5], [0, 0], [3, 3]])
+
+
+def test_both_pools_answer_to_the_phase_and_group_devices_send() -> None:
+    # Prepare
+    pools = [StatisticsPool(SHAPES), PrototypePool(num_classes=3, dim=2)]
+
+    # Execute
+    contracts = [(p.phase, p.group, p.required, p.evaluates) for p in pools]
+
+    # Assert: trainers send statistics instead of an evaluation; weak devices may add prototypes to theirs
+    assert contracts == [(STATISTICS, STATISTICS, True, False), ("prototypes", PROTOTYPES, False, True)]
+    assert all(isinstance(p, Pool) for p in pools)
+
+
+def test_the_release_phase_pools_the_weak_devices_prototypes_for_the_final_evaluation(tmp_path) -> None:
+    # Prepare: a gather that answers for two weak devices, one without prototypes
+    shares = {"lite0": {"counts": np.array([2, 0, 1]), "means": np.array([[1, 1], [0, 0], [4, 4]], np.float32)}}
+    asked: list[tuple[list[str], str]] = []
+
+    def gather(targets: list[str], pool: Pool) -> None:
+        asked.append((targets, pool.phase))
+        for target in targets:
+            if target in shares:
+                pool.check(shares[target], registered_examples=10)
+                pool.add(shares[target], registered_examples=10)
+
+    phase = ReleasePhase(RunFolder(tmp_path), num_classes=3, gather=gather)
+    release = Release(tmp_path / "r.onnx", b"onnx", "0" * 64, {"feature_dim": 2})
+
+    # Execute
+    groups = phase.prototypes(["lite0", "lite1"], release)
+    none_pooled = phase.prototypes(["lite1"], release)
+    no_lite = phase.prototypes([], release)
+
+    # Assert
+    assert asked == [(["lite0", "lite1"], "prototypes"), (["lite1"], "prototypes")]
+    np.testing.assert_array_equal(groups[PROTOTYPES]["counts"], [2, 0, 1])
+    np.testing.assert_allclose(groups[PROTOTYPES]["means"], shares["lite0"]["means"])
+    assert none_pooled == {} and no_lite == {}

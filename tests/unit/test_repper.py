@@ -16,9 +16,10 @@ from torch import nn
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.repper import RepPerServer
+from coordinator.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
+from edge_sdk.algorithms.base import Task
 from edge_sdk.settings import TrainSettings
-from edge_sdk.algorithms.base import FitResult, Task
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.algorithms.repper import Hyper, RepPerDevice, fit_torch_head
 from edge_sdk.config import ConfigError, from_mapping
@@ -36,15 +37,6 @@ def make_device(index: int, hyper: Hyper = Hyper(), data: ClientData | None = No
 
 def make_server(hyper: Hyper = Hyper()) -> RepPerServer:
     return RepPerServer(hyper, ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
-
-
-def one_round(server: RepPerServer, devices: list[RepPerDevice], round_: int = 1) -> list[FitResult]:
-    server.begin_round(round_)
-    results = [device.fit(Task(round_, server.state, {"selected": []})) for device in devices]
-    for result in results:
-        server.accumulate("dev", result.groups, result.metrics, result.metrics["num_examples"])
-    server.end_round(round_)
-    return results
 
 
 def parameters(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -76,7 +68,7 @@ def test_stage_one_uploads_the_body_only_and_has_no_classifier() -> None:
 def test_evaluation_fits_a_head_on_the_frozen_global_body() -> None:
     # Prepare
     server, devices = make_server(), [make_device(0), make_device(1)]
-    one_round(server, devices)
+    play_round(server, {"dev000": devices[0], "dev001": devices[1]}, 1)
     device = devices[0]
 
     # Execute
@@ -95,7 +87,7 @@ def test_evaluation_fits_a_head_on_the_frozen_global_body() -> None:
 def test_a_never_selected_device_fits_its_head_and_gets_an_accuracy() -> None:
     # Prepare: devices 0 and 1 train; device 2 never does (a holdout device)
     server, trainers, newcomer = make_server(), [make_device(0), make_device(1)], make_device(2)
-    one_round(server, trainers)
+    play_round(server, {"dev000": trainers[0], "dev001": trainers[1]}, 1)
     batchnorm = newcomer.model.body[1]
 
     # Execute
@@ -187,10 +179,7 @@ def test_server_takes_the_example_weighted_mean_of_the_bodies() -> None:
     second = {k: np.full_like(v, 5.0) for k, v in server.state[SHARED].items()}
 
     # Execute
-    server.begin_round(1)
-    server.accumulate("a", {SHARED: first}, {"num_examples": 30}, 30.0)
-    server.accumulate("b", {SHARED: second}, {"num_examples": 10}, 10.0)
-    server.end_round(1)
+    play_round(server, {"a": FixedUpdate({SHARED: first}, 30), "b": FixedUpdate({SHARED: second}, 10)}, 1)
 
     # Assert: (30 * 1 + 10 * 5) / 40 = 2
     assert all(np.allclose(v, 2.0) for v in server.state[SHARED].values())

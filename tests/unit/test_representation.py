@@ -25,6 +25,7 @@ from coordinator.representation import (
     save_body_statistics,
     saved_body_statistics,
 )
+from coordinator.run_folder import RunFolder
 from edge_sdk.models import statistics_keys
 
 CONFIG = {"algorithm": "fedavg", "dataset": "digits", "model": "cnn8", "seed": 3}
@@ -69,14 +70,14 @@ def test_missing_statistics_are_asked_for_and_then_loaded(tmp_path: Path) -> Non
     with pytest.raises(RepresentationError, match=r"lacks the body's BatchNorm running statistics .*--release"):
         representation(state, CONFIG, run_id="r1", round_=2)
     loaded = representation(state, CONFIG, run_id="r1", round_=2, statistics=statistics)
-    save_body_statistics(tmp_path, 2, statistics)
+    save_body_statistics(RunFolder(tmp_path), 2, statistics)
 
     # Assert
     assert needed == {key: value.shape for key, value in sorted(statistics.items())}
     for key, value in loaded.body.state_dict().items():
         np.testing.assert_array_equal(value.numpy(), full[f"body.{key}"])
-    assert sorted(saved_body_statistics(tmp_path, 2)) == sorted(statistics)
-    assert saved_body_statistics(tmp_path, 3) == {}
+    assert sorted(saved_body_statistics(RunFolder(tmp_path), 2)) == sorted(statistics)
+    assert saved_body_statistics(RunFolder(tmp_path), 3) == {}
 
 
 def test_a_personal_body_and_another_part_are_refused() -> None:
@@ -95,7 +96,7 @@ def test_the_release_exports_the_body_held_in_memory(tmp_path: Path) -> None:
     state = global_state()
 
     # Execute
-    release = export_release(tmp_path, state, CONFIG, run_id="r1", round_=4)
+    release = export_release(RunFolder(tmp_path), state, CONFIG, run_id="r1", round_=4)
 
     # Assert
     assert release.path == tmp_path / "release" / "representation.onnx"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.run_folder import RunFolder
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,7 +37,7 @@ def test_cached_only_reuses_finished_runs_and_lists_the_others_without_training(
     finished = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
     absent = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=1)
     cache.folder(finished).mkdir(parents=True)
-    (cache.folder(finished) / "report.json").write_text(json.dumps(finished_report(3)))
+    RunFolder(cache.folder(finished)).report.write_text(json.dumps(finished_report(3)))
 
     # Execute
     view, nothing = cache.run(finished), cache.run(absent)
@@ -46,7 +48,7 @@ def test_cached_only_reuses_finished_runs_and_lists_the_others_without_training(
     assert nothing is None and longer is None
     assert cache.missing == [cache.folder(absent).name, cache.folder(finished).name] and cache.failures == []
     assert not cache.folder(absent).exists()
-    assert json.loads((cache.folder(finished) / "report.json").read_text())["rounds_completed"] == 3
+    assert json.loads(RunFolder(cache.folder(finished)).report.read_text())["rounds_completed"] == 3
 
 
 def test_fresh_and_cached_only_are_refused_together(runs, tmp_path):
@@ -61,7 +63,7 @@ def test_a_device_missing_from_a_round_is_a_failed_run_unless_its_training_diver
     cache = runs.RunCache(tmp_path, cached_only=True)
     config = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
     cache.folder(config).mkdir(parents=True)
-    (cache.folder(config) / "report.json").write_text(json.dumps(finished_report(3, 1, rejections)))
+    RunFolder(cache.folder(config)).report.write_text(json.dumps(finished_report(3, 1, rejections)))
 
     # Execute
     view = cache.run(config)
