@@ -107,7 +107,7 @@ def run(url: str, out, federation: str, *, disturb: bool):
             spy.close()
         for thread in threads:
             thread.join(timeout=30)
-    return report, checkpoint.loadRunFolder(out).checkpoint.state, spy
+    return report, checkpoint.load(RunFolder(out).checkpoint).state, spy
 
 
 LOCK = threading.Lock()  # one device trains at a time: the same arithmetic in both runs

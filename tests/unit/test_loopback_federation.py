@@ -503,7 +503,8 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
         assert [u.seconds for u in updates] == sorted(u.seconds for u in updates)
         assert all(u.validation_seconds >= 0 and u.accumulate_seconds >= 0 for u in updates)
         assert sum(u.bytes for u in updates) == end.channel.bytes["received"]["train_res"]
-        assert end.channel.messages["received"] == {"train_res": 3, "eval_res": 3}
+        received = end.channel.messages["received"]  # a device that waited long for WELCOME may say HELLO again
+        assert (received["train_res"], received["eval_res"]) == (3, 3)
         assert aggregated.participants == 3 and evaluated.devices == 3
         assert evaluated.accuracy == record["personalized_accuracy"]["mean"]
         assert end.record == record and end.channel.rejections == record["rejections"] == {}
