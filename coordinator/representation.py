@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from edge_sdk.data import Dataset, TaskSpec, load_dataset, load_user_dataset, resolve_task
-from edge_sdk.models import ModelSpec, build_body, default_model_for, describe, statistics_keys
+from edge_sdk.models import ModelSpec, build_body, default_model_for, model_name, statistics_keys
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.store import write_atomic
 
@@ -74,7 +74,7 @@ def build_run_body(config: Mapping[str, Any], model: ModelSpec | None = None) ->
     spec = default_model_for(task) if spec == "auto" else spec
     body, _ = build_body(spec, task)
     metadata = {"task": task.to_plain(), "normalization": {"mean": list(task.mean), "std": list(task.std)},
-                "class_names": list(task.class_names), "dataset": task.name, "model": describe(spec)}
+                "class_names": list(task.class_names), "dataset": task.name, "model": model_name(spec)}
     return Representation(body, task.input_shape, metadata)
 
 

@@ -30,6 +30,7 @@ from .registry import (
     ModelSpec,
     default_model_for,
     describe,
+    model_name,
     resolve_factory,
 )
 from .signature import Signature, first_mismatch, model_signature
@@ -52,6 +53,7 @@ __all__ = [
     "describe",
     "default_model_for",
     "first_mismatch",
+    "model_name",
     "model_signature",
     "part_keys",
     "resolve_factory",

@@ -86,6 +86,14 @@ def default_model_for(task: TaskSpec) -> str:
     return "cnn1d" if task.kind == "signal" else "mlp"
 
 
+def model_name(spec: ModelSpec) -> str:
+    """The name a spec goes by in settings, reports and exported metadata: the spec string
+    itself, or a factory's import path `module:qualname`."""
+    if isinstance(spec, str):
+        return spec
+    return f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', type(spec).__name__)}"
+
+
 def describe(spec: ModelSpec) -> str:
     """A model spec as messages name it."""
     if isinstance(spec, str):

@@ -524,7 +524,7 @@ def test_a_run_leaves_its_files_where_its_run_folder_names_them(federation):
 
     # Assert
     folder = federation.folder
-    assert folder.path == Path(config.out)
+    assert folder.path == Path(config.run.out)
     assert json.loads(folder.report.read_text())["run_id"] == report["run_id"]
     assert load_checkpoint(folder.checkpoint).round == 1
     assert [json.loads(line)["round"] for line in folder.metrics.read_text().splitlines()] == [1]

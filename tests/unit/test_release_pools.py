@@ -112,7 +112,8 @@ def test_the_release_phase_pools_the_weak_devices_prototypes_for_the_final_evalu
                 pool.check(shares[target], registered_examples=10)
                 pool.add(shares[target], registered_examples=10)
 
-    phase = ReleasePhase(RunFolder(tmp_path), num_classes=3, gather=gather)
+    phase = ReleasePhase(RunFolder(tmp_path), num_classes=3, gather=gather, state={}, config={}, model="cnn8",
+                         run_id="r1", round_=3)
     release = Release(tmp_path / "r.onnx", b"onnx", "0" * 64, {"feature_dim": 2})
 
     # Execute

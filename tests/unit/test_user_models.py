@@ -22,7 +22,7 @@ from edge_sdk.data.task import TaskSpec
 from edge_sdk.params import check_arrays, floats_finite
 from edge_sdk.protocol import Envelope, Kind
 
-SETTINGS = TrainSettings(model="unused: the devices are given the factory", rounds=2, local_epochs=1,
+SETTINGS = TrainSettings(model="tests.user_models:unused", rounds=2, local_epochs=1,
                          batch_size=16, lr=0.05, seed=0)
 
 
