@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
-from edge_sdk.models import ModelSpec
+from edge_sdk.models import (ModelSpec, Signature, build_model, first_mismatch, model_signature, signature_from_plain,
+                             signature_to_plain)
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
 
 from . import algorithms, checkpoint
@@ -98,6 +99,7 @@ class Coordinator:
         self._status_state = "registering"
         self._connections = getattr(channel.transport, "connections", 0)
         self.release: Release | None = None
+        self._model_signature: Signature | None = None
         self.ledger = Ledger(channel, self._resume())
 
     def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
@@ -253,11 +255,37 @@ class Coordinator:
                 or not math.isfinite(examples) or examples < 1):
             self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
+        mismatch = self._model_mismatch(hello) if kind == "trainer" else None
+        if mismatch is not None:
+            self.channel.reject(Reason.MODEL_MISMATCH, f"HELLO from {hello.sender}: {mismatch}")
+            refusal = Envelope(Kind.WELCOME, COORDINATOR, run_id=self.run_id, round=self.completed,
+                               config={"refused": f"its model differs from the run's: {mismatch}"})
+            self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), refusal)
+            return
         known = hello.sender in self.registry.devices
         self.registry.register(hello.sender, kind, int(examples), hello.config)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
         self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+
+    @property
+    def model_signature(self) -> Signature:
+        """Names and shapes of the run's plain model (body and head) for the run's task."""
+        if self._model_signature is None:
+            self._model_signature = model_signature(build_model(self.model, self.config.task()))
+        return self._model_signature
+
+    def _model_mismatch(self, hello: Envelope) -> str | None:
+        """Why a device that brings a model of its own (HELLO `model`) cannot join: the first
+        parameter where its model differs from the run's; None when it brings none or agrees."""
+        described = hello.config.get("model")
+        if described is None:
+            return None
+        try:
+            signature = signature_from_plain(described.get("signature") if isinstance(described, dict) else None)
+        except ValueError as exc:
+            return str(exc)
+        return first_mismatch(self.model_signature, signature)
 
     def welcome(self, client_id: str) -> Envelope:
         """The WELCOME a registered device receives: the run, the algorithm with its
@@ -273,6 +301,7 @@ class Coordinator:
                 "hyper": to_plain(self.hyper),
                 "assignment": self.algorithm.assignment(client_id),
                 "settings": self.config.welcome_settings(),
+                "model_signature": signature_to_plain(self.model_signature),
             },
         )
 

@@ -25,11 +25,12 @@ from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Ta
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData
-from .models import ModelSpec
+from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
+                     signature_from_plain, signature_to_plain)
 from .params import floats_finite
 from .protocol import STATISTICS, Envelope, Kind
 from .settings import TrainSettings
-from .session import DeviceSession
+from .session import DeviceSession, RegistrationRefused
 from .store import PersonalState, PersonalStore
 from .training import gradient_clipping, mixed_precision
 
@@ -67,6 +68,8 @@ class EdgeClient(DeviceSession):
             log.warning("%s behaves as an adversary: its uploads are corrupted (%s)", client_id, attack)
         self._compute_lock = compute_lock or nullcontext()
         self.amp = amp
+        self.model = model
+        self._signatures: dict[ModelSpec, Signature] = {}
         self.training_overrides = {"model": model, "optimizer": optimizer, "loss": loss}
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
@@ -78,7 +81,27 @@ class EdgeClient(DeviceSession):
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
         config = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp, "torch": torch.__version__,
                   "task": self.data.task.name, "algorithms": list(algorithms.ALGORITHM_IDS)}
+        if self.model is not None:  # the coordinator checks a model of the device's own
+            config["model"] = {"name": model_name(self.model),
+                               "signature": signature_to_plain(self._signature(self.model))}
         return metrics, config
+
+    def _signature(self, spec: ModelSpec) -> Signature:
+        """Names and shapes of the plain model `spec` builds for this device's task (built once
+        per spec: HELLO is repeated on every reconnection)."""
+        if spec not in self._signatures:
+            self._signatures[spec] = model_signature(build_model(spec, self.data.task))
+        return self._signatures[spec]
+
+    def _check_model(self, welcome: Envelope, settings: TrainSettings) -> None:
+        """Refuse to join a run whose model differs from the one this device builds (another
+        version of the model's package, say), naming the first parameter that differs."""
+        if "model_signature" not in welcome.config:
+            return
+        expected = signature_from_plain(welcome.config["model_signature"])
+        mismatch = first_mismatch(expected, self._signature(self.model if self.model is not None else settings.model))
+        if mismatch is not None:
+            raise RegistrationRefused(f"{self.client_id}: this device's model differs from the coordinator's: {mismatch}")
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
         return {Kind.TRAIN: self._on_train, Kind.EVALUATE: self._on_evaluate}
@@ -88,6 +111,7 @@ class EdgeClient(DeviceSession):
         algorithm_cls = algorithms.load(algorithm_id)
         hyper = from_mapping(algorithm_cls.Hyper, welcome.config.get("hyper", {}), where=f"algorithm.{algorithm_id}")
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
+        self._check_model(welcome, settings)
         seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
         self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed,
                                        welcome.config.get("assignment", {}), **self.training_overrides)

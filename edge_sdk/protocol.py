@@ -73,6 +73,7 @@ class Reason(str, Enum):
     CHUNK_OVERFLOW = "chunk_overflow"
     CHUNK_EXPIRED = "chunk_expired"
     UNKNOWN_ARTIFACT = "unknown_artifact"
+    MODEL_MISMATCH = "model_mismatch"
 
 
 class ProtocolError(Exception):

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 MAX_CACHED_REPLIES = 16
 
 
+class RegistrationRefused(RuntimeError):
+    """The coordinator (or the device's own check of the run's model) refused this device: it
+    cannot take part in the run as it is; the message says why."""
+
+
 class DeviceSession:
     """One device's connection to a federation. `run()` blocks until the run finishes or `stop`."""
 
@@ -134,6 +139,9 @@ class DeviceSession:
             self._hello()
 
     def _on_welcome(self, welcome: Envelope) -> None:
+        refusal = welcome.config.get("refused")
+        if refusal is not None:
+            raise RegistrationRefused(f"{self.client_id}: the coordinator refused the registration: {refusal}")
         if self.joined and welcome.run_id == self.run_id:
             return  # a repeated registration within the same run
         self.join(welcome)

@@ -33,7 +33,7 @@ from .registry import (
     model_name,
     resolve_factory,
 )
-from .signature import Signature, first_mismatch, model_signature
+from .signature import Signature, first_mismatch, model_signature, signature_from_plain, signature_to_plain
 
 __all__ = [
     "BUILTINS",
@@ -58,6 +58,8 @@ __all__ = [
     "part_keys",
     "resolve_factory",
     "seeded_init",
+    "signature_from_plain",
+    "signature_to_plain",
     "split",
     "state_nbytes",
     "statistics_keys",

@@ -16,6 +16,30 @@ def model_signature(module: nn.Module) -> Signature:
     return [(name, tuple(int(s) for s in tensor.shape)) for name, tensor in module.state_dict().items()]
 
 
+MAX_ENTRIES = 100_000
+"""The most state entries a signature that came over the network may list."""
+
+
+def signature_to_plain(signature: Signature) -> list[list]:
+    """A signature as msgpack-safe lists: [[name, [dims...]], ...]."""
+    return [[name, list(shape)] for name, shape in signature]
+
+
+def signature_from_plain(value: object) -> Signature:
+    """A signature from its plain form (from the network): a list of [name, [dims...]] with
+    string names and non-negative integer dims; anything else raises ValueError."""
+    if not isinstance(value, list) or len(value) > MAX_ENTRIES:
+        raise ValueError("a model signature is a list of [name, shape] entries")
+    signature: Signature = []
+    for entry in value:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], (list, tuple))
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])):
+            raise ValueError(f"malformed model signature entry {entry!r:.80}")
+        signature.append((entry[0], tuple(entry[1])))
+    return signature
+
+
 def first_mismatch(expected: Signature, actual: Signature) -> str | None:
     """A sentence naming the first entry where `actual` (a device's) differs from `expected`
     (the coordinator's), or None when they agree."""
