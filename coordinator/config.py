@@ -88,6 +88,10 @@ class RunConfig:
                 raise ConfigError(f"{key} must be {what}, got {value!r}")
         if self.lite_devices >= run.clients:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} leaves no trainer device among {run.clients}")
+        trainers = run.clients - self.lite_devices
+        if self.round.min_clients > trainers:
+            raise ConfigError(f"min_clients must be at most the {trainers} trainer devices ({run.clients} clients, "
+                              f"{self.lite_devices} weak ones by lite_fraction), got {self.round.min_clients}")
 
     @classmethod
     def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,

@@ -73,3 +73,16 @@ def test_weak_device_example_personalizes_a_released_body_without_torch(tmp_path
     assert accuracy is not None and float(accuracy.group(1)) >= 0.8, out
     personal = onnx.load(str(tmp_path / "personal.onnx"))
     assert [o.name for o in personal.graph.output] == ["label", "probabilities"]
+
+
+def test_bring_your_model_trains_user_networks_exports_and_personalizes_a_weak_device() -> None:
+    out = run_example(str(EXAMPLES / "bring_your_model.py"), "--quick", timeout=600)
+
+    tabular = dict(re.findall(r"tabular (\w+): mean personalized accuracy ([0-9.]+) over 4 devices", out))
+    assert set(tabular) == {"fedavg", "fedrep", "repper"}, out
+    assert all(float(accuracy) >= 0.7 for accuracy in tabular.values()), out
+    weak = re.search(r"tabular repper: .* weak devices ([0-9.]+)", out)
+    assert weak is not None and float(weak.group(1)) >= 0.6, out
+    exported = re.search(r"tabular repper body: (\d+) bytes int8 .* max \|ONNX - PyTorch\| ([0-9.e+-]+) \(fp32\)", out)
+    assert exported is not None and float(exported.group(2)) < 1e-4, out
+    assert re.search(r"images 40x32 RGB fedavg: mean personalized accuracy [0-9.]+ over 4 devices", out), out

@@ -1,0 +1,136 @@
+"""A whole federation from Python, with your own model and data: `Federation(...).run()`.
+
+The broker (the embedded amqtt unless `broker` names one), the coordinator and every device run
+in this process, each device an `EdgeClient` (or, for `lite_fraction`, a weak `LiteClient`)
+thread with its own MQTT connection, the trainers taking turns to compute. So a model factory or
+a training step written in a script or a notebook (a closure, a lambda) is used as it is:
+nothing is pickled or imported by path. `edgepfl simulate` runs the same federation with its
+devices in worker processes, where a model is named by an import path.
+
+    report = Federation(model=my_factory, data="sensor.csv", algorithm="fedrep", clients=10,
+                        rounds=5).run()
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from edge_sdk.data import TaskSpec
+from edge_sdk.models import ModelSpec, model_name
+
+from .broker import EmbeddedBroker
+from .config import RunConfig
+from .run_folder import RunFolder
+from .server import Coordinator
+from .simulate import client_id_for
+
+ARRAYS_FILE = "data.npz"
+"""Where the run folder keeps data given as arrays, so the run reads it as any data file."""
+_DECLARABLE_TASK = ("name", "kind", "input_shape", "class_names", "mean", "std")
+
+
+def spec_name(model: ModelSpec) -> str:
+    """The `model` setting of a run trained with `model`: a spec string as it is, a factory's
+    import path `module:qualname` (names of nested functions made identifier-safe)."""
+    name = model_name(model)
+    if isinstance(model, str):
+        return name
+    module, _, qualname = name.partition(":")
+    return f"{module}:{re.sub(r'[^A-Za-z0-9_.]', '', qualname).strip('.') or 'factory'}"
+
+
+def declared_task(task: TaskSpec | dict | None) -> dict | None:
+    """A `[task]` table from a TaskSpec (all it declares) or a dict (as given)."""
+    if isinstance(task, TaskSpec):
+        plain = task.to_plain()
+        return {key: plain[key] for key in _DECLARABLE_TASK}
+    return task
+
+
+class Federation:
+    """A federated run of `model` on `data` (a file: .npz, .csv, image folder; or `(x, y)`
+    arrays) or a built-in `dataset`, with any setting of `edgepfl simulate` as a keyword by its
+    flat key (`algorithm`, `clients`, `rounds`, `partition`, `alpha`, `out`, `broker`, ...).
+
+    `model` is a factory `factory(task) -> nn.Module` (or a built-in name or import path);
+    `task` declares what the data cannot say (a TaskSpec or a `[task]`-style dict); `optimizer`
+    and `loss` replace the trainers' local step where the algorithm allows it; `on_round`
+    receives each round's record."""
+
+    def __init__(self, *, model: ModelSpec = "auto", data: str | Path | tuple[np.ndarray, np.ndarray] | None = None,
+                 dataset: str | None = None, task: TaskSpec | dict | None = None,
+                 optimizer: Callable | None = None, loss: Callable | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None, **settings: Any):
+        self.model = model
+        self.arrays = data if isinstance(data, tuple) else None
+        folder = RunFolder(settings.get("out", "runs/latest"))
+        path = folder.path / ARRAYS_FILE if self.arrays is not None else data
+        source = {"data": str(path)} if path is not None else {"dataset": dataset} if dataset else {}
+        self.config = RunConfig.of(**source, **settings, model=spec_name(model),
+                                   declared_task=declared_task(task))
+        self.folder = RunFolder(self.config.run.out)
+        self.training_step = {"optimizer": optimizer, "loss": loss}
+        self.on_round = on_round
+
+    def run(self) -> dict[str, Any]:
+        """Train and evaluate; returns the report (also written to the run folder)."""
+        if self.arrays is not None:
+            self.folder.path.mkdir(parents=True, exist_ok=True)
+            x, y = self.arrays
+            np.savez(self.folder.path / ARRAYS_FILE, x=np.asarray(x), y=np.asarray(y))
+        config = self.config
+        if config.broker.federation == "default":  # a broker may serve other federations
+            config = config.replace(federation=f"py-{uuid.uuid4().hex[:8]}")
+        broker = EmbeddedBroker().start() if config.broker.broker is None else None
+        if broker is not None:
+            config = config.replace(broker=broker.url, mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
+        stop = threading.Event()
+        try:
+            threads = [threading.Thread(target=device.run, args=(stop,), name=device.client_id, daemon=True)
+                       for device in self._devices(config)]
+            for thread in threads:
+                thread.start()
+            transport = config.coordinator_transport(config.broker.broker)
+            transport.connect()
+            try:
+                coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=self.on_round,
+                                          model=None if isinstance(self.model, str) else self.model)
+                report = coordinator.run()
+            finally:
+                transport.close()
+            for thread in threads:
+                thread.join(timeout=30)
+            return report
+        finally:
+            stop.set()
+            if broker is not None:
+                broker.stop()
+
+    def _devices(self, config: RunConfig) -> list:
+        """The run's devices: trainers with the model and training step, the last
+        `lite_fraction` of them weak devices."""
+        from edge_sdk.client import EdgeClient
+        from edge_sdk.lite import LiteClient
+
+        lock = threading.Lock()
+        first_lite = config.run.clients - config.lite_devices
+        devices = []
+        for index in range(config.run.clients):
+            client_id = client_id_for(index)
+            data = config.run.client_data(index, config.training.seed, config.declared_task)
+            session = {"broker": config.mqtt_settings(config.broker.broker, account=client_id),
+                       "federation": config.broker.federation, "state_dir": self.folder.device_state(client_id)}
+            if index >= first_lite:
+                devices.append(LiteClient(client_id, data, head=config.simulation.head,
+                                          model_path=self.folder.device_model(client_id), **session))
+            else:
+                devices.append(EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,
+                                          model=self.model if not isinstance(self.model, str) else None,
+                                          **self.training_step, **session))
+        return devices
