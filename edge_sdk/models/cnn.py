@@ -20,18 +20,23 @@ def _conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int, padding
     ]
 
 
-def cnn8(in_channels: int) -> tuple[nn.Module, int]:
-    """Body for 8x8 images (e.g. sklearn digits): two 3x3 convs, one pool, 128 features."""
+def _two_convs_to_128(in_channels: int, pool: nn.Module) -> tuple[nn.Module, int]:
+    """Two 3x3 conv-BN-ReLU blocks (32, 64 channels), `pool` down to 64 x 4 x 4, 128 features."""
     feature_dim = 128
     body = nn.Sequential(
         *_conv_bn_relu(in_channels, 32, kernel_size=3, padding=1),
         *_conv_bn_relu(32, 64, kernel_size=3, padding=1),
-        nn.MaxPool2d(2),  # 64 x 4 x 4
+        pool,
         nn.Flatten(),
         nn.Linear(64 * 4 * 4, feature_dim),
         nn.ReLU(inplace=True),
     )
     return body, feature_dim
+
+
+def cnn8(in_channels: int) -> tuple[nn.Module, int]:
+    """Body for 8x8 images (e.g. sklearn digits): two 3x3 convs, one pool, 128 features."""
+    return _two_convs_to_128(in_channels, nn.MaxPool2d(2))
 
 
 def cnn8_wide(in_channels: int) -> tuple[nn.Module, int]:
@@ -77,16 +82,7 @@ def cnn32(in_channels: int) -> tuple[nn.Module, int]:
 def cnn_adaptive(in_channels: int) -> tuple[nn.Module, int]:
     """Body for images of any H x W (e.g. a 96x64 camera): two 3x3 convs, then adaptive average
     pooling to 4 x 4 maps whatever the input size, 128 features."""
-    feature_dim = 128
-    body = nn.Sequential(
-        *_conv_bn_relu(in_channels, 32, kernel_size=3, padding=1),
-        *_conv_bn_relu(32, 64, kernel_size=3, padding=1),
-        nn.AdaptiveAvgPool2d(4),  # 64 x 4 x 4
-        nn.Flatten(),
-        nn.Linear(64 * 4 * 4, feature_dim),
-        nn.ReLU(inplace=True),
-    )
-    return body, feature_dim
+    return _two_convs_to_128(in_channels, nn.AdaptiveAvgPool2d(4))
 
 
 def cnn1d(in_channels: int) -> tuple[nn.Module, int]:
