@@ -7,7 +7,7 @@ per image. Each of the 12 algorithms runs on each (10 devices, Dirichlet 0.5, 5 
 through `Federation`: the embedded broker and every device in this process, over MQTT), or is
 refused at start with the capability it misses; the table says which, with the accuracy.
 
-    python benchmarks/user_models.py [--quick] [--out benchmarks/results]
+    python benchmarks/user_models.py [--quick] [--broker mqtt://127.0.0.1:1883] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ TASKS = {
 }
 
 
-def run(algorithm: str, factory, source: dict, rounds: int, clients: int, out: Path) -> dict:
+def run(algorithm: str, factory, source: dict, rounds: int, clients: int, out: Path, broker: str | None) -> dict:
     """One run's row: accuracy and bytes, or the refusal's message."""
     started = time.monotonic()
     try:
         report = Federation(model=factory, algorithm=algorithm, clients=clients, rounds=rounds,
                             partition="dirichlet", alpha=0.5, seed=0, min_clients=clients, quorum_grace=0.0,
-                            device="cpu", out=str(out), **source).run()
+                            device="cpu", out=str(out), **({"broker": broker} if broker else {}), **source).run()
     except ModelError as exc:
         return {"algorithm": algorithm, "refused": str(exc)}
     final = report["final"]["personalized_accuracy"]
@@ -90,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 devices, 1 round, repper only")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--broker", help="mqtt://host:port of a running broker (default: the embedded amqtt)")
     args = parser.parse_args()
     rounds, clients = (1, 3) if args.quick else (5, 10)
     algorithms = ("repper",) if args.quick else ALGORITHM_IDS
@@ -98,7 +99,8 @@ def main() -> None:
         for label, (factory, source) in TASKS.items():
             results[label] = []
             for algorithm in algorithms:
-                row = run(algorithm, factory, source, rounds, clients, Path(work) / f"{factory.__name__}-{algorithm}")
+                row = run(algorithm, factory, source, rounds, clients, Path(work) / f"{factory.__name__}-{algorithm}",
+                          args.broker)
                 results[label].append(row)
                 print(label, json.dumps(row), flush=True)
     out = Path(args.out)
