@@ -212,7 +212,7 @@ def _add_device_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """What every device command takes: who it is, where its data is, how it reaches the broker."""
     parser.add_argument("--client-id", required=True, help="this device's id (its MQTT client id and username)")
     parser.add_argument("--index", type=int,
-                        help="which partition of --dataset is this device's (simulations; else give --data)")
+                        help="which partition of --dataset is this device's (simulations; default: none, give --data)")
     parser.add_argument("--state-dir", help="where personal state is kept (default: edgepfl-state/<client-id>)")
     add_setting_flags(parser, command)
 
@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     client = sub.add_parser("client", help="run one trainer device")
     _add_device_flags(client, "client")
     client.add_argument("--chunk-size", type=int,
-                        help="largest upload published as one message, in bytes (default 64 MiB; lower it for a "
-                             "broker whose packet limit is smaller and that does not announce it over MQTT 5)")
+                        help="largest upload published as one message, in bytes (lower it for a broker whose packet "
+                             "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.set_defaults(handler=cmd_client)
 
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
@@ -249,18 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")
     export.add_argument("--out", required=True, help="the ONNX file to write, in the precision asked for (fp32, "
                                                      "--fp16, or --quantize int8)")
-    export.add_argument("--part", default="body", help="which part to export (body)")
-    export.add_argument("--quantize", choices=["int8"], help="write a static int8 QDQ model (per channel) at --out")
+    export.add_argument("--part", default="body", help="which part to export (default: body)")
+    export.add_argument("--quantize", choices=["int8"], help="write a static int8 QDQ model (per channel) at --out (default: none, fp32)")
     export.add_argument("--also-fp32", action="store_true",
                         help="with --quantize int8: keep the fp32 model too, as <stem>.fp32.onnx beside --out")
     export.add_argument("--fp16", action="store_true", help="store the weights in float16")
-    export.add_argument("--calibration-size", type=int, default=256, help="real images for calibration and checks")
+    export.add_argument("--calibration-size", type=int, default=256,
+                        help="real images for calibration and checks (default: 256)")
     export.add_argument("--data-dir", help="where the run's dataset is (default: as the run had it)")
     export.set_defaults(handler=cmd_export)
 
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
-    broker.add_argument("--host", default="127.0.0.1")
-    broker.add_argument("--port", type=int, default=1883)
+    broker.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    broker.add_argument("--port", type=int, default=1883, help="port to listen on (default: 1883)")
     broker.set_defaults(handler=cmd_broker)
 
     broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup: accounts, ACLs, mutual TLS")
@@ -268,10 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
     broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")
     broker_config.add_argument("--port", type=int, help="listener port (default 1883, 8883 with --tls)")
-    broker_config.add_argument("--host", default="127.0.0.1", help="address the listener binds (0.0.0.0: all)")
+    broker_config.add_argument("--host", default="127.0.0.1", help="address the listener binds (0.0.0.0: all; default: 127.0.0.1)")
     broker_config.add_argument("--tls", action="store_true", help="mutual TLS: a CA, server and client certificates")
     broker_config.add_argument("--san", action="append", default=[], metavar="NAME",
-                               help="extra DNS name or IP for the server certificate (repeatable)")
+                               help="extra DNS name or IP for the server certificate (repeatable; default: none)")
     broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
     broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
     broker_config.set_defaults(handler=cmd_broker_config)

@@ -42,6 +42,10 @@ WORKER_FAILED = 1
 """A worker's exit code when it could not host any of its devices (its error is in its pipe)."""
 
 
+LOGGED_ERROR = 160
+"""A dead worker's error is logged up to this many characters (the run's failure has it all)."""
+
+
 class WorkersFailed(RuntimeError):
     """Every device worker process is gone before the run finished: no device is left."""
 
@@ -98,7 +102,8 @@ def _one_line(exc: BaseException) -> str:
     from edge_sdk.config import ConfigError
     from edge_sdk.transport import TransportError
 
-    return str(exc) if isinstance(exc, (ConfigError, TransportError, OSError)) else f"{type(exc).__name__}: {exc}"
+    text = str(exc) if isinstance(exc, (ConfigError, TransportError, OSError)) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
 
 
 def _host_devices(spec: WorkerSpec) -> list[str]:
@@ -190,7 +195,7 @@ class WorkerWatch(threading.Thread):
     def _report(self, process: multiprocessing.Process, code: int) -> None:
         error = self._error_of(process)
         if error is not None:
-            cause, shown = error, f"error: {error}"
+            cause, shown = error, f"error: {error if len(error) <= LOGGED_ERROR else error[:LOGGED_ERROR] + '...'}"
         else:
             cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
