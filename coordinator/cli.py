@@ -130,22 +130,14 @@ def cmd_client(args: argparse.Namespace) -> int:
     broker = section_from(BrokerSettings, args)
     mqtt = broker.mqtt_settings(args.client_id)
     data = _device_data(args)
-    from edge_sdk.client import EdgeClient
+    from edge_sdk.client import EdgeClient  # torch: once the flags, credentials and data are checked
+    from edge_sdk.lifecycle import run_until_done
 
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
                         device=simulation.device, **upload, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    _run_device(client)
+    run_until_done(client)
     return 0
-
-
-def _run_device(client) -> None:
-    """Run a device session until the run finishes; a broker that stops accepting the device
-    (`MqttTransport.failed`) ends it with that reason instead of endless reconnections."""
-    transport = client.channel.transport
-    client.run(stop=transport.failed)
-    if transport.failure is not None:
-        raise transport.failure
 
 
 def _device_data(args: argparse.Namespace):
@@ -169,13 +161,14 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
     broker = section_from(BrokerSettings, args)
     mqtt = broker.mqtt_settings(args.client_id)
     data = _device_data(args)
+    from edge_sdk.lifecycle import run_until_done
     from edge_sdk.lite import LiteClient
 
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
     client = LiteClient(args.client_id, data, head=head, providers=providers,
                         share_prototypes=not args.no_prototypes, broker=mqtt,
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    _run_device(client)
+    run_until_done(client)
     return 0
 
 

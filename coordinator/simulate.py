@@ -25,8 +25,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from edge_sdk.config import ConfigError
+from edge_sdk.lifecycle import run_until_done
 from edge_sdk.settings import BrokerSettings, TrainSettings
-from edge_sdk.transport import MqttSettings
+from edge_sdk.transport import MqttSettings, TransportError
 
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
@@ -99,9 +101,6 @@ def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection
 
 def _one_line(exc: BaseException) -> str:
     """An error as one line: the message of the errors that explain themselves, else its type too."""
-    from edge_sdk.config import ConfigError
-    from edge_sdk.transport import TransportError
-
     text = str(exc) if isinstance(exc, (ConfigError, TransportError, OSError)) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())
 
@@ -138,11 +137,8 @@ def _host_devices(spec: WorkerSpec) -> list[str]:
 
 def _run_device(client, failures: list[str]) -> None:
     """Run one device's session; its failure is logged in one line and added to `failures`."""
-    transport = client.channel.transport
     try:
-        client.run(stop=transport.failed)
-        if transport.failure is not None:
-            raise transport.failure
+        run_until_done(client)
     except Exception as exc:  # noqa: BLE001 - the other devices of the worker go on
         failures.append(_one_line(exc))
         log.error("%s stopped: %s", client.client_id, failures[-1])
