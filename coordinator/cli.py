@@ -135,7 +135,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
-                        device=simulation.device, **upload, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
+                        device=simulation.device, **upload,
+                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client)
     return 0
 
@@ -243,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the ONNX file to write, in the precision asked for (fp32, "
                                                      "--fp16, or --quantize int8)")
     export.add_argument("--part", default="body", help="which part to export (default: body)")
-    export.add_argument("--quantize", choices=["int8"], help="write a static int8 QDQ model (per channel) at --out (default: none, fp32)")
+    export.add_argument("--quantize", choices=["int8"],
+                        help="write a static int8 QDQ model (per channel) at --out (default: none, fp32)")
     export.add_argument("--also-fp32", action="store_true",
                         help="with --quantize int8: keep the fp32 model too, as <stem>.fp32.onnx beside --out")
     export.add_argument("--fp16", action="store_true", help="store the weights in float16")
@@ -262,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
     broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")
     broker_config.add_argument("--port", type=int, help="listener port (default 1883, 8883 with --tls)")
-    broker_config.add_argument("--host", default="127.0.0.1", help="address the listener binds (0.0.0.0: all; default: 127.0.0.1)")
+    broker_config.add_argument("--host", default="127.0.0.1",
+                               help="address the listener binds (0.0.0.0: all; default: 127.0.0.1)")
     broker_config.add_argument("--tls", action="store_true", help="mutual TLS: a CA, server and client certificates")
     broker_config.add_argument("--san", action="append", default=[], metavar="NAME",
                                help="extra DNS name or IP for the server certificate (repeatable; default: none)")
