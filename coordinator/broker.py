@@ -66,7 +66,10 @@ def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -
     """Run amqtt until the process is stopped. `ready`, the sending end of a Pipe, receives None
     once it listens, or why it could not start (the port taken, say), and the process ends."""
     import asyncio
+    import signal
 
+    if ready is not None:  # embedded: Ctrl-C is the owner's, which stops this process after its clients
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level)
     if log_level > logging.DEBUG:
         # amqtt logs every abrupt disconnect, and tracebacks of its own races on teardown, loudly

@@ -1,7 +1,11 @@
 """The `edgepfl` command: simulate, coordinator, client, broker, broker-config.
 
-Heavy imports (torch, amqtt) happen inside the subcommands, so `edgepfl --help` is instant and
-a device only imports what its subcommand needs.
+Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
+`edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
+needs. Every failure the user can act on ends in one line naming its cause and fix, with exit
+code 2 for usage errors (a bad flag, a missing file, an `--out` holding another run) and 1 for
+runtime failures (the broker unreachable or refusing, every device gone); Ctrl-C ends with one
+line and 130. `-vv` logs the traceback of a failure too.
 """
 
 from __future__ import annotations
@@ -13,20 +17,37 @@ from typing import Any
 
 from .flags import add_setting_flags, given, section_from
 
+log = logging.getLogger(__name__)
+USAGE_ERROR, RUNTIME_FAILURE, INTERRUPTED = 2, 1, 130
+
+
+class CommandFailed(RuntimeError):
+    """A run that could not go on, for a reason the message states (exit code 1)."""
+
 
 def _add_run_flags(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--config", metavar="FILE",
-                        help="TOML file: the flags' keys, flat or in [section] tables (flags override it)")
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="algorithm hyperparameter (repeatable)")
+                        help="TOML file: the flags' keys, flat or in [section] tables (flags override it; "
+                             "default: none)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="algorithm hyperparameter, e.g. --set mu=0.1 (repeatable; default: the algorithm's)")
     parser.set_defaults(setting_keys=add_setting_flags(parser, command))
 
 
 def _run_config(args: argparse.Namespace):
-    from edge_sdk.config import parse_assignments
+    """The run's configuration from the flags and `--config`, every setting and hyperparameter
+    checked, without importing torch."""
+    from edge_sdk.config import ConfigError, parse_assignments
 
+    from .algorithms import hyperparameters
     from .config import build_config
 
-    return build_config(args.config, given(args, args.setting_keys), parse_assignments(args.set))
+    config = build_config(args.config, given(args, args.setting_keys), parse_assignments(args.set))
+    try:
+        hyperparameters(config.run.algorithm, config.hyper)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
 
 
 def _summary(report: dict[str, Any], out: str) -> str:
@@ -49,10 +70,11 @@ def _summary(report: dict[str, Any], out: str) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    config = _run_config(args)  # refused before the heavy imports below
     from .memory import return_freed_buffers
-    from .simulate import run_simulation
+    from .server import RegistrationTimeout
+    from .simulate import WorkersFailed, run_simulation
 
-    config = _run_config(args)
     return_freed_buffers()  # the coordinator runs in this process
     bar = None
     if not args.quiet:
@@ -68,25 +90,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bar.set_postfix(round=record["round"], acc="-" if acc is None else f"{acc:.3f}", MB=f"{traffic[0] / 1e6:.1f}")
             bar.update(1)
 
-    report = run_simulation(config, on_round=on_round)
-    if bar is not None:
-        bar.close()
+    try:
+        report = run_simulation(config, on_round=on_round)
+    except (RegistrationTimeout, WorkersFailed) as exc:
+        raise CommandFailed(str(exc)) from None
+    finally:
+        if bar is not None:
+            bar.close()
     print(_summary(report, config.run.out))
     return 0
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    config = _run_config(args)  # refused before the heavy imports below
     from edge_sdk.settings import DEFAULT_BROKER
 
     from .memory import return_freed_buffers
-    from .server import Coordinator
+    from .server import Coordinator, RegistrationTimeout
 
-    config = _run_config(args)
     return_freed_buffers()
     transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()
     try:
         report = Coordinator(config, config.coordinator_channel(transport)).run()
+    except RegistrationTimeout as exc:
+        raise CommandFailed(str(exc)) from None
     finally:
         transport.close()
     print(_summary(report, config.run.out))
@@ -94,18 +122,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from edge_sdk.client import EdgeClient
     from edge_sdk.settings import BrokerSettings
 
     from .settings import SimulationSettings
 
     simulation = section_from(SimulationSettings, args)
     broker = section_from(BrokerSettings, args)
+    mqtt = broker.mqtt_settings(args.client_id)
+    data = _device_data(args)
+    from edge_sdk.client import EdgeClient  # torch: once the flags, credentials and data are checked
+    from edge_sdk.lifecycle import run_until_done
+
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    client = EdgeClient(args.client_id, _device_data(args), broker=broker.mqtt_settings(args.client_id),
-                        federation=broker.federation, amp=simulation.amp, device=simulation.device, **upload,
+    client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
+                        device=simulation.device, **upload,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    client.run()
+    run_until_done(client)
     return 0
 
 
@@ -122,18 +154,22 @@ def _device_data(args: argparse.Namespace):
 
 
 def cmd_lite_client(args: argparse.Namespace) -> int:
-    from edge_sdk.lite import LiteClient
     from edge_sdk.settings import BrokerSettings
 
     from .settings import SimulationSettings
 
     head = section_from(SimulationSettings, args).head
     broker = section_from(BrokerSettings, args)
+    mqtt = broker.mqtt_settings(args.client_id)
+    data = _device_data(args)
+    from edge_sdk.lifecycle import run_until_done
+    from edge_sdk.lite import LiteClient
+
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
-    client = LiteClient(args.client_id, _device_data(args), head=head, providers=providers,
-                        share_prototypes=not args.no_prototypes, broker=broker.mqtt_settings(args.client_id),
+    client = LiteClient(args.client_id, data, head=head, providers=providers,
+                        share_prototypes=not args.no_prototypes, broker=mqtt,
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    client.run()
+    run_until_done(client)
     return 0
 
 
@@ -170,7 +206,7 @@ def _add_device_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """What every device command takes: who it is, where its data is, how it reaches the broker."""
     parser.add_argument("--client-id", required=True, help="this device's id (its MQTT client id and username)")
     parser.add_argument("--index", type=int,
-                        help="which partition of --dataset is this device's (simulations; else give --data)")
+                        help="which partition of --dataset is this device's (simulations; default: none, give --data)")
     parser.add_argument("--state-dir", help="where personal state is kept (default: edgepfl-state/<client-id>)")
     add_setting_flags(parser, command)
 
@@ -192,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     client = sub.add_parser("client", help="run one trainer device")
     _add_device_flags(client, "client")
     client.add_argument("--chunk-size", type=int,
-                        help="largest upload published as one message, in bytes (default 64 MiB; lower it for a "
-                             "broker whose packet limit is smaller and that does not announce it over MQTT 5)")
+                        help="largest upload published as one message, in bytes (lower it for a broker whose packet "
+                             "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.set_defaults(handler=cmd_client)
 
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
@@ -207,18 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")
     export.add_argument("--out", required=True, help="the ONNX file to write, in the precision asked for (fp32, "
                                                      "--fp16, or --quantize int8)")
-    export.add_argument("--part", default="body", help="which part to export (body)")
-    export.add_argument("--quantize", choices=["int8"], help="write a static int8 QDQ model (per channel) at --out")
+    export.add_argument("--part", default="body", help="which part to export (default: body)")
+    export.add_argument("--quantize", choices=["int8"],
+                        help="write a static int8 QDQ model (per channel) at --out (default: none, fp32)")
     export.add_argument("--also-fp32", action="store_true",
                         help="with --quantize int8: keep the fp32 model too, as <stem>.fp32.onnx beside --out")
     export.add_argument("--fp16", action="store_true", help="store the weights in float16")
-    export.add_argument("--calibration-size", type=int, default=256, help="real images for calibration and checks")
+    export.add_argument("--calibration-size", type=int, default=256,
+                        help="real images for calibration and checks (default: 256)")
     export.add_argument("--data-dir", help="where the run's dataset is (default: as the run had it)")
     export.set_defaults(handler=cmd_export)
 
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
-    broker.add_argument("--host", default="127.0.0.1")
-    broker.add_argument("--port", type=int, default=1883)
+    broker.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    broker.add_argument("--port", type=int, default=1883, help="port to listen on (default: 1883)")
     broker.set_defaults(handler=cmd_broker)
 
     broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup: accounts, ACLs, mutual TLS")
@@ -226,10 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
     broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")
     broker_config.add_argument("--port", type=int, help="listener port (default 1883, 8883 with --tls)")
-    broker_config.add_argument("--host", default="127.0.0.1", help="address the listener binds (0.0.0.0: all)")
+    broker_config.add_argument("--host", default="127.0.0.1",
+                               help="address the listener binds (0.0.0.0: all; default: 127.0.0.1)")
     broker_config.add_argument("--tls", action="store_true", help="mutual TLS: a CA, server and client certificates")
     broker_config.add_argument("--san", action="append", default=[], metavar="NAME",
-                               help="extra DNS name or IP for the server certificate (repeatable)")
+                               help="extra DNS name or IP for the server certificate (repeatable; default: none)")
     broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
     broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
     broker_config.set_defaults(handler=cmd_broker_config)
@@ -241,15 +280,27 @@ def main(argv: list[str] | None = None) -> int:
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from edge_sdk.config import ConfigError
-    from edge_sdk.data import DatasetNotFoundError
+    from edge_sdk.transport import TransportError
+
+    from .checkpoint import CheckpointError
 
     try:
         return args.handler(args)
-    except (ConfigError, DatasetNotFoundError, ValueError, FileNotFoundError) as exc:
-        print(f"edgepfl {args.command}: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        return _fail(args.command, exc, USAGE_ERROR)
+    except (TransportError, CommandFailed) as exc:
+        return _fail(args.command, exc, RUNTIME_FAILURE)
     except KeyboardInterrupt:
-        return 130
+        resume = " (rerun the same command to resume)" if args.command in ("simulate", "coordinator") else ""
+        print(f"edgepfl {args.command}: interrupted{resume}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _fail(command: str, exc: BaseException, code: int) -> int:
+    """Print `exc` as one line (its traceback only at -vv) and return the exit code `code`."""
+    log.debug("the failure's traceback", exc_info=exc)
+    print(f"edgepfl {command}: {exc}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ The broker (embedded amqtt unless `--broker` names one), the coordinator in this
 the devices in worker processes, each hosting several virtual devices with their own MQTT
 connections. Devices in one worker take turns to compute (one lock per worker) so that the
 workers, not the threads, use the cores.
+
+A worker that cannot host its devices (their data cannot be found, the broker refuses them)
+sends its error, one line, to the parent through a pipe of its own and exits with code 1; once
+every worker is gone the run stops with their errors (`WorkersFailed`) instead of waiting for
+registrations that cannot come. Ctrl-C is the parent's alone: workers ignore SIGINT and are
+stopped by the parent, with the embedded broker, before the KeyboardInterrupt goes on.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from edge_sdk.config import ConfigError
+from edge_sdk.lifecycle import run_until_done
 from edge_sdk.settings import BrokerSettings, TrainSettings
-from edge_sdk.transport import MqttSettings
+from edge_sdk.transport import MqttSettings, TransportError
 
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
@@ -29,6 +39,17 @@ from .server import Coordinator
 from .settings import RunSettings, SimulationSettings
 
 log = logging.getLogger(__name__)
+
+WORKER_FAILED = 1
+"""A worker's exit code when it could not host any of its devices (its error is in its pipe)."""
+
+
+LOGGED_ERROR = 160
+"""A dead worker's error is logged up to this many characters (the run's failure has it all)."""
+
+
+class WorkersFailed(RuntimeError):
+    """Every device worker process is gone before the run finished: no device is left."""
 
 
 @dataclass(frozen=True)
@@ -63,16 +84,36 @@ def client_id_for(index: int) -> str:
     return f"dev{index:03d}"
 
 
-def _worker_main(spec: WorkerSpec) -> None:
-    """Entry point of a worker process: run its devices until the coordinator finishes."""
+def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection) -> None:
+    """Entry point of a worker process: run its devices until the coordinator finishes. If none of
+    them can run, send why (one line) through `errors` and exit with `WORKER_FAILED`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    try:
+        failures = _host_devices(spec)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the parent reports it in one line
+        failures = [_one_line(exc)]
+        log.debug("worker failed", exc_info=True)
+    if failures and len(failures) >= len(spec.indices):
+        errors.send_bytes("; ".join(sorted(set(failures))).encode())
+        sys.exit(WORKER_FAILED)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: the message of the errors that explain themselves, else its type too."""
+    text = str(exc) if isinstance(exc, (ConfigError, TransportError, OSError)) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
+def _host_devices(spec: WorkerSpec) -> list[str]:
+    """Run the worker's devices, one thread each, until they end; returns the errors of those that failed."""
     import torch
 
     from edge_sdk.client import EdgeClient
 
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     lock = threading.Lock()
-    threads = []
+    threads, failures = [], []
     for index in spec.indices:
         data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
         client_id = client_id_for(index)
@@ -86,11 +127,22 @@ def _worker_main(spec: WorkerSpec) -> None:
         else:
             client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
                                 compute_lock=lock, attack=spec.attacks[index], **session)
-        thread = threading.Thread(target=client.run, name=client_id, daemon=True)
+        thread = threading.Thread(target=_run_device, args=(client, failures), name=client_id, daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads:
         thread.join()
+    return failures
+
+
+def _run_device(client, failures: list[str]) -> None:
+    """Run one device's session; its failure is logged in one line and added to `failures`."""
+    try:
+        run_until_done(client)
+    except Exception as exc:  # noqa: BLE001 - the other devices of the worker go on
+        failures.append(_one_line(exc))
+        log.error("%s stopped: %s", client.client_id, failures[-1])
+        log.debug("%s's failure", client.client_id, exc_info=True)
 
 
 def device_settings(config: RunConfig, url: str, client_id: str) -> MqttSettings:
@@ -104,32 +156,95 @@ def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
     return [tuple(range(w, clients, workers)) for w in range(workers)]
 
 
-def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event) -> threading.Thread:
-    """Log an error naming the devices (`workers` maps each process to its device ids) of any worker
-    process that dies before `done` is set.
+class WorkerWatch(threading.Thread):
+    """Watches the device worker processes until `done` is set: logs an error naming the devices
+    (`workers` maps each process to its device ids) and the error (from `errors`, the read end
+    of each worker's pipe, when given) of any worker that dies mid-run, and sets `all_dead` once
+    every worker is gone.
 
     Its devices' Last Wills make the coordinator close the round without them; without this line
     the run would only say that nobody replied. A worker killed by SIGKILL was most often the
     kernel's OOM killer (see `dmesg`).
     """
 
-    def watch() -> None:
-        alive = list(workers)
-        while alive and not done.is_set():
+    def __init__(self, workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
+                 errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None):
+        super().__init__(name="worker-watch", daemon=True)
+        self.workers, self.done, self.errors = workers, done, errors or {}
+        self.all_dead = threading.Event()
+        self.causes: dict[str, list[str]] = {}  # a dead worker's cause -> the workers it ended
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        alive = list(self.workers)
+        while alive and not self.done.is_set():
             ended = multiprocessing.connection.wait([p.sentinel for p in alive])
             for process in [p for p in alive if p.sentinel in ended]:
                 alive.remove(process)
                 process.join()
                 code = process.exitcode  # None when the run's own join reaped it first (after `done`)
-                if not done.is_set() and code not in (0, None):
-                    cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                    oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
-                    log.error("%s died with %s%s; its devices are gone: %s", process.name, cause, oom,
-                              ", ".join(workers[process]))
+                if not self.done.is_set() and code not in (0, None):
+                    self._report(process, code)
+        if not alive and not self.done.is_set():
+            self.all_dead.set()
 
-    thread = threading.Thread(target=watch, name="worker-watch", daemon=True)
-    thread.start()
-    return thread
+    def _report(self, process: multiprocessing.Process, code: int) -> None:
+        error = self._error_of(process)
+        if error is not None:
+            cause, shown = error, f"error: {error if len(error) <= LOGGED_ERROR else error[:LOGGED_ERROR] + '...'}"
+        else:
+            cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
+            shown = cause + oom
+        log.error("%s died with %s; its devices are gone: %s", process.name, shown, ", ".join(self.workers[process]))
+        with self._lock:
+            self.causes.setdefault(cause, []).append(process.name)
+
+    def _error_of(self, process: multiprocessing.Process) -> str | None:
+        pipe = self.errors.get(process)
+        try:
+            return pipe.recv_bytes().decode(errors="replace") if pipe is not None and pipe.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def failure(self) -> WorkersFailed:
+        """The error of a run whose workers are all gone: their causes, each with its workers."""
+        with self._lock:
+            causes = "; ".join(f"{cause} ({', '.join(names)})" for cause, names in self.causes.items())
+        return WorkersFailed(f"every device worker died before the run finished: {causes or 'no error reported'}")
+
+
+def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
+                  errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None
+                  ) -> WorkerWatch:
+    """Start a `WorkerWatch` over `workers` (see there)."""
+    watch = WorkerWatch(workers, done, errors)
+    watch.start()
+    return watch
+
+
+class WatchedChannel:
+    """The coordinator's channel, raising the workers' failure from `receive` once every worker
+    is gone (`WorkerWatch.all_dead`): then no device can register or reply any more. Everything
+    else is the channel's."""
+
+    POLL = 0.5
+    """Longest wait between two looks at the workers."""
+
+    def __init__(self, channel, watch: WorkerWatch):
+        self._channel, self._watch = channel, watch
+
+    def __getattr__(self, name: str):
+        return getattr(self._channel, name)
+
+    def receive(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._watch.all_dead.is_set():
+                raise self._watch.failure()
+            received = self._channel.receive(max(0.0, min(self.POLL, deadline - time.monotonic())))
+            if received is not None or time.monotonic() >= deadline:
+                return received
 
 
 def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -142,24 +257,30 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
     if config.broker.federation == "default":
         config = config.replace(federation=f"sim-{uuid.uuid4().hex[:8]}")
+    config = config.replace(connect_timeout=0)  # the broker is up already: no retries, fail fast
     broker = EmbeddedBroker().start() if config.broker.broker is None else None
     url = broker.url if broker else config.broker.broker
     if broker is not None:
         config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
     workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
+    errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
     done = threading.Event()
     try:
         for indices in split_among_workers(config.run.clients, config.worker_count):
             spec = WorkerSpec.for_devices(config, indices, url)
-            process = context.Process(target=_worker_main, args=(spec,), name=f"worker{len(workers)}", daemon=True)
+            read_end, write_end = context.Pipe(duplex=False)
+            process = context.Process(target=_worker_main, args=(spec, write_end), name=f"worker{len(workers)}",
+                                      daemon=True)
             process.start()
-            workers[process] = list(spec.connections)
-        watch_workers(workers, done)
+            write_end.close()  # the worker holds it now
+            workers[process], errors[process] = list(spec.connections), read_end
+        watch = watch_workers(workers, done, errors)
         transport = config.coordinator_transport(url)
         transport.connect()
         try:
-            coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=on_round)
+            coordinator = Coordinator(config, WatchedChannel(config.coordinator_channel(transport), watch),
+                                      on_round=on_round)
             if on_event is not None:
                 coordinator.subscribe(on_event)
             report = coordinator.run()
@@ -175,5 +296,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=10)
+        for pipe in errors.values():
+            pipe.close()
         if broker is not None:
             broker.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,11 @@ class TrainSettings:
 
 MQTT_PROTOCOLS = ("auto", "5", "3.1.1")
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+PASSWORD_VARIABLE = "EDGEPFL_PASSWORD"
+"""The environment variable a password is read from when neither --password nor --password-file
+is given (out of `ps` and shell history, unlike --password)."""
+CONNECTING_COMMANDS = ("coordinator", *DEVICE_COMMANDS)
+"""The commands that connect to a broker someone else starts (simulate's is up before it)."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,9 @@ class BrokerSettings:
     federation: str = setting("default", help="federation name (topic namespace)")
     mqtt_protocol: str = setting("auto", help="MQTT version: auto | 5 | 3.1.1")
     username: str | None = setting(None, help="MQTT username")
-    password: str | None = setting(None, help="MQTT password")
+    password: str | None = setting(None, help=f"MQTT password (visible in `ps`: prefer --password-file or "
+                                              f"{PASSWORD_VARIABLE})", shown_default=f"${PASSWORD_VARIABLE}")
+    password_file: str | None = setting(None, help="file whose first line is the MQTT password")
     ca_file: str | None = setting(None, help="CA certificate for TLS (mqtts://)")
     cert_file: str | None = setting(None, help="client certificate for mutual TLS")
     key_file: str | None = setting(None, help="client key for mutual TLS")
@@ -183,10 +191,16 @@ class BrokerSettings:
     flow_control_bytes: int = setting(1 << 20, commands=RUN_COMMANDS,
                                       help="the coordinator stops reading from the broker while it holds this many "
                                            "bytes of received messages (0: off)")
+    connect_timeout: float = setting(60.0, commands=CONNECTING_COMMANDS,
+                                     help="seconds to keep retrying the first connection while the broker is not "
+                                          "up yet, with backoff (0: one try); a refused account is not retried")
 
     def __post_init__(self) -> None:
         check(self.mqtt_protocol in MQTT_PROTOCOLS, "mqtt_protocol", "auto, 5 or 3.1.1", self.mqtt_protocol)
         check(self.flow_control_bytes >= 0, "flow_control_bytes", "zero (off) or more", self.flow_control_bytes)
+        check(self.connect_timeout >= 0, "connect_timeout", "zero (one try) or more seconds", self.connect_timeout)
+        if self.password is not None and self.password_file is not None:
+            raise ConfigError("give either password or password_file, not both")
         try:
             check_chunk_size(self.chunk_size)
             check_chunk_size(self.upload_chunk_size, "upload_chunk_size")
@@ -195,15 +209,32 @@ class BrokerSettings:
 
     def mqtt_settings(self, account: str, url: str | None = None):
         """How `account` ("coordinator" or a device id) connects to `url` (default: `broker`, else
-        the local default): explicit username/password, else `account` in `credentials`."""
+        the local default): an explicit username with its password (`password`, else
+        `password_file`, else $EDGEPFL_PASSWORD), else `account` in `credentials`."""
         from .transport import MqttSettings
 
-        username, password = self.username, self.password
+        username, password = self.username, self.given_password()
         if username is None and self.credentials:
             username, password = load_credentials(self.credentials, account)
-        return MqttSettings(url=url or self.broker or DEFAULT_BROKER, username=username, password=password,
-                            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
-                            protocol=self.mqtt_protocol)
+        try:
+            return MqttSettings(url=url or self.broker or DEFAULT_BROKER, username=username, password=password,
+                                ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+                                protocol=self.mqtt_protocol, retry_first_connect=self.connect_timeout,
+                                give_up_when_denied=True)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def given_password(self) -> str | None:
+        """The password: `password`, else the first line of `password_file`, else $EDGEPFL_PASSWORD."""
+        if self.password is not None:
+            return self.password
+        if self.password_file is not None:
+            try:
+                lines = Path(self.password_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"password_file {self.password_file}: {exc.strerror}") from None
+            return lines[0] if lines else ""
+        return os.environ.get(PASSWORD_VARIABLE)
 
 
 def load_credentials(path: str, account: str) -> tuple[str, str]:

@@ -6,6 +6,13 @@ bytes and full, which is how a receiver holds its backlog back at the broker. Su
 remembered and renewed on every (re)connection; paho reconnects with exponential backoff. MQTT
 5 is used where the broker speaks it and 3.1.1 otherwise (`protocol="auto"` tries 5 first).
 
+Failing clearly: the first connection is retried with backoff while the broker is unreachable
+(`MqttSettings.retry_first_connect`), and every failure is one line naming its cause and fix
+(`BrokerUnreachable`, `NotAuthorized`, a TLS mismatch). A broker that refuses this account
+(CONNACK) or denies its publications (an ACL: PUBACK "not authorized" under MQTT 5, or, under
+3.1.1, which has no such answer, a connection closed right after it was made, again and again)
+is not reconnected to forever: `failed` is set and `failure` says why.
+
 Received payloads are read-only views of the buffer paho read the packet into, not copies:
 paho's own PUBLISH decoder slices the packet three or four times (each a full copy), so a 4 MB
 update briefly took 16 MB; `decode_publish_in_place` replaces it (paho 2.2; a paho without
@@ -17,10 +24,14 @@ is handled, a second copy of every large message.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import queue
+import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlparse
@@ -43,10 +54,25 @@ log = logging.getLogger(__name__)
 
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}
 READ_SIZE = 256 << 10
+REFUSALS = {"Bad user name or password": "bad username or password", "Not authorized": "not authorized"}
+"""CONNACK reason codes (by name, as paho reports both MQTT versions) that no retry can cure."""
+BRIEF_CONNECTION = 5.0
+"""A connection the broker closes within this many seconds of accepting it counts as brief."""
+BRIEF_CONNECTIONS_IN_A_ROW = 5
+"""So many brief connections in a row: the broker (most often its ACL) will not have this client."""
+RETRY_MAX_DELAY = 10.0
 
 
 class TransportError(ConnectionError):
     """The broker could not be reached or refused the connection."""
+
+
+class BrokerUnreachable(TransportError):
+    """Nothing answered at the broker's address (not up yet, or a wrong address): worth retrying."""
+
+
+class NotAuthorized(TransportError):
+    """The broker refused this account or denied its publications: retrying cannot help."""
 
 
 class Incoming(NamedTuple):
@@ -97,6 +123,13 @@ class MqttSettings:
     protocol: str = "auto"
     keepalive: int = 30
     connect_timeout: float = 15.0
+    """Seconds one connection attempt waits for CONNACK."""
+    retry_first_connect: float = 0.0
+    """Seconds to keep retrying the first connection while the broker is unreachable (0: one try)."""
+    give_up_when_denied: bool = False
+    """Stop for good (`MqttTransport.failed`) at the first publication the broker denies (MQTT 5
+    PUBACK "not authorized"): what a federation process wants, whose messages all go where its
+    account must be allowed to write."""
     reconnect_min_delay: int = 1
     reconnect_max_delay: int = 30
 
@@ -106,6 +139,10 @@ class MqttSettings:
         parsed = urlparse(self.url)
         if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parsed.hostname:
             raise ValueError(f"broker url must look like mqtt://host:port or mqtts://host:port, got {self.url!r}")
+        for name in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path} does not exist")
 
     @property
     def host(self) -> str:
@@ -119,6 +156,16 @@ class MqttSettings:
     @property
     def tls(self) -> bool:
         return urlparse(self.url).scheme in ("mqtts", "ssl") or self.ca_file is not None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def credentials_hint(self) -> str:
+        """Where this account's credentials come from, for a refusal's message."""
+        who = f"user {self.username!r}" if self.username is not None else "an anonymous client"
+        return (f"{who}: check --username with --password, --password-file or EDGEPFL_PASSWORD, or "
+                "--credentials (and the broker's ACL)")
 
 
 class _Client(mqtt.Client):
@@ -157,22 +204,46 @@ class MqttTransport:
         self._will = will
         self._subscriptions: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._refused: str | None = None
+        self._refused: TransportError | None = None
         self._client: mqtt.Client | None = None
         self.protocol: str | None = None
+        self.failed = threading.Event()
+        """Set once the broker will not have this client any more (see `failure`)."""
+        self.failure: NotAuthorized | None = None
+        self._connected_at = 0.0
+        self._brief_connections = 0
+        self._sent_topics: dict[int, str] = {}  # message id -> topic, for a PUBACK's refusal
 
     # -- lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
-        """Connect (blocking up to `connect_timeout`), trying MQTT 5 then 3.1.1 under auto."""
+        """Connect (each attempt blocking up to `connect_timeout`), trying MQTT 5 then 3.1.1 under
+        auto; while the broker is unreachable, retry with backoff for `retry_first_connect` s."""
+        deadline = time.monotonic() + self.settings.retry_first_connect
+        delay = 1.0
+        while True:
+            try:
+                self._connect_once()
+                return
+            except BrokerUnreachable as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("%s; retrying in %.0f s (for %.0f s more)", exc, min(delay, left), left)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, RETRY_MAX_DELAY)
+
+    def _connect_once(self) -> None:
         candidates = list(PROTOCOLS) if self.settings.protocol == "auto" else [self.settings.protocol]
-        errors = []
         for protocol in candidates:
             try:
                 self._connect_with(protocol)
                 return
+            except (BrokerUnreachable, NotAuthorized):
+                raise  # the same under either version
             except TransportError as exc:
-                errors.append(f"MQTT {protocol}: {exc}")
-        raise TransportError(f"cannot connect to {self.settings.url} as {self.client_id!r}: " + "; ".join(errors))
+                if protocol == candidates[-1]:
+                    raise
+                log.debug("%s: MQTT %s failed (%s); trying the next version", self.client_id, protocol, exc)
 
     def _connect_with(self, protocol: str) -> None:
         client = self._make_client(protocol)
@@ -180,9 +251,6 @@ class MqttTransport:
         self.connected.clear()
         try:
             if PROTOCOLS[protocol] == mqtt.MQTTv5:
-                from paho.mqtt.properties import Properties
-                from paho.mqtt.packettypes import PacketTypes
-
                 props = Properties(PacketTypes.CONNECT)
                 props.SessionExpiryInterval = 0
                 client.connect(self.settings.host, self.settings.port, self.settings.keepalive, clean_start=True,
@@ -190,14 +258,37 @@ class MqttTransport:
             else:
                 client.connect(self.settings.host, self.settings.port, self.settings.keepalive)
         except (OSError, ValueError) as exc:
-            raise TransportError(str(exc)) from exc
+            raise self._connect_error(exc) from None
         client.loop_start()
-        if not self.connected.wait(self.settings.connect_timeout) or self._refused:
+        answered = self.connected.wait(self.settings.connect_timeout)
+        if not answered or self._refused:
             client.loop_stop()
             client.disconnect()
-            raise TransportError(self._refused or "no CONNACK before the timeout")
+            raise self._refused or TransportError(
+                f"no CONNACK from {self.settings.address} within {self.settings.connect_timeout:.0f} s: is it an MQTT "
+                f"broker{'' if self.settings.tls else ', and not a TLS port (then use mqtts://)'}?")
         self._client = client
         self.protocol = protocol
+
+    def _connect_error(self, exc: BaseException) -> TransportError:
+        """The one-line error of a failed TCP or TLS connection to the broker."""
+        address = self.settings.address
+        if self.settings.tls and isinstance(exc, (ConnectionResetError, ssl.SSLEOFError)):
+            return TransportError(f"the broker at {address} closed the connection during the TLS handshake: is it a "
+                                  "plain MQTT port? use mqtt://")
+        if isinstance(exc, ssl.SSLError):
+            return TransportError(f"TLS with {address} failed ({exc.reason or exc}): check --ca-file, --cert-file and "
+                                  "--key-file, or use mqtt:// if the port does not speak TLS")
+        if isinstance(exc, socket.gaierror):
+            return BrokerUnreachable(f"cannot resolve the broker's host {self.settings.host!r} ({exc.strerror})")
+        if isinstance(exc, ConnectionRefusedError):
+            return BrokerUnreachable(f"nothing listens at {address} (connection refused): is the broker running, "
+                                     "and is --broker its address?")
+        if isinstance(exc, (TimeoutError, socket.timeout)) or getattr(exc, "errno", None) in (
+                errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET):
+            return BrokerUnreachable(f"cannot reach the broker at {address} ({exc}): is it up, and is --broker "
+                                     "its address?")
+        return TransportError(f"cannot connect to the broker at {address}: {exc}")
 
     def _make_client(self, protocol: str) -> mqtt.Client:
         version = PROTOCOLS[protocol]
@@ -221,6 +312,7 @@ class MqttTransport:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         return client
 
     def close(self) -> None:
@@ -246,7 +338,11 @@ class MqttTransport:
             raise TransportError("publish before connect")
         if not isinstance(payload, (bytes, bytearray)):
             payload = bytes(payload)  # paho takes bytes or bytearray only
+        if self.failure is not None:
+            raise self.failure
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if qos and self.settings.give_up_when_denied:
+            self._sent_topics[info.mid] = topic  # for the message of a denial
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         self.counter.record("sent", topic, len(payload))
@@ -254,10 +350,11 @@ class MqttTransport:
     # -- paho callbacks (network thread: never raise; only flow control waits) ---------------
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
-            self._refused = f"broker refused the connection: {reason_code}"
+            self._refused = self._refusal(reason_code)
             self.connected.set()
             return
         self.connections += 1
+        self._connected_at = time.monotonic()
         self.max_packet_size = getattr(properties, "MaximumPacketSize", None)
         with self._lock:
             subscriptions = list(self._subscriptions.items())
@@ -267,14 +364,51 @@ class MqttTransport:
             log.info("%s reconnected to %s (connection %d)", self.client_id, self.settings.url, self.connections)
         self.connected.set()
 
+    def _refusal(self, reason_code) -> TransportError:
+        """The error of a CONNACK that refused the connection."""
+        name = reason_code.getName()
+        if name in REFUSALS:
+            return NotAuthorized(f"the broker at {self.settings.address} refused {self.client_id!r}: {REFUSALS[name]} "
+                                 f"for {self.settings.credentials_hint()}")
+        return TransportError(f"the broker at {self.settings.address} refused the connection: {name}")
+
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         if self._client is None and not self.connected.is_set():
-            self._refused = f"the broker closed the connection before CONNACK ({reason_code})"
+            hint = ("check the client certificate and --ca-file" if self.settings.tls
+                    else "is it a TLS port? use mqtts://")
+            self._refused = TransportError(f"the broker at {self.settings.address} closed the connection before "
+                                           f"CONNACK: {hint}")
             self.connected.set()  # wake connect(): this attempt failed
             return
         self.connected.clear()
-        if self._client is not None:
-            log.warning("%s lost the broker connection: %s; reconnecting", self.client_id, reason_code)
+        if self._client is None:
+            return
+        brief = time.monotonic() - self._connected_at < BRIEF_CONNECTION
+        self._brief_connections = self._brief_connections + 1 if brief else 0
+        if self.failure is None and self._brief_connections >= BRIEF_CONNECTIONS_IN_A_ROW:
+            self._give_up(client, NotAuthorized(
+                f"the broker at {self.settings.address} closed {self.client_id!r}'s connection right after accepting "
+                f"it {self._brief_connections} times in a row: most often its ACL denies this device's topics; "
+                f"{self.settings.credentials_hint()}, and that the account is this device's"))
+        if self.failure is not None:
+            return
+        log.warning("%s lost the broker connection: %s; reconnecting", self.client_id, reason_code)
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        topic = self._sent_topics.pop(mid, "?")
+        denied = reason_code.getName() == "Not authorized"
+        if denied and self.settings.give_up_when_denied and self.failure is None:
+            self._give_up(client, NotAuthorized(
+                f"the broker at {self.settings.address} denied {self.client_id!r} publishing to {topic}: its ACL does "
+                f"not allow this account there; {self.settings.credentials_hint()}, and that the account is this "
+                "device's"))
+
+    def _give_up(self, client, failure: NotAuthorized) -> None:
+        """The broker will not have this client: record why, stop reconnecting, wake the owner."""
+        self.failure = failure
+        log.error("%s", failure)
+        client.disconnect()  # from the network thread: paho's loop ends instead of reconnecting
+        self.failed.set()
 
     def _on_message(self, client, userdata, message) -> None:
         try:

@@ -18,10 +18,14 @@ from edge_sdk.algorithms import load as load_device
 
 
 def hyperparameters(algorithm_id: str, values: dict) -> object:
-    """The algorithm's Hyper dataclass from `values`, naming any unknown or bad key."""
+    """The algorithm's Hyper dataclass from `values`, naming any unknown or bad key; imports
+    neither torch nor the algorithm (`edge_sdk.algorithms.hyper`), so a run is checked first."""
+    from edge_sdk.algorithms.hyper import hyper_class
     from edge_sdk.config import from_mapping
 
-    return from_mapping(load(algorithm_id).Hyper, values, where=f"[algorithm.{algorithm_id}]")
+    if algorithm_id not in ALGORITHM_IDS:
+        raise ValueError(f"unknown algorithm {algorithm_id!r}; known: {', '.join(ALGORITHM_IDS)}")
+    return from_mapping(hyper_class(algorithm_id), values, where=f"[algorithm.{algorithm_id}]")
 
 
 @functools.cache

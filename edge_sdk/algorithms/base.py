@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 from ..data import ClientData
 from ..protocol import ArrayGroup
 from ..settings import TrainSettings
+from .hyper import NoHyper
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: the registry loads without it
     import torch
@@ -24,11 +25,6 @@ OptimizerFactory = Callable[[Any, "TrainSettings"], "torch.optim.Optimizer"]
 """A trainer's own local optimizer: (parameters, the run's settings) -> optimizer."""
 LossOverride = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 """A trainer's own loss: (logits, targets) -> scalar loss (e.g. label smoothing, class weights)."""
-
-
-@dataclass(frozen=True)
-class NoHyper:
-    """For algorithms without hyperparameters of their own."""
 
 
 @dataclass

@@ -34,7 +34,6 @@ own BatchNorm running statistics (kept on the device, updated by the g_w0 traini
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -48,6 +47,7 @@ from ..params import ArraySpec, check_arrays, part_of, spec_of
 from ..protocol import ArrayGroup
 from ..training import LossFn, accuracy, eval_mode, load_arrays, run_epochs, state_arrays
 from .base import FitResult, Task
+from .hyper.cd2_pfed import Hyper
 from .torch_device import SHARED, TorchDevice
 
 GW0_PREFIX = "g_w0."
@@ -56,22 +56,6 @@ GW0_PREFIX = "g_w0."
 Shape = tuple[int, ...]
 Cut = tuple[int | None, int]
 """(axis, number of shared entries along it); axis None: the whole tensor is shared."""
-
-
-@dataclass(frozen=True)
-class Hyper:
-    p: float = 0.5  # maximum personal fraction (Eq. 3)
-    lam: float = 1.0  # weight of the cyclic distillation loss (Eq. 5)
-    beta: float = 0.5  # EMA smoothing coefficient after the ramp-up (Eq. 7)
-    warmup: float = 0.1  # t0 = warmup * T (Eq. 7)
-    momentum: float = 0.9  # SGD Nesterov momentum (Sec. 4.2)
-    weight_decay: float = 5e-4  # (Sec. 4.2)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.p <= 1.0:
-            raise ValueError(f"p must lie in [0, 1], got {self.p}")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must lie in [0, 1], got {self.beta}")
 
 
 # -- the schedule and the split (both sides use these) -------------------------------------

@@ -37,8 +37,6 @@ evaluation mode although it is accurate in training mode.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,35 +49,13 @@ from ..models import ModelSpec, build_body, seeded_init
 from ..models.capabilities import COMMON, PROJECTOR
 from ..training import LossFn, accuracy, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
+from .hyper.dualfed import Hyper
 from .torch_device import SHARED, TorchDevice
 
 log = logging.getLogger(__name__)
 
 SHARED_PARTS = ("body", "global_head")
 MAIN_BRANCH = ("body", "projector", "head")
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """DualFed's hyperparameters (ALGORITHMS.md). `lam` is the paper's lambda (Eq. 8)."""
-
-    temperature: float = 0.1
-    lam: float = 1.0
-    lr: float | None = 0.01
-    momentum: float = 0.5
-    global_head_epochs: int = 1
-    projector_hidden: int | None = None
-    weighting: Literal["uniform", "examples"] = "uniform"
-    ensemble: Literal["prob", "logit"] = "prob"
-    recalibrate_bn: bool = True
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0 or self.lam < 0 or (self.lr is not None and self.lr <= 0):
-            raise ValueError("temperature and lr must be positive, lam zero or more")
-        if not 0 <= self.momentum < 1 or self.global_head_epochs < 1:
-            raise ValueError("momentum must be in [0, 1), global_head_epochs at least 1")
-        if self.projector_hidden is not None and self.projector_hidden < 1:
-            raise ValueError("projector_hidden must be at least 1 (or none for d/2)")
 
 
 def projector(dim: int, hidden: int) -> nn.Sequential:

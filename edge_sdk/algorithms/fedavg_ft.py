@@ -16,16 +16,10 @@ The copy is thrown away, so the next round trains from the global model as in Fe
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 from .base import Task
+from .hyper.fedavg_ft import Hyper as FedAvgFTHyper
 from .part_sharing import PartSharingDevice
-
-
-@dataclass(frozen=True)
-class FedAvgFTHyper:
-    ft_epochs: int = 10
-    """Epochs of head fine-tuning before each evaluation (on a copy of the model)."""
 
 
 class FedAvgFTDevice(PartSharingDevice):

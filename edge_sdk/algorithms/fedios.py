@@ -36,7 +36,6 @@ Deployed model: head(phi_f). `global_accuracy`: head(P^g body(x)) (Sec. 3, infer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,21 +47,8 @@ from ..models import ModelSpec, PartedNet, build_model, seeded_init
 from ..models.capabilities import COMMON, LINEAR_HEAD, TWO_EXTRACTORS
 from ..training import LossFn, accuracy, eval_mode, run_epochs
 from .base import FitResult, Task
+from .hyper.fedios import Hyper
 from .torch_device import SHARED, TorchDevice
-
-
-@dataclass(frozen=True)
-class Hyper:
-    alpha: float = 0.5  # weight of the generic features in phi_f (Eq. 9)
-    lam: float = 1.0  # weight of the orthogonality regularizer (Eq. 12)
-    capacity: int = 0  # number of personal blocks B; 0 = the configured number of clients
-    momentum: float = 0.9  # SGD momentum (Appendix B.3)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
-        if self.capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {self.capacity}")
 
 
 # -- projections (Eq. 6) --------------------------------------------------------------------

@@ -11,19 +11,13 @@ example-weighted mean. The device deploys the global model (`global_accuracy` is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from ..training import LossFn
 from .base import Task
+from .hyper.fedprox import Hyper as FedProxHyper
 from .part_sharing import PartSharingDevice
-
-
-@dataclass(frozen=True)
-class FedProxHyper:
-    mu: float = 0.01
-    """Weight of the proximal term mu/2 * ||w - w_global||^2 (0 gives FedAvg)."""
 
 
 class FedProxDevice(PartSharingDevice):

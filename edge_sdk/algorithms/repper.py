@@ -48,8 +48,7 @@ Decisions where the paper is open:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -63,36 +62,13 @@ from ..models import ModelSpec, build_body, seeded_init
 from ..models.capabilities import COMMON, PROJECTOR
 from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
+from .hyper.repper import Hyper
 from .torch_device import SHARED, TorchDevice
 
 log = logging.getLogger(__name__)
 
-HeadKind = Literal["linear", "mlp", "svm", "lr", "mlp_sklearn"]
-
 FEATURE_BATCH = 512
 """Batch size for feature extraction (no gradients)."""
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """RepPer's hyperparameters (ALGORITHMS.md); `lr` is Adam's in stage 1 (eta_r)."""
-
-    variant: Literal["in", "out"] = "out"
-    temperature: float = 0.1
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    head: HeadKind = "linear"
-    head_epochs: int = 10
-    head_hidden: int = 128
-    projection_dim: int = 0
-    normalize_features: bool = False
-    recalibrate_bn: bool = True
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0 or self.lr <= 0 or self.weight_decay < 0:
-            raise ValueError("temperature and lr must be positive, weight_decay zero or more")
-        if self.head_epochs < 1 or self.head_hidden < 1 or self.projection_dim < 0:
-            raise ValueError("head_epochs and head_hidden must be at least 1, projection_dim zero or more")
 
 
 class RepPerNet(nn.Module):

@@ -1,13 +1,17 @@
-"""The simulation's worker watch: a worker process that dies mid-run is named, with its devices."""
+"""The simulation's worker watch: a worker process that dies mid-run is named, with its devices and
+its error; once every worker is gone, the coordinator's channel stops the run with their errors."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
 import threading
 import time
 
-from coordinator.simulate import watch_workers
+import pytest
+
+from coordinator.simulate import WatchedChannel, WorkerWatch, WorkersFailed, watch_workers
 
 
 def start_sleeper(context) -> multiprocessing.Process:
@@ -78,3 +82,57 @@ def test_a_worker_reaped_by_the_run_is_neither_reported_nor_fatal_to_the_watch(c
     # Assert
     assert not watcher.is_alive()
     assert crashes == [] and caplog.text == ""
+
+
+def failing_worker(context, name: str, error: str) -> tuple[multiprocessing.Process, object]:
+    """A worker that has sent `error` through its pipe and exits with code 1, as `_worker_main` does."""
+    read_end, write_end = context.Pipe(duplex=False)
+    write_end.send_bytes(error.encode())
+    process = context.Process(target=sys.exit, args=(1,), name=name, daemon=True)
+    process.start()
+    return process, read_end
+
+
+def test_when_every_worker_died_the_failure_names_their_error_once(caplog):
+    # Prepare
+    context = multiprocessing.get_context("spawn")
+    first, first_errors = failing_worker(context, "worker0", "mnist not found: pass --data-dir")
+    second, second_errors = failing_worker(context, "worker1", "mnist not found: pass --data-dir")
+
+    # Execute
+    with caplog.at_level(logging.ERROR, logger="coordinator.simulate"):
+        watch = watch_workers({first: ["dev000"], second: ["dev001"]}, threading.Event(),
+                              {first: first_errors, second: second_errors})
+        watch.join(timeout=60)
+
+    # Assert
+    assert watch.all_dead.is_set()
+    message = str(watch.failure())
+    assert message.count("mnist not found: pass --data-dir") == 1
+    assert "worker0" in message and "worker1" in message
+    assert "worker0 died with error: mnist not found" in caplog.text
+
+
+class SilentChannel:
+    """A channel on which nothing arrives."""
+
+    topics = "the channel's topics"
+
+    def receive(self, timeout: float):
+        return None
+
+
+def test_the_watched_channel_raises_the_workers_failure_once_all_are_dead():
+    # Prepare
+    watch = WorkerWatch({}, threading.Event())
+    watch.causes["ValueError: classes_per_client must be in [1, 10]"] = ["worker0"]
+    channel = WatchedChannel(SilentChannel(), watch)
+    before = channel.receive(0.2)
+
+    # Execute
+    watch.all_dead.set()
+    with pytest.raises(WorkersFailed, match=r"every device worker died.*classes_per_client.*\(worker0\)"):
+        channel.receive(60)
+
+    # Assert: until then it waited as the channel does, and it is the channel otherwise
+    assert before is None and channel.topics == "the channel's topics"

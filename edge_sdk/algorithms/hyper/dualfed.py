@@ -1,0 +1,30 @@
+"""DualFed's hyperparameters (`[algorithm.dualfed]`, `--set`), without torch: a run's
+configuration is checked before the algorithm's module is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """DualFed's hyperparameters (ALGORITHMS.md). `lam` is the paper's lambda (Eq. 8)."""
+
+    temperature: float = 0.1
+    lam: float = 1.0
+    lr: float | None = 0.01
+    momentum: float = 0.5
+    global_head_epochs: int = 1
+    projector_hidden: int | None = None
+    weighting: Literal["uniform", "examples"] = "uniform"
+    ensemble: Literal["prob", "logit"] = "prob"
+    recalibrate_bn: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or self.lam < 0 or (self.lr is not None and self.lr <= 0):
+            raise ValueError("temperature and lr must be positive, lam zero or more")
+        if not 0 <= self.momentum < 1 or self.global_head_epochs < 1:
+            raise ValueError("momentum must be in [0, 1), global_head_epochs at least 1")
+        if self.projector_hidden is not None and self.projector_hidden < 1:
+            raise ValueError("projector_hidden must be at least 1 (or none for d/2)")

@@ -1,0 +1,20 @@
+"""FediOS's hyperparameters (`[algorithm.fedios]`, `--set`), without torch: a run's
+configuration is checked before the algorithm's module is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hyper:
+    alpha: float = 0.5  # weight of the generic features in phi_f (Eq. 9)
+    lam: float = 1.0  # weight of the orthogonality regularizer (Eq. 12)
+    capacity: int = 0  # number of personal blocks B; 0 = the configured number of clients
+    momentum: float = 0.9  # SGD momentum (Appendix B.3)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+        if self.capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {self.capacity}")
