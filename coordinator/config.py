@@ -43,6 +43,9 @@ def all_settings() -> Iterator[tuple[str, Setting]]:
             yield section, item
 
 
+SECRETS = ("password",)
+"""Settings never written into a run's files (checkpoint, benchmark configs)."""
+
 KEYS: dict[str, tuple[str, Setting]] = {item.key: (section, item) for section, item in all_settings()}
 """Flat key -> (section, setting): keys are unique across sections."""
 
@@ -110,9 +113,11 @@ class RunConfig:
         return dataclasses.replace(self, **changed)
 
     def to_flat(self) -> dict[str, Any]:
-        """Every setting by its flat key, plus hyper (and the declared task when set): what a
-        checkpoint records and what `RunConfig.of` and a flat TOML file take back."""
-        flat = {item.key: getattr(getattr(self, section), item.name) for section, item in all_settings()}
+        """Every setting by its flat key but the secrets (`SECRETS`), plus hyper (and the declared
+        task when set): what a checkpoint records and what `RunConfig.of` and a flat TOML file
+        take back."""
+        flat = {item.key: getattr(getattr(self, section), item.name) for section, item in all_settings()
+                if item.key not in SECRETS}
         flat["hyper"] = dict(self.hyper)
         if self.declared_task is not None:
             flat["declared_task"] = dict(self.declared_task)

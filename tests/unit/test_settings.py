@@ -319,3 +319,12 @@ def test_a_device_needs_either_index_or_data():
     for args in (neither, both):
         with pytest.raises(SystemExit, match="--index.*--data"):
             _device_data(args)
+
+
+def test_the_flat_record_of_a_run_leaves_the_password_out():
+    config = RunConfig.of(username="coordinator", password="s3cret", rounds=2)
+
+    flat = config.to_flat()
+
+    assert flat["username"] == "coordinator" and flat["rounds"] == 2
+    assert "password" not in flat and "s3cret" not in repr(flat)
