@@ -134,6 +134,9 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
                         share_prototypes=not args.no_prototypes, broker=broker.mqtt_settings(args.client_id),
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     client.run()
+    if client.missing_model is not None:
+        print(f"edgepfl lite-client: {client.missing_model}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -117,6 +117,24 @@ class LiteClient(DeviceSession):
         self._fetches: Counter[str] = Counter()
         self._fetched_at: dict[str, float] = {}
 
+    @property
+    def missing_model(self) -> str | None:
+        """Why a finished run left this device without a personalized model (None when it has
+        one, or while the run goes on): the command exits non-zero with it."""
+        if not self.finished or self.evaluation is not None:
+            return None
+        if self.release is None:
+            return (f"run {self.run_id} finished without releasing a representation, so this weak device has no "
+                    "model: run the coordinator with --release (or an algorithm that releases one, such as repper)")
+        return (f"run {self.run_id} finished before this device was asked to evaluate the released representation "
+                f"{self.release.sha256[:12]}: no personalized model was written")
+
+    def run(self, stop=None) -> None:
+        """The session's `run`; a run that ends without a model for this device is logged as an error."""
+        super().run(stop)
+        if self.missing_model is not None:
+            log.error("%s: %s", self.client_id, self.missing_model)
+
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}

@@ -467,7 +467,7 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
 
     # Assert: each device kept its personal state on its own disk
     for device in devices:
-        assert (federation.state_dir(device) / "personal.msgpack").is_file()
+        assert (federation.state_dir(device) / f"personal-{device}.msgpack").is_file()
 
 
 def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
@@ -597,7 +597,7 @@ def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(fed
     assert all(r["seconds"] < config.round.round_timeout for r in rounds)
     assert "training diverged in round 1" in caplog.text
     for device in devices:
-        assert PersonalStore(federation.state_dir(device)).load() is None, f"{device} saved a diverged state"
+        assert PersonalStore(federation.state_dir(device), device).load() is None, f"{device} saved a diverged state"
 
 
 @pytest.mark.parametrize("grad_clip_norm", [0.0, 1e-4])
@@ -680,3 +680,59 @@ def test_resume_continues_the_same_run(federation):
     assert report2["rounds"][2]["outcome"] == "complete"
     assert _metrics_rounds(Path(second.config.run.out)) == [1, 2, 3]
     assert federation.devices_exit()
+
+
+def _run_in_background(coordinator) -> tuple[threading.Thread, dict, threading.Event]:
+    """Start `coordinator.run()` in a thread; the event is set once it listens for devices."""
+    from coordinator.events import RegistrationOpened
+
+    listening = threading.Event()
+    coordinator.subscribe(lambda event: listening.set(), RegistrationOpened)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(coordinator.run()), daemon=True)
+    runner.start()
+    return runner, result, listening
+
+
+def test_a_first_registration_is_one_event(federation):
+    # Prepare: the coordinator's STATUS is retained before any device connects
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    runner, result, listening = _run_in_background(coordinator)
+    assert listening.wait(WAIT)
+
+    # Execute
+    for i in range(3):
+        federation.start_device(i, 3)
+    runner.join(60)
+
+    # Assert
+    assert not runner.is_alive(), "the run did not finish"
+    assert result["events"]["registered"] == 3
+    assert result["events"].get("rejoined", 0) == 0
+
+
+def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federation, caplog):
+    # Prepare: FedAvg without release; one of the three devices is a weak one
+    from edge_sdk.data import load_client_data
+    from edge_sdk.lite import LiteClient
+
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    will = (federation.topics.up("dev002", Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, "dev002")))
+    lite = LiteClient("dev002", load_client_data("digits", num_clients=3, index=2, seed=0),
+                      federation=federation.topics.federation, state_dir=federation.state_dir("dev002"),
+                      transport=federation.broker.transport("dev002", will=will))
+    thread = threading.Thread(target=lite.run, args=(federation.stop,), daemon=True)
+    thread.start()
+    federation.threads.append(thread)
+
+    # Execute
+    with caplog.at_level("ERROR"):
+        coordinator.run()
+        assert federation.devices_exit()
+
+    # Assert
+    assert lite.finished and lite.evaluation is None
+    assert "finished without releasing a representation" in lite.missing_model
+    assert "--release" in lite.missing_model and lite.missing_model in caplog.text
