@@ -473,7 +473,7 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
 def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     # Prepare
     from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundEvaluated,
-                                    RoundStarted, UpdateAccepted)
+                                    RoundStarted, RunStarted, UpdateAccepted)
 
     config = federation.config(eval_every=1)
     coordinator = federation.coordinator(config)
@@ -490,13 +490,14 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     kinds = [type(e) for e in events]
     one_round = [RoundStarted, UpdateAccepted, UpdateAccepted, UpdateAccepted, RoundAggregated, RoundEvaluated,
                  RoundEnded]
-    assert kinds == [RegistrationOpened, DevicesRegistered, *one_round, *one_round]
+    assert kinds == [RunStarted, RegistrationOpened, DevicesRegistered, *one_round, *one_round]
     assert ended == [e for e in events if isinstance(e, RoundEnded)]
 
     # Assert: the content, against the report and the channel's own counts
-    assert events[0].expected == 3 and (events[1].devices, events[1].trainers) == (3, 3)
+    assert (events[0].run_id, events[0].after_round, events[0].rounds) == (report["run_id"], 0, 2)
+    assert events[1].expected == 3 and (events[2].devices, events[2].trainers) == (3, 3)
     for round_, record in zip((1, 2), report["rounds"]):
-        started, *updates, aggregated, evaluated, end = events[2 + 7 * (round_ - 1): 2 + 7 * round_]
+        started, *updates, aggregated, evaluated, end = events[3 + 7 * (round_ - 1): 3 + 7 * round_]
         assert started.round == aggregated.round == evaluated.round == end.round == round_
         assert sorted(started.selected) == devices
         assert sorted(u.device for u in updates) == devices and all(u.round == round_ for u in updates)
