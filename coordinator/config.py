@@ -89,8 +89,8 @@ class RunConfig:
         if self.lite_devices >= run.clients:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} leaves no trainer device among {run.clients}")
         if self.lite_devices and not run.release and not _releases(run.algorithm):
-            raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which releases "
-                              "no representation: the weak devices would have nothing to personalize; set release "
+            raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which "
+                              "releases no representation: the weak devices would have nothing to personalize; set release "
                               "(--release) or lite_fraction 0")
 
     @classmethod

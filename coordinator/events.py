@@ -97,8 +97,8 @@ class RoundEnded:
     channel: ChannelSnapshot
 
 
-Event = Union[RunStarted, RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated, RoundEvaluated,
-              RoundEnded]
+Event = Union[RunStarted, RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated,
+              RoundEvaluated, RoundEnded]
 
 
 class EventBus:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -129,7 +130,7 @@ class LiteClient(DeviceSession):
         return (f"run {self.run_id} finished before this device was asked to evaluate the released representation "
                 f"{self.release.sha256[:12]}: no personalized model was written")
 
-    def run(self, stop=None) -> None:
+    def run(self, stop: threading.Event | None = None) -> None:
         """The session's `run`; a run that ends without a model for this device is logged as an error."""
         super().run(stop)
         if self.missing_model is not None:

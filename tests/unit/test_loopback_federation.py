@@ -668,12 +668,18 @@ def test_resume_continues_the_same_run(federation):
     federation.threads.clear()
 
     # Execute: a new coordinator (and restarted devices) on the same out, extended to 3 rounds
+    from coordinator.events import RunStarted
+
     second = federation.coordinator(federation.config(rounds=3))
+    started: list = []
+    second.subscribe(started.append, RunStarted)
     for i in range(3):
         federation.start_device(i, 3)
     report2 = second.run()
 
     # Assert
+    assert started == [RunStarted(first.run_id, 2, 3)]
+    assert report2["wall_seconds"] > report1["wall_seconds"]  # the time of both incarnations
     assert second.run_id == first.run_id
     assert report2["run_id"] == report1["run_id"]
     assert report2["rounds_completed"] == 3
@@ -737,3 +743,141 @@ def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federa
     assert lite.finished and lite.evaluation is None
     assert "finished without releasing a representation" in lite.missing_model
     assert "--release" in lite.missing_model and lite.missing_model in caplog.text
+
+
+class Gate:
+    """A compute lock that parks its device while closed (it starts closed)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def __enter__(self):
+        self.open.wait(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def test_by_default_the_first_round_waits_for_a_device_slower_than_the_grace(federation):
+    # Prepare: no grace after a quorum of one; dev002 computes only once the other two were accepted
+    from coordinator.events import UpdateAccepted
+
+    config = federation.config(rounds=1, min_clients=1, quorum_grace=0.0, round_timeout=60.0)
+    coordinator = federation.coordinator(config)
+    gate = Gate()
+    accepted: list = []
+
+    def on_update(event) -> None:
+        accepted.append(event.device)
+        if len(accepted) == 2:
+            gate.open.set()
+
+    coordinator.subscribe(on_update, UpdateAccepted)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, compute_lock=gate)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    first = report["rounds"][0]
+    assert (first["selected"], first["participants"], first["late"], first["outcome"]) == (3, 3, 0, "complete")
+    assert accepted[-1] == "dev002"
+
+
+def _slow_third_device(federation, coordinator) -> None:
+    """dev002 is parked in every training until its round aggregated, so its update is always
+    late; its evaluations are not held up."""
+    from coordinator.events import RoundAggregated, RoundEvaluated
+
+    gate = Gate()
+    coordinator.subscribe(lambda event: gate.open.set(), RoundAggregated)
+    coordinator.subscribe(lambda event: gate.open.clear(), RoundEvaluated)  # before the next TRAIN goes out
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, compute_lock=gate)
+
+
+def test_a_late_update_is_discarded_and_counted(federation):
+    # Prepare
+    config = federation.config(rounds=1, min_clients=2, quorum_grace=0.0, patience=0.0, late_updates="discard")
+    coordinator = federation.coordinator(config)
+    _slow_third_device(federation, coordinator)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    record = report["rounds"][0]
+    assert (record["selected"], record["participants"], record["late"], record["late_discarded"]) == (3, 2, 1, 1)
+    assert report["late_updates"] == {"policy": "discard", "folded": 0, "discarded": 1}
+    assert report["rejections"] == {}  # a late update is no rejection
+    assert (report["final"]["devices_evaluated"], report["final"]["devices_registered"]) == (3, 3)
+    lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
+    assert [(line["late"], line["late_discarded"]) for line in lines] == [(1, 1)]
+
+
+def test_a_late_update_is_folded_into_the_next_round(federation):
+    # Prepare
+    from coordinator.events import RoundAggregated
+
+    config = federation.config(rounds=2, min_clients=2, quorum_grace=0.0, patience=0.0, late_updates="next_round")
+    coordinator = federation.coordinator(config)
+    aggregated: list = []
+    coordinator.subscribe(aggregated.append, RoundAggregated)
+    _slow_third_device(federation, coordinator)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: dev002's round-1 update went into round 2, beside two fresh ones
+    first, second = report["rounds"]
+    assert (first["participants"], first["late"], first["late_folded"]) == (2, 1, 0)
+    assert (second["participants"], second["late"], second["late_folded"]) == (2, 1, 1)
+    assert [event.participants for event in aggregated] == [2, 3]
+    assert report["late_updates"]["folded"] == 1 and report["rejections"] == {}
+
+
+def test_delivered_bytes_count_a_broadcast_once_per_online_device(federation):
+    # Prepare
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    comm = report["communication"]
+    published, delivered = comm["by_kind"]["down"], comm["by_kind"]["down_delivered"]
+    assert delivered["train"] == 3 * published["train"] and delivered["evaluate"] == 3 * published["evaluate"]
+    assert delivered["welcome"] == published["welcome"]  # a device's own topic: one recipient
+    assert comm["bytes_down_published"] == comm["bytes_down"] < comm["bytes_down_delivered"]
+    assert report["rounds"][0]["bytes_down_delivered"] > report["rounds"][0]["bytes_down"]
+
+
+def test_a_rerun_of_a_finished_run_changes_nothing(federation):
+    # Prepare: a finished 1-round run
+    from coordinator.server import finished_report
+
+    config = federation.config(rounds=1)
+    first = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+    report1 = first.run()
+    first.channel.transport.close()
+    assert federation.devices_exit()
+    written = federation.folder.report.read_bytes()
+    metrics = federation.folder.metrics.read_bytes()
+
+    # Execute: the same run again, no device needed
+    again = finished_report(config)
+    report2 = federation.coordinator(config).run()
+
+    # Assert
+    assert again == report2 == json.loads(written)
+    assert report2["wall_seconds"] == report1["wall_seconds"]
+    assert report2["communication"] == report1["communication"]
+    assert federation.folder.report.read_bytes() == written and federation.folder.metrics.read_bytes() == metrics
