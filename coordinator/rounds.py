@@ -193,10 +193,11 @@ class LateUpdates:
         self.arrived(sender)
         self.pending.append(LateUpdate(sender, groups, metrics, staleness_weight(weight, 1)))
 
-    def take(self, fresh: set[str] | frozenset[str]) -> list[LateUpdate]:
+    def take(self, fresh: frozenset[str], *, aggregating: bool) -> list[LateUpdate]:
         """The pending late updates to fold into the round closing now, whose `fresh` devices
-        replied themselves (their late updates are discarded, counted)."""
+        replied themselves (their late updates are discarded, counted); all are discarded when
+        the round does not aggregate (below its quorum)."""
         pending, self.pending = self.pending, []
-        kept = [update for update in pending if update.sender not in fresh]
+        kept = [update for update in pending if aggregating and update.sender not in fresh]
         self.discarded += len(pending) - len(kept)
         return kept

@@ -488,7 +488,7 @@ class Coordinator:
         )
         outcome = self._request(Kind.TRAIN, task, collector,
                                 lambda r: self._on_update(r, round_, groups, collector, started))
-        late = self.late.take(frozenset(collector.replied))
+        late = self.late.take(frozenset(collector.replied), aggregating=collector.enough)
         if collector.enough:
             aggregating = self.clock()
             for update in late:
@@ -496,8 +496,6 @@ class Coordinator:
             self.algorithm.end_round(round_)
             self.events.emit(RoundAggregated(round_, len(collector.replied) + len(late), self.clock() - aggregating))
         else:
-            self.late.discarded += len(late)
-            late = []
             log.warning("round %d: %d of %d replies, below the quorum of %d; nothing aggregated, global state "
                         "unchanged", round_, len(collector.replied), len(selected), collector.min_replies)
         self.late.close(round_, task.msg_id, groups, collector.waiting)

@@ -275,12 +275,25 @@ def test_next_round_folds_kept_updates_at_half_weight_unless_the_device_replied_
     late.keep("c", {"shared": {"w": np.ones(2, np.float32)}}, {"num_examples": 10}, 10.0)
 
     # Execute: round 2 closes; c sent round 2 a fresh update
-    folded = late.take(frozenset({"a", "c"}))
+    folded = late.take(frozenset({"a", "c"}), aggregating=True)
 
     # Assert
     assert late.sent is sent
     assert [(u.sender, u.weight) for u in folded] == [("b", 20.0)]
     assert late.discarded == 1 and late.pending == []
+
+
+def test_late_updates_are_discarded_when_the_next_round_aggregates_nothing():
+    # Prepare
+    late = LateUpdates("next_round")
+    late.close(1, "req-1", {}, frozenset({"b"}))
+    late.keep("b", {}, {"num_examples": 40}, 40.0)
+
+    # Execute
+    folded = late.take(frozenset(), aggregating=False)
+
+    # Assert
+    assert folded == [] and late.discarded == 1
 
 
 def test_discard_keeps_nothing_of_what_a_round_sent():
