@@ -88,6 +88,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     traffic = [0]
 
     def on_start(event: RunStarted) -> None:
+        traffic[0] = event.bytes_so_far
         if event.after_round:
             print(f"resuming run {event.run_id} after round {event.after_round} of {event.rounds}", flush=True)
         if not args.quiet:

@@ -23,6 +23,8 @@ class RunStarted:
     run_id: str
     after_round: int
     rounds: int
+    bytes_so_far: int = 0
+    """Bytes up and down (as published) of the rounds already played."""
 
 
 @dataclass(frozen=True)

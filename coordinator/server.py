@@ -189,7 +189,8 @@ class Coordinator:
         """Play the rounds left, evaluate, release if asked, and return the report (also written).
         A run that already played all its rounds is not touched: its report is returned."""
         rounds = self.config.training.rounds
-        self.events.emit(RunStarted(self.run_id, self.completed, rounds))
+        played = sum(r["bytes_up"] + r["bytes_down"] for r in self.ledger.rounds)
+        self.events.emit(RunStarted(self.run_id, self.completed, rounds, played))
         done = _finished(self.folder, self.run_id, self.completed, rounds)
         if done is not None:
             log.info("run %s already finished all %d rounds; nothing changed", self.run_id, rounds)

@@ -678,7 +678,8 @@ def test_resume_continues_the_same_run(federation):
     report2 = second.run()
 
     # Assert
-    assert started == [RunStarted(first.run_id, 2, 3)]
+    played = sum(r["bytes_up"] + r["bytes_down"] for r in report1["rounds"])
+    assert started == [RunStarted(first.run_id, 2, 3, played)]
     assert report2["wall_seconds"] > report1["wall_seconds"]  # the time of both incarnations
     assert second.run_id == first.run_id
     assert report2["run_id"] == report1["run_id"]
