@@ -6,7 +6,8 @@ ONNX bytes it does not have yet (FETCH -> ARTIFACT, verified against the manifes
 cached under `<state_dir>/artifacts/<sha256>.onnx`), and on EVALUATE embeds its train and test
 splits, fits its personal head (the global prototypes an EVALUATE may carry help the `ncm`
 head), writes the
-personalized model (body + head, one ONNX file) atomically and reports its test accuracy, with
+personalized model (body + head, one ONNX file; `<state_dir>/personalized-<device id>.onnx`
+unless given, so devices may share a state folder) atomically and reports its test accuracy, with
 its class means when it shares prototypes. Nothing in its import chain imports torch,
 scikit-learn or scipy.
 
@@ -102,7 +103,8 @@ class LiteClient(DeviceSession):
         self.head_kind = head
         self.providers = providers
         self.share_prototypes = share_prototypes
-        self.model_path = Path(model_path) if model_path is not None else self.state_dir / "personalized.onnx"
+        default = self.state_dir / f"personalized-{client_id}.onnx"  # devices may share a state folder
+        self.model_path = Path(model_path) if model_path is not None else default
         self.seed = seed
         self.max_fetches = max_fetches
         self.fetch_timeout = fetch_timeout
