@@ -10,7 +10,7 @@ Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unle
    final body of FedAvg, LG-FedAvg, FedRep and RepPer, scored on its test split. Global bodies
    (FedAvg, FedRep, RepPer) come from the run's checkpoint with BatchNorm statistics recomputed
    on the device's train split; LG-FedAvg's body is personal and comes from
-   `<run>/state/<device>/personal.msgpack`.
+   `<run>/state/<device>/personal-<device>.msgpack`.
 3. Fig. 6, new clients: `--holdout` devices never train; their accuracy as the run reports it
    (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedPer and
    FedRep fit their personal head on the frozen global body), and the accuracy of an LR head the
@@ -195,7 +195,7 @@ def load_body(view: RunView, client_id: str):
     config = view.config
     body, _ = build_body(config.model_name, config.task())
     if config.run.algorithm in PERSONAL_BODY:
-        state = PersonalStore(RunFolder(view.out).device_state(client_id)).load()
+        state = PersonalStore(RunFolder(view.out).device_state(client_id), client_id).load()
         if state is None:
             raise FileNotFoundError(f"no personal state for {client_id} in {RunFolder(view.out).state_dir}")
         arrays = state.arrays

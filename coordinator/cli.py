@@ -50,52 +50,93 @@ def _run_config(args: argparse.Namespace):
     return config
 
 
+MAX_PARTICIPATION_LINES = 8
+"""Rounds with a participation shortfall listed one by one in the summary; the rest are counted."""
+
+
 def _summary(report: dict[str, Any], out: str) -> str:
+    """The figures a run ends with (README, "Report figures", defines each one)."""
+    from .report import participation_line
+
     final = report["final"]["personalized_accuracy"]
     comm = report["communication"]
     fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    played, aggregated = report["rounds_completed"], report.get("rounds_aggregated", report["rounds_completed"])
+    shortfalls = [line for line in map(participation_line, report["rounds"]) if line is not None]
+    evaluated = report["final"].get("devices_evaluated", len(report["final"]["per_client"]))
+    registered = report["final"].get("devices_registered", report["clients"])
     lines = [
         f"algorithm {report['algorithm']} on {report['dataset']} ({report['partition']}, {report['clients']} devices, "
         f"model {report['model']})",
-        f"rounds completed       {report['rounds_completed']}",
-        f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}  "
-        f"best mean {fmt(final['best_mean'])}",
+        f"rounds                 {played} played, {aggregated} aggregated"
+        + (f", {played - aggregated} aggregated nothing" if played > aggregated else ""),
+        *(f"participation          {line}" for line in shortfalls[:MAX_PARTICIPATION_LINES]),
+        *([f"participation          ... and {len(shortfalls) - MAX_PARTICIPATION_LINES} more rounds short of "
+           "their selection (metrics.jsonl)"] if len(shortfalls) > MAX_PARTICIPATION_LINES else []),
+        f"final evaluation       over {evaluated} of {registered} devices",
+        f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}",
+        f"best round mean        {fmt(final.get('best_round_mean'))} (trainers, over the rounds' evaluations)",
         f"global-model accuracy  {fmt(report['final']['global_accuracy'])}",
-        f"communication          {comm['bytes_up'] / 1e6:.2f} MB up, {comm['bytes_down'] / 1e6:.2f} MB down",
+        f"communication          {comm['bytes_up'] / 1e6:.2f} MB up, {comm['bytes_down'] / 1e6:.2f} MB down published"
+        + (f" ({comm['bytes_down_delivered'] / 1e6:.2f} MB delivered)" if "bytes_down_delivered" in comm else ""),
         f"wall time              {report['wall_seconds']:.1f} s",
         f"rejected messages      {sum(report['rejections'].values())}",
         f"outputs                {out}/report.json, {out}/metrics.jsonl, {out}/curves.png",
     ]
+    late = report.get("late_updates") or {}
+    if late.get("folded") or late.get("discarded"):
+        lines.insert(-3, f"late updates           {late['policy']}: {late['folded']} folded into the next round, "
+                         f"{late['discarded']} discarded")
     return "\n".join(lines)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
+    from .events import RunStarted
     from .memory import return_freed_buffers
-    from .server import RegistrationTimeout
+    from .report import cumulative_megabytes
+    from .server import RegistrationTimeout, finished_report
     from .simulate import WorkersFailed, run_simulation
 
+    finished = finished_report(config)
+    if finished is not None:
+        print(f"run {finished['run_id']} in {config.run.out} already finished all {config.training.rounds} rounds; "
+              "nothing changed (raise --rounds to extend it)")
+        print(_summary(finished, config.run.out))
+        return 0
     return_freed_buffers()  # the coordinator runs in this process
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.training.rounds, desc=config.run.algorithm, unit="round")
+    bars: list = []
     traffic = [0]
+
+    def on_start(event: RunStarted) -> None:
+        traffic[0] = event.bytes_so_far
+        if event.after_round:
+            print(f"resuming run {event.run_id} after round {event.after_round} of {event.rounds}", flush=True)
+        if not args.quiet:
+            from tqdm import tqdm
+
+            bars.append(tqdm(total=event.rounds, initial=event.after_round, desc=config.run.algorithm, unit="round"))
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, RunStarted):
+            on_start(event)
 
     def on_round(record: dict[str, Any]) -> None:
         traffic[0] += record["bytes_up"] + record["bytes_down"]
-        if bar is not None:
+        if bars:
             acc = (record["personalized_accuracy"] or {}).get("mean")
-            bar.set_postfix(round=record["round"], acc="-" if acc is None else f"{acc:.3f}", MB=f"{traffic[0] / 1e6:.1f}")
-            bar.update(1)
+            bars[0].set_postfix(round=record["round"], acc="-" if acc is None else f"{acc:.3f}",
+                                MB=f"{traffic[0] / 1e6:.1f}")
+            bars[0].update(1)
 
     try:
-        report = run_simulation(config, on_round=on_round)
+        report = run_simulation(config, on_round=on_round, on_event=on_event)
+        if bars:  # the bar's last MB: the run's total, release and final evaluation included
+            bars[0].set_postfix(MB=f"{cumulative_megabytes(report)[-1]:.1f}")
     except (RegistrationTimeout, WorkersFailed) as exc:
         raise CommandFailed(str(exc)) from None
     finally:
-        if bar is not None:
+        for bar in bars:
             bar.close()
     print(_summary(report, config.run.out))
     return 0
@@ -170,6 +211,9 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
                         share_prototypes=not args.no_prototypes, broker=mqtt,
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client)
+    if client.missing_model is not None:
+        print(f"edgepfl lite-client: {client.missing_model}", file=sys.stderr)
+        return 1
     return 0
 
 

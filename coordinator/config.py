@@ -95,6 +95,10 @@ class RunConfig:
         if self.round.min_clients > trainers:
             raise ConfigError(f"min_clients must be at most the {trainers} trainer devices ({run.clients} clients, "
                               f"{self.lite_devices} weak ones by lite_fraction), got {self.round.min_clients}")
+        if self.lite_devices and not run.release and not _releases(run.algorithm):
+            raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which "
+                              "releases no representation: the weak devices would have nothing to personalize; set release "
+                              "(--release) or lite_fraction 0")
 
     @classmethod
     def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,
@@ -210,6 +214,13 @@ class RunConfig:
         if self.declared_task is not None:
             defining["declared_task"] = self.declared_task
         return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _releases(algorithm: str) -> bool:
+    """Whether `algorithm` releases a representation without `release` (imported only when asked)."""
+    from .algorithms import load
+
+    return load(algorithm).releases_representation
 
 
 def _sections(values: Mapping[str, Any], *, where: str, base: RunConfig | None = None) -> dict[str, Any]:

@@ -16,6 +16,18 @@ from edge_sdk.channel import ChannelSnapshot
 
 
 @dataclass(frozen=True)
+class RunStarted:
+    """`Coordinator.run` begins: run `run_id`, `after_round` of its `rounds` already played (a
+    resumed run: more than 0; a finished one, which is left as it is: all of them)."""
+
+    run_id: str
+    after_round: int
+    rounds: int
+    bytes_so_far: int = 0
+    """Bytes up and down (as published) of the rounds already played."""
+
+
+@dataclass(frozen=True)
 class RegistrationOpened:
     """The coordinator listens for devices; `expected` is how many it waits for."""
 
@@ -87,8 +99,8 @@ class RoundEnded:
     channel: ChannelSnapshot
 
 
-Event = Union[RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated, RoundEvaluated,
-              RoundEnded]
+Event = Union[RunStarted, RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated,
+              RoundEvaluated, RoundEnded]
 
 
 class EventBus:

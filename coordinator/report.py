@@ -61,8 +61,47 @@ def write_report(folder: RunFolder, report: dict[str, Any]) -> None:
     plot_curves(folder.curves, report)
 
 
+def read_report(folder: RunFolder) -> dict[str, Any] | None:
+    """The report a run wrote, None if there is none (or it is unreadable: the run did not end)."""
+    try:
+        return json.loads(folder.report.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def cumulative_megabytes(report: dict[str, Any]) -> list[float]:
+    """Cumulative MB (up + down as published) after each round, then, as the last point, the
+    run's total: registration, the release and the final evaluation included, so the last value
+    is `communication.bytes_up + bytes_down` whatever happened outside the rounds."""
+    points, total = [], 0
+    for record in report["rounds"]:
+        total += record["bytes_up"] + record["bytes_down"]
+        points.append(total / 1e6)
+    comm = report["communication"]
+    points.append((comm["bytes_up"] + comm["bytes_down"]) / 1e6)
+    return points
+
+
+def participation_line(record: dict[str, Any]) -> str | None:
+    """'round 3: 1 of 4 selected devices aggregated, 3 late' for a round that did not aggregate
+    every selected device (None for one that did)."""
+    selected, aggregated = record["selected"], record["participants"]
+    if aggregated == selected and record["outcome"] != "aborted":
+        return None
+    parts = [f"{record.get(key, 0)} {key}" for key in ("late", "missing", "refused") if record.get(key, 0)]
+    if record["outcome"] == "aborted":
+        parts.insert(0, f"nothing aggregated ({record.get('replied', 0)} replied, below the quorum)")
+    else:
+        parts.insert(0, f"{aggregated} of {selected} selected devices aggregated")
+    if record.get("late_folded"):
+        parts.append(f"{record['late_folded']} late updates of round {record['round'] - 1} folded in")
+    return f"round {record['round']}: " + ", ".join(parts)
+
+
 def plot_curves(path: Path, report: dict[str, Any]) -> None:
-    """Accuracy and cumulative MB per round; skipped with a log line if matplotlib is absent."""
+    """Accuracy and cumulative MB per round; skipped with a log line if matplotlib is absent.
+    Rounds that did not aggregate every selected device are marked (aggregated/selected, red
+    crosses for rounds that aggregated nothing); the MB curve ends with the run's total."""
     try:
         import matplotlib
 
@@ -74,16 +113,25 @@ def plot_curves(path: Path, report: dict[str, Any]) -> None:
     rounds = report["rounds"]
     xs = [r["round"] for r in rounds]
     acc = [(r["personalized_accuracy"] or {}).get("mean", float("nan")) for r in rounds]
-    mb, total = [], 0.0
-    for r in rounds:
-        total += (r["bytes_up"] + r["bytes_down"]) / 1e6
-        mb.append(total)
+    mb = cumulative_megabytes(report)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(xs, acc, marker="o")
-    left.set(xlabel="round", ylabel="mean personalized accuracy", title=f"{report['algorithm']} on {report['dataset']}")
+    for x, y, record in zip(xs, acc, rounds):
+        if record["outcome"] == "aborted":
+            left.axvline(x, color="tab:red", alpha=0.3)
+            left.annotate("nothing aggregated", (x, 0.02), xycoords=("data", "axes fraction"), color="tab:red",
+                          fontsize=7, rotation=90)
+        elif record["participants"] < record["selected"]:
+            left.annotate(f"{record['participants']}/{record['selected']}", (x, y), textcoords="offset points",
+                          xytext=(0, 6), ha="center", color="tab:red", fontsize=7)
+    left.set(xlabel="round (red: aggregated/selected where some were not aggregated)",
+             ylabel="mean personalized accuracy", title=f"{report['algorithm']} on {report['dataset']}")
     left.grid(alpha=0.3)
-    right.plot(xs, mb, marker="o", color="tab:orange")
-    right.set(xlabel="round", ylabel="cumulative MB (up + down)", title="communication")
+    right.plot(xs, mb[:-1], marker="o", color="tab:orange")
+    last = xs[-1] if xs else 0
+    right.plot([last, last + 0.5], [mb[-2] if xs else 0.0, mb[-1]], linestyle=":", marker="s", color="tab:orange")
+    right.annotate("run total", (last + 0.5, mb[-1]), textcoords="offset points", xytext=(4, 0), fontsize=7)
+    right.set(xlabel="round", ylabel="cumulative MB (up + down published)", title="communication")
     right.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -4,16 +4,20 @@ Pure logic with an injected clock, so quorum, deadline, stale and duplicate hand
 tested without a broker. A round is over when every selected device still online answered (a
 reply that was rejected is an answer: the device sends no other), or when a quorum replied and
 the grace period since the quorum passed, or at the deadline.
+
+How long a round waits scales with what was measured (`round_windows`), and an update that
+arrives after its round closed goes where the run's late-update policy says (`LateUpdates`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from numpy.random import default_rng  # numpy loads it lazily: with the coordinator, not in round 1
 
-from edge_sdk.protocol import Reason
+from edge_sdk.protocol import ArrayGroup, Reason
 
 
 def select_clients(available: list[str], fraction: float, seed: int, round_: int, *, minimum: int = 1) -> list[str]:
@@ -98,3 +102,102 @@ class RoundCollector:
     @property
     def enough(self) -> bool:
         return len(self.replied) >= self.min_replies
+
+    @property
+    def waiting(self) -> frozenset[str]:
+        """Selected devices still online that neither replied nor were refused: once the round
+        closes, they are late."""
+        return frozenset(self.selected - set(self.replied) - set(self.refused) - self.offline)
+
+
+def round_windows(quorum_grace: float, round_timeout: float, patience: float,
+                  slowest_reply: float | None) -> tuple[float, float]:
+    """(grace, timeout) of the next round: how long it waits for stragglers once the quorum
+    replied, and how long it may last.
+
+    The rule: `slowest_reply` is the longest time from a round's start to an accepted update
+    measured so far in the run. Once one is measured, grace = max(quorum_grace, patience x
+    slowest_reply) and timeout = max(round_timeout, patience x slowest_reply). Before any is
+    measured, the quorum does not end the round early: grace = timeout = round_timeout, so
+    the first round waits for every selected device up to the deadline. `patience` 0 keeps the
+    configured times as they are.
+    """
+    if patience <= 0:
+        return quorum_grace, round_timeout
+    if slowest_reply is None:
+        return round_timeout, round_timeout
+    scaled = patience * slowest_reply
+    return max(quorum_grace, scaled), max(round_timeout, scaled)
+
+
+def staleness_weight(weight: float, staleness: int) -> float:
+    """The weight of an update folded into a round `staleness` rounds after its own:
+    weight / (1 + staleness), so an update one round late counts half."""
+    return weight / (1 + staleness)
+
+
+@dataclass
+class LateUpdate:
+    """A checked update of a closed round, waiting to be folded into the next one."""
+
+    sender: str
+    groups: dict[str, ArrayGroup]
+    metrics: dict[str, Any]
+    weight: float
+    """Already scaled by `staleness_weight`."""
+
+
+@dataclass
+class LateUpdates:
+    """Updates that arrive after their round closed, under the run's policy (`late_updates`):
+    `discard` drops them, counted; `next_round` checks them against what their round sent and
+    folds them into the next round that aggregates, at `staleness_weight(weight, 1)`, unless
+    their device sent a fresh update to that round (the fresh one wins).
+
+    Only the last closed training round is open to late updates: one that arrives after the
+    next round closed is stale."""
+
+    policy: str
+    round: int = 0
+    request_id: str | None = None
+    sent: dict[str, ArrayGroup] = field(default_factory=dict)
+    """What the closed round broadcast (kept under `next_round` only: updates decode against it)."""
+    waiting: set[str] = field(default_factory=set)
+    pending: list[LateUpdate] = field(default_factory=list)
+    discarded: int = 0
+
+    @property
+    def folds(self) -> bool:
+        return self.policy == "next_round"
+
+    def close(self, round_: int, request_id: str, sent: dict[str, ArrayGroup], late: frozenset[str]) -> None:
+        """Round `round_` (broadcast as `request_id`) closed while the `late` devices were training."""
+        self.round, self.request_id, self.waiting = round_, request_id, set(late)
+        self.sent = sent if self.folds else {}
+
+    def expects(self, sender: str, round_: int, in_reply_to: Any) -> bool:
+        """True for the first reply to the closed round's request from a device it stopped waiting for."""
+        return (self.request_id is not None and round_ == self.round and in_reply_to == self.request_id
+                and sender in self.waiting)
+
+    def arrived(self, sender: str) -> None:
+        """The late reply of `sender` was handled (folded, refused or discarded): not expected again."""
+        self.waiting.discard(sender)
+
+    def discard(self, sender: str) -> None:
+        self.arrived(sender)
+        self.discarded += 1
+
+    def keep(self, sender: str, groups: dict[str, ArrayGroup], metrics: dict[str, Any], weight: float) -> None:
+        """A checked late update, to fold into the next round."""
+        self.arrived(sender)
+        self.pending.append(LateUpdate(sender, groups, metrics, staleness_weight(weight, 1)))
+
+    def take(self, fresh: frozenset[str], *, aggregating: bool) -> list[LateUpdate]:
+        """The pending late updates to fold into the round closing now, whose `fresh` devices
+        replied themselves (their late updates are discarded, counted); all are discarded when
+        the round does not aggregate (below its quorum)."""
+        pending, self.pending = self.pending, []
+        kept = [update for update in pending if aggregating and update.sender not in fresh]
+        self.discarded += len(pending) - len(kept)
+        return kept

@@ -1,10 +1,13 @@
 """The coordinator: wires the round state machine, an algorithm, the channel and checkpoints.
 
 One round: select devices (seeded) -> broadcast TRAIN once -> collect validated replies until
-all / quorum+grace / deadline -> aggregate -> (evaluate) -> checkpoint -> one metrics line.
-There are no algorithm branches here; everything algorithm-specific sits behind
+all / quorum+grace / deadline (both grow with the reply times measured, `rounds.round_windows`)
+-> aggregate (with the previous round's late updates under `late_updates = "next_round"`) ->
+(evaluate) -> checkpoint -> one metrics line saying who took part (selected, aggregated, refused,
+late, missing). There are no algorithm branches here; everything algorithm-specific sits behind
 `ServerAlgorithm`. Killed and restarted with the same `--out`, it resumes after the last
-checkpointed round and never applies or records a round twice. After a broker reconnection it
+checkpointed round and never applies or records a round twice; a run that already played all
+its rounds is left as it is (`finished_report`). After a broker reconnection it
 publishes its status and the outstanding request again (devices answer a repeated request with
 their cached reply, so nothing is trained or applied twice).
 """
@@ -28,11 +31,11 @@ from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
 from .events import (DevicesRegistered, Event, EventBus, RegistrationOpened, RoundAggregated, RoundEnded,
-                     RoundEvaluated, RoundStarted, UpdateAccepted)
+                     RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
 from .ledger import Ledger
 from .release import Pool, Release, ReleasePhase
-from .report import MetricsLog, summarize, write_report
-from .rounds import Outcome, RoundCollector, select_clients
+from .report import MetricsLog, read_report, summarize, write_report
+from .rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients
 from .run_folder import RunFolder
 from .validation import UpdateLimits, checked_update
 
@@ -43,18 +46,60 @@ class RegistrationTimeout(RuntimeError):
     """Too few devices registered before the registration timeout."""
 
 
+def finished_report(config: RunConfig) -> dict[str, Any] | None:
+    """The report of the run in `config.run.out` if that run already played `config.training.rounds`
+    rounds and wrote its report (a rerun then changes nothing), else None. A checkpoint of a run
+    with other settings raises `CheckpointError`."""
+    folder = RunFolder(config.run.out)
+    saved = checkpoint.load(folder.checkpoint)
+    if saved is None:
+        return None
+    if saved.fingerprint != config.fingerprint():
+        raise checkpoint.CheckpointError(
+            f"{folder.path} holds run {saved.run_id} with other settings; use another --out to start a new run")
+    return _finished(folder, saved.run_id, saved.round, config.training.rounds)
+
+
+def _finished(folder: RunFolder, run_id: str, completed: int, rounds: int) -> dict[str, Any] | None:
+    """The report of run `run_id` if it played all `rounds` (`completed` of them checkpointed)."""
+    if completed < rounds:
+        return None
+    report = read_report(folder)
+    if report is None or report.get("run_id") != run_id or report.get("rounds_completed") != completed:
+        return None
+    return report
+
+
 @dataclass
 class RoundRecord:
+    """A round's line in metrics.jsonl: who took part, what it reached, what it cost."""
+
     round: int
     selected: int
     participants: int
+    """Fresh updates aggregated (0 when the round is below its quorum: nothing is aggregated)."""
     outcome: str
     personalized_accuracy: dict | None
     global_accuracy: float | None
     bytes_up: int
     bytes_down: int
+    """Published by the coordinator (a broadcast counts once)."""
     seconds: float
     rejections: dict[str, int] = field(default_factory=dict)
+    replied: int = 0
+    """Valid updates received in time (more than `participants` in a round below its quorum)."""
+    refused: int = 0
+    """Selected devices whose update was rejected."""
+    late: int = 0
+    """Selected devices still training, online, when the round closed."""
+    missing: int = 0
+    """Selected devices that went offline before replying."""
+    late_folded: int = 0
+    """Late updates of the previous round aggregated into this one (`late_updates = "next_round"`)."""
+    late_discarded: int = 0
+    """Late updates that arrived during this round and were dropped."""
+    bytes_down_delivered: int = 0
+    """What the broker delivered: each broadcast once per online registered device."""
 
 
 class Coordinator:
@@ -100,6 +145,9 @@ class Coordinator:
         self._connections = getattr(channel.transport, "connections", 0)
         self.release: Release | None = None
         self._model_signature: Signature | None = None
+        self.late = LateUpdates(config.round.late_updates)
+        self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
+        self._started = time.time()
         self.ledger = Ledger(channel, self._resume())
 
     def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
@@ -119,7 +167,7 @@ class Coordinator:
         self.algorithm.state = saved.state
         for record in saved.history["rounds"]:  # a crash between checkpoint and log line
             self.metrics.append({"event": "round", **record})
-        log.info("resuming run %s after round %d", self.run_id, self.completed)
+        log.info("resuming run %s after round %d of %d", self.run_id, self.completed, self.config.training.rounds)
         return saved.history
 
     def _record(self) -> dict[str, Any]:
@@ -128,15 +176,28 @@ class Coordinator:
         return {**self.config.to_flat(), "task": self.config.task().to_plain()}
 
     def _checkpoint(self) -> None:
-        history = {**self.ledger.to_history(), "config": self._record()}
+        history = {**self.ledger.to_history(self._wall_seconds()), "config": self._record()}
         checkpoint.save(
             self.folder.checkpoint,
             checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state, history),
         )
 
+    def _wall_seconds(self) -> float:
+        """The run's wall time over every incarnation so far."""
+        return self.ledger.base_wall_seconds + time.time() - self._started
+
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        started = time.time()
+        """Play the rounds left, evaluate, release if asked, and return the report (also written).
+        A run that already played all its rounds is not touched: its report is returned."""
+        rounds = self.config.training.rounds
+        played = sum(r["bytes_up"] + r["bytes_down"] for r in self.ledger.rounds)
+        self.events.emit(RunStarted(self.run_id, self.completed, rounds, played))
+        done = _finished(self.folder, self.run_id, self.completed, rounds)
+        if done is not None:
+            log.info("run %s already finished all %d rounds; nothing changed", self.run_id, rounds)
+            return done
+        self._started = time.time()
         self.ledger.event("started", incarnation=self.incarnation, after_round=self.completed)
         self.channel.transport.subscribe(self.topics.all_up())
         self._status("registering")
@@ -147,7 +208,7 @@ class Coordinator:
             self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
         if self.config.run.release or self.algorithm.releases_representation:
             self._release_phase()
-        report = self._report(time.time() - started)
+        report = self._report(self._wall_seconds())
         write_report(self.folder, report)
         self._status("finished")
         return report
@@ -162,7 +223,16 @@ class Coordinator:
             config={"state": state, "incarnation": self.incarnation, "epoch": self._connections,
                     "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm},
         )
-        self.channel.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
+        self._send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
+
+    def _send(self, topic: str, envelope: Envelope, *, retain: bool = False) -> None:
+        """Publish, counting what the broker delivers: a broadcast reaches every online
+        registered device (devices subscribe to every broadcast kind), a device's own topic one."""
+        before = self.channel.counter.snapshot()[0]
+        self.channel.send(topic, envelope, retain=retain)
+        published = self.channel.counter.snapshot()[0] - before
+        broadcast = topic == self.topics.broadcast(envelope.kind)
+        self.ledger.count_delivered(envelope.kind.value, published * (len(self.registry.online()) if broadcast else 1))
 
     def _await_devices(self) -> None:
         opened = self.clock()
@@ -208,6 +278,9 @@ class Coordinator:
                 self.channel.reject(Reason.WRONG_RUN, f"{envelope.sender}: run {envelope.run_id!r}")
             elif envelope.sender not in self.registry.devices:
                 self.channel.reject(Reason.UNKNOWN_DEVICE, f"{envelope.sender} never registered")
+            elif envelope.kind is Kind.TRAIN_RES and self.late.expects(envelope.sender, envelope.round,
+                                                                      envelope.config.get("in_reply_to")):
+                self._late_update(envelope)
             else:
                 on_reply(received)
 
@@ -223,7 +296,7 @@ class Coordinator:
         if self.release is not None:
             self._publish_release()
         if self._outstanding is not None:
-            self.channel.send(*self._outstanding)
+            self._send(*self._outstanding)
 
     def _serve_fetch(self, fetch: Envelope) -> None:
         """Send the released artifact to a registered device that asks for it by sha256."""
@@ -237,7 +310,26 @@ class Coordinator:
         else:
             artifact = Envelope(Kind.ARTIFACT, COORDINATOR, run_id=self.run_id, round=self.completed,
                                 groups=self.release.artifact(), config={"sha256": self.release.sha256})
-            self.channel.send(self.topics.down(fetch.sender, Kind.ARTIFACT), artifact)
+            self._send(self.topics.down(fetch.sender, Kind.ARTIFACT), artifact)
+
+    def _late_update(self, envelope: Envelope) -> None:
+        """An update of the last closed round from a device it stopped waiting for: dropped
+        (counted), or checked against what its round sent and kept for the next round."""
+        round_ = self.late.round
+        if not self.late.folds:
+            self.late.discard(envelope.sender)
+            log.info("round %d: late update from %s discarded (late_updates = discard)", round_, envelope.sender)
+            return
+        registered = self.registry.devices[envelope.sender].num_examples
+        try:
+            groups, weight = checked_update(self.algorithm, round_, envelope, self.late.sent, registered, self.limits,
+                                            self.config.training.upload_codec)
+        except ProtocolError as err:
+            self.late.arrived(envelope.sender)
+            self.channel.reject(err.reason, f"late update from {envelope.sender}: {err.detail}")
+            return
+        self.late.keep(envelope.sender, groups, envelope.metrics, weight)
+        log.info("round %d: late update from %s kept for round %d", round_, envelope.sender, round_ + 1)
 
     def _stale_reply(self, received: Received) -> None:
         envelope = received.envelope
@@ -260,13 +352,13 @@ class Coordinator:
             self.channel.reject(Reason.MODEL_MISMATCH, f"HELLO from {hello.sender}: {mismatch}")
             refusal = Envelope(Kind.WELCOME, COORDINATOR, run_id=self.run_id, round=self.completed,
                                config={"refused": f"its model differs from the run's: {mismatch}"})
-            self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), refusal)
+            self._send(self.topics.down(hello.sender, Kind.WELCOME), refusal)
             return
         known = hello.sender in self.registry.devices
         self.registry.register(hello.sender, kind, int(examples), hello.config)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
-        self.channel.send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+        self._send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
 
     @property
     def model_signature(self) -> Signature:
@@ -318,7 +410,7 @@ class Coordinator:
         """Broadcast a request and collect the replies until the collector says the round is over."""
         self._outstanding = (self.topics.broadcast(kind), envelope)
         self._collector = collector
-        self.channel.send(*self._outstanding)
+        self._send(*self._outstanding)
         try:
             while (outcome := collector.outcome(self.clock())) is Outcome.OPEN:
                 self._serve(min(1.0, collector.time_left(self.clock())), on_reply)
@@ -354,11 +446,12 @@ class Coordinator:
     def _play_round(self, round_: int) -> None:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
         channel0 = self.channel.counters.snapshot()
+        delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
         selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
-        collector, outcome = self._train(round_, selected, started)
+        collector, outcome, folded = self._train(round_, selected, started)
         evaluation = None
         accuracies: list[float] = []
         if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
@@ -381,6 +474,13 @@ class Coordinator:
             bytes_down=sent1 - sent0,
             seconds=self.clock() - started,
             rejections=channel.rejections,
+            replied=len(collector.replied),
+            refused=len(collector.refused),
+            late=len(collector.waiting),
+            missing=len(collector.offline),
+            late_folded=folded,
+            late_discarded=self.late.discarded - discarded0,
+            bytes_down_delivered=self.ledger.delivered_total() - delivered0,
         )
         entry = asdict(record)
         self.completed = round_
@@ -388,36 +488,48 @@ class Coordinator:
         self._checkpoint()
         self.metrics.append({"event": "round", **entry})
         acc = (record.personalized_accuracy or {}).get("mean")
-        log.info("round %d/%d: %s, %d/%d replied, accuracy %s, %.2f MB, %.1f s", round_,
-                 self.config.training.rounds,
-                 record.outcome, record.participants, record.selected,
+        log.info("round %d/%d: %s, %d of %d selected aggregated (%d late, %d missing, %d refused), accuracy %s, "
+                 "%.2f MB, %.1f s", round_, self.config.training.rounds, record.outcome, record.participants,
+                 record.selected, record.late, record.missing, record.refused,
                  f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
         self.events.emit(RoundEnded(round_, entry, channel))
 
-    def _train(self, round_: int, selected: list[str], started: float) -> tuple[RoundCollector, Outcome]:
-        """Broadcast TRAIN, fold the replies in, aggregate. What was broadcast is let go on return,
-        before evaluation and the checkpoint."""
+    def _windows(self) -> tuple[float, float]:
+        """(grace, timeout) of the next request, from the settings and the replies measured."""
+        settings = self.config.round
+        return round_windows(settings.quorum_grace, settings.round_timeout, settings.patience, self._slowest_reply)
+
+    def _train(self, round_: int, selected: list[str], started: float) -> tuple[RoundCollector, Outcome, int]:
+        """Broadcast TRAIN, fold the replies in (and the previous round's late updates kept for
+        this one), aggregate; returns the collector, the outcome and how many late updates were
+        folded. What was broadcast is let go on return, before evaluation and the checkpoint
+        (kept only while late updates may be folded against it)."""
         self.algorithm.begin_round(round_)
         groups = self.algorithm.task_groups(round_)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
                         config={"selected": selected, **self.algorithm.task_config(round_)})
+        grace, timeout = self._windows()
         collector = RoundCollector(
             round_,
             frozenset(selected),
             min_replies=max(1, min(self.config.round.min_clients, len(selected))),
-            deadline=self.clock() + self.config.round.round_timeout,
-            grace=self.config.round.quorum_grace,
+            deadline=self.clock() + timeout,
+            grace=grace,
         )
         outcome = self._request(Kind.TRAIN, task, collector,
                                 lambda r: self._on_update(r, round_, groups, collector, started))
+        late = self.late.take(frozenset(collector.replied), aggregating=collector.enough)
         if collector.enough:
             aggregating = self.clock()
+            for update in late:
+                self.algorithm.accumulate(update.sender, update.groups, update.metrics, update.weight)
             self.algorithm.end_round(round_)
-            self.events.emit(RoundAggregated(round_, len(collector.replied), self.clock() - aggregating))
+            self.events.emit(RoundAggregated(round_, len(collector.replied) + len(late), self.clock() - aggregating))
         else:
-            log.warning("round %d: %d of %d replies, below the quorum of %d; global state unchanged",
-                        round_, len(collector.replied), len(selected), collector.min_replies)
-        return collector, outcome
+            log.warning("round %d: %d of %d replies, below the quorum of %d; nothing aggregated, global state "
+                        "unchanged", round_, len(collector.replied), len(selected), collector.min_replies)
+        self.late.close(round_, task.msg_id, groups, collector.waiting)
+        return collector, outcome, len(late)
 
     def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector,
                    started: float) -> None:
@@ -436,6 +548,7 @@ class Coordinator:
         self.algorithm.accumulate(envelope.sender, groups, envelope.metrics, weight)
         accepted = self.clock()
         collector.accept(envelope.sender, envelope.msg_id, accepted)
+        self._slowest_reply = max(self._slowest_reply or 0.0, accepted - started)
         self.events.emit(UpdateAccepted(round_, envelope.sender, received.size, accepted - started,
                                         accumulating - validating, accepted - accumulating))
 
@@ -455,7 +568,7 @@ class Coordinator:
                            groups={**self.algorithm.eval_groups(), **(extra_groups or {})},
                            config={"selected": targets, "final": round_ >= self.config.training.rounds, "phase": phase})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
-                                   deadline=self.clock() + self.config.round.round_timeout, grace=0.0)
+                                   deadline=self.clock() + self._windows()[1], grace=0.0)
         results: dict[str, dict[str, Any]] = {}
 
         def on_result(received: Received) -> None:
@@ -493,7 +606,7 @@ class Coordinator:
         """The retained manifest: devices that join (or reconnect) later still see it."""
         manifest = Envelope(Kind.RELEASE, COORDINATOR, run_id=self.run_id, round=self.completed,
                             config=self.release.manifest())
-        self.channel.send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
+        self._send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
 
     def _release_phase(self) -> None:
         """Export and publish the representation (`ReleasePhase` pools what it needs); then
@@ -512,7 +625,7 @@ class Coordinator:
         self._checkpoint()
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
-                             "devices": len(self.ledger.final)})
+                             "devices": len(self.ledger.final), "of_devices": len(self.registry.devices)})
 
     def _gather(self, targets: list[str], pool: Pool) -> None:
         """Ask `targets` for the pool's phase and pool their replies."""
@@ -529,6 +642,8 @@ class Coordinator:
         by_kind = {kind: summarize(m["accuracy"] for m in final.values() if m.get("kind") == kind and not m.get("holdout"))
                    for kind in sorted({m.get("kind") for m in final.values()})}
         traffic = self.ledger.traffic()
+        delivered = self.ledger.delivered()
+        published_down = sum(traffic["sent"].values())
         return {
             "run_id": self.run_id,
             "algorithm": self.config.run.algorithm,
@@ -539,14 +654,20 @@ class Coordinator:
             "clients": self.config.run.clients,
             "fraction": self.config.round.fraction,
             "rounds_completed": self.completed,
+            "rounds_aggregated": sum(1 for r in rounds if r["outcome"] != "aborted"),
+            "late_updates": {"policy": self.config.round.late_updates,
+                             "folded": sum(r.get("late_folded", 0) for r in rounds),
+                             "discarded": sum(r.get("late_discarded", 0) for r in rounds)},
             "rounds": rounds,
             "final": {
                 "personalized_accuracy": {
                     "mean": summary.get("mean"),
                     "std": summary.get("std"),
                     "min": summary.get("min"),
-                    "best_mean": max(means) if means else None,
+                    "best_round_mean": max(means) if means else None,
                 },
+                "devices_evaluated": len(final),
+                "devices_registered": len(self.registry.devices),
                 "per_client": {cid: final[cid] for cid in sorted(final)},
                 "global_accuracy": global_summary["mean"] if global_summary else None,
                 "holdout_accuracy": holdout,
@@ -555,8 +676,10 @@ class Coordinator:
             "release": self.release.manifest() | {"path": str(self.release.path)} if self.release else None,
             "communication": {
                 "bytes_up": sum(traffic["received"].values()),
-                "bytes_down": sum(traffic["sent"].values()),
-                "by_kind": {"up": traffic["received"], "down": traffic["sent"]},
+                "bytes_down": published_down,
+                "bytes_down_published": published_down,
+                "bytes_down_delivered": sum(delivered.values()),
+                "by_kind": {"up": traffic["received"], "down": traffic["sent"], "down_delivered": delivered},
             },
             "rejections": self.ledger.rejections(),
             "duplicates_dropped": self.ledger.duplicates(),

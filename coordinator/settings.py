@@ -17,6 +17,8 @@ from edge_sdk.settings import ALL_COMMANDS, DEFINES, DEFINES_IF_SET, RUN_COMMAND
 DEFAULT_DATASET = "digits"
 """The dataset of a run that names neither `dataset` nor `data`."""
 HEADS = ("svm", "lr", "mlp", "ncm")
+LATE_POLICIES = ("discard", "next_round")
+"""What happens to an update that arrives after its round closed (coordinator.rounds.LateUpdates)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,12 @@ class RoundSettings:
     holdout_clients: int = setting(0, defines=DEFINES,
                                    help="devices never selected for training (they only personalize at evaluation)")
     quorum_grace: float = setting(10.0, help="seconds to wait for stragglers once the quorum replied")
+    patience: float = setting(3.0, help="the grace and the timeout grow to this many times the slowest reply "
+                                        "measured so far, and round 1 waits for every selected device up to the "
+                                        "timeout (0: the configured times as they are)")
+    late_updates: str = setting("discard", help="discard | next_round: an update that arrives after its round "
+                                                "closed is dropped (counted), or folded into the next round at "
+                                                "half its weight")
     registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
     max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
@@ -94,6 +102,8 @@ class RoundSettings:
         check(self.min_clients >= 1, "min_clients", "at least 1", self.min_clients)
         check(self.holdout_clients >= 0, "holdout_clients", "zero or more and fewer than clients", self.holdout_clients)
         check(self.quorum_grace >= 0, "quorum_grace", "zero or more", self.quorum_grace)
+        check(self.patience >= 0, "patience", "zero (off) or more", self.patience)
+        check(self.late_updates in LATE_POLICIES, "late_updates", "discard or next_round", self.late_updates)
         check(self.max_examples >= 1, "max_examples", "at least 1", self.max_examples)
         check(self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive", self.max_update_norm)
 

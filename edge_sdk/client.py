@@ -62,7 +62,7 @@ class EdgeClient(DeviceSession):
         super().__init__(client_id, **session)
         self.data = data
         self.device = device
-        self.store = PersonalStore(self.state_dir)
+        self.store = PersonalStore(self.state_dir, client_id)
         self.attack = attack
         if attack is not None:
             log.warning("%s behaves as an adversary: its uploads are corrupted (%s)", client_id, attack)
@@ -116,8 +116,8 @@ class EdgeClient(DeviceSession):
         self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed,
                                        welcome.config.get("assignment", {}), **self.training_overrides)
         self.algorithm_id = algorithm_id
-        saved = self.store.load()
-        if saved is not None and (saved.run_id, saved.algorithm) == (welcome.run_id, algorithm_id):
+        saved = self.store.restore(welcome.run_id, algorithm_id)
+        if saved is not None:
             self.algorithm.load_personal_state(saved.arrays)
             self.rounds_trained = saved.round
             log.info("%s: personal state of round %d restored", self.client_id, saved.round)
@@ -133,7 +133,7 @@ class EdgeClient(DeviceSession):
         personal = self.algorithm.personal_state()
         if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):
             self.rounds_trained = envelope.round
-            self.store.save(PersonalState(self.run_id, self.algorithm_id, envelope.round, personal))
+            self.store.save(PersonalState(self.client_id, self.run_id, self.algorithm_id, envelope.round, personal))
         else:  # the update goes up all the same: the coordinator rejects and counts it, and stops waiting
             log.warning("%s: training diverged in round %d (non-finite parameters); personal state of round %d kept",
                         self.client_id, envelope.round, self.rounds_trained)

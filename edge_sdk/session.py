@@ -1,8 +1,12 @@
 """The protocol state machine every device shares, trainer or weak: no torch here.
 
 A session connects with its Last Will set, subscribes to the broadcast and its own downstream
-topics, registers with HELLO (again after a reconnection, and whenever the retained STATUS
-announces a new coordinator incarnation or connection epoch), joins the run a WELCOME names,
+topics, and registers with HELLO when a coordinator announces itself: the retained STATUS that
+arrives right after subscribing, and each STATUS with a new coordinator incarnation or connection
+epoch. It says HELLO again after a reconnection, and every `hello_interval` while no coordinator
+has answered (a broker that lost the retained STATUS). A device never says HELLO both on
+connecting and on the STATUS of the same coordinator: the coordinator would count one
+registration twice. It joins the run a WELCOME names,
 and answers requests. A repeated request (same message id) gets the cached reply, message id
 included, so work is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
 (`join`) and which downstream kinds it handles (`handlers`).
@@ -83,6 +87,11 @@ class DeviceSession:
         return {}
 
     # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """True once the coordinator announced that the joined run finished."""
+        return self._finished
+
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         self.channel.transport.connect()
@@ -90,7 +99,9 @@ class DeviceSession:
         try:
             for topic_filter in self.topics.device_subscriptions(self.client_id):
                 self.channel.transport.subscribe(topic_filter)
-            self._hello()
+            # the first HELLO answers the coordinator's STATUS; without one, `hello_interval` from now
+            self._last_hello = time.monotonic()
+            self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
             while not stop.is_set() and not self._finished:
                 received = self.channel.receive(timeout=0.5)
                 if received is not None:

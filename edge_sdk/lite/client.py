@@ -6,7 +6,8 @@ ONNX bytes it does not have yet (FETCH -> ARTIFACT, verified against the manifes
 cached under `<state_dir>/artifacts/<sha256>.onnx`), and on EVALUATE embeds its train and test
 splits, fits its personal head (the global prototypes an EVALUATE may carry help the `ncm`
 head), writes the
-personalized model (body + head, one ONNX file) atomically and reports its test accuracy, with
+personalized model (body + head, one ONNX file; `<state_dir>/personalized-<device id>.onnx`
+unless given, so devices may share a state folder) atomically and reports its test accuracy, with
 its class means when it shares prototypes. Nothing in its import chain imports torch,
 scikit-learn or scipy.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -101,7 +103,8 @@ class LiteClient(DeviceSession):
         self.head_kind = head
         self.providers = providers
         self.share_prototypes = share_prototypes
-        self.model_path = Path(model_path) if model_path is not None else self.state_dir / "personalized.onnx"
+        default = self.state_dir / f"personalized-{client_id}.onnx"  # devices may share a state folder
+        self.model_path = Path(model_path) if model_path is not None else default
         self.seed = seed
         self.max_fetches = max_fetches
         self.fetch_timeout = fetch_timeout
@@ -116,6 +119,24 @@ class LiteClient(DeviceSession):
         self._waiting: Envelope | None = None  # an EVALUATE that arrived before the artifact
         self._fetches: Counter[str] = Counter()
         self._fetched_at: dict[str, float] = {}
+
+    @property
+    def missing_model(self) -> str | None:
+        """Why a finished run left this device without a personalized model (None when it has
+        one, or while the run goes on): the command exits non-zero with it."""
+        if not self.finished or self.evaluation is not None:
+            return None
+        if self.release is None:
+            return (f"run {self.run_id} finished without releasing a representation, so this weak device has no "
+                    "model: run the coordinator with --release (or an algorithm that releases one, such as repper)")
+        return (f"run {self.run_id} finished before this device was asked to evaluate the released representation "
+                f"{self.release.sha256[:12]}: no personalized model was written")
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """The session's `run`; a run that ends without a model for this device is logged as an error."""
+        super().run(stop)
+        if self.missing_model is not None:
+            log.error("%s: %s", self.client_id, self.missing_model)
 
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:

@@ -38,6 +38,24 @@ def test_simulate_three_rounds_writes_report_metrics_and_curves(tmp_path):
     lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
     assert [line["round"] for line in lines if line["event"] == "round"] == [1, 2, 3]
     assert RunFolder(out).curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "3 played, 3 aggregated" in result.stdout and "final evaluation       over 4 of 4 devices" in result.stdout
+
+
+def test_a_rerun_of_a_finished_simulation_says_so_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", "fedavg", "--dataset", "digits",
+               "--clients", "2", "--rounds", "1", "--workers", "1", "--seed", "1", "--out", str(out), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    written = RunFolder(out).report.read_bytes()
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    assert again.returncode == 0, again.stdout + again.stderr
+    run_id = json.loads(written)["run_id"]
+    assert f"run {run_id} in {out} already finished all 1 rounds; nothing changed" in again.stdout
+    assert RunFolder(out).report.read_bytes() == written
 
 
 def test_bad_flag_value_names_the_key(tmp_path):

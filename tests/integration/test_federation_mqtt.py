@@ -59,7 +59,7 @@ def test_three_devices_complete_two_rounds(any_broker, tmp_path):
     for client, thread in devices:
         assert not thread.is_alive(), "devices leave when the coordinator finishes"
         assert client.rounds_trained == 2
-        assert (tmp_path / client.client_id / "personal.msgpack").exists()
+        assert (tmp_path / client.client_id / f"personal-{client.client_id}.msgpack").exists()
 
 
 def test_model_is_broadcast_once_per_round_not_per_device(mosquitto, tmp_path):

@@ -201,7 +201,7 @@ def test_a_device_fetches_verifies_personalizes_and_reports(mosquitto, stand_in,
     assert prototypes["counts"].sum() == client.data.num_train
     np.testing.assert_array_equal(prototypes["counts"], client.data.class_counts())
     # the personalized model gives the device's own predictions
-    path = tmp_path / "dev0" / "personalized.onnx"
+    path = tmp_path / "dev0" / "personalized-dev0.onnx"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     labels, probabilities = session.run(["label", "probabilities"], {"input": client.data.test_x})
     np.testing.assert_array_equal(labels, client.evaluation.predictions)
@@ -236,7 +236,8 @@ def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, 
     np.testing.assert_array_equal(client.prototypes[0], counts)
     assert reply.round == 4 and reply.groups == {}
     assert reply.metrics["accuracy"] >= 0.8
-    session = ort.InferenceSession(str(tmp_path / "dev1" / "personalized.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / "dev1" / "personalized-dev1.onnx"),
+                                   providers=["CPUExecutionProvider"])
     labels = session.run(["label"], {"input": client.data.test_x})[0]
     np.testing.assert_array_equal(labels, client.evaluation.predictions)
 
@@ -286,7 +287,7 @@ def test_the_lite_client_runs_where_torch_sklearn_and_scipy_cannot_be_imported(m
     result = json.loads(out.read_text())
     assert result["on_import"] == [] and result["at_exit"] == []
     assert reply.metrics["accuracy"] == pytest.approx(result["accuracy"]) and result["accuracy"] >= 0.8
-    assert (tmp_path / "dev2" / "personalized.onnx").exists()
+    assert (tmp_path / "dev2" / "personalized-dev2.onnx").exists()
 
 
 @pytest.mark.parametrize("dataset, body, minimum", [
@@ -318,6 +319,7 @@ def test_a_device_personalizes_on_feature_vectors_and_signals(mosquitto, stand_i
     assert reply.metrics["accuracy"] >= minimum
     counts = reply.groups["prototypes"]["counts"]
     np.testing.assert_array_equal(counts, client.data.class_counts())
-    session = ort.InferenceSession(str(tmp_path / "dev0" / "personalized.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / "dev0" / "personalized-dev0.onnx"),
+                                   providers=["CPUExecutionProvider"])
     labels = session.run(["label"], {"input": data.test_x})[0]
     np.testing.assert_array_equal(labels, client.evaluation.predictions)

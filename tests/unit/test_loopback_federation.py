@@ -467,13 +467,13 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
 
     # Assert: each device kept its personal state on its own disk
     for device in devices:
-        assert (federation.state_dir(device) / "personal.msgpack").is_file()
+        assert (federation.state_dir(device) / f"personal-{device}.msgpack").is_file()
 
 
 def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     # Prepare
     from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundEvaluated,
-                                    RoundStarted, UpdateAccepted)
+                                    RoundStarted, RunStarted, UpdateAccepted)
 
     config = federation.config(eval_every=1)
     coordinator = federation.coordinator(config)
@@ -490,13 +490,14 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     kinds = [type(e) for e in events]
     one_round = [RoundStarted, UpdateAccepted, UpdateAccepted, UpdateAccepted, RoundAggregated, RoundEvaluated,
                  RoundEnded]
-    assert kinds == [RegistrationOpened, DevicesRegistered, *one_round, *one_round]
+    assert kinds == [RunStarted, RegistrationOpened, DevicesRegistered, *one_round, *one_round]
     assert ended == [e for e in events if isinstance(e, RoundEnded)]
 
     # Assert: the content, against the report and the channel's own counts
-    assert events[0].expected == 3 and (events[1].devices, events[1].trainers) == (3, 3)
+    assert (events[0].run_id, events[0].after_round, events[0].rounds) == (report["run_id"], 0, 2)
+    assert events[1].expected == 3 and (events[2].devices, events[2].trainers) == (3, 3)
     for round_, record in zip((1, 2), report["rounds"]):
-        started, *updates, aggregated, evaluated, end = events[2 + 7 * (round_ - 1): 2 + 7 * round_]
+        started, *updates, aggregated, evaluated, end = events[3 + 7 * (round_ - 1): 3 + 7 * round_]
         assert started.round == aggregated.round == evaluated.round == end.round == round_
         assert sorted(started.selected) == devices
         assert sorted(u.device for u in updates) == devices and all(u.round == round_ for u in updates)
@@ -597,7 +598,7 @@ def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(fed
     assert all(r["seconds"] < config.round.round_timeout for r in rounds)
     assert "training diverged in round 1" in caplog.text
     for device in devices:
-        assert PersonalStore(federation.state_dir(device)).load() is None, f"{device} saved a diverged state"
+        assert PersonalStore(federation.state_dir(device), device).load() is None, f"{device} saved a diverged state"
 
 
 @pytest.mark.parametrize("grad_clip_norm", [0.0, 1e-4])
@@ -667,12 +668,19 @@ def test_resume_continues_the_same_run(federation):
     federation.threads.clear()
 
     # Execute: a new coordinator (and restarted devices) on the same out, extended to 3 rounds
+    from coordinator.events import RunStarted
+
     second = federation.coordinator(federation.config(rounds=3))
+    started: list = []
+    second.subscribe(started.append, RunStarted)
     for i in range(3):
         federation.start_device(i, 3)
     report2 = second.run()
 
     # Assert
+    played = sum(r["bytes_up"] + r["bytes_down"] for r in report1["rounds"])
+    assert started == [RunStarted(first.run_id, 2, 3, played)]
+    assert report2["wall_seconds"] > report1["wall_seconds"]  # the time of both incarnations
     assert second.run_id == first.run_id
     assert report2["run_id"] == report1["run_id"]
     assert report2["rounds_completed"] == 3
@@ -680,3 +688,197 @@ def test_resume_continues_the_same_run(federation):
     assert report2["rounds"][2]["outcome"] == "complete"
     assert _metrics_rounds(Path(second.config.run.out)) == [1, 2, 3]
     assert federation.devices_exit()
+
+
+def _run_in_background(coordinator) -> tuple[threading.Thread, dict, threading.Event]:
+    """Start `coordinator.run()` in a thread; the event is set once it listens for devices."""
+    from coordinator.events import RegistrationOpened
+
+    listening = threading.Event()
+    coordinator.subscribe(lambda event: listening.set(), RegistrationOpened)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(coordinator.run()), daemon=True)
+    runner.start()
+    return runner, result, listening
+
+
+def test_a_first_registration_is_one_event(federation):
+    # Prepare: the coordinator's STATUS is retained before any device connects
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    runner, result, listening = _run_in_background(coordinator)
+    assert listening.wait(WAIT)
+
+    # Execute
+    for i in range(3):
+        federation.start_device(i, 3)
+    runner.join(60)
+
+    # Assert
+    assert not runner.is_alive(), "the run did not finish"
+    assert result["events"]["registered"] == 3
+    assert result["events"].get("rejoined", 0) == 0
+
+
+def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federation, caplog):
+    # Prepare: FedAvg without release; one of the three devices is a weak one
+    from edge_sdk.data import load_client_data
+    from edge_sdk.lite import LiteClient
+
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    will = (federation.topics.up("dev002", Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, "dev002")))
+    lite = LiteClient("dev002", load_client_data("digits", num_clients=3, index=2, seed=0),
+                      federation=federation.topics.federation, state_dir=federation.state_dir("dev002"),
+                      transport=federation.broker.transport("dev002", will=will))
+    thread = threading.Thread(target=lite.run, args=(federation.stop,), daemon=True)
+    thread.start()
+    federation.threads.append(thread)
+
+    # Execute
+    with caplog.at_level("ERROR"):
+        coordinator.run()
+        assert federation.devices_exit()
+
+    # Assert
+    assert lite.finished and lite.evaluation is None
+    assert "finished without releasing a representation" in lite.missing_model
+    assert "--release" in lite.missing_model and lite.missing_model in caplog.text
+
+
+class Gate:
+    """A compute lock that parks its device while closed (it starts closed)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def __enter__(self):
+        self.open.wait(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def test_by_default_the_first_round_waits_for_a_device_slower_than_the_grace(federation):
+    # Prepare: no grace after a quorum of one; dev002 computes only once the other two were accepted
+    from coordinator.events import UpdateAccepted
+
+    config = federation.config(rounds=1, min_clients=1, quorum_grace=0.0, round_timeout=60.0)
+    coordinator = federation.coordinator(config)
+    gate = Gate()
+    accepted: list = []
+
+    def on_update(event) -> None:
+        accepted.append(event.device)
+        if len(accepted) == 2:
+            gate.open.set()
+
+    coordinator.subscribe(on_update, UpdateAccepted)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, compute_lock=gate)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    first = report["rounds"][0]
+    assert (first["selected"], first["participants"], first["late"], first["outcome"]) == (3, 3, 0, "complete")
+    assert accepted[-1] == "dev002"
+
+
+def _slow_third_device(federation, coordinator) -> None:
+    """dev002 is parked in every training until its round aggregated, so its update is always
+    late; its evaluations are not held up."""
+    from coordinator.events import RoundAggregated, RoundEvaluated
+
+    gate = Gate()
+    coordinator.subscribe(lambda event: gate.open.set(), RoundAggregated)
+    coordinator.subscribe(lambda event: gate.open.clear(), RoundEvaluated)  # before the next TRAIN goes out
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, compute_lock=gate)
+
+
+def test_a_late_update_is_discarded_and_counted(federation):
+    # Prepare
+    config = federation.config(rounds=1, min_clients=2, quorum_grace=0.0, patience=0.0, late_updates="discard")
+    coordinator = federation.coordinator(config)
+    _slow_third_device(federation, coordinator)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    record = report["rounds"][0]
+    assert (record["selected"], record["participants"], record["late"], record["late_discarded"]) == (3, 2, 1, 1)
+    assert report["late_updates"] == {"policy": "discard", "folded": 0, "discarded": 1}
+    assert report["rejections"] == {}  # a late update is no rejection
+    assert (report["final"]["devices_evaluated"], report["final"]["devices_registered"]) == (3, 3)
+    lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
+    assert [(line["late"], line["late_discarded"]) for line in lines] == [(1, 1)]
+
+
+def test_a_late_update_is_folded_into_the_next_round(federation):
+    # Prepare
+    from coordinator.events import RoundAggregated
+
+    config = federation.config(rounds=2, min_clients=2, quorum_grace=0.0, patience=0.0, late_updates="next_round")
+    coordinator = federation.coordinator(config)
+    aggregated: list = []
+    coordinator.subscribe(aggregated.append, RoundAggregated)
+    _slow_third_device(federation, coordinator)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: dev002's round-1 update went into round 2, beside two fresh ones
+    first, second = report["rounds"]
+    assert (first["participants"], first["late"], first["late_folded"]) == (2, 1, 0)
+    assert (second["participants"], second["late"], second["late_folded"]) == (2, 1, 1)
+    assert [event.participants for event in aggregated] == [2, 3]
+    assert report["late_updates"]["folded"] == 1 and report["rejections"] == {}
+
+
+def test_delivered_bytes_count_a_broadcast_once_per_online_device(federation):
+    # Prepare
+    coordinator = federation.coordinator(federation.config(rounds=1))
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert
+    comm = report["communication"]
+    published, delivered = comm["by_kind"]["down"], comm["by_kind"]["down_delivered"]
+    assert delivered["train"] == 3 * published["train"] and delivered["evaluate"] == 3 * published["evaluate"]
+    assert delivered["welcome"] == published["welcome"]  # a device's own topic: one recipient
+    assert comm["bytes_down_published"] == comm["bytes_down"] < comm["bytes_down_delivered"]
+    assert report["rounds"][0]["bytes_down_delivered"] > report["rounds"][0]["bytes_down"]
+
+
+def test_a_rerun_of_a_finished_run_changes_nothing(federation):
+    # Prepare: a finished 1-round run
+    from coordinator.server import finished_report
+
+    config = federation.config(rounds=1)
+    first = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+    report1 = first.run()
+    first.channel.transport.close()
+    assert federation.devices_exit()
+    written = federation.folder.report.read_bytes()
+    metrics = federation.folder.metrics.read_bytes()
+
+    # Execute: the same run again, no device needed
+    again = finished_report(config)
+    report2 = federation.coordinator(config).run()
+
+    # Assert
+    assert again == report2 == json.loads(written)
+    assert report2["wall_seconds"] == report1["wall_seconds"]
+    assert report2["communication"] == report1["communication"]
+    assert federation.folder.report.read_bytes() == written and federation.folder.metrics.read_bytes() == metrics

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from coordinator.rounds import Outcome, RoundCollector, select_clients
+from coordinator.rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients, staleness_weight
 from edge_sdk.protocol import Reason
 
 DEVICES = [f"dev{i:03d}" for i in range(10)]
@@ -202,3 +203,100 @@ def test_time_left_is_bounded_by_the_deadline_when_grace_ends_later():
 
     # Execute / Assert
     assert collector.time_left(96.0) == pytest.approx(4.0)
+
+
+def test_waiting_lists_the_selected_devices_neither_answered_nor_gone():
+    # Prepare
+    collector = _collector(selected=("a", "b", "c", "d"))
+
+    # Execute
+    collector.accept("a", "m1", now=1.0)
+    collector.refuse("b", "m2")
+    collector.mark_offline("c")
+
+    # Assert
+    assert collector.waiting == frozenset({"d"})
+
+
+# -- round_windows -------------------------------------------------------------------------
+
+
+def test_before_any_reply_is_measured_the_quorum_does_not_end_a_round_early():
+    # Execute
+    grace, timeout = round_windows(quorum_grace=10.0, round_timeout=120.0, patience=3.0, slowest_reply=None)
+    collector = _collector(min_replies=1, deadline=timeout, grace=grace)
+    collector.accept("a", "m1", now=1.0)
+
+    # Assert: 60 s after the quorum the round still waits for b and c
+    assert (grace, timeout) == (120.0, 120.0)
+    assert collector.outcome(now=61.0) is Outcome.OPEN
+
+
+@pytest.mark.parametrize(
+    "slowest, expected",
+    [(2.0, (10.0, 120.0)), (20.0, (60.0, 120.0)), (50.0, (150.0, 150.0))],
+    ids=["fast-rounds-keep-the-settings", "grace-grows", "both-grow"],
+)
+def test_grace_and_timeout_grow_to_patience_times_the_slowest_reply(slowest, expected):
+    assert round_windows(quorum_grace=10.0, round_timeout=120.0, patience=3.0, slowest_reply=slowest) == expected
+
+
+def test_patience_zero_keeps_the_configured_times():
+    assert round_windows(10.0, 120.0, 0.0, None) == (10.0, 120.0)
+    assert round_windows(10.0, 120.0, 0.0, 500.0) == (10.0, 120.0)
+
+
+# -- late updates --------------------------------------------------------------------------
+
+
+def test_an_update_one_round_late_counts_half():
+    assert staleness_weight(30.0, 1) == 15.0 and staleness_weight(30.0, 2) == 10.0
+
+
+def test_only_the_closed_rounds_request_from_a_device_it_stopped_waiting_for_is_late():
+    # Prepare
+    late = LateUpdates("discard")
+    late.close(3, "req-3", {}, frozenset({"b", "c"}))
+
+    # Execute / Assert
+    assert late.expects("b", 3, "req-3")
+    assert not late.expects("a", 3, "req-3")  # replied in time: a second reply is no late update
+    assert not late.expects("b", 2, "req-3") and not late.expects("b", 3, "req-2")
+    late.discard("b")
+    assert not late.expects("b", 3, "req-3") and late.discarded == 1
+
+
+def test_next_round_folds_kept_updates_at_half_weight_unless_the_device_replied_afresh():
+    # Prepare
+    sent = {"shared": {"w": np.zeros(2, np.float32)}}
+    late = LateUpdates("next_round")
+    late.close(1, "req-1", sent, frozenset({"b", "c"}))
+    late.keep("b", {"shared": {"w": np.ones(2, np.float32)}}, {"num_examples": 40}, 40.0)
+    late.keep("c", {"shared": {"w": np.ones(2, np.float32)}}, {"num_examples": 10}, 10.0)
+
+    # Execute: round 2 closes; c sent round 2 a fresh update
+    folded = late.take(frozenset({"a", "c"}), aggregating=True)
+
+    # Assert
+    assert late.sent is sent
+    assert [(u.sender, u.weight) for u in folded] == [("b", 20.0)]
+    assert late.discarded == 1 and late.pending == []
+
+
+def test_late_updates_are_discarded_when_the_next_round_aggregates_nothing():
+    # Prepare
+    late = LateUpdates("next_round")
+    late.close(1, "req-1", {}, frozenset({"b"}))
+    late.keep("b", {}, {"num_examples": 40}, 40.0)
+
+    # Execute
+    folded = late.take(frozenset(), aggregating=False)
+
+    # Assert
+    assert folded == [] and late.discarded == 1
+
+
+def test_discard_keeps_nothing_of_what_a_round_sent():
+    late = LateUpdates("discard")
+    late.close(1, "req-1", {"shared": {"w": np.zeros(2, np.float32)}}, frozenset({"b"}))
+    assert late.sent == {} and not late.folds

@@ -220,6 +220,14 @@ def test_a_malformed_model_spec_is_refused_naming_the_key(spec):
         build_config(None, {"model": spec}, {})
 
 
+def test_weak_devices_with_an_algorithm_that_releases_nothing_are_refused_by_both_keys():
+    # Execute / Assert: FedAvg releases nothing unless asked
+    with pytest.raises(ConfigError, match=r"lite_fraction 0.5 with algorithm fedavg.*set release"):
+        RunConfig.of(algorithm="fedavg", lite_fraction=0.5)
+    assert RunConfig.of(algorithm="fedavg", lite_fraction=0.5, release=True).lite_devices == 5
+    assert RunConfig.of(algorithm="repper", lite_fraction=0.5).lite_devices == 5
+
+
 # -- fingerprints --------------------------------------------------------------------------
 
 
@@ -229,7 +237,7 @@ def test_fingerprints_are_those_of_runs_made_before_the_sections():
         algorithm="fedprox", dataset="fmnist", partition="dirichlet", alpha=0.3, clients=20, fraction=0.5, rounds=9,
         local_epochs=1, batch_size=64, lr=0.1, model="cnn28", seed=3, holdout_clients=2, aggregation="trimmed_mean",
         trim_fraction=0.1, clip_norm=2.0, adversaries=1, attack="noise", lite_fraction=0.25, head="lr",
-        upload_codec="fp16", grad_clip_norm=1.5, hyper={"mu": 0.01}, out="x", round_timeout=5.0)
+        release=True, upload_codec="fp16", grad_clip_norm=1.5, hyper={"mu": 0.01}, out="x", round_timeout=5.0)
 
     # Execute / Assert
     assert RunConfig().fingerprint() == "70de55c5bbe64c40"
