@@ -136,6 +136,7 @@ class DeviceSession:
         self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
         metrics, config = self.hello()
         self.send(Kind.HELLO, metrics=metrics, config=config)
+        log.info("%s: HELLO sent to federation %s", self.client_id, self.topics.federation)
 
     def _on_status(self, status: Envelope) -> None:
         # a new coordinator process, or the coordinator back from a broker outage: register again
