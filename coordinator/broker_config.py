@@ -4,7 +4,12 @@
 
 - `mosquitto.conf`: one listener, no anonymous access, the password and ACL files below, no
   persistence, a log file next to it; with TLS: the listener's CA, certificate and key,
-  `require_certificate true` (mutual TLS) on top of password authentication, TLS 1.2 or newer.
+  `require_certificate true` (mutual TLS) and `use_identity_as_username true`, TLS 1.2 or newer:
+  the certificate's CN is the account (CN = device id = username = MQTT client id), so a device
+  presenting another device's certificate acts as that other device, never as the account it
+  claims, whatever password it sends. Mosquitto checks no password on such a listener; the
+  password file is still written (the listener has no other) so the same accounts work without
+  TLS (`--tls` dropped, or a plain listener added on localhost).
 - `passwords`: the accounts `coordinator` and one per device (username = device id), with
   random passwords hashed by `mosquitto_passwd`.
 - `acl`: the coordinator writes `edgepfl/<fed>/down/#` and reads `edgepfl/<fed>/up/#`; a device
@@ -163,9 +168,11 @@ def render_config(out: Path, port: int, host: str, user: str, tls: bool) -> str:
             f"certfile {tls_dir / 'server.crt'}",
             f"keyfile {tls_dir / 'server.key'}",
             "tls_version tlsv1.2",
-            "# mutual TLS: a client certificate signed by the CA, and still a username and password",
+            "# mutual TLS: a client certificate signed by the CA is the account; its CN (the device id)",
+            "# becomes the username, so the ACLs bind the certificate to the device's own topics and a",
+            "# password of another account does not help (Mosquitto checks no password here)",
             "require_certificate true",
-            "use_identity_as_username false",
+            "use_identity_as_username true",
         ]
     return "\n".join(lines) + "\n"
 
