@@ -18,7 +18,9 @@
   the id in a topic is the sender's. `use_username_as_clientid` makes the MQTT client id the
   username, so one account cannot knock another's connection off by reusing its client id.
 - `credentials.json` (mode 0600): `{"coordinator": {"username", "password"}, "devices": {id:
-  {"username", "password"}}}`; with TLS every account also has `ca_file`, `cert_file` and
+  {"username", "password", "signing_key"}}}`: `signing_key` (64 hex digits) is the device's
+  message-signing key (`edge_sdk.signing`): a device seals its uploads with it and the
+  coordinator, reading the whole file, verifies them; with TLS every account also has `ca_file`, `cert_file` and
   `key_file` (absolute paths); top-level `federation` and `url` say where to connect.
 - with TLS, `tls/`: `ca.crt` and `ca.key`, `server.crt`/`server.key` (SANs: localhost,
   127.0.0.1, the bind host and `sans`), and `clients/<account>.crt`/`.key` per account.
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Sequence
 
 from edge_sdk.protocol import BROADCAST, COORDINATOR, Topics, check_client_id
+from edge_sdk.signing import new_key
 
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -63,6 +66,8 @@ class Account:
     password: str
     cert_file: Path | None = None
     key_file: Path | None = None
+    signing_key: str | None = None
+    """A device's message-signing key (hex, `edge_sdk.signing`); the coordinator has none."""
 
 
 @dataclass
@@ -424,7 +429,8 @@ def generate(
     if force and tls_dir.exists():
         shutil.rmtree(tls_dir)
 
-    accounts = {name: Account(name, secrets.token_urlsafe(24)) for name in [COORDINATOR, *ids]}
+    accounts = {name: Account(name, secrets.token_urlsafe(24), signing_key=None if name == COORDINATOR else new_key())
+                for name in [COORDINATOR, *ids]}
     _hash_passwords(passwd_tool, passwords, accounts)
     _write_secret(acl, render_acl(federation, ids))
     config.write_text(render_config(out, port, host, user, tls))
@@ -451,6 +457,8 @@ def generate(
 
     def entry(account: Account) -> dict[str, str]:
         item = {"username": account.username, "password": account.password}
+        if account.signing_key is not None:
+            item["signing_key"] = account.signing_key
         if tls:
             item.update(ca_file=str(ca_file), cert_file=str(account.cert_file), key_file=str(account.key_file))
         return item

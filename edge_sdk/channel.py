@@ -2,7 +2,9 @@
 
 Both the coordinator and the devices talk through a `Channel`. Everything that arrives is
 checked before anyone sees it: the topic must belong to the federation, the frame must decode,
-the envelope's sender must be the device named in an upstream topic. Rejections are logged with
+the envelope's sender must be the device named in an upstream topic, and, with a `verifier`,
+an upstream message must be sealed with that device's key (checked before its arrays are
+decoded; `signing.py`). A channel with a `signer` seals everything it sends. Rejections are logged with
 a reason code and counted; identical redeliveries (QoS 1) are dropped by message id.
 
 `Channel.counters` is the public view of what a channel did (envelopes and their bytes by
@@ -25,6 +27,7 @@ from .chunks import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Reassem
 from .counters import ByteCounter
 from .flow import IncomingQueue
 from .protocol import Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
+from .signing import Signer, Verifier, is_sealed, unseal
 from .transport import Incoming
 
 log = logging.getLogger(__name__)
@@ -138,12 +141,16 @@ class Channel:
         reassembly_budget: int | None = None,
         max_pending_blobs: int = 64,
         repeatable: frozenset[Kind] = frozenset(),
+        signer: Signer | None = None,
+        verifier: Verifier | None = None,
     ):
         self.transport = transport
         self.topics = topics
         self.chunk_size = check_chunk_size(chunk_size)
         self.limits = limits
         self.counters = ChannelCounters()
+        self.signer = signer
+        self.verifier = verifier
         self.repeatable = repeatable | {Kind.OFFLINE}  # passed on even when seen before
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._reassembler = Reassembler(
@@ -189,6 +196,8 @@ class Channel:
     def _send(self, topic: str, envelope: Envelope, retain: bool) -> tuple[int, int]:
         """(the encoded envelope's size, the bytes published: its frames' when chunked)."""
         pieces = wire.encode_pieces(envelope)
+        if self.signer is not None:
+            pieces = self.signer.seal(pieces)
         size, room = sum(len(piece) for piece in pieces), self._broker_room(topic)
         if size <= min(self.chunk_size, room):
             payload = b"".join(pieces)
@@ -245,6 +254,10 @@ class Channel:
                 if blob is None:
                     return None
                 obj, size = wire.unpack(blob, self.limits), len(blob)
+            if self.verifier is not None and address.direction == "up":
+                obj = wire.unpack(self.verifier.open(address.client_id, obj), self.limits)
+            elif is_sealed(obj):  # sealed, and this side holds no keys: read it unverified
+                obj = wire.unpack(unseal(obj, address.client_id)[0], self.limits)
             envelope = wire.envelope_from_dict(obj, self.limits)
             self._check_sender(address, envelope)
         except ProtocolError as err:

@@ -73,6 +73,8 @@ class Reason(str, Enum):
     CHUNK_OVERFLOW = "chunk_overflow"
     CHUNK_EXPIRED = "chunk_expired"
     UNKNOWN_ARTIFACT = "unknown_artifact"
+    BAD_SIGNATURE = "bad_signature"
+    OVER_BUDGET = "over_budget"
 
 
 class ProtocolError(Exception):

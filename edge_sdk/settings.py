@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Iterator
 
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
 from .config import ConfigError
+from .protocol import COORDINATOR
 
 RUN_COMMANDS = ("simulate", "coordinator")
 """The commands that run a federation (and so build a RunConfig)."""
@@ -198,12 +199,18 @@ class BrokerSettings:
         the local default): explicit username/password, else `account` in `credentials`."""
         from .transport import MqttSettings
 
+        from .signing import SigningKeyError, device_key
+
         username, password = self.username, self.password
         if username is None and self.credentials:
             username, password = load_credentials(self.credentials, account)
+        try:
+            signing_key = device_key(self.credentials, account) if self.credentials and account != COORDINATOR else None
+        except SigningKeyError as exc:
+            raise ConfigError(str(exc)) from None
         return MqttSettings(url=url or self.broker or DEFAULT_BROKER, username=username, password=password,
                             ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
-                            protocol=self.mqtt_protocol)
+                            protocol=self.mqtt_protocol, signing_key=signing_key)
 
 
 def load_credentials(path: str, account: str) -> tuple[str, str]:

@@ -274,6 +274,8 @@ def test_credentials_file_loads_and_is_private(mutual_tls):
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(document["devices"]["dev001"]["key_file"]).st_mode & 0o777 == 0o600
     assert mutual_tls.accounts["dev001"].password not in mutual_tls.passwords.read_text()
+    assert len(bytes.fromhex(document["devices"]["dev001"]["signing_key"])) == 32
+    assert "signing_key" not in document["coordinator"]
 
 
 @pytest.mark.parametrize("devices, federation, port, bad", [
