@@ -4,7 +4,7 @@
 
 Measures, for an update of 1,000,000 float32 parameters (4 MB) in a model-like layout: a
 device sealing it (`Signer.seal` over the encoded pieces) and the coordinator verifying it
-(`Verifier.open` on the received message), median of `--repeats`; next to them, the wire
+(`Verifier.open_message` on the received message), median of `--repeats`; next to them, the wire
 encode and decode of the same update. The reference round is measured here too: one local
 epoch of the PyTorch MNIST example network (two 3x3 convolutions of 32 and 64 channels, then
 9216-100-10: 0.94M parameters) on 600 28x28 examples in batches of 32 with torch on the CPU, the
@@ -84,14 +84,13 @@ def main() -> None:
     signer, verifier, envelope = Signer(key), Verifier({"dev0": key}), update()
     pieces = wire.encode_pieces(envelope)
     message = b"".join(signer.seal(pieces))
-    received = wire.unpack(message)
     figures = {
         "parameters": PARAMETERS,
         "update_bytes": len(message),
         "encode_ms": median_ms(lambda: wire.encode_pieces(envelope), repeats),
         "seal_ms": median_ms(lambda: signer.seal(pieces), repeats),
-        "verify_ms": median_ms(lambda: verifier.open("dev0", received), repeats),
-        "decode_ms": median_ms(lambda: wire.decode(verifier.open("dev0", received)), repeats),
+        "verify_ms": median_ms(lambda: verifier.open_message("dev0", message), repeats),
+        "decode_ms": median_ms(lambda: wire.decode(verifier.open_message("dev0", message)), repeats),
         "round_seconds": local_epoch_seconds(max(3, repeats // 4)),
     }
     figures["overhead_percent"] = 100 * (figures["seal_ms"] + figures["verify_ms"]) / (1e3 * figures["round_seconds"])

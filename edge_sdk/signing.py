@@ -73,6 +73,36 @@ def seal(key: bytes, pieces: Sequence[bytes | memoryview]) -> list[bytes | memor
     return sealed
 
 
+def _prefix() -> bytes:
+    """The bytes every sealed message starts with, up to its MAC (the encoder writes them so)."""
+    head: list[bytes | memoryview] = []
+    wire.pack_pieces({"version": PROTOCOL_VERSION, SIGNED: {"alg": ALGORITHM}}, head)
+    head[0], head[4] = b"\x82", b"\x83"  # the maps hold 2 and 3 entries: version, signed; alg, mac, body
+    return b"".join(head) + b"\xa3mac\xc4\x20"
+
+
+SEALED_PREFIX = _prefix()
+_BODY_KEY = b"\xa4body"
+
+
+def split_sealed(payload: bytes | memoryview) -> tuple[bytes, memoryview] | None:
+    """(MAC, envelope bytes) of a sealed message read at fixed offsets, without decoding
+    anything, or None when `payload` is not laid out as the encoder writes a sealed message."""
+    view = memoryview(payload).cast("B")
+    start = len(SEALED_PREFIX)
+    if view[:start] != SEALED_PREFIX or view[start + KEY_BYTES:start + KEY_BYTES + 5] != _BODY_KEY:
+        return None
+    header = start + KEY_BYTES + 5
+    width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(view[header]) if len(view) > header else None
+    if width is None:
+        return None
+    length = int.from_bytes(view[header + 1:header + 1 + width], "big")
+    body = view[header + 1 + width:]
+    if len(body) != length:
+        return None
+    return bytes(view[start:start + KEY_BYTES]), body.toreadonly()
+
+
 def is_sealed(obj: Mapping[str, Any]) -> bool:
     return SIGNED in obj
 
@@ -101,8 +131,8 @@ class Signer:
 
 
 class Verifier:
-    """The coordinator's side: every device's key; `open` returns the envelope bytes of a
-    message sealed by the device a topic names, or raises `WireError(BAD_SIGNATURE)`."""
+    """The coordinator's side: every device's key; `open_message` returns the envelope bytes of
+    a message sealed by the device a topic names, or raises `WireError(BAD_SIGNATURE)`."""
 
     def __init__(self, keys: Mapping[str, bytes]):
         self._keys = dict(keys)
@@ -111,11 +141,16 @@ class Verifier:
     def devices(self) -> frozenset[str]:
         return frozenset(self._keys)
 
-    def open(self, device: str, obj: Mapping[str, Any]) -> bytes | memoryview:
+    def open_message(self, device: str, payload: bytes | memoryview) -> memoryview:
+        """The envelope bytes of `payload` if `device` sealed it: the seal is read at fixed
+        offsets and the MAC checked before any msgpack decoding (junk costs one HMAC at most)."""
         key = self._keys.get(device)
         if key is None:
             raise WireError(Reason.BAD_SIGNATURE, f"no signing key is enrolled for {device!r}")
-        body, mac = unseal(obj, device)
+        sealed = split_sealed(payload)
+        if sealed is None:
+            raise WireError(Reason.BAD_SIGNATURE, f"unsigned or malformed seal on {device!r}'s topic")
+        mac, body = sealed
         if not hmac.compare_digest(_mac(key, [body]), mac):
             raise WireError(Reason.BAD_SIGNATURE, f"message on {device!r}'s topic fails {device!r}'s signature")
         return body
