@@ -11,8 +11,9 @@ every upstream message on the network thread, before it is queued: the topic, th
 of its kind (`WireLimits.for_kind`), the sender's seal (with a `verifier`; a replayed seal is a
 duplicate) and the sender's `SenderBudget` for the round; what fails is dropped unread. What
 passes waits in one queue per sender, and `receive` takes the senders in turn (`flow.py`).
-Rejections are logged with
-a reason code and counted; identical redeliveries (QoS 1) are dropped by message id.
+
+Rejections are logged with a reason code and counted; identical redeliveries (QoS 1) are
+dropped by message id.
 
 `Channel.counters` is the public view of what a channel did (envelopes and their bytes by
 direction and kind, rejections by reason, duplicates, time spent sending and accepting, the
