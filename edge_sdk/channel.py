@@ -35,7 +35,7 @@ from .chunks import (DEFAULT_CHUNK_SIZE, FRAME_PREFIX, MAX_CHUNK_SIZE, MIN_CHUNK
                      chunk_from_dict, is_chunk_frame, iter_frames)
 from .counters import ByteCounter
 from .flow import IncomingQueue
-from .protocol import Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
+from .protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
 from .signing import Signer, Verifier
 from .transport import Incoming
 
@@ -71,10 +71,11 @@ class Screened(NamedTuple):
 
 
 def sender_of(incoming: Incoming) -> str:
-    """The device id segment of a federation topic (`edgepfl/<fed>/<dir>/<id>/<kind>`): the key
-    of the receive queue's fair order."""
+    """Who published a message, the key of the receive queue's fair order: the device id of an
+    upstream topic (`edgepfl/<fed>/up/<id>/<kind>`); the coordinator for everything else, so
+    downstream messages keep their order across topics."""
     parts = incoming.topic.split("/", 4)
-    return parts[3] if len(parts) > 3 else ""
+    return parts[3] if len(parts) > 3 and parts[2] == "up" else COORDINATOR
 
 
 class Transport(Protocol):

@@ -104,3 +104,18 @@ def test_forgeries_on_a_devices_topic_do_not_spend_its_budget():
     received = coordinator.receive(timeout=0.1)
     assert received is not None and received.envelope.msg_id == "real"
     assert coordinator.rejections == {"bad_signature": 10}
+
+
+def test_downstream_messages_keep_their_order_across_topics():
+    # Prepare: a device receives two broadcasts, then its own WELCOME
+    device = Channel(Wire("dev1"), TOPICS)
+    sent = [(TOPICS.broadcast(Kind.STATUS), Kind.STATUS), (TOPICS.broadcast(Kind.TRAIN), Kind.TRAIN),
+            (TOPICS.down("dev1", Kind.WELCOME), Kind.WELCOME)]
+    for topic, kind in sent:
+        deliver(device, topic, wire.encode(Envelope(kind, "coordinator", run_id="r")))
+
+    # Execute
+    kinds = [device.receive(timeout=0.1).envelope.kind for _ in sent]
+
+    # Assert
+    assert kinds == [kind for _, kind in sent]
