@@ -22,6 +22,9 @@
   message-signing key (`edge_sdk.signing`): a device seals its uploads with it and the
   coordinator, reading the whole file, verifies them; with TLS every account also has `ca_file`, `cert_file` and
   `key_file` (absolute paths); top-level `federation` and `url` say where to connect.
+- `devices/<id>.json` (mode 0600): the same document with that device's entry only, the file to
+  copy to the device (`edgepfl client --credentials <id>.json`): its password and signing key,
+  and no other account's.
 - with TLS, `tls/`: `ca.crt` and `ca.key`, `server.crt`/`server.key` (SANs: localhost,
   127.0.0.1, the bind host and `sans`), and `clients/<account>.crt`/`.key` per account.
 
@@ -466,10 +469,18 @@ def generate(
     document = {"federation": federation, "url": url, "coordinator": entry(accounts[COORDINATOR]),
                 "devices": {d: entry(accounts[d]) for d in ids}}
     _write_secret(credentials, json.dumps(document, indent=2) + "\n")
+    device_dir = out / "devices"
+    if force and device_dir.exists():
+        shutil.rmtree(device_dir)
+    device_dir.mkdir(mode=0o700, exist_ok=True)
+    device_files = [device_dir / f"{d}.json" for d in ids]
+    for device, path in zip(ids, device_files):
+        own = {"federation": federation, "url": url, "devices": {device: entry(accounts[device])}}
+        _write_secret(path, json.dumps(own, indent=2) + "\n")
     if user != current:
         for path in broker_files:
             os.chown(path, owner.pw_uid, owner.pw_gid)
-    files = [config, passwords, acl, credentials]
+    files = [config, passwords, acl, credentials, *device_files]
     if tls:
         files += sorted(tls_dir.rglob("*.crt")) + sorted(tls_dir.rglob("*.key"))
     return BrokerSetup(out, federation, url, config, passwords, acl, credentials, accounts, ca_file, files)
@@ -496,8 +507,9 @@ def describe(setup: BrokerSetup) -> str:
         "coordinator:",
         f"  edgepfl coordinator --broker {setup.url} --federation {setup.federation} "
         f"--credentials {setup.credentials}{tls_flags} ...",
-        f"device {device.username} (its password is in {setup.credentials.name}; copy only its own entry):",
+        f"device {device.username} (copy {setup.out / 'devices' / (device.username + '.json')} to it, "
+        f"never {setup.credentials.name}):",
         f"  edgepfl client --broker {setup.url} --federation {setup.federation} --client-id {device.username} "
-        f"--username {device.username} --password '<password>'{device_tls} ...",
+        f"--credentials {device.username}.json{device_tls} ...",
     ]
     return "\n".join(lines)

@@ -277,6 +277,11 @@ def test_credentials_file_loads_and_is_private(mutual_tls):
     assert len(bytes.fromhex(document["devices"]["dev001"]["signing_key"])) == 32
     assert "signing_key" not in document["coordinator"]
 
+    own = mutual_tls.out / "devices" / "dev001.json"
+    assert json.loads(own.read_text())["devices"] == {"dev001": document["devices"]["dev001"]}
+    assert load_credentials(str(own), "dev001") == ("dev001", mutual_tls.accounts["dev001"].password)
+    assert os.stat(own).st_mode & 0o777 == 0o600
+
 
 @pytest.mark.parametrize("devices, federation, port, bad", [
     ("dev000,all", FED, 1883, "'all'"),
