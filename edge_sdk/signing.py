@@ -27,6 +27,8 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import msgpack
+
 from . import wire
 from .protocol import PROTOCOL_VERSION, Reason, WireError
 
@@ -73,15 +75,10 @@ def seal(key: bytes, pieces: Sequence[bytes | memoryview]) -> list[bytes | memor
     return sealed
 
 
-def _prefix() -> bytes:
-    """The bytes every sealed message starts with, up to its MAC (the encoder writes them so)."""
-    head: list[bytes | memoryview] = []
-    wire.pack_pieces({"version": PROTOCOL_VERSION, SIGNED: {"alg": ALGORITHM}}, head)
-    head[0], head[4] = b"\x82", b"\x83"  # the maps hold 2 and 3 entries: version, signed; alg, mac, body
-    return b"".join(head) + b"\xa3mac\xc4\x20"
-
-
-SEALED_PREFIX = _prefix()
+SEALED_PREFIX = b"".join([b"\x82", msgpack.packb("version"), msgpack.packb(PROTOCOL_VERSION), msgpack.packb(SIGNED),
+                          b"\x83", msgpack.packb("alg"), msgpack.packb(ALGORITHM), msgpack.packb("mac"), b"\xc4\x20"])
+"""The bytes every sealed message starts with, up to its MAC: a map of 2 (version, signed) whose
+`signed` is a map of 3 (alg, mac as bin 8 of 32 bytes, body), as `seal` writes it."""
 _BODY_KEY = b"\xa4body"
 
 
