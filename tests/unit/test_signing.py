@@ -79,7 +79,8 @@ def test_a_chunked_sealed_update_is_verified_once_reassembled():
     assert not coordinator.rejections
 
 
-@pytest.mark.parametrize("forgery", ["unsigned", "another device's key", "one flipped bit", "unknown device"])
+@pytest.mark.parametrize("forgery", ["unsigned", "another device's key", "one flipped bit", "unknown device",
+                                     "truncated"])
 def test_a_forged_upload_is_rejected_as_bad_signature(forgery):
     # Prepare
     topic = TOPICS.up("dev1", Kind.TRAIN_RES)
@@ -95,6 +96,10 @@ def test_a_forged_upload_is_rejected_as_bad_signature(forgery):
         payload = bytearray(device.transport.published[0][1])
         payload[-5] ^= 0x01  # inside the metrics, after the arrays
         published = [(topic, bytes(payload))]
+    elif forgery == "truncated":
+        device = device_channel()
+        device.send(topic, update())
+        published = [(topic, device.transport.published[0][1][:-1])]
     else:
         stranger = device_channel("dev3", key=bytes(32))
         stranger.send(TOPICS.up("dev3", Kind.TRAIN_RES), update("dev3"))
