@@ -51,8 +51,9 @@ FRAME_OVERHEAD = 256
 class SenderBudget:
     """What one sender may have taken in per round (from one TRAIN broadcast to the next) on
     its upstream topics, counted before decoding; beyond it its messages are dropped unread
-    (`over_budget`). With signing, only messages that carry the sender's valid seal count, so a
-    forger cannot spend a device's budget."""
+    (`over_budget`). Chunk frames count in bytes only (a large upload may take many). With
+    signing, only messages that carry the sender's valid seal count, so a forger cannot spend a
+    device's budget."""
 
     messages: int = 1024
     bytes: int = 256 << 20
@@ -302,13 +303,13 @@ class Channel:
             if len(payload) > limit:
                 raise ProtocolError(Reason.TOO_LARGE, f"{len(payload)} bytes, the limit of a {address.kind.value} "
                                                       f"is {limit}")
-            body = None
-            if self.verifier is not None and bytes(payload[:len(FRAME_PREFIX)]) != FRAME_PREFIX:
+            body, frame = None, bytes(payload[:len(FRAME_PREFIX)]) == FRAME_PREFIX
+            if self.verifier is not None and not frame:
                 body = self.verifier.open_message(address.client_id, payload)
                 if address.kind not in self.repeatable and self._seal_seen(payload):
                     self.count_duplicate()
                     return None
-            self._charge(address.client_id, len(payload))
+            self._charge(address.client_id, 0 if frame else 1, len(payload))
         except ProtocolError as err:
             self.reject(err.reason, f"{topic}: {err.detail}")
             return None
@@ -325,13 +326,13 @@ class Channel:
             self._seen_seals.popitem(last=False)
         return False
 
-    def _charge(self, sender: str, size: int) -> None:
+    def _charge(self, sender: str, messages: int, size: int) -> None:
         spent = self._spent.setdefault(sender, [0, 0])
         budget = self.sender_budget
-        if spent[0] + 1 > budget.messages or spent[1] + size > budget.bytes:
+        if spent[0] + messages > budget.messages or spent[1] + size > budget.bytes:
             raise ProtocolError(Reason.OVER_BUDGET, f"{sender} sent more than {budget.messages} messages or "
                                                     f"{budget.bytes} bytes this round")
-        spent[0] += 1
+        spent[0] += messages
         spent[1] += size
 
     def _accept(self, incoming: Incoming | Screened) -> Received | None:

@@ -6,6 +6,7 @@ import numpy as np
 
 from edge_sdk import wire
 from edge_sdk.channel import Channel, SenderBudget
+from edge_sdk.chunks import MIN_CHUNK_SIZE
 from edge_sdk.counters import ByteCounter
 from edge_sdk.flow import IncomingQueue
 from edge_sdk.protocol import Envelope, Kind, Topics
@@ -37,6 +38,10 @@ def update(sender: str = "dev1", msg_id: str | None = None) -> Envelope:
     envelope = Envelope(Kind.TRAIN_RES, sender, run_id="r", round=1, groups={"shared": {"w": np.ones(8, np.float32)}})
     envelope.msg_id = msg_id or envelope.msg_id
     return envelope
+
+
+def update_of(floats: int) -> Envelope:
+    return Envelope(Kind.TRAIN_RES, "dev1", run_id="r", round=1, groups={"shared": {"w": np.ones(floats, np.float32)}})
 
 
 def deliver(channel: Channel, topic: str, payload: bytes) -> None:
@@ -119,3 +124,19 @@ def test_downstream_messages_keep_their_order_across_topics():
 
     # Assert
     assert kinds == [kind for _, kind in sent]
+
+
+def test_chunk_frames_count_against_the_byte_budget_only():
+    # Prepare: a budget of 2 messages; an upload cut into 5 frames
+    device = Channel(Wire("dev1"), TOPICS, chunk_size=MIN_CHUNK_SIZE)
+    device.send(TOPICS.up("dev1", Kind.TRAIN_RES), update_of(5 * MIN_CHUNK_SIZE // 4 - 100))
+    coordinator = Channel(Wire("coordinator"), TOPICS, sender_budget=SenderBudget(messages=2))
+    for topic, payload in device.transport.published:
+        deliver(coordinator, topic, payload)
+
+    # Execute
+    received = coordinator.receive(timeout=0.1)
+
+    # Assert
+    assert len(device.transport.published) == 5
+    assert received is not None and not coordinator.rejections
