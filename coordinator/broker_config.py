@@ -4,7 +4,12 @@
 
 - `mosquitto.conf`: one listener, no anonymous access, the password and ACL files below, no
   persistence, a log file next to it; with TLS: the listener's CA, certificate and key,
-  `require_certificate true` (mutual TLS) on top of password authentication, TLS 1.2 or newer.
+  `require_certificate true` (mutual TLS) and `use_identity_as_username true`, TLS 1.2 or newer:
+  the certificate's CN is the account (CN = device id = username = MQTT client id), so a device
+  presenting another device's certificate acts as that other device, never as the account it
+  claims, whatever password it sends. Mosquitto checks no password on such a listener; the
+  password file is still written (the listener has no other) so the same accounts work without
+  TLS (`--tls` dropped, or a plain listener added on localhost).
 - `passwords`: the accounts `coordinator` and one per device (username = device id), with
   random passwords hashed by `mosquitto_passwd`.
 - `acl`: the coordinator writes `edgepfl/<fed>/down/#` and reads `edgepfl/<fed>/up/#`; a device
@@ -13,8 +18,13 @@
   the id in a topic is the sender's. `use_username_as_clientid` makes the MQTT client id the
   username, so one account cannot knock another's connection off by reusing its client id.
 - `credentials.json` (mode 0600): `{"coordinator": {"username", "password"}, "devices": {id:
-  {"username", "password"}}}`; with TLS every account also has `ca_file`, `cert_file` and
+  {"username", "password", "signing_key"}}}`: `signing_key` (64 hex digits) is the device's
+  message-signing key (`edge_sdk.signing`): a device seals its uploads with it and the
+  coordinator, reading the whole file, verifies them; with TLS every account also has `ca_file`, `cert_file` and
   `key_file` (absolute paths); top-level `federation` and `url` say where to connect.
+- `devices/<id>.json` (mode 0600): the same document with that device's entry only, the file to
+  copy to the device (`edgepfl client --credentials <id>.json`): its password and signing key,
+  and no other account's.
 - with TLS, `tls/`: `ca.crt` and `ca.key`, `server.crt`/`server.key` (SANs: localhost,
   127.0.0.1, the bind host and `sans`), and `clients/<account>.crt`/`.key` per account.
 
@@ -42,6 +52,7 @@ from pathlib import Path
 from typing import Sequence
 
 from edge_sdk.protocol import BROADCAST, COORDINATOR, Topics, check_client_id
+from edge_sdk.signing import new_key
 
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -58,6 +69,8 @@ class Account:
     password: str
     cert_file: Path | None = None
     key_file: Path | None = None
+    signing_key: str | None = None
+    """A device's message-signing key (hex, `edge_sdk.signing`); the coordinator has none."""
 
 
 @dataclass
@@ -163,9 +176,11 @@ def render_config(out: Path, port: int, host: str, user: str, tls: bool) -> str:
             f"certfile {tls_dir / 'server.crt'}",
             f"keyfile {tls_dir / 'server.key'}",
             "tls_version tlsv1.2",
-            "# mutual TLS: a client certificate signed by the CA, and still a username and password",
+            "# mutual TLS: a client certificate signed by the CA is the account; its CN (the device id)",
+            "# becomes the username, so the ACLs bind the certificate to the device's own topics and a",
+            "# password of another account does not help (Mosquitto checks no password here)",
             "require_certificate true",
-            "use_identity_as_username false",
+            "use_identity_as_username true",
         ]
     return "\n".join(lines) + "\n"
 
@@ -417,7 +432,8 @@ def generate(
     if force and tls_dir.exists():
         shutil.rmtree(tls_dir)
 
-    accounts = {name: Account(name, secrets.token_urlsafe(24)) for name in [COORDINATOR, *ids]}
+    accounts = {name: Account(name, secrets.token_urlsafe(24), signing_key=None if name == COORDINATOR else new_key())
+                for name in [COORDINATOR, *ids]}
     _hash_passwords(passwd_tool, passwords, accounts)
     _write_secret(acl, render_acl(federation, ids))
     config.write_text(render_config(out, port, host, user, tls))
@@ -444,6 +460,8 @@ def generate(
 
     def entry(account: Account) -> dict[str, str]:
         item = {"username": account.username, "password": account.password}
+        if account.signing_key is not None:
+            item["signing_key"] = account.signing_key
         if tls:
             item.update(ca_file=str(ca_file), cert_file=str(account.cert_file), key_file=str(account.key_file))
         return item
@@ -451,10 +469,18 @@ def generate(
     document = {"federation": federation, "url": url, "coordinator": entry(accounts[COORDINATOR]),
                 "devices": {d: entry(accounts[d]) for d in ids}}
     _write_secret(credentials, json.dumps(document, indent=2) + "\n")
+    device_dir = out / "devices"
+    if force and device_dir.exists():
+        shutil.rmtree(device_dir)
+    device_dir.mkdir(mode=0o700, exist_ok=True)
+    device_files = [device_dir / f"{d}.json" for d in ids]
+    for device, path in zip(ids, device_files):
+        own = {"federation": federation, "url": url, "devices": {device: entry(accounts[device])}}
+        _write_secret(path, json.dumps(own, indent=2) + "\n")
     if user != current:
         for path in broker_files:
             os.chown(path, owner.pw_uid, owner.pw_gid)
-    files = [config, passwords, acl, credentials]
+    files = [config, passwords, acl, credentials, *device_files]
     if tls:
         files += sorted(tls_dir.rglob("*.crt")) + sorted(tls_dir.rglob("*.key"))
     return BrokerSetup(out, federation, url, config, passwords, acl, credentials, accounts, ca_file, files)
@@ -481,8 +507,9 @@ def describe(setup: BrokerSetup) -> str:
         "coordinator:",
         f"  edgepfl coordinator --broker {setup.url} --federation {setup.federation} "
         f"--credentials {setup.credentials}{tls_flags} ...",
-        f"device {device.username} (its password is in {setup.credentials.name}; copy only its own entry):",
+        f"device {device.username} (copy {setup.out / 'devices' / (device.username + '.json')} to it, "
+        f"never {setup.credentials.name}):",
         f"  edgepfl client --broker {setup.url} --federation {setup.federation} --client-id {device.username} "
-        f"--username {device.username} --password '<password>'{device_tls} ...",
+        f"--credentials {device.username}.json{device_tls} ...",
     ]
     return "\n".join(lines)

@@ -185,12 +185,18 @@ class RunConfig:
 
     def coordinator_channel(self, transport):
         """The coordinator's channel: room to reassemble an upload from every device at once
-        (chunked uploads of a whole fleet interleave at the broker)."""
+        (chunked uploads of a whole fleet interleave at the broker); with `credentials`, every
+        upload must carry its device's signature (the keys enrolled there)."""
         from edge_sdk.channel import Channel
         from edge_sdk.protocol import Topics
+        from edge_sdk.signing import SigningKeyError, fleet_verifier
 
+        try:
+            verifier = fleet_verifier(self.broker.credentials) if self.broker.credentials else None
+        except SigningKeyError as exc:
+            raise ConfigError(str(exc)) from None
         return Channel(transport, Topics(self.broker.federation), chunk_size=self.broker.chunk_size,
-                       max_pending_blobs=2 * self.run.clients + 64)
+                       max_pending_blobs=2 * self.run.clients + 64, verifier=verifier)
 
     def mqtt_settings(self, url: str, account: str = "coordinator"):
         """How `account` connects to `url`: explicit username/password, else its entry in `credentials`."""

@@ -2,8 +2,18 @@
 
 Both the coordinator and the devices talk through a `Channel`. Everything that arrives is
 checked before anyone sees it: the topic must belong to the federation, the frame must decode,
-the envelope's sender must be the device named in an upstream topic. Rejections are logged with
-a reason code and counted; identical redeliveries (QoS 1) are dropped by message id.
+the envelope's sender must be the device named in an upstream topic, and, with a `verifier`,
+an upstream message must be sealed with that device's key (checked before its arrays are
+decoded; `signing.py`). A channel with a `signer` seals everything it sends.
+
+Under a flood, junk must not cost work nor delay anyone else's message. The channel screens
+every upstream message on the network thread, before it is queued: the topic, the size limit
+of its kind (`WireLimits.for_kind`), the sender's seal (with a `verifier`; a replayed seal is a
+duplicate) and the sender's `SenderBudget` for the round; what fails is dropped unread. What
+passes waits in one queue per sender, and `receive` takes the senders in turn (`flow.py`).
+
+Rejections are logged with a reason code and counted; identical redeliveries (QoS 1) are
+dropped by message id.
 
 `Channel.counters` is the public view of what a channel did (envelopes and their bytes by
 direction and kind, rejections by reason, duplicates, time spent sending and accepting, the
@@ -14,17 +24,19 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
-from . import wire
-from .chunks import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Reassembler, check_chunk_size, chunk_from_dict,
-                     is_chunk_frame, iter_frames)
+from . import signing, wire
+from .chunks import (DEFAULT_CHUNK_SIZE, FRAME_PREFIX, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Reassembler, check_chunk_size,
+                     chunk_from_dict, is_chunk_frame, iter_frames)
 from .counters import ByteCounter
 from .flow import IncomingQueue
-from .protocol import Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
+from .protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, TopicAddress, Topics
+from .signing import Signer, Verifier
 from .transport import Incoming
 
 log = logging.getLogger(__name__)
@@ -33,6 +45,38 @@ PACKET_OVERHEAD = 16
 """An MQTT PUBLISH beyond its topic and payload: fixed header, topic length, packet id, properties."""
 FRAME_OVERHEAD = 256
 """A chunk frame beyond its slice (about 120 bytes, docs/PROTOCOL.md section 5), rounded up."""
+
+
+@dataclass(frozen=True)
+class SenderBudget:
+    """What one sender may have taken in per round (from one TRAIN broadcast to the next) on
+    its upstream topics, counted before decoding; beyond it its messages are dropped unread
+    (`over_budget`). Chunk frames count in bytes only (a large upload may take many). With
+    signing, only messages that carry the sender's valid seal count, so a forger cannot spend a
+    device's budget."""
+
+    messages: int = 1024
+    bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.messages < 1 or self.bytes < 1:
+            raise ValueError("SenderBudget.messages and .bytes must be positive")
+
+
+class Screened(NamedTuple):
+    """A message the network thread already opened: `body` is its verified envelope bytes."""
+
+    topic: str
+    payload: bytes | memoryview
+    body: memoryview
+
+
+def sender_of(incoming: Incoming) -> str:
+    """Who published a message, the key of the receive queue's fair order: the device id of an
+    upstream topic (`edgepfl/<fed>/up/<id>/<kind>`); the coordinator for everything else, so
+    downstream messages keep their order across topics."""
+    parts = incoming.topic.split("/", 4)
+    return parts[3] if len(parts) > 3 and parts[2] == "up" else COORDINATOR
 
 
 class Transport(Protocol):
@@ -138,12 +182,21 @@ class Channel:
         reassembly_budget: int | None = None,
         max_pending_blobs: int = 64,
         repeatable: frozenset[Kind] = frozenset(),
+        signer: Signer | None = None,
+        verifier: Verifier | None = None,
+        sender_budget: SenderBudget = SenderBudget(),
     ):
         self.transport = transport
         self.topics = topics
         self.chunk_size = check_chunk_size(chunk_size)
         self.limits = limits
         self.counters = ChannelCounters()
+        self.signer = signer
+        self.verifier = verifier
+        self.sender_budget = sender_budget
+        self._spent: dict[str, list[int]] = {}  # sender -> [messages, bytes] this round
+        self._seen_seals: OrderedDict[bytes, None] = OrderedDict()
+        self._tally = threading.Lock()  # the network thread counts rejections too
         self.repeatable = repeatable | {Kind.OFFLINE}  # passed on even when seen before
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._reassembler = Reassembler(
@@ -152,6 +205,8 @@ class Channel:
             max_pending_blobs=max_pending_blobs,
             on_drop=self._count_drop,
         )
+        transport.incoming.screen = self._screen
+        transport.incoming.fair_by = sender_of
 
     @property
     def counter(self) -> ByteCounter:
@@ -184,11 +239,15 @@ class Channel:
         finally:
             self.counters.send_seconds += time.perf_counter() - started
         self.counters.record("sent", envelope.kind, size)
+        if envelope.kind is Kind.TRAIN:
+            self._spent = {}  # a new round: every sender's budget renews
         return sent
 
     def _send(self, topic: str, envelope: Envelope, retain: bool) -> tuple[int, int]:
         """(the encoded envelope's size, the bytes published: its frames' when chunked)."""
         pieces = wire.encode_pieces(envelope)
+        if self.signer is not None:
+            pieces = self.signer.seal(pieces)
         size, room = sum(len(piece) for piece in pieces), self._broker_room(topic)
         if size <= min(self.chunk_size, room):
             payload = b"".join(pieces)
@@ -232,19 +291,63 @@ class Channel:
         back the next message (the next `receive` releases it anyway)."""
         self.transport.incoming.release()
 
-    def _accept(self, incoming: Incoming) -> Received | None:
+    def _screen(self, incoming: Incoming) -> Incoming | Screened | None:
+        """Network thread, before the message is queued: drop what fails the checks that need
+        no decoding (topic, the size limit of its kind, the sender's seal, its budget)."""
         topic, payload = incoming
+        try:
+            address = self.topics.parse(topic)
+            if address.direction != "up" or not payload:
+                return incoming
+            limit = self.limits.for_kind(address.kind)
+            if len(payload) > limit:
+                raise ProtocolError(Reason.TOO_LARGE, f"{len(payload)} bytes, the limit of a {address.kind.value} "
+                                                      f"is {limit}")
+            body, frame = None, bytes(payload[:len(FRAME_PREFIX)]) == FRAME_PREFIX
+            if self.verifier is not None and not frame:
+                body = self.verifier.open_message(address.client_id, payload)
+                if address.kind not in self.repeatable and self._seal_seen(payload):
+                    self.count_duplicate()
+                    return None
+            self._charge(address.client_id, 0 if frame else 1, len(payload))
+        except ProtocolError as err:
+            self.reject(err.reason, f"{topic}: {err.detail}")
+            return None
+        return incoming if body is None else Screened(topic, payload, body)
+
+    def _seal_seen(self, payload: bytes | memoryview) -> bool:
+        """A replay of a sealed message already taken in (its MAC, at a fixed offset, names it)."""
+        start = len(signing.SEALED_PREFIX)
+        mac = bytes(payload[start:start + signing.KEY_BYTES])
+        if mac in self._seen_seals:
+            return True
+        self._seen_seals[mac] = None
+        if len(self._seen_seals) > 65536:
+            self._seen_seals.popitem(last=False)
+        return False
+
+    def _charge(self, sender: str, messages: int, size: int) -> None:
+        spent = self._spent.setdefault(sender, [0, 0])
+        budget = self.sender_budget
+        if spent[0] + messages > budget.messages or spent[1] + size > budget.bytes:
+            raise ProtocolError(Reason.OVER_BUDGET, f"{sender} sent more than {budget.messages} messages or "
+                                                    f"{budget.bytes} bytes this round")
+        spent[0] += messages
+        spent[1] += size
+
+    def _accept(self, incoming: Incoming | Screened) -> Received | None:
+        topic, payload = incoming.topic, incoming.payload
         try:
             address = self.topics.parse(topic)
             if not payload:
                 return None  # a cleared retained message
-            obj, size = wire.unpack(payload, self.limits), len(payload)
-            if is_chunk_frame(obj):
-                blob = self._reassembler.add(topic, chunk_from_dict(obj))
-                self._note_backlog()
-                if blob is None:
+            if isinstance(incoming, Screened):
+                obj, size = wire.unpack(incoming.body, self.limits), len(payload)
+            else:
+                whole = self._whole(topic, address, payload)
+                if whole is None:
                     return None
-                obj, size = wire.unpack(blob, self.limits), len(blob)
+                obj, size = self._open(address, *whole), len(whole[0])
             envelope = wire.envelope_from_dict(obj, self.limits)
             self._check_sender(address, envelope)
         except ProtocolError as err:
@@ -254,6 +357,29 @@ class Channel:
             return None
         self.counters.record("received", envelope.kind, size)
         return Received(topic, address, envelope, size)
+
+    def _whole(self, topic: str, address: TopicAddress,
+               payload: bytes | memoryview) -> tuple[bytes | memoryview, dict[str, Any]] | None:
+        """(the whole message, its unpacked map): the payload itself, or the blob its chunk
+        frames make once the last one arrives (None until then)."""
+        obj = wire.unpack(payload, self.limits)
+        if not is_chunk_frame(obj):
+            return payload, obj
+        chunk = chunk_from_dict(obj)
+        if chunk.size > self.limits.for_kind(address.kind):
+            raise ProtocolError(Reason.TOO_LARGE, f"a chunked {address.kind.value} of {chunk.size} bytes")
+        blob = self._reassembler.add(topic, chunk)
+        self._note_backlog()
+        return None if blob is None else (blob, wire.unpack(blob, self.limits))
+
+    def _open(self, address: TopicAddress, message: bytes | memoryview, obj: dict[str, Any]) -> dict[str, Any]:
+        """The envelope's map: verified against the sender's key where this side holds keys,
+        unwrapped unverified where it holds none."""
+        if self.verifier is not None and address.direction == "up":
+            return wire.unpack(self.verifier.open_message(address.client_id, message), self.limits)
+        if signing.is_sealed(obj):
+            return wire.unpack(signing.unseal(obj, address.client_id)[0], self.limits)
+        return obj
 
     def _note_backlog(self) -> None:
         counters, reassembler = self.counters, self._reassembler
@@ -280,11 +406,13 @@ class Channel:
 
     def count_duplicate(self) -> None:
         """Count one message dropped as a repeat; callers use it for their own checks too."""
-        self.counters.duplicates += 1
+        with self._tally:
+            self.counters.duplicates += 1
 
     def reject(self, reason: Reason, detail: str) -> None:
         """Count and log one rejected message; callers use it for their own checks too."""
-        self.counters.rejections[reason.value] += 1
+        with self._tally:
+            self.counters.rejections[reason.value] += 1
         log.warning("rejected (%s): %s", reason.value, detail)
 
     def _count_drop(self, reason: Reason) -> None:

@@ -15,6 +15,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import msgpack
+
 from . import wire
 from .protocol import PROTOCOL_VERSION, ChunkError, Reason
 
@@ -81,6 +83,10 @@ def _slices(views: list[memoryview], length: int) -> Iterator[wire.Joined]:
             run.append(view)
             room -= len(view)
     yield run
+
+
+FRAME_PREFIX = b"\x82" + b"".join(msgpack.packb(item) for item in ("version", PROTOCOL_VERSION, "chunk"))
+"""The bytes every chunk frame starts with, as `iter_frames` writes it (docs/PROTOCOL.md section 5)."""
 
 
 def is_chunk_frame(obj: dict[str, Any]) -> bool:

@@ -11,13 +11,21 @@ instead of this process. The broker must then be allowed to queue it (Mosquitto:
 A wait lasts at most `max_wait` seconds; then one more message is let in (counted in
 `overruns`), so a consumer that stops asking cannot starve the MQTT keepalive. `close()` ends
 every wait for good.
+
+Two hooks make the queue fair under a flood (`Channel` sets both): `screen(item)` runs on the
+network thread before a message is queued or counted against the byte bound and returns the
+item to queue (possibly replaced) or None to drop it, so junk costs no flow-control wait and no
+place in line; `fair_by(item)` names a message's sender, and `get` serves the senders with
+messages waiting in turn (round robin), so one sender's backlog cannot delay another's message
+by more than one message per sender.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from collections import OrderedDict, deque
+from typing import Any, Callable, Hashable
 
 
 class IncomingQueue(queue.Queue):
@@ -35,6 +43,16 @@ class IncomingQueue(queue.Queue):
         self._handed_out = 0
         self._closed = False
         self._room = threading.Condition()
+        self.screen: Callable[[Any], Any] | None = None
+        self.fair_by: Callable[[Any], Hashable] = lambda item: None
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Queue `item` unless `screen` drops it (put_message and put_nowait come here too)."""
+        if self.screen is not None:
+            item = self.screen(item)
+            if item is None:
+                return
+        super().put(item, block, timeout)
 
     def put_message(self, item: Any) -> None:
         """Network thread: enqueue (queue.Full when `max_items` wait), then wait for room."""
@@ -65,10 +83,29 @@ class IncomingQueue(queue.Queue):
             self._closed = True
             self._room.notify_all()
 
-    def _put(self, item: Any) -> None:  # under the queue's lock, for put and put_nowait alike
+    # the queue's storage (queue.Queue calls these under its lock): one FIFO per sender, in turn
+    def _init(self, maxsize: int) -> None:
+        self._senders: OrderedDict[Hashable, deque] = OrderedDict()
+        self._count = 0
+
+    def _qsize(self) -> int:
+        return self._count
+
+    def _put(self, item: Any) -> None:
         with self._room:
             self.held_bytes += len(item.payload)
-        super()._put(item)
+        self._senders.setdefault(self.fair_by(item), deque()).append(item)
+        self._count += 1
+
+    def _get(self) -> Any:
+        sender, waiting = next(iter(self._senders.items()))
+        item = waiting.popleft()
+        if waiting:
+            self._senders.move_to_end(sender)  # the next message of this sender waits its turn
+        else:
+            del self._senders[sender]
+        self._count -= 1
+        return item
 
     def _has_room(self) -> bool:
         return self._closed or self.held_bytes <= self.max_bytes

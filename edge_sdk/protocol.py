@@ -74,6 +74,8 @@ class Reason(str, Enum):
     CHUNK_EXPIRED = "chunk_expired"
     UNKNOWN_ARTIFACT = "unknown_artifact"
     MODEL_MISMATCH = "model_mismatch"
+    BAD_SIGNATURE = "bad_signature"
+    OVER_BUDGET = "over_budget"
 
 
 class ProtocolError(Exception):

@@ -25,6 +25,7 @@ from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
+from .signing import Signer
 from .transport import MqttSettings, MqttTransport
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,17 @@ class DeviceSession:
         self.state_dir = Path(state_dir)
         self.exit_on_finish = exit_on_finish
         self.hello_interval = hello_interval
-        will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
+        signer = Signer(settings.signing_key) if settings.signing_key is not None else None
+        will_pieces = wire.encode_pieces(Envelope(Kind.OFFLINE, client_id))
+        will = (self.topics.up(client_id, Kind.OFFLINE),
+                b"".join(signer.seal(will_pieces) if signer is not None else will_pieces))
         if transport is None:
-            settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
             transport = MqttTransport(f"{federation}.{client_id}", settings, will=will)
         # repeated requests reach `answered`, which sends the cached reply (a Last Will is the same
         # bytes every time, and marking a device offline is idempotent)
         self.channel = Channel(transport, self.topics, chunk_size=chunk_size,
-                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}))
+                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer)
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None

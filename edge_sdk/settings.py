@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Iterator
 
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
 from .config import ConfigError
+from .protocol import COORDINATOR
 
 RUN_COMMANDS = ("simulate", "coordinator")
 """The commands that run a federation (and so build a RunConfig)."""
@@ -213,14 +214,20 @@ class BrokerSettings:
         `password_file`, else $EDGEPFL_PASSWORD), else `account` in `credentials`."""
         from .transport import MqttSettings
 
+        from .signing import SigningKeyError, device_key
+
         username, password = self.username, self.given_password()
         if username is None and self.credentials:
             username, password = load_credentials(self.credentials, account)
         try:
+            signing_key = device_key(self.credentials, account) if self.credentials and account != COORDINATOR else None
+        except SigningKeyError as exc:
+            raise ConfigError(str(exc)) from None
+        try:
             return MqttSettings(url=url or self.broker or DEFAULT_BROKER, username=username, password=password,
                                 ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
                                 protocol=self.mqtt_protocol, retry_first_connect=self.connect_timeout,
-                                give_up_when_denied=True)
+                                give_up_when_denied=True, signing_key=signing_key)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -132,6 +132,8 @@ class MqttSettings:
     account must be allowed to write."""
     reconnect_min_delay: int = 1
     reconnect_max_delay: int = 30
+    signing_key: bytes | None = None
+    """The device's message-signing key (`signing.py`), from its credentials entry; None: unsigned."""
 
     def __post_init__(self) -> None:
         if self.protocol not in ("auto", *PROTOCOLS):

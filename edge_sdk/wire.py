@@ -40,11 +40,25 @@ class WireLimits:
     max_string: int = 1 << 16
     max_items: int = 1 << 20  # entries in one msgpack list or map
     max_arrays: int = 1 << 16
+    max_control_bytes: int = 64 << 10
+    """HELLO, OFFLINE and FETCH: no arrays, a few settings."""
+    max_eval_bytes: int = 64 << 20
+    """EVAL_RES: metrics, and class prototypes or BatchNorm statistics where asked for."""
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_string", "max_items", "max_arrays"):
+        for name in ("max_message_bytes", "max_string", "max_items", "max_arrays", "max_control_bytes",
+                     "max_eval_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WireLimits.{name} must be positive")
+
+    def for_kind(self, kind: Kind) -> int:
+        """The largest message of `kind` a receiver takes, checked on its size alone (whole, or
+        as a chunked blob's declared size) before anything is decoded."""
+        if kind in (Kind.HELLO, Kind.OFFLINE, Kind.FETCH):
+            return min(self.max_control_bytes, self.max_message_bytes)
+        if kind is Kind.EVAL_RES:
+            return min(self.max_eval_bytes, self.max_message_bytes)
+        return self.max_message_bytes
 
 
 DEFAULT_LIMITS = WireLimits()

@@ -231,6 +231,23 @@ def test_mutual_tls_works_with_the_generated_ca(mutual_tls, connect):
     receive_until(coordinator, payload)
 
 
+def test_a_device_presenting_another_devices_certificate_is_refused_that_devices_topics(mutual_tls, connect):
+    # Prepare: dev001's certificate and key, with dev000's username and password
+    coordinator = connect(mutual_tls, "coordinator")
+    coordinator.subscribe(f"{PREFIX}/up/+/+")
+    stolen = mutual_tls.accounts["dev001"]
+    impostor = connect(mutual_tls, "dev000", cert_file=str(stolen.cert_file), key_file=str(stolen.key_file))
+    ensure_subscribed(coordinator, impostor, f"{PREFIX}/up/dev001/probe")
+    done = marker()
+
+    # Execute: it publishes as dev000 (refused: the certificate makes it dev001), then as dev001
+    impostor.publish(f"{PREFIX}/up/dev000/train_res", b"forged with a borrowed certificate")
+    impostor.publish(f"{PREFIX}/up/dev001/hello", done)
+
+    # Assert: only what the certificate's own account may publish arrived
+    assert receive_until(coordinator, done) == []
+
+
 def test_tls_with_an_unrelated_ca_is_refused(mutual_tls, tmp_path):
     wrong_ca = certificate_authority(tmp_path / "other-ca", "unrelated CA").cert
     transport = MqttTransport(f"{FED}.wrong-ca", settings(mutual_tls, "dev000", ca_file=str(wrong_ca), protocol="5"))
@@ -257,6 +274,13 @@ def test_credentials_file_loads_and_is_private(mutual_tls):
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(document["devices"]["dev001"]["key_file"]).st_mode & 0o777 == 0o600
     assert mutual_tls.accounts["dev001"].password not in mutual_tls.passwords.read_text()
+    assert len(bytes.fromhex(document["devices"]["dev001"]["signing_key"])) == 32
+    assert "signing_key" not in document["coordinator"]
+
+    own = mutual_tls.out / "devices" / "dev001.json"
+    assert json.loads(own.read_text())["devices"] == {"dev001": document["devices"]["dev001"]}
+    assert load_credentials(str(own), "dev001") == ("dev001", mutual_tls.accounts["dev001"].password)
+    assert os.stat(own).st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("devices, federation, port, bad", [

@@ -128,3 +128,33 @@ def test_plain_puts_are_counted_too():
 def test_bad_bounds_are_refused(kwargs):
     with pytest.raises(ValueError):
         IncomingQueue(**kwargs)
+
+
+def test_senders_are_served_in_turn_so_one_backlog_does_not_delay_another_sender():
+    # Prepare: a flooder's 5 messages queued before one device message
+    incoming = IncomingQueue()
+    incoming.fair_by = lambda message: message.topic.split("/")[0]
+    for index in range(5):
+        incoming.put_message(Message(f"flooder/{index}", b"x"))
+    incoming.put_message(Message("device/0", b"x"))
+    incoming.put_message(Message("device/1", b"x"))
+
+    # Execute
+    order = [incoming.get_nowait().topic for _ in range(7)]
+
+    # Assert: the device's first message comes second, not sixth; each sender keeps its own order
+    assert order == ["flooder/0", "device/0", "flooder/1", "device/1", "flooder/2", "flooder/3", "flooder/4"]
+
+
+def test_a_screened_out_message_is_neither_queued_nor_held():
+    # Prepare
+    incoming = IncomingQueue(max_bytes=100)
+    incoming.screen = lambda message: None if message.topic == "junk" else message
+
+    # Execute: a dropped message larger than the byte bound must not make the network thread wait
+    incoming.put_message(Message("junk", b"x" * 1000))
+    incoming.put_message(Message("real", b"x" * 10))
+
+    # Assert
+    assert incoming.qsize() == 1 and incoming.held_bytes == 10
+    assert incoming.get_nowait().topic == "real"
