@@ -106,3 +106,28 @@ def any_broker(request, tmp_path):
     else:
         with EmbeddedBroker() as broker:
             yield broker.url, "3.1.1"
+
+
+class ConfiguredMosquitto:
+    """Mosquitto started with a given configuration file, listening on `port`."""
+
+    def __init__(self, config: Path, port: int):
+        self.binary = require_mosquitto()
+        self.config, self.port = config, port
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ConfiguredMosquitto":
+        self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+        if not wait_for_port("127.0.0.1", self.port, 15):
+            self.process.terminate()
+            _, stderr = self.process.communicate(timeout=10)
+            log = self.config.parent / "mosquitto.log"
+            raise RuntimeError(f"mosquitto did not start with {self.config}: {stderr}"
+                               f"{log.read_text() if log.exists() else ''}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.communicate(timeout=10)

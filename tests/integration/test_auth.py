@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from brokers import require_mosquitto
-from coordinator.broker import free_port, wait_for_port
+from brokers import ConfiguredMosquitto, require_mosquitto
+from coordinator.broker import free_port
 from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
 from coordinator.run_folder import RunFolder
 from edge_sdk.settings import load_credentials
@@ -31,31 +31,6 @@ FED = "authfed"
 DEVICES = ["dev000", "dev001", "dev002"]
 PREFIX = f"edgepfl/{FED}"
 TIMEOUT = 10.0
-
-
-class ConfiguredMosquitto:
-    """Mosquitto started with a given configuration file, listening on `port`."""
-
-    def __init__(self, config: Path, port: int):
-        self.binary = require_mosquitto()
-        self.config, self.port = config, port
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> "ConfiguredMosquitto":
-        self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-        if not wait_for_port("127.0.0.1", self.port, 15):
-            self.process.terminate()
-            _, stderr = self.process.communicate(timeout=10)
-            log = self.config.parent / "mosquitto.log"
-            raise RuntimeError(f"mosquitto did not start with {self.config}: {stderr}"
-                               f"{log.read_text() if log.exists() else ''}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.process is not None
-        self.process.terminate()
-        self.process.communicate(timeout=10)
 
 
 def start(tmp_path_factory, name: str, *, tls: bool):
