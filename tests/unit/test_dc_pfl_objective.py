@@ -73,9 +73,9 @@ def stats_of(classes: dict[int, np.ndarray], count: int) -> dict[str, np.ndarray
 
 
 def reference_round(weight: torch.Tensor, bias: torch.Tensor, clients: list[dict[int, np.ndarray]],
-                    virtual: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    virtual: dict[int, int], epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (8)-(9): one SGD step per client (in id order) on the CE of its class means; then
-    Eq. (12): EPOCHS full-batch steps on the CE of the virtual features (here the means)."""
+    Eq. (12): `epochs` full-batch steps on the CE of the virtual features (here the means)."""
     weight, bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
 
     def step(features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -91,22 +91,25 @@ def reference_round(weight: torch.Tensor, bias: torch.Tensor, clients: list[dict
     all_classes = {c: m for classes in clients for c, m in classes.items()}
     features = torch.tensor(np.concatenate([np.repeat(all_classes[c][None], n, 0) for c, n in virtual.items()]))
     labels = torch.tensor([c for c, n in virtual.items() for _ in range(n)])
-    for _ in range(EPOCHS):
+    for _ in range(epochs):
         step(features, labels)
     return weight.detach(), bias.detach()
 
 
 def test_the_server_round_is_the_classifier_steps_then_the_calibration() -> None:
     # Prepare: dev000 holds classes 1 and 3, dev001 classes 0 and 2; 2 examples of each class
+    # (small features, so that the cross-entropies do not saturate within the round)
     rng = np.random.default_rng(4)
-    clients = [{1: rng.normal(size=DIM).astype(np.float32), 3: rng.normal(size=DIM).astype(np.float32)},
-               {0: rng.normal(size=DIM).astype(np.float32), 2: rng.normal(size=DIM).astype(np.float32)}]
+    mean = lambda: (0.1 * rng.normal(size=DIM)).astype(np.float32)  # noqa: E731
+    clients = [{1: mean(), 3: mean()}, {0: mean(), 2: mean()}]
     hyper = Hyper(server_lr=SERVER_LR, calibration_epochs=EPOCHS, virtual_features=8, calibration_batch_size=8)
     server = DcPflServer(hyper, ServerContext(model="cnn8", task=DIGITS, seed=0, rounds=2, clients=2))
     initial = server.state[SHARED]
-    expected_weight, expected_bias = reference_round(torch.tensor(initial["head.weight"]),
-                                                     torch.tensor(initial["head.bias"]), clients,
-                                                     {0: 2, 1: 2, 2: 2, 3: 2})
+    start = torch.tensor(initial["head.weight"]), torch.tensor(initial["head.bias"])
+    virtual = {0: 2, 1: 2, 2: 2, 3: 2}
+    expected_weight, expected_bias = reference_round(*start, clients, virtual, EPOCHS)
+    uncalibrated_weight, _ = reference_round(*start, clients, virtual, 0)
+    assert (expected_weight - uncalibrated_weight).abs().max() > 1e-3
 
     # Execute: replies arrive in the reverse of id order
     play_round(server, {"dev001": FixedUpdate({STATS: stats_of(clients[1], 2)}, 4),
