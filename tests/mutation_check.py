@@ -173,7 +173,8 @@ def main(selected: list[str], jobs: int) -> int:
         with ThreadPoolExecutor(jobs) as pool:
             caught = list(pool.map(lambda m: check(m, copies), mutations))
     survivors = [m.name for m, ok in zip(mutations, caught) if not ok]
-    print(f"{len(mutations) - len(survivors)} of {len(mutations)} mutations caught in {time.monotonic() - started:.0f} s")
+    seconds = time.monotonic() - started
+    print(f"{len(mutations) - len(survivors)} of {len(mutations)} mutations caught in {seconds:.0f} s")
     if survivors:
         print("survived: " + "; ".join(survivors))
         return 1

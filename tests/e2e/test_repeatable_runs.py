@@ -22,7 +22,8 @@ RUNS = {
     # FediOS hands out projection blocks in registration order (the command)
     "fedios": ["--algorithm", "fedios", "--partition", "domains", "--clients", "4", "--rounds", "2", "--workers", "1"],
     # DualFed draws two augmented views of every batch; two workers interleave their replies
-    "dualfed": ["--algorithm", "dualfed", "--partition", "domains", "--clients", "3", "--rounds", "2", "--workers", "2"],
+    "dualfed": ["--algorithm", "dualfed", "--partition", "domains", "--clients", "3", "--rounds", "2",
+                "--workers", "2"],
 }
 
 
