@@ -66,21 +66,22 @@ class RegistrationTurns:
     order, and with it every assignment the coordinator makes in that order, is the devices'
     index order in every run. Shared by the worker processes (made from the run's context)."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext):
-        self._next = context.Value("i", 0, lock=False)
+    def __init__(self, context: multiprocessing.context.BaseContext, devices: int):
+        self._finished = context.Array("b", devices, lock=False)  # 1: registered or failed
         self._changed = context.Condition()
 
     def wait_for(self, index: int) -> None:
         """Block until it is device `index`'s turn (or `REGISTRATION_WAIT` has passed)."""
         with self._changed:
-            if not self._changed.wait_for(lambda: self._next.value >= index, timeout=REGISTRATION_WAIT):
+            if not self._changed.wait_for(lambda: all(self._finished[:index]), timeout=REGISTRATION_WAIT):
                 log.warning("device %d registers out of turn: the devices before it did not register in %.0f s",
                             index, REGISTRATION_WAIT)
 
-    def done(self, index: int) -> None:
-        """Device `index` has registered (or failed): the next one may."""
+    def done(self, *indices: int) -> None:
+        """Devices `indices` have registered (or failed, or never will): those after them may."""
         with self._changed:
-            self._next.value = max(self._next.value, index + 1)
+            for index in indices:
+                self._finished[index] = 1
             self._changed.notify_all()
 
 
@@ -149,12 +150,13 @@ def _host_devices(spec: WorkerSpec, turns: RegistrationTurns) -> list[str]:
     torch.set_num_threads(1)
     lock = threading.Lock()
     threads, failures = [], []
-    for index in spec.indices:
-        turns.wait_for(index)
-        try:
+    try:
+        for index in spec.indices:
+            turns.wait_for(index)
             threads.append(_start_device(spec, index, lock, failures))
-        finally:
             turns.done(index)
+    finally:  # a worker that cannot host its devices holds nobody back
+        turns.done(*spec.indices)
     for thread in threads:
         thread.join()
     return failures
@@ -312,7 +314,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
     if broker is not None:
         config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
-    turns = RegistrationTurns(context)
+    turns = RegistrationTurns(context, config.run.clients)
     workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
     errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
     done = threading.Event()
