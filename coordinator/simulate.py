@@ -5,6 +5,11 @@ the devices in worker processes, each hosting several virtual devices with their
 connections. Devices in one worker take turns to compute (one lock per worker) so that the
 workers, not the threads, use the cores.
 
+Runs repeat: devices register one after another in index order, across all workers
+(`RegistrationTurns`), so that what the coordinator hands out in order of registration (FediOS's
+projection blocks, DC-PFL's body models) is the same in every run of the same command; each
+device draws its randomness from generators of its own seed, never from torch's global one.
+
 A worker that cannot host its devices (their data cannot be found, the broker refuses them)
 sends its error, one line, to the parent through a pipe of its own and exits with code 1; once
 every worker is gone the run stops with their errors (`WorkersFailed`) instead of waiting for
@@ -48,6 +53,38 @@ LOGGED_ERROR = 160
 """A dead worker's error is logged up to this many characters (the run's failure has it all)."""
 
 
+JOIN_POLL = 0.02
+"""Seconds between two looks at whether a starting device has joined the run."""
+
+REGISTRATION_WAIT = 120.0
+"""Seconds a device waits for the devices before it to register; then it goes on all the same
+(a worker that died before registering its devices must not hold the others back)."""
+
+
+class RegistrationTurns:
+    """Device i registers only after devices 0..i-1 have (or have failed to): the registration
+    order, and with it every assignment the coordinator makes in that order, is the devices'
+    index order in every run. Shared by the worker processes (made from the run's context)."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, devices: int):
+        self._finished = context.Array("b", devices, lock=False)  # 1: registered or failed
+        self._changed = context.Condition()
+
+    def wait_for(self, index: int) -> None:
+        """Block until it is device `index`'s turn (or `REGISTRATION_WAIT` has passed)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: all(self._finished[:index]), timeout=REGISTRATION_WAIT):
+                log.warning("device %d registers out of turn: the devices before it did not register in %.0f s",
+                            index, REGISTRATION_WAIT)
+
+    def done(self, *indices: int) -> None:
+        """Devices `indices` have registered (or failed, or never will): those after them may."""
+        with self._changed:
+            for index in indices:
+                self._finished[index] = 1
+            self._changed.notify_all()
+
+
 class WorkersFailed(RuntimeError):
     """Every device worker process is gone before the run finished: no device is left."""
 
@@ -84,13 +121,13 @@ def client_id_for(index: int) -> str:
     return f"dev{index:03d}"
 
 
-def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection) -> None:
+def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection, turns: RegistrationTurns) -> None:
     """Entry point of a worker process: run its devices until the coordinator finishes. If none of
     them can run, send why (one line) through `errors` and exit with `WORKER_FAILED`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
-        failures = _host_devices(spec)
+        failures = _host_devices(spec, turns)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the parent reports it in one line
         failures = [_one_line(exc)]
         log.debug("worker failed", exc_info=True)
@@ -105,34 +142,48 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _host_devices(spec: WorkerSpec) -> list[str]:
-    """Run the worker's devices, one thread each, until they end; returns the errors of those that failed."""
+def _host_devices(spec: WorkerSpec, turns: RegistrationTurns) -> list[str]:
+    """Run the worker's devices, one thread each, until they end; returns the errors of those that
+    failed. Each device starts in its turn and the next waits until it has joined the run."""
     import torch
-
-    from edge_sdk.client import EdgeClient
 
     torch.set_num_threads(1)
     lock = threading.Lock()
     threads, failures = [], []
-    for index in spec.indices:
-        data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
-        client_id = client_id_for(index)
-        session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
-                   "state_dir": RunFolder(spec.out).device_state(client_id), "chunk_size": spec.broker.upload_chunk_size}
-        if index in spec.lite_heads:
-            from edge_sdk.lite import LiteClient
-
-            client = LiteClient(client_id, data, head=spec.lite_heads[index],
-                                model_path=RunFolder(spec.out).device_model(client_id), **session)
-        else:
-            client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
-                                compute_lock=lock, attack=spec.attacks[index], **session)
-        thread = threading.Thread(target=_run_device, args=(client, failures), name=client_id, daemon=True)
-        thread.start()
-        threads.append(thread)
+    try:
+        for index in spec.indices:
+            turns.wait_for(index)
+            threads.append(_start_device(spec, index, lock, failures))
+            turns.done(index)
+    finally:  # a worker that cannot host its devices holds nobody back
+        turns.done(*spec.indices)
     for thread in threads:
         thread.join()
     return failures
+
+
+def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock, failures: list[str]) -> threading.Thread:
+    """Start device `index` of the worker in a thread of its own; return once it has joined the
+    run (or its session ended)."""
+    from edge_sdk.client import EdgeClient
+
+    data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
+    client_id = client_id_for(index)
+    session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
+               "state_dir": RunFolder(spec.out).device_state(client_id), "chunk_size": spec.broker.upload_chunk_size}
+    if index in spec.lite_heads:
+        from edge_sdk.lite import LiteClient
+
+        client = LiteClient(client_id, data, head=spec.lite_heads[index],
+                            model_path=RunFolder(spec.out).device_model(client_id), **session)
+    else:
+        client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
+                            compute_lock=lock, attack=spec.attacks[index], **session)
+    thread = threading.Thread(target=_run_device, args=(client, failures), name=client_id, daemon=True)
+    thread.start()
+    while thread.is_alive() and not client.joined:
+        thread.join(JOIN_POLL)
+    return thread
 
 
 def _run_device(client, failures: list[str]) -> None:
@@ -263,6 +314,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
     if broker is not None:
         config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     context = multiprocessing.get_context("spawn")
+    turns = RegistrationTurns(context, config.run.clients)
     workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
     errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
     done = threading.Event()
@@ -270,7 +322,7 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
         for indices in split_among_workers(config.run.clients, config.worker_count):
             spec = WorkerSpec.for_devices(config, indices, url)
             read_end, write_end = context.Pipe(duplex=False)
-            process = context.Process(target=_worker_main, args=(spec, write_end), name=f"worker{len(workers)}",
+            process = context.Process(target=_worker_main, args=(spec, write_end, turns), name=f"worker{len(workers)}",
                                       daemon=True)
             process.start()
             write_end.close()  # the worker holds it now

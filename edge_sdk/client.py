@@ -88,9 +88,11 @@ class EdgeClient(DeviceSession):
 
     def _signature(self, spec: ModelSpec) -> Signature:
         """Names and shapes of the plain model `spec` builds for this device's task (built once
-        per spec: HELLO is repeated on every reconnection)."""
+        per spec: HELLO is repeated on every reconnection). Built from a fixed seed: an
+        unseeded build would draw from torch's global generator while another device of the same
+        process initializes its network from a seed, and change that device's weights."""
         if spec not in self._signatures:
-            self._signatures[spec] = model_signature(build_model(spec, self.data.task))
+            self._signatures[spec] = model_signature(build_model(spec, self.data.task, seed=0))
         return self._signatures[spec]
 
     def _check_model(self, welcome: Envelope, settings: TrainSettings) -> None:

@@ -1,4 +1,4 @@
-"""FediOS (Yan et al.), server side: FedAvg of `body` and `head`, and the projection blocks.
+"""FediOS (Gao, Li, Lu and Wu), server side: FedAvg of `body` and `head`, and the projection blocks.
 
 Paper: papers/fedios.txt, Eq. (6) and Alg. 1. The server averages the generic extractor `body`
 and the classifier `head` (on R^D, D = (B + 1) d) weighted by n_k; it never sees a

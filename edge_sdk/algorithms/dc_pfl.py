@@ -26,6 +26,13 @@ Means and covariances travel as float32 or float16 (`Hyper.transport`). A class 
 than two examples has a zero covariance (Eq. 7 is undefined there; pooling gives it weight 0).
 
 Deployed model: the device's own body with the latest global phi (from EVALUATE).
+
+Decision (local optimizer): SGD with the run's `--lr` and momentum 0.9, where the paper (Sec. 6.1)
+says SGD with a fixed learning rate of 0.01 for local and global classifier training. The run's
+lr keeps DC-PFL on the learning rate every other method of a run uses (`--lr 0.01` gives the
+paper's), and momentum 0.9 is the local optimizer of the other methods whose papers prescribe
+SGD with momentum (FediOS, CD2-pFed). The server's classifier steps follow the paper: plain SGD,
+`server_lr` 0.01.
 """
 
 from __future__ import annotations

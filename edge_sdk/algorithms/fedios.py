@@ -1,6 +1,7 @@
-"""FediOS (Yan et al.): generic and personal feature extractors in orthogonal subspaces.
+"""FediOS (Gao, Li, Lu and Wu): generic and personal feature extractors in orthogonal subspaces.
 
-Paper: papers/fedios.txt, Sec. 3 and Alg. 1 (appendix).
+Paper: "FediOS: Decoupling Orthogonal Subspaces for Personalization in Feature-skew Federated
+Learning", papers/fedios.txt, Sec. 3 and Alg. 1 (appendix).
 
 - Parts: generic extractor `body` (shared), personal extractor `personal_body` (same
   architecture, personal), shared classifier `head` on R^D. `FediOSNet` has exactly these three

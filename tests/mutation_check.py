@@ -1,0 +1,189 @@
+"""Mutation check: each targeted break of a seed algorithm's objective must make its tests fail.
+
+Usage: `python tests/mutation_check.py [--jobs N] [name-substring ...]` from the repository root
+(the interpreter must have edgepfl's dependencies). The repository is copied to a temporary
+folder once per job; each mutation (exact string replacements in one module) is applied to a
+free copy, only the algorithm's objective tests run there (`pytest -x`, so a caught mutation
+stops at its first failing test), and the module is restored. The unmutated tests must pass
+first. Jobs default to the CPU count, at most 4. Exit status 0
+when every mutation was caught, 1 when one survived (they are listed), 2 when the baseline fails
+or a mutation no longer applies (its text is not in the module exactly once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "runs", ".pytest_cache")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A named break: `replacements` (old, new) applied to `module`, to be caught by `tests`."""
+
+    name: str
+    module: str
+    replacements: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+
+
+FEDIOS = ("tests/unit/test_fedios_objective.py",)
+DUALFED = ("tests/unit/test_dualfed_objective.py",)
+REPPER = ("tests/unit/test_repper_objective.py",)
+CD2 = ("tests/unit/test_cd2_pfed_objective.py",)
+DC_PFL = ("tests/unit/test_dc_pfl_objective.py",)
+FEDIOS_PY, DUALFED_PY = "edge_sdk/algorithms/fedios.py", "edge_sdk/algorithms/dualfed.py"
+REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
+DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
+
+MUTATIONS = (
+    # FediOS: Eq. (9)-(12)
+    Mutation("fedios: no fused-feature CE", FEDIOS_PY,
+             (("for phi in (model.fuse(phi_g, phi_p), phi_g, phi_p)", "for phi in (phi_g, phi_p)"),), FEDIOS),
+    Mutation("fedios: no generic CE", FEDIOS_PY,
+             (("for phi in (model.fuse(phi_g, phi_p), phi_g, phi_p)", "for phi in (model.fuse(phi_g, phi_p), phi_p)"),),
+             FEDIOS),
+    Mutation("fedios: alpha ignored", FEDIOS_PY,
+             (("return self.alpha * phi_g + (1.0 - self.alpha) * phi_p", "return 0.5 * phi_g + 0.5 * phi_p"),), FEDIOS),
+    Mutation("fedios: alpha on the personal features", FEDIOS_PY,
+             (("return self.alpha * phi_g + (1.0 - self.alpha) * phi_p",
+               "return (1.0 - self.alpha) * phi_g + self.alpha * phi_p"),), FEDIOS),
+    Mutation("fedios: personal features projected into the generic block", FEDIOS_PY,
+             (("project(self.personal_body(x), self.block, self.head.in_features)",
+               "project(self.personal_body(x), 0, self.head.in_features)"),), FEDIOS),
+    Mutation("fedios: global model on the fused features", FEDIOS_PY,
+             (("return self.head(self.generic_features(x))", "return self(x)"),), FEDIOS),
+    # DualFed: Eq. (5)-(10)
+    Mutation("dualfed: no SupCon term", DUALFED_PY,
+             (("return ce + self.hyper.lam * contrastive", "return ce"),), DUALFED),
+    Mutation("dualfed: lambda ignored", DUALFED_PY,
+             (("return ce + self.hyper.lam * contrastive", "return ce + contrastive"),), DUALFED),
+    Mutation("dualfed: SupCon on the body's features", DUALFED_PY,
+             (("supcon_loss(u.view(len(yb), 2, -1)", "supcon_loss(model.body(views).view(len(yb), 2, -1)"),), DUALFED),
+    Mutation("dualfed: CE labels paired with the wrong views", DUALFED_PY,
+             (("yb.repeat_interleave(2)", "yb.repeat(2)"),), DUALFED),
+    Mutation("dualfed: ensemble of the personal head alone", DUALFED_PY,
+             (("return F.softmax(global_logits, dim=1) + F.softmax(personal_logits, dim=1)",
+               "return F.softmax(personal_logits, dim=1)"),), ("tests/unit/test_dualfed.py",)),
+    # RepPer: Eq. (4)-(5)
+    Mutation("repper: shuffled SupCon labels", REPPER_PY,
+             (("return supcon_loss(embeddings, yb,", "return supcon_loss(embeddings, yb.roll(1),"),), REPPER),
+    Mutation("repper: a single view", REPPER_PY,
+             (("embeddings = self.model(views.flatten(0, 1)).view(len(yb), 2, -1)",
+               "embeddings = self.model(views[:, 0]).view(len(yb), 1, -1)"),), REPPER),
+    Mutation("repper: views not augmented", REPPER_PY,
+             (("views = task_views(xb, task, generator)", "views = torch.stack([xb, xb], dim=1)"),), REPPER),
+    Mutation("repper: variant ignored", REPPER_PY,
+             (("self.hyper.temperature, self.hyper.variant)", "self.hyper.temperature, \"out\")"),), REPPER),
+    # CD2-pFed: Eq. (3)-(5)
+    Mutation("cd2_pfed: no distillation", CD2_PY,
+             (("return ce + self.hyper.lam * cyclic_distillation(logits_local, logits_global)", "return ce"),), CD2),
+    Mutation("cd2_pfed: sub-networks swapped", CD2_PY,
+             (("logits_global = self.subnet_logits(xb, keep_shared, self.gw0_stats)",
+               "logits_global = self.subnet_logits(xb, keep_personal, self.gw0_stats)"),
+              ("logits_local = self.subnet_logits(xb, keep_personal, scratch)",
+               "logits_local = self.subnet_logits(xb, keep_shared, scratch)")), CD2),
+    Mutation("cd2_pfed: each KL detaches the wrong side", CD2_PY,
+             (("F.kl_div(log_global, log_local.detach(),", "F.kl_div(log_global.detach(), log_local,"),
+              ("F.kl_div(log_local, log_global.detach(),", "F.kl_div(log_local.detach(), log_global,")), CD2),
+    Mutation("cd2_pfed: the 1/2 of Eq. (4) dropped", CD2_PY,
+             (("return 0.5 * (kl_local_global + kl_global_local)", "return kl_local_global + kl_global_local"),), CD2),
+    Mutation("cd2_pfed: head split along its outputs", CD2_PY,
+             (("return 1 if ndim == 2 else None", "return 0 if ndim == 2 else None"),), CD2),
+    Mutation("cd2_pfed: global accuracy of the personal sub-network", CD2_PY,
+             (("keep_shared = {k: (~m).to(torch.float32) for k, m in self.masks(task.round).items()}",
+               "keep_shared = {k: m.to(torch.float32) for k, m in self.masks(task.round).items()}"),), CD2),
+    # DC-PFL: Eq. (4), (8)-(12)
+    Mutation("dc_pfl: auxiliary loss without its lambda", DC_PFL_PY,
+             (("value = value + self.hyper.lam * distance.mean()", "value = value + distance.mean()"),), DC_PFL),
+    Mutation("dc_pfl: auxiliary loss also for classes without a mean", DC_PFL_PY,
+             (("distance = ((z - mu[yb]) ** 2).sum(dim=1) * has_mean[yb]",
+               "distance = ((z - mu[yb]) ** 2).sum(dim=1)"),), DC_PFL),
+    Mutation("dc_pfl: server step with the wrong targets", DC_PFL_SERVER_PY,
+             (("nn.functional.cross_entropy(logits, torch.as_tensor(present))",
+               "nn.functional.cross_entropy(logits, torch.arange(len(present)))"),), DC_PFL),
+    Mutation("dc_pfl: server without calibration", DC_PFL_SERVER_PY,
+             (("loss = self._calibrate(head, optimizer, features, labels, round_)", "loss = float(\"nan\")"),), DC_PFL),
+    Mutation("dc_pfl: server steps in arrival order", DC_PFL_SERVER_PY,
+             (("for cid in sorted(self._reports)]", "for cid in self._reports]"),), DC_PFL),
+)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """pytest on `tests` inside `copy`, importing the copy's code."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=copy, env=env, capture_output=True, text=True)
+
+
+def mutated(text: str, mutation: Mutation) -> str:
+    """`text` with the mutation's replacements; ValueError if one does not match exactly once."""
+    for old, new in mutation.replacements:
+        if text.count(old) != 1:
+            raise ValueError(f"{mutation.name}: {old!r} occurs {text.count(old)} times in {mutation.module}")
+        text = text.replace(old, new)
+    return text
+
+
+def check(mutation: Mutation, copies: queue.Queue) -> bool:
+    """Apply `mutation` to a free copy, run its tests there, restore it; True if they failed."""
+    copy = copies.get()
+    path = copy / mutation.module
+    original = path.read_text()
+    try:
+        path.write_text(mutated(original, mutation))
+        caught = run_tests(copy, mutation.tests).returncode != 0
+    finally:
+        path.write_text(original)
+        copies.put(copy)
+    print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}", flush=True)
+    return caught
+
+
+def main(selected: list[str], jobs: int) -> int:
+    mutations = [m for m in MUTATIONS if not selected or any(s in m.name for s in selected)]
+    for mutation in mutations:  # every mutation still applies, before anything runs
+        try:
+            mutated((ROOT / mutation.module).read_text(), mutation)
+        except ValueError as error:
+            print(error)
+            return 2
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="edgepfl-mutation-") as folder:
+        copies: queue.Queue = queue.Queue()
+        for job in range(jobs):
+            copy = Path(folder) / f"repo{job}"
+            shutil.copytree(ROOT, copy, ignore=IGNORED)
+            copies.put(copy)
+        baseline = run_tests(copies.queue[0], tuple(sorted({t for m in mutations for t in m.tests})))
+        if baseline.returncode != 0:
+            print(f"the unmutated tests fail:\n{baseline.stdout[-3000:]}{baseline.stderr[-2000:]}")
+            return 2
+        with ThreadPoolExecutor(jobs) as pool:
+            caught = list(pool.map(lambda m: check(m, copies), mutations))
+    survivors = [m.name for m, ok in zip(mutations, caught) if not ok]
+    seconds = time.monotonic() - started
+    print(f"{len(mutations) - len(survivors)} of {len(mutations)} mutations caught in {seconds:.0f} s")
+    if survivors:
+        print("survived: " + "; ".join(survivors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
+    parser.add_argument("names", nargs="*", help="run only the mutations whose name contains one of these")
+    arguments = parser.parse_args()
+    sys.exit(main(arguments.names, max(1, arguments.jobs)))

@@ -1,0 +1,115 @@
+"""FediOS's training objective against Eq. (8)-(12) written out here, and what a local round may change.
+
+alpha is 0.3 (not the default 0.5), so that a fusion that ignores alpha or swaps its weights
+shows; the projections are written as explicit zero padding into R^D.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builtin_tasks import digits_client
+from edge_sdk.algorithms.base import Task
+from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, fedios_loss
+from edge_sdk.settings import TrainSettings
+from objectives import assert_same_objective, changed, cross_entropy, snapshot, tiny_batch
+
+ALPHA, LAM, BLOCK, CAPACITY = 0.3, 0.7, 2, 3
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits_client(1, num_clients=10, partition="dirichlet", seed=0)
+
+
+def make_device(data, **hyper) -> FediOSDevice:
+    settings = TrainSettings("cnn8", rounds=5, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+    return FediOSDevice(Hyper(alpha=ALPHA, lam=LAM, **hyper), settings, data, "cpu", client_seed=11,
+                        assignment={"block": BLOCK, "capacity": CAPACITY})
+
+
+def embed(features: torch.Tensor, block: int, capacity: int) -> torch.Tensor:
+    """P_block f: f in coordinates block*d..(block+1)*d-1 of R^((capacity+1) d), zeros elsewhere."""
+    batch, d = features.shape
+    out = torch.zeros(batch, (capacity + 1) * d, dtype=features.dtype)
+    out[:, block * d:(block + 1) * d] = features
+    return out
+
+
+def reference_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Eq. (12): CE(fused) + CE(generic) + CE(personal) + lambda * mean_k |phi_g . phi_p|."""
+    phi_g = embed(model.body(x), 0, CAPACITY)
+    phi_p = embed(model.personal_body(x), BLOCK, CAPACITY)
+    phi_f = ALPHA * phi_g + (1 - ALPHA) * phi_p
+    head = lambda phi: phi @ model.head.weight.T + model.head.bias  # noqa: E731 - the linear head, by hand
+    orthogonality = torch.stack([(phi_g[k] * phi_p[k]).sum().abs() for k in range(len(y))]).mean()
+    return (cross_entropy(head(phi_f), y) + cross_entropy(head(phi_g), y) + cross_entropy(head(phi_p), y)
+            + LAM * orthogonality)
+
+
+def test_the_loss_is_eq_12_in_value_and_gradient(data) -> None:
+    # Prepare
+    device = make_device(data)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+    loss = fedios_loss(model, device.hyper.lam)
+
+    # Execute / Assert: every parameter's gradient agrees
+    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y), dict(model.named_parameters()))
+
+
+def test_each_cross_entropy_term_moves_the_loss(data) -> None:
+    # Prepare: the three CE terms separately (the fused one weighs alpha against 1 - alpha)
+    device = make_device(data)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+
+    # Execute
+    with torch.no_grad():
+        total = float(fedios_loss(model, LAM)(x, y))
+        phi_g, phi_p = embed(model.body(x), 0, CAPACITY), embed(model.personal_body(x), BLOCK, CAPACITY)
+        generic = float(cross_entropy(model.head(phi_g), y))
+        personal = float(cross_entropy(model.head(phi_p), y))
+        fused = float(cross_entropy(model.head(ALPHA * phi_g + (1 - ALPHA) * phi_p), y))
+        even = float(cross_entropy(model.head(0.5 * phi_g + 0.5 * phi_p), y))
+
+    # Assert: the total is their sum, and the fused term is not the alpha = 0.5 one
+    assert total == pytest.approx(generic + personal + fused, rel=1e-5)
+    assert abs(fused - even) > 1e-4
+
+
+def test_the_deployed_model_and_the_global_model_are_the_fused_and_the_generic_paths(data) -> None:
+    # Prepare
+    device = make_device(data)
+    model = device.model.eval()
+    x, _ = tiny_batch(data)
+
+    # Execute
+    with torch.no_grad():
+        deployed, generic = model(x), model.global_logits(x)
+        phi_g, phi_p = embed(model.body(x), 0, CAPACITY), embed(model.personal_body(x), BLOCK, CAPACITY)
+
+    # Assert
+    torch.testing.assert_close(deployed, model.head(ALPHA * phi_g + (1 - ALPHA) * phi_p))
+    torch.testing.assert_close(generic, model.head(phi_g))
+
+
+def test_a_local_round_changes_both_extractors_and_only_the_head_columns_of_its_blocks(data) -> None:
+    # Prepare
+    device = make_device(data)
+    before = snapshot(device.model)
+    d = device.model.body(torch.from_numpy(data.train_x[:2])).shape[1]
+
+    # Execute
+    device.fit(Task(1, {}, {}))
+
+    # Assert: body, personal body and head learn; head columns of other clients' blocks do not
+    after = device.model.state_dict()
+    assert changed(before, device.model, "body.") and changed(before, device.model, "personal_body.")
+    columns = after["head.weight"] != before["head.weight"]
+    own = torch.zeros_like(columns)
+    own[:, :d] = True
+    own[:, BLOCK * d:(BLOCK + 1) * d] = True
+    assert columns[own].any()
+    assert not columns[~own].any()
