@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
-#   make test   installs the test tools (and Mosquitto through apt-get when root) and runs all tests
+#   make test   installs the test tools (and Mosquitto through apt-get when root), checks that targeted
+#               breaks of the seed methods' objectives fail their tests, and runs all tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -34,6 +35,7 @@ demo: install
 	$(BIN)/edgepfl simulate --algorithm fedavg --dataset digits --clients 10 --rounds 5 --out runs/demo
 
 test: install system-deps
+	$(BIN)/python tests/mutation_check.py --jobs 2
 	$(BIN)/python -m pytest -q
 
 clean:
