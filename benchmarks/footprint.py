@@ -264,19 +264,22 @@ def weak_device(url: str, body: Path, data: Path, head: str, work: Path, limit_m
 
 def trainer(url: str, data: Path, model: str, work: Path) -> dict[str, Any]:
     """One FedAvg round of `edgepfl client` (CPU) on `data`; its peak RSS and the round's time."""
-    common = ["--data", str(data), "--clients", "1", "--broker", url, "--federation", f"{FEDERATION}-{model}"]
+    common = ["--data", str(data), "--broker", url, "--federation", f"{FEDERATION}-{model}"]
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "coordinator", *common, "--model", model, "--algorithm", "fedavg",
-         "--rounds", "1", "--local-epochs", "1", "--out", str(work / f"run-{model}")],
+        [sys.executable, "-m", "coordinator.cli", "coordinator", *common, "--clients", "1", "--model", model,
+         "--algorithm", "fedavg", "--rounds", "1", "--local-epochs", "1", "--registration-timeout", "120",
+         "--out", str(work / f"run-{model}")],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     started = time.perf_counter()
     try:
-        status, peak = run_measured(["client", "--client-id", "trainer", "--index", "0", "--device", "cpu",
+        status, peak = run_measured(["client", "--client-id", "trainer", "--device", "cpu",
                                      "--state-dir", str(work / "trainer"), *common], work / f"trainer-{model}.log",
                                     None, 1800.0)
-        coordinator.wait(timeout=120)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            coordinator.wait(timeout=120)
     finally:
         coordinator.kill()
+        coordinator.wait()
     return {"model": model, "exit_status": status, "peak_rss_mb": peak and round(peak, 1),
             "seconds": round(time.perf_counter() - started, 1)}
 
