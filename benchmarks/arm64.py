@@ -48,6 +48,8 @@ BINFMT = Path("/proc/sys/fs/binfmt_misc")
 AARCH64_MAGIC = r"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00"
 AARCH64_MASK = r"\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff"
 DEVICE_TIMEOUT = 1800.0
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
+"""chroot lives in /usr/sbin, which the chroot's own PATH does not search from the host."""
 
 
 def run(command: list[str], timeout: float, **options: Any) -> subprocess.CompletedProcess:
@@ -89,7 +91,7 @@ def mounted(rootfs: Path) -> list[Path]:
 def chroot(rootfs: Path, command: list[str], timeout: float, **options: Any) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "PIP_CERT": "/etc/ssl/certs/host-ca.crt",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return run(["chroot", str(rootfs), *command], timeout, env=env, **options)
+    return run([CHROOT, str(rootfs), *command], timeout, env=env, **options)
 
 
 def install_lite(rootfs: Path) -> dict[str, Any]:
@@ -176,7 +178,7 @@ def main() -> None:
             for head in args.heads.split(","):
                 arm = personalize(broker.url, body, head, "arm64",
                                   ["--data", "/opt/edgepfl-work/digits.npz", "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
-                                  ["chroot", str(rootfs), "/opt/edgepfl-venv/bin/python"], work / f"arm-{head}.log",
+                                  [CHROOT, str(rootfs), "/opt/edgepfl-venv/bin/python"], work / f"arm-{head}.log",
                                   work / f"arm-{head}.peak",
                                   {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": f"/opt/edgepfl-work/arm-{head}.peak"})
                 x86 = personalize(broker.url, body, head, "x86_64",
