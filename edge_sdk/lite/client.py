@@ -35,7 +35,6 @@ from ..data import ClientData
 from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..session import DeviceSession
 from ..store import write_atomic
-from .compose import compose
 from .features import FeatureExtractor
 from .heads import HEADS, Head, Prototypes, class_statistics, fit_head
 
@@ -298,6 +297,8 @@ class LiteClient(DeviceSession):
                         prototypes=self._global_prototypes(train.shape[1]), seed=self.seed)
         predictions = head.predict(test)
         accuracy = float(np.mean(predictions == self.data.test_y)) if self.data.num_test else 0.0
+        from .compose import compose  # onnx (15 MB resident) once the embedding's and the fit's memory is freed
+
         compose(self._body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
                 metadata={"head": head.kind})  # compose keeps the body's metadata
         groups = {}

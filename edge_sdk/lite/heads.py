@@ -39,12 +39,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import onnx
 
-from .compose import dense_head_to_onnx, ncm_head_to_onnx
+if TYPE_CHECKING:  # onnx is imported when a head is written (`to_onnx`), after the fitting
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ class DenseHead:
     def to_onnx(self, feature_dim: int) -> onnx.ModelProto:
         if self.layers[0][0].shape[0] != feature_dim:
             raise ValueError(f"the head takes {self.layers[0][0].shape[0]} features, the body gives {feature_dim}")
+        from .compose import dense_head_to_onnx
+
         return dense_head_to_onnx(self.layers, self.classes, self.num_classes)
 
 
@@ -142,6 +144,8 @@ class NcmHead:
     def to_onnx(self, feature_dim: int) -> onnx.ModelProto:
         if self.means.shape[1] != feature_dim:
             raise ValueError(f"class means have {self.means.shape[1]} features, the body gives {feature_dim}")
+        from .compose import ncm_head_to_onnx
+
         return ncm_head_to_onnx(self.means, self.present)
 
 
