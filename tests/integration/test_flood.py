@@ -38,6 +38,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.signing import SEALED_PREFIX, Signer, new_key
+from test_doubles import CoordinatorThread
 
 pytestmark = pytest.mark.integration
 
@@ -49,20 +50,6 @@ ROUNDS = 10
 CYCLES = 400
 HELLO_JUNK = 8 << 20
 BACKLOG = 64 << 20  # the most the flooder runs ahead of what the coordinator has read
-
-
-class CoordinatorThread(threading.Thread):
-    def __init__(self, coordinator: Coordinator):
-        super().__init__(daemon=True, name="coordinator")
-        self.coordinator = coordinator
-        self.report: dict | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.report = self.coordinator.run()
-        except BaseException as exc:  # surfaced by the test's assertions
-            self.error = exc
 
 
 class Flooder(threading.Thread):

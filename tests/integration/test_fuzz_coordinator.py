@@ -36,6 +36,7 @@ import pytest
 from coordinator.config import RunConfig
 from coordinator.server import Coordinator
 from edge_sdk import wire
+from test_doubles import CoordinatorThread
 from edge_sdk.channel import Channel
 from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames
 from edge_sdk.client import EdgeClient
@@ -80,20 +81,6 @@ class MarkerWatcher(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if self.marker in record.getMessage():
             self.seen.set()
-
-
-class CoordinatorThread(threading.Thread):
-    def __init__(self, coordinator: Coordinator):
-        super().__init__(daemon=True, name="coordinator")
-        self.coordinator = coordinator
-        self.report: dict | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.report = self.coordinator.run()
-        except BaseException as exc:  # surfaced by the test's assertions
-            self.error = exc
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

@@ -7,27 +7,13 @@ import numpy as np
 from edge_sdk import wire
 from edge_sdk.channel import Channel, SenderBudget
 from edge_sdk.chunks import MIN_CHUNK_SIZE
-from edge_sdk.counters import ByteCounter
-from edge_sdk.flow import IncomingQueue
 from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.signing import Signer, Verifier
 from edge_sdk.transport import Incoming
+from test_doubles import Wire
 
 TOPICS = Topics("f")
 KEY = bytes(range(32))
-
-
-class Wire:
-    """Keeps what is published; its queue is the one the channel screens."""
-
-    def __init__(self, client_id: str):
-        self.client_id = client_id
-        self.counter = ByteCounter()
-        self.incoming = IncomingQueue()
-        self.published: list[tuple[str, bytes]] = []
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        self.published.append((topic, bytes(payload)))
 
 
 def sealed(envelope: Envelope, key: bytes = KEY) -> bytes:

@@ -11,28 +11,14 @@ from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.chunks import MIN_CHUNK_SIZE
 from edge_sdk.config import ConfigError
-from edge_sdk.counters import ByteCounter
-from edge_sdk.flow import IncomingQueue
 from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.settings import BrokerSettings
 from edge_sdk.signing import Signer, SigningKeyError, Verifier, device_key, fleet_verifier, new_key, parse_key
+from test_doubles import Wire
 from edge_sdk.transport import Incoming
 
 TOPICS = Topics("f")
 KEYS = {"dev1": bytes(range(32)), "dev2": bytes(range(32, 64))}
-
-
-class Wire:
-    """Keeps what is published, and hands it to a receiving channel's queue on demand."""
-
-    def __init__(self, client_id: str = "dev1"):
-        self.client_id = client_id
-        self.counter = ByteCounter()
-        self.incoming = IncomingQueue()
-        self.published: list[tuple[str, bytes]] = []
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        self.published.append((topic, bytes(payload)))
 
 
 def device_channel(client_id: str = "dev1", key: bytes | None = None, chunk_size: int = 1 << 20) -> Channel:

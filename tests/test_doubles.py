@@ -1,0 +1,39 @@
+"""Stand-ins the tests share: a transport that only records what is published, and a thread
+that runs a coordinator and keeps its report or error for the test's assertions."""
+
+from __future__ import annotations
+
+import threading
+
+from edge_sdk.counters import ByteCounter
+from edge_sdk.flow import IncomingQueue
+
+
+class Wire:
+    """A transport that keeps what is published; its queue is the one a channel reads (and
+    screens), filled by the test."""
+
+    def __init__(self, client_id: str = "dev1"):
+        self.client_id = client_id
+        self.counter = ByteCounter()
+        self.incoming = IncomingQueue()
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        self.published.append((topic, bytes(payload)))
+
+
+class CoordinatorThread(threading.Thread):
+    """`coordinator.run()` on a daemon thread; `report` or `error` once it ends."""
+
+    def __init__(self, coordinator):
+        super().__init__(daemon=True, name="coordinator")
+        self.coordinator = coordinator
+        self.report: dict | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.report = self.coordinator.run()
+        except BaseException as exc:  # surfaced by the test's assertions
+            self.error = exc
