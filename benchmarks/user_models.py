@@ -76,13 +76,10 @@ def markdown(results: dict[str, list[dict]], rounds: int, clients: int) -> str:
     lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 (personalized accuracy: mean over devices)", ""]
     header = " | ".join(results)
     lines += [f"| algorithm | {header} |", "|---" * (len(results) + 1) + "|"]
-    for index, algorithm in enumerate(row["algorithm"] for row in next(iter(results.values()))):
-        cells = []
-        for rows in results.values():
-            row = rows[index]
-            cells.append(f"refused: {row['refused']}" if "refused" in row else
-                         f"{row['mean']:.3f} (min {row['min']:.3f}, {row['mb_up']:.1f} MB up)")
-        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
+    for rows in zip(*results.values()):  # one algorithm's row in every task
+        cells = [f"refused: {row['refused']}" if "refused" in row else
+                 f"{row['mean']:.3f} (min {row['min']:.3f}, {row['mb_up']:.1f} MB up)" for row in rows]
+        lines.append(f"| {rows[0]['algorithm']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from edge_sdk.data import TaskSpec
+from edge_sdk.data.resolve import TASK_FIELDS
 from edge_sdk.models import ModelSpec, model_name
 
 from .broker import EmbeddedBroker
@@ -32,7 +33,6 @@ from .simulate import client_id_for
 
 ARRAYS_FILE = "data.npz"
 """Where the run folder keeps data given as arrays, so the run reads it as any data file."""
-_DECLARABLE_TASK = ("name", "kind", "input_shape", "class_names", "mean", "std")
 
 
 def spec_name(model: ModelSpec) -> str:
@@ -49,7 +49,7 @@ def declared_task(task: TaskSpec | dict | None) -> dict | None:
     """A `[task]` table from a TaskSpec (all it declares) or a dict (as given)."""
     if isinstance(task, TaskSpec):
         plain = task.to_plain()
-        return {key: plain[key] for key in _DECLARABLE_TASK}
+        return {key: plain[key] for key in TASK_FIELDS}
     return task
 
 
@@ -69,12 +69,11 @@ class Federation:
                  on_round: Callable[[dict[str, Any]], None] | None = None, **settings: Any):
         self.model = model
         self.arrays = data if isinstance(data, tuple) else None
-        folder = RunFolder(settings.get("out", "runs/latest"))
-        path = folder.path / ARRAYS_FILE if self.arrays is not None else data
-        source = {"data": str(path)} if path is not None else {"dataset": dataset} if dataset else {}
-        self.config = RunConfig.of(**source, **settings, model=spec_name(model),
-                                   declared_task=declared_task(task))
+        source = {"data": str(data)} if isinstance(data, (str, Path)) else {"dataset": dataset} if dataset else {}
+        self.config = RunConfig.of(**source, **settings, model=spec_name(model), declared_task=declared_task(task))
         self.folder = RunFolder(self.config.run.out)
+        if self.arrays is not None:  # read back from the run folder, as any data file
+            self.config = self.config.replace(data=str(self.folder.path / ARRAYS_FILE))
         self.training_step = {"optimizer": optimizer, "loss": loss}
         self.on_round = on_round
 

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 DECLARABLE = ("name", "kind", "input_shape", "class_names", "mean", "std", "label_column")
 """The keys of a `[task]` table."""
-_TASK_FIELDS = ("name", "kind", "input_shape", "class_names", "mean", "std")
+TASK_FIELDS = ("name", "kind", "input_shape", "class_names", "mean", "std")
+"""The keys of a `[task]` table that set a TaskSpec field (the others guide reading the data)."""
 
 
 def check_declared(declared: dict[str, Any] | None) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def resolve_task(dataset: str | None = None, data: str | None = None, data_dir: 
     does not change their task.
     """
     declared = check_declared(declared)
-    overrides = {key: declared[key] for key in _TASK_FIELDS if key in declared}
+    overrides = {key: declared[key] for key in TASK_FIELDS if key in declared}
     if dataset is not None and dataset in BUILTIN_TASKS:
         base = BUILTIN_TASKS[dataset]
     elif data is not None:

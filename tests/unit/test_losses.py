@@ -1,39 +1,18 @@
 """Unit tests for `edge_sdk.losses.supcon_loss` and `edge_sdk.augment` (two-view augmentation).
 
-The loss is checked against a literal loop over anchors: Khosla et al.'s Eq. 2 (`out`) and
-RepPer's Eq. 5 (`in`), anchors without positives left out of the mean.
+The loss is checked against a literal loop over anchors (`tests/objectives.py`): Khosla et al.'s
+Eq. 2 (`out`) and RepPer's Eq. 5 (`in`), anchors without positives left out of the mean.
 """
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from edge_sdk.augment import random_affine, random_crop_flip, two_views
 from edge_sdk.losses import supcon_loss
-
-
-def reference_supcon(features: torch.Tensor, labels: torch.Tensor, temperature: float, variant: str) -> float:
-    """The equations written out one anchor at a time, in plain Python floats."""
-    batch, views, _ = features.shape
-    z = [(features[b, v] / features[b, v].norm()).tolist() for b in range(batch) for v in range(views)]
-    y = [int(labels[b]) for b in range(batch) for _ in range(views)]
-    losses = []
-    for j in range(len(z)):
-        others = [a for a in range(len(z)) if a != j]
-        positives = [p for p in others if y[p] == y[j]]
-        if not positives:
-            continue
-        sim = {a: sum(x * w for x, w in zip(z[j], z[a])) / temperature for a in others}
-        denominator = sum(math.exp(sim[a]) for a in others)
-        ratios = [math.exp(sim[p]) / denominator for p in positives]
-        if variant == "out":  # Khosla Eq. 2: the average over positives outside the log
-            losses.append(-sum(math.log(r) for r in ratios) / len(positives))
-        else:  # RepPer Eq. 5: the average inside the log
-            losses.append(-math.log(sum(ratios) / len(positives)))
-    return sum(losses) / len(losses)
+from objectives import supcon
 
 
 @pytest.mark.parametrize("variant", ["out", "in"])
@@ -52,7 +31,7 @@ def test_supcon_matches_the_equations_anchor_by_anchor(variant: str, views: int,
     loss = supcon_loss(features, y, temperature=0.1, variant=variant)
 
     # Assert
-    assert float(loss) == pytest.approx(reference_supcon(features, y, 0.1, variant), rel=1e-9)
+    assert float(loss) == pytest.approx(float(supcon(features, y, 0.1, variant)), rel=1e-9)
 
 
 def test_supcon_variants_differ_with_several_positives_and_agree_with_one() -> None:
