@@ -1,0 +1,326 @@
+"""Aggregation throughput: MB of float32 updates per second received, validated and folded.
+
+Full run (3-6 minutes on 2 cores):
+
+    python benchmarks/aggregation.py --out benchmarks/results
+
+Quick (a smoke test, seconds): `python benchmarks/aggregation.py --quick --out DIR`. The same
+script measures another checkout's library (e.g. main's, "before"): run it with
+`PYTHONPATH=/path/to/checkout` and `--name aggregation-before`; it calls only public functions
+that both have, and records which library it measured (`library`: its folder and commit).
+
+MB = 10^6 bytes of float32 update data. Models: 0.1 MB (4 arrays), cnn32 as scale.py uses it
+(924,804 shared parameters, 3.7 MB, 10 arrays) and 25 MB (ResNet-18's first layers, 44 arrays).
+Each update is the reference (the "broadcast" state) plus small noise, encoded as a device
+encodes a TRAIN_RES; the process cycles through enough distinct updates (64 MB or more for the
+larger models) that they come from memory, not the CPU cache, as received ones would.
+
+1. `stages`, in one process pinned to one CPU: MB/s of each step of the coordinator's
+   per-update path, each timed alone over all the updates (best and median of `--repeats`):
+   `sha256` of the encoded update (the reference figure), `reassembly` (its 1 MiB chunk frames
+   unpacked, checked and reassembled: join + sha256, `chunks.Reassembler`), `wire_decode`
+   (`wire.decode`), `codec_decode_fp16` / `codec_decode_int8` (`codecs.decode` of an fp16 / int8
+   upload back to float32, MB of float32 out), `check_arrays` (names, dtypes, shapes, finite),
+   `check_update` (check_arrays and the example count, no norm bound) and
+   `check_update_norm` (with a norm bound: the norm's cost is the difference), `delta_norm`
+   (the exact float64 norm alone), `fold` (`WeightedMean.add`, float32 mode) and `fold_float64`
+   (`--aggregation-dtype float64`), then the whole path: `validate_fold` (`checked_update` with
+   a norm bound, then `WeightedMean.add`, on decoded envelopes), `decode_validate_fold` (from
+   the message bytes: uploads up to 64 MiB travel as one MQTT message) and
+   `reassemble_decode_validate_fold` (from 1 MiB chunk frames, as over a broker whose maximum
+   packet size forces chunking, sha256 included).
+2. `shards`: K = 1, 2 and 4 processes (unpinned), each decoding, validating and folding its
+   share of the same N updates, as `edgepfl aggregator --shard k/K` does; the aggregate MB/s
+   is all the bytes over the time from the first process's start to the last one's end (the
+   processes start together at a barrier), and the scaling factor is K shards' MB/s over one's.
+
+Writes <name>.json and <name>.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import edge_sdk
+from coordinator.aggregate import WeightedMean
+from coordinator.validation import UpdateLimits, check_update, checked_update, delta_norm
+from edge_sdk import codecs, wire
+from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, Reassembler, chunk_frames, chunk_from_dict
+from edge_sdk.params import check_arrays, spec_of
+from edge_sdk.protocol import Envelope, Kind
+
+from _machine import machine_info
+
+MB = 1_000_000
+GROUP = "shared"
+EXAMPLES = 100
+NORM_BOUND = 1e6
+"""Far above the updates' norms (about 0.01 * sqrt(parameters)): every update passes, and pays for the norm."""
+
+CNN32 = [(32, 3, 5, 5), (32,), (32,), (64, 32, 5, 5), (64,), (64,), (512, 1600), (512,), (100, 512), (100,)]
+SMALL = [(16, 3, 3, 3), (16,), (96, 256), (96,)]
+_RESNET: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+for _c_in, _c_out in ((64, 64), (64, 64), (64, 128), (128, 128), (128, 256), (256, 256), (256, 512), (512, 512)):
+    _RESNET += [(_c_out, _c_in, 3, 3), (_c_out,), (_c_out,), (_c_out, _c_out, 3, 3), (_c_out,), (_c_out,)]
+MODELS: dict[str, list[tuple[int, ...]]] = {"0.1MB": SMALL, "cnn32-3.7MB": CNN32, "25MB": _RESNET}
+
+
+def layout(name: str) -> list[tuple[int, ...]]:
+    """The model's shapes; the 25 MB one is ResNet-18's first layers, cut to 6.25M parameters."""
+    if name != "25MB":
+        return MODELS[name]
+    shapes, left = [], 25 * MB // 4
+    for shape in _RESNET:
+        size = math.prod(shape)
+        shapes.append(shape if size <= left else (left,))
+        left -= min(size, left)
+        if not left:
+            return shapes
+    raise AssertionError("the layout holds fewer than 25 MB")
+
+
+def reference_state(shapes: list[tuple[int, ...]]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"layer{i:02d}": rng.standard_normal(shape, dtype=np.float32) for i, shape in enumerate(shapes)}
+
+
+def update_of(reference: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed + 1)
+    return {k: v + np.float32(0.01) * rng.standard_normal(v.shape, dtype=np.float32) for k, v in reference.items()}
+
+
+def envelope_of(groups: dict[str, np.ndarray], index: int) -> Envelope:
+    return Envelope(Kind.TRAIN_RES, f"dev{index:04d}", run_id="bench", round=1, groups={GROUP: groups},
+                    metrics={"num_examples": EXAMPLES})
+
+
+class UpdateSpec:
+    """The one thing `checked_update` asks of the server algorithm: what an update must look like."""
+
+    def __init__(self, reference: dict[str, np.ndarray]) -> None:
+        self.spec = {GROUP: spec_of(reference)}
+
+    def update_spec(self, round_: int) -> dict:
+        return self.spec
+
+    def validate_update(self, client_id: str, groups: dict, metrics: dict, registered_examples: int) -> None:
+        """No algorithm-specific checks (FedAvg has none)."""
+
+
+def payloads(reference: dict[str, np.ndarray], seeds: range) -> list[bytes]:
+    return [wire.encode(envelope_of(update_of(reference, seed), seed)) for seed in seeds]
+
+
+def fold_all(reference: dict[str, np.ndarray], payload_list: list[bytes], dtype: str = "float32") -> WeightedMean:
+    """The coordinator's per-update path from the message bytes: decode, validate, fold."""
+    algorithm, sent = UpdateSpec(reference), {GROUP: reference}
+    limits = UpdateLimits(max_examples=10**9, max_update_norm=NORM_BOUND)
+    mean = WeightedMean(reference, dtype)
+    for payload in payload_list:
+        groups, weight = checked_update(algorithm, 1, wire.decode(payload), sent, EXAMPLES, limits, "fp32")
+        mean.add(groups[GROUP], weight)
+    return mean
+
+
+def timed(work: Callable[[], Any], repeats: int) -> list[float]:
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
+    shapes = layout(model)
+    reference = reference_state(shapes)
+    model_bytes = sum(a.nbytes for a in reference.values())
+    count = 2 if quick else max(4, math.ceil(64 * MB / model_bytes))
+    updates = [update_of(reference, seed) for seed in range(count)]
+    encoded = [wire.encode(envelope_of(u, i)) for i, u in enumerate(updates)]
+    frames = [chunk_frames(p, DEFAULT_CHUNK_SIZE) for p in encoded]
+    envelopes = [wire.decode(p) for p in encoded]
+    sent, spec, algorithm = {GROUP: reference}, {GROUP: spec_of(reference)}, UpdateSpec(reference)
+    bounded, unbounded = UpdateLimits(10**9, NORM_BOUND), UpdateLimits(10**9, 0.0)
+    received = {codec: [{GROUP: codecs.encode(codec, {GROUP: u}, sent)[GROUP]} for u in updates]
+                for codec in ("fp16", "int8")}
+
+    def reassemble() -> list[bytes]:
+        blobs = []
+        assembler = Reassembler(max_blob_bytes=1 << 31, max_pending_bytes=1 << 31)
+        for i, message in enumerate(frames):
+            for frame in message:
+                blob = assembler.add(f"up/{i}", chunk_from_dict(wire.unpack(frame)))
+            blobs.append(blob)
+        return blobs
+
+    def whole(source: Callable[[], list[bytes]], dtype: str = "float32") -> Callable[[], Any]:
+        return lambda: fold_all(reference, source(), dtype)
+
+    def each(step: Callable[[Any], Any], items: list) -> Callable[[], None]:
+        return lambda: [step(item) for item in items] and None
+
+    def add_all(dtype: str) -> Callable[[], None]:
+        def work() -> None:
+            mean = WeightedMean(reference, dtype)
+            for envelope in envelopes:
+                mean.add(envelope.groups[GROUP], float(EXAMPLES))
+        return work
+
+    def validate_fold() -> None:
+        mean = WeightedMean(reference)
+        for envelope in envelopes:
+            groups, weight = checked_update(algorithm, 1, envelope, sent, EXAMPLES, bounded, "fp32")
+            mean.add(groups[GROUP], weight)
+
+    stages: dict[str, Callable[[], Any]] = {
+        "sha256": each(lambda p: hashlib.sha256(p).digest(), encoded),
+        "reassembly": reassemble,
+        "wire_decode": each(wire.decode, encoded),
+        "codec_decode_fp16": each(lambda g: codecs.decode("fp16", g, sent, spec), received["fp16"]),
+        "codec_decode_int8": each(lambda g: codecs.decode("int8", g, sent, spec), received["int8"]),
+        "check_arrays": each(lambda e: check_arrays(GROUP, e.groups[GROUP], spec[GROUP]), envelopes),
+        "check_update": each(lambda e: check_update(e, spec, sent, EXAMPLES, unbounded), envelopes),
+        "check_update_norm": each(lambda e: check_update(e, spec, sent, EXAMPLES, bounded), envelopes),
+        "delta_norm": each(lambda e: delta_norm(e.groups, sent), envelopes),
+        "fold": add_all("float32"),
+        "fold_float64": add_all("float64"),
+        "validate_fold": validate_fold,
+        "decode_validate_fold": whole(lambda: encoded),
+        "reassemble_decode_validate_fold": whole(reassemble),
+    }
+    rows = []
+    for stage, work in stages.items():
+        seconds = timed(work, repeats)
+        best, median = min(seconds), statistics.median(seconds)
+        rows.append({"model": model, "model_mb": round(model_bytes / MB, 3), "arrays": len(shapes), "updates": count,
+                     "stage": stage, "mb_per_s_best": round(count * model_bytes / MB / best, 1),
+                     "mb_per_s_median": round(count * model_bytes / MB / median, 1),
+                     "ms_per_update_best": round(best / count * 1e3, 4)})
+    return rows
+
+
+def _shard_main(model: str, seeds: list[int], passes: int, barrier, results) -> None:
+    reference = reference_state(layout(model))
+    share = payloads(reference, seeds)
+    fold_all(reference, share[:1])  # warm up: imports, first allocations
+    barrier.wait()
+    started = time.perf_counter()
+    for _ in range(passes):
+        fold_all(reference, share)
+    results.put((started, time.perf_counter(), passes * len(share) * sum(a.nbytes for a in reference.values())))
+
+
+def shard_row(model: str, shards: int, updates: int, passes: int) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(shards), context.Queue()
+    workers = [context.Process(target=_shard_main, args=(model, list(range(k, updates, shards)), passes, barrier,
+                                                          results)) for k in range(shards)]
+    for worker in workers:
+        worker.start()
+    spans = [results.get(timeout=1800) for _ in workers]
+    for worker in workers:
+        worker.join()
+    seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    total = sum(size for _, _, size in spans)
+    return {"model": model, "shards": shards, "updates": updates * passes, "seconds": round(seconds, 3),
+            "mb_per_s": round(total / MB / seconds, 1)}
+
+
+def library_info() -> dict[str, Any]:
+    """Which edgepfl library was measured (PYTHONPATH may point at another checkout)."""
+    folder = Path(edge_sdk.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=folder).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = None, False
+    return {"folder": str(folder), "commit": commit and commit + ("+changes" if dirty else "")}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [f"# {data['name']}: aggregation throughput", "",
+             f"{data['machine']['cpu_model']}, {data['machine']['cores']} cores; library {data['library']['commit']} "
+             f"({data['library']['folder']}); load average {data['machine']['load_average_at_start']} at start, "
+             f"{data['load_average_at_end']} at end", "",
+             "## Stages, one core (MB/s of float32 update data: best / median)", "",
+             "| stage | " + " | ".join(data["settings"]["models"]) + " |",
+             "|---|" + "---|" * len(data["settings"]["models"])]
+    by = {(row["stage"], row["model"]): row for row in data["stages"]}
+    for stage in dict.fromkeys(row["stage"] for row in data["stages"]):
+        cells = [f"{by[stage, m]['mb_per_s_best']:,.0f} / {by[stage, m]['mb_per_s_median']:,.0f}"
+                 for m in data["settings"]["models"]]
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    lines += ["", "## Shards (processes, decode + validate + fold)", "",
+              "| model | shards | updates | seconds | MB/s | scaling vs 1 shard |", "|---|---|---|---|---|---|"]
+    for row in data["shards"]:
+        lines.append(f"| {row['model']} | {row['shards']} | {row['updates']} | {row['seconds']} | "
+                     f"{row['mb_per_s']:,.0f} | {row['scaling']:.2f}x |")
+    targets = data["targets"]
+    lines += ["", f"One shard's validate+fold of cnn32 updates (decoded, one core): "
+                  f"{targets['validate_fold_mb_per_s']:,.0f} MB/s (target >= 1,500: "
+                  f"{'met' if targets['validate_fold_met'] else 'not met'}); "
+                  f"2 shards / 1: {targets['scaling_2']:.2f}x (target >= 1.7: "
+                  f"{'met' if targets['scaling_met'] else 'not met'}).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny counts, two models")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--name", default="aggregation", help="file name of the results (e.g. aggregation-before)")
+    parser.add_argument("--repeats", type=int, help="timings per stage (default 7, quick 2)")
+    parser.add_argument("--cpu", type=int, default=0, help="the CPU the stage profile is pinned to (-1: not pinned)")
+    parser.add_argument("--shard-updates", type=int, help="updates per shard measurement (default 64, quick 4)")
+    parser.add_argument("--passes", type=int, help="times each shard folds its share (default 4, quick 1)")
+    args = parser.parse_args()
+    models = ["0.1MB", "cnn32-3.7MB"] if args.quick else list(MODELS)
+    repeats = args.repeats or (2 if args.quick else 7)
+    shard_updates, passes = args.shard_updates or (4 if args.quick else 64), args.passes or (1 if args.quick else 4)
+    machine = machine_info(("numpy", "msgpack"))
+    affinity = os.sched_getaffinity(0)
+    if args.cpu >= 0:
+        os.sched_setaffinity(0, {args.cpu})
+    stages = [row for model in models for row in stage_rows(model, args.quick, repeats)]
+    os.sched_setaffinity(0, affinity)
+    shard_model = "cnn32-3.7MB"
+    shards = [shard_row(shard_model, k, shard_updates, passes) for k in (1, 2, 4)]
+    for row in shards:
+        row["scaling"] = round(row["mb_per_s"] / shards[0]["mb_per_s"], 2)
+    validate_fold = next(r for r in stages if r["stage"] == "validate_fold" and r["model"] == shard_model)
+    data = {
+        "name": args.name,
+        "machine": machine,
+        "library": library_info(),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "settings": {"models": models, "repeats": repeats, "pinned_cpu": args.cpu, "norm_bound": NORM_BOUND,
+                     "chunk_size": DEFAULT_CHUNK_SIZE, "shard_model": shard_model, "shard_updates": shard_updates,
+                     "passes": passes},
+        "stages": stages,
+        "shards": shards,
+        "targets": {"validate_fold_mb_per_s": validate_fold["mb_per_s_best"],
+                    "validate_fold_met": validate_fold["mb_per_s_best"] >= 1500,
+                    "scaling_2": shards[1]["scaling"], "scaling_met": shards[1]["scaling"] >= 1.7},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(data))
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()
