@@ -13,7 +13,9 @@ MB = 10^6 bytes of float32 update data. Models: 0.1 MB (4 arrays), cnn32 as scal
 (924,804 shared parameters, 3.7 MB, 10 arrays) and 25 MB (ResNet-18's first layers, 44 arrays).
 Each update is the reference (the "broadcast" state) plus small noise, encoded as a device
 encodes a TRAIN_RES; the process cycles through enough distinct updates (64 MB or more for the
-larger models) that they come from memory, not the CPU cache, as received ones would.
+larger models) that they come from memory, not the CPU cache, as received ones would. glibc's
+mmap threshold is fixed as the coordinator fixes it (`coordinator.memory`), so every buffer of
+128 KiB or more is a fresh mapping, as there.
 
 1. `stages`, in one process pinned to one CPU: MB/s of each step of the coordinator's
    per-update path, each timed alone over all the updates (best and median of `--repeats`):
@@ -55,6 +57,7 @@ import numpy as np
 
 import edge_sdk
 from coordinator.aggregate import WeightedMean
+from coordinator.memory import return_freed_buffers
 from coordinator.validation import UpdateLimits, check_update, checked_update, delta_norm
 from edge_sdk import codecs, wire
 from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, Reassembler, chunk_frames, chunk_from_dict
@@ -213,6 +216,7 @@ def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
 
 
 def _shard_main(model: str, seeds: list[int], passes: int, barrier, results) -> None:
+    return_freed_buffers()
     reference = reference_state(layout(model))
     share = payloads(reference, seeds)
     fold_all(reference, share[:1])  # warm up: imports, first allocations
@@ -292,6 +296,7 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 7)
     shard_updates, passes = args.shard_updates or (4 if args.quick else 64), args.passes or (1 if args.quick else 4)
     machine = machine_info(("numpy", "msgpack"))
+    return_freed_buffers()  # as `edgepfl coordinator` does
     affinity = os.sched_getaffinity(0)
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})
