@@ -18,6 +18,7 @@ import pytest
 
 from coordinator.aggregate import WeightedMean, aligned_reference, squared_change_above, squared_distance
 from coordinator.validation import UpdateLimits, check_update, delta_norm, norm_over
+from edge_sdk import codecs
 from edge_sdk.params import BLOCK, all_finite, blocks, flat, spec_of
 from edge_sdk.protocol import Envelope, Kind, Reason, ValidationError
 
@@ -354,3 +355,37 @@ def test_checked_values_fold_as_they_were_checked():
     assert math.isclose(sum(squared_distance(arrays[k], reference[k]) for k in arrays),
                         delta_norm({"shared": arrays}, {"shared": reference}) ** 2, rel_tol=1e-12)
     np.testing.assert_array_equal(mean.result()["c"], arrays["c"])
+
+
+# -- upload codecs ----------------------------------------------------------------------------
+
+
+def plain_codec_value(codec: str, value: np.ndarray, scale: np.ndarray | None, base: np.ndarray | None,
+                      wanted: np.dtype) -> np.ndarray:
+    """codecs.decode's arithmetic as it was, one full-size temporary per step."""
+    delta = value.astype(np.float32) if codec == "fp16" else value.astype(np.float32) * np.float32(scale)
+    return (delta + (base.astype(np.float32) if base is not None else 0.0)).astype(wanted)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+@pytest.mark.parametrize("wanted", ["float32", "float64"])
+def test_codec_decoding_gives_the_same_values_as_before(codec, wanted):
+    # Prepare: a broadcast array, one with another shape (no reference), one not broadcast
+    rng = np.random.default_rng(7)
+    sent = {"shared": {"w": rng.standard_normal((40, 9)).astype(wanted), "s": rng.standard_normal(4).astype(wanted)}}
+    update = {"w": sent["shared"]["w"] + 0.03 * rng.standard_normal((40, 9)),
+              "s": rng.standard_normal(6), "new": rng.standard_normal(5)}
+    update = {"shared": {k: v.astype(wanted) for k, v in update.items()}}
+    expected = {"shared": spec_of(update["shared"])}
+    encoded = codecs.encode(codec, update, sent)
+
+    # Execute
+    decoded = codecs.decode(codec, encoded, sent, expected)["shared"]
+
+    # Assert
+    arrays = encoded["shared"]
+    for key in ("w", "s", "new"):
+        base = sent["shared"].get(key)
+        base = base if base is not None and base.shape == arrays[key].shape else None
+        plain = plain_codec_value(codec, arrays[key], arrays.get(key + codecs.SCALE_SUFFIX), base, np.dtype(wanted))
+        assert decoded[key].dtype == plain.dtype and decoded[key].tobytes() == plain.tobytes(), key
