@@ -211,7 +211,8 @@ def test_the_first_failing_check_in_array_order_still_wins():
     # Execute / Assert
     assert assert_same_verdict(envelope(arrays), reference, 1e6) is Reason.NON_FINITE
     assert assert_same_verdict(envelope(first_nan, examples=0), reference, 1e6) is Reason.NON_FINITE
-    assert assert_same_verdict(envelope(update_of(reference, scale=1e3), examples=0), reference, 1.0) is Reason.MALFORMED
+    too_far = envelope(update_of(reference, scale=1e3), examples=0)
+    assert assert_same_verdict(too_far, reference, 1.0) is Reason.MALFORMED
 
 
 # -- the norm bound --------------------------------------------------------------------------
