@@ -17,22 +17,24 @@ larger models) that they come from memory, not the CPU cache, as received ones w
 mmap threshold is fixed as the coordinator fixes it (`coordinator.memory`), so every buffer of
 128 KiB or more is a fresh mapping, as there.
 
-1. `stages`, in one process pinned to one CPU: MB/s of each step of the coordinator's
-   per-update path, each timed alone over all the updates (best and median of `--repeats`),
-   by the wall clock and per CPU-second of the process (all its threads: on cores shared with
-   other jobs the wall clock counts their time too; the CPU time is what the step costs):
-   `sha256` of the encoded update (the reference figure), `reassembly` (its 1 MiB chunk frames
-   unpacked, checked and reassembled: join + sha256, `chunks.Reassembler`), `wire_decode`
-   (`wire.decode`), `codec_decode_fp16` / `codec_decode_int8` (`codecs.decode` of an fp16 / int8
-   upload back to float32, MB of float32 out), `check_arrays` (names, dtypes, shapes, finite),
-   `check_update` (check_arrays and the example count, no norm bound) and
-   `check_update_norm` (with a norm bound: the norm's cost is the difference), `delta_norm`
-   (the exact float64 norm alone), `fold` (`WeightedMean.add`, float32 mode) and `fold_float64`
-   (`--aggregation-dtype float64`), then the whole path: `validate_fold` (`checked_update` with
-   a norm bound, then `WeightedMean.add`, on decoded envelopes), `decode_validate_fold` (from
-   the message bytes: uploads up to 64 MiB travel as one MQTT message) and
-   `reassemble_decode_validate_fold` (from 1 MiB chunk frames, as over a broker whose maximum
-   packet size forces chunking, sha256 included).
+1. `stages`, per model in a process of its own pinned to one CPU (`--cpu`): MB/s of each step
+   of the coordinator's per-update path, each timed alone, update by update, over `--repeats`
+   passes through all the updates: from the fastest update (`best`: on cores shared with other
+   jobs, the update that ran without being preempted; what one core does) and the median one,
+   and per CPU-second of a whole pass (the process, all its threads). Steps: `sha256` of the
+   encoded update (the reference figure), `reassembly` (its 1 MiB chunk frames unpacked,
+   checked and reassembled: join + sha256, `chunks.Reassembler`), `wire_decode`
+   (`wire.decode`), `codec_decode_fp16` / `codec_decode_int8` (`codecs.decode` of an fp16 /
+   int8 upload back to float32, MB of float32 out), `check_arrays` (names, dtypes, shapes,
+   finite), `check_update` (check_arrays and the example count, no norm bound) and
+   `check_update_norm` (with a norm bound: the norm's cost is the difference), `fold`
+   (`WeightedMean.add`, float32 mode) and `fold_float64` (`--aggregation-dtype float64`), then
+   the whole path: `validate_fold` (`checked_update` with a norm bound, then
+   `WeightedMean.add`, on decoded envelopes), `decode_validate_fold` (from the message bytes:
+   uploads up to 64 MiB travel as one MQTT message) and `reassemble_decode_validate_fold` (from
+   1 MiB chunk frames, as over a broker whose maximum packet size forces chunking, sha256
+   included); last `delta_norm` (the float64 norm alone, as `check_update` computed it for every
+   update before and now only near or over the bound).
 2. `shards`: K = 1, 2 and 4 processes (unpinned), each decoding, validating and folding its
    share of the same N updates, as `edgepfl aggregator --shard k/K` does; the aggregate MB/s
    is all the bytes over the time from the first process's start to the last one's end (the
@@ -53,6 +55,7 @@ import os
 import statistics
 import subprocess
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -140,13 +143,20 @@ def fold_all(reference: dict[str, np.ndarray], payload_list: list[bytes], dtype:
     return mean
 
 
-def timed(work: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
-    """Wall-clock and CPU seconds (this process, all its threads) of each of `repeats` runs."""
+Step = Callable[[int, Any], Any]
+"""One stage's work on update i, given what `fresh` made for this pass (an accumulator, a reassembler)."""
+
+
+def timed(step: Step, fresh: Callable[[], Any], count: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Wall-clock seconds of every update's step over `repeats` passes, and CPU seconds of each
+    pass (this process, all its threads)."""
     wall, cpu = [], []
     for _ in range(repeats):
-        started, cpu_started = time.perf_counter(), time.process_time()
-        work()
-        wall.append(time.perf_counter() - started)
+        state, cpu_started = fresh(), time.process_time()
+        for index in range(count):
+            started = time.perf_counter()
+            step(index, state)
+            wall.append(time.perf_counter() - started)
         cpu.append(time.process_time() - cpu_started)
     return wall, cpu
 
@@ -165,61 +175,63 @@ def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
     received = {codec: [{GROUP: codecs.encode(codec, {GROUP: u}, sent)[GROUP]} for u in updates]
                 for codec in ("fp16", "int8")}
 
-    def reassemble() -> list[bytes]:
-        blobs = []
-        assembler = Reassembler(max_blob_bytes=1 << 31, max_pending_bytes=1 << 31)
-        for i, message in enumerate(frames):
-            for frame in message:
-                blob = assembler.add(f"up/{i}", chunk_from_dict(wire.unpack(frame)))
-            blobs.append(blob)
-        return blobs
+    def reassembler() -> Reassembler:
+        return Reassembler(max_blob_bytes=1 << 31, max_pending_bytes=1 << 31)
 
-    def whole(source: Callable[[], list[bytes]], dtype: str = "float32") -> Callable[[], Any]:
-        return lambda: fold_all(reference, source(), dtype)
+    def reassemble(index: int, assembler: Reassembler) -> bytes:
+        for frame in frames[index]:
+            blob = assembler.add(f"up/{index}", chunk_from_dict(wire.unpack(frame)))
+        return blob
 
-    def each(step: Callable[[Any], Any], items: list) -> Callable[[], None]:
-        return lambda: [step(item) for item in items] and None
+    def fold(index: int, mean: WeightedMean, envelope: Envelope | None = None) -> None:
+        groups, weight = checked_update(algorithm, 1, envelope or envelopes[index], sent, EXAMPLES, bounded, "fp32")
+        mean.add(groups[GROUP], weight)
 
-    def add_all(dtype: str) -> Callable[[], None]:
-        def work() -> None:
-            mean = WeightedMean(reference, dtype)
-            for envelope in envelopes:
-                mean.add(envelope.groups[GROUP], float(EXAMPLES))
-        return work
+    def mean(dtype: str = "float32") -> Callable[[], WeightedMean]:
+        return lambda: WeightedMean(reference, dtype)
 
-    def validate_fold() -> None:
-        mean = WeightedMean(reference)
-        for envelope in envelopes:
-            groups, weight = checked_update(algorithm, 1, envelope, sent, EXAMPLES, bounded, "fp32")
-            mean.add(groups[GROUP], weight)
+    def none() -> None:
+        return None
 
-    stages: dict[str, Callable[[], Any]] = {
-        "sha256": each(lambda p: hashlib.sha256(p).digest(), encoded),
-        "reassembly": reassemble,
-        "wire_decode": each(wire.decode, encoded),
-        "codec_decode_fp16": each(lambda g: codecs.decode("fp16", g, sent, spec), received["fp16"]),
-        "codec_decode_int8": each(lambda g: codecs.decode("int8", g, sent, spec), received["int8"]),
-        "check_arrays": each(lambda e: check_arrays(GROUP, e.groups[GROUP], spec[GROUP]), envelopes),
-        "check_update": each(lambda e: check_update(e, spec, sent, EXAMPLES, unbounded), envelopes),
-        "check_update_norm": each(lambda e: check_update(e, spec, sent, EXAMPLES, bounded), envelopes),
-        "delta_norm": each(lambda e: delta_norm(e.groups, sent), envelopes),
-        "fold": add_all("float32"),
-        "fold_float64": add_all("float64"),
-        "validate_fold": validate_fold,
-        "decode_validate_fold": whole(lambda: encoded),
-        "reassemble_decode_validate_fold": whole(reassemble),
+    stages: dict[str, tuple[Step, Callable[[], Any]]] = {
+        "sha256": (lambda i, _: hashlib.sha256(encoded[i]).digest(), none),
+        "reassembly": (reassemble, reassembler),
+        "wire_decode": (lambda i, _: wire.decode(encoded[i]), none),
+        "codec_decode_fp16": (lambda i, _: codecs.decode("fp16", received["fp16"][i], sent, spec), none),
+        "codec_decode_int8": (lambda i, _: codecs.decode("int8", received["int8"][i], sent, spec), none),
+        "check_arrays": (lambda i, _: check_arrays(GROUP, envelopes[i].groups[GROUP], spec[GROUP]), none),
+        "check_update": (lambda i, _: check_update(envelopes[i], spec, sent, EXAMPLES, unbounded), none),
+        "check_update_norm": (lambda i, _: check_update(envelopes[i], spec, sent, EXAMPLES, bounded), none),
+        "fold": (lambda i, m: m.add(envelopes[i].groups[GROUP], float(EXAMPLES)), mean()),
+        "fold_float64": (lambda i, m: m.add(envelopes[i].groups[GROUP], float(EXAMPLES)), mean("float64")),
+        "validate_fold": (fold, mean()),
+        "decode_validate_fold": (lambda i, m: fold(i, m, wire.decode(encoded[i])), mean()),
+        "reassemble_decode_validate_fold": (
+            lambda i, state: fold(i, state[1], wire.decode(reassemble(i, state[0]))), lambda: (reassembler(),
+                                                                                             mean()())),
+        "delta_norm": (lambda i, _: delta_norm(envelopes[i].groups, sent), none),  # last: see `profile`
     }
     rows = []
-    megabytes = count * model_bytes / MB
-    for stage, work in stages.items():
-        wall, cpu = timed(work, repeats)
-        rows.append({"model": model, "model_mb": round(model_bytes / MB, 3), "arrays": len(shapes), "updates": count,
+    megabytes = model_bytes / MB
+    for stage, (step, fresh) in stages.items():
+        wall, cpu = timed(step, fresh, count, repeats)
+        rows.append({"model": model, "model_mb": round(megabytes, 3), "arrays": len(shapes), "updates": count,
                      "stage": stage, "mb_per_s_best": round(megabytes / min(wall), 1),
                      "mb_per_s_median": round(megabytes / statistics.median(wall), 1),
-                     "mb_per_cpu_s_best": round(megabytes / max(min(cpu), 1e-9), 1),
-                     "mb_per_cpu_s_median": round(megabytes / max(statistics.median(cpu), 1e-9), 1),
-                     "ms_per_update_best": round(min(wall) / count * 1e3, 4)})
+                     "mb_per_cpu_s_best": round(count * megabytes / max(min(cpu), 1e-9), 1),
+                     "ms_per_update_best": round(min(wall) * 1e3, 4),
+                     "ms_per_update_median": round(statistics.median(wall) * 1e3, 4)})
     return rows
+
+
+def profile(model: str, quick: bool, repeats: int, cpu: int) -> list[dict[str, Any]]:
+    """`stage_rows` in a process of its own, pinned to `cpu` (-1: not pinned): BLAS threads that
+    one model's stages started (their float64 dots) spin on that CPU for a while after each call
+    and would slow the next model's stages."""
+    return_freed_buffers()
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+    return stage_rows(model, quick, repeats)
 
 
 def _shard_main(model: str, seeds: list[int], passes: int, barrier, results) -> None:
@@ -269,8 +281,8 @@ def markdown(data: dict[str, Any]) -> str:
              f"{data['machine']['cpu_model']}, {data['machine']['cores']} cores; library {data['library']['commit']} "
              f"({data['library']['folder']}); load average {data['machine']['load_average_at_start']} at start, "
              f"{data['load_average_at_end']} at end", "",
-             "## Stages, one core (MB of float32 update data per second: wall-clock best / median; "
-             "per CPU-second best)", "",
+             "## Stages, one core (MB of float32 update data per second: fastest update / median update; "
+             "per CPU-second of the best pass)", "",
              "| stage | " + " | ".join(data["settings"]["models"]) + " |",
              "|---|" + "---|" * len(data["settings"]["models"])]
     by = {(row["stage"], row["model"]): row for row in data["stages"]}
@@ -309,12 +321,10 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 7)
     shard_updates, passes = args.shard_updates or (4 if args.quick else 64), args.passes or (1 if args.quick else 4)
     machine = machine_info(("numpy", "msgpack"))
-    return_freed_buffers()  # as `edgepfl coordinator` does
-    affinity = os.sched_getaffinity(0)
-    if args.cpu >= 0:
-        os.sched_setaffinity(0, {args.cpu})
-    stages = [row for model in models for row in stage_rows(model, args.quick, repeats)]
-    os.sched_setaffinity(0, affinity)
+    stages = []
+    for model in models:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            stages += pool.submit(profile, model, args.quick, repeats, args.cpu).result()
     shard_model = "cnn32-3.7MB"
     shards = [shard_row(shard_model, k, shard_updates, passes) for k in (1, 2, 4)]
     for row in shards:
