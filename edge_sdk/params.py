@@ -8,6 +8,7 @@ normalization layers are personal unless an algorithm says otherwise.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
@@ -91,9 +92,30 @@ def all_finite(array: np.ndarray) -> bool:
     values = flat(array)
     if values.dtype == np.float32:
         with np.errstate(over="ignore", invalid="ignore"):
-            return all(math.isfinite(np.dot(values[part], values[part])) or bool(np.isfinite(values[part]).all())
-                       for part in blocks(values.size))
+            return all(math.isfinite(np.dot(block, block)) or bool(np.isfinite(block).all())
+                       for block in aligned_blocks(values))
     return all(np.isfinite(values[part]).all() for part in blocks(values.size))
+
+
+_block_buffers = threading.local()
+
+
+def aligned_blocks(values: np.ndarray) -> Iterator[np.ndarray]:
+    """The blocks of a 1-d array as aligned arrays: views where it is aligned; else each block
+    copied into this thread's block buffer (valid until the next block). Arrays decoded from a
+    message start wherever their bytes do, and BLAS cannot read a misaligned one: numpy would
+    copy it whole for every call, into a new mapping (coordinator.memory)."""
+    if values.flags.aligned:
+        yield from (values[part] for part in blocks(values.size))
+        return
+    buffer = getattr(_block_buffers, values.dtype.str, None)
+    if buffer is None:
+        buffer = np.empty(BLOCK, values.dtype)
+        setattr(_block_buffers, values.dtype.str, buffer)
+    for part in blocks(values.size):
+        block = buffer[: part.stop - part.start]
+        np.copyto(block, values[part])
+        yield block
 
 
 def floats_finite(arrays: Mapping[str, np.ndarray]) -> bool:

@@ -144,6 +144,29 @@ def test_all_finite_finds_a_nan_in_every_position_of_short_arrays_and_block_tail
     assert all_finite(values)
 
 
+def misaligned(values: np.ndarray, offset: int = 3) -> np.ndarray:
+    """A read-only copy of `values` starting `offset` bytes into a buffer, as wire.decode makes them."""
+    raw = bytearray(values.nbytes + offset)
+    raw[offset:] = values.tobytes()
+    return np.frombuffer(bytes(raw), values.dtype, offset=offset).reshape(values.shape)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_misaligned_arrays_from_a_message_are_checked_in_every_position(bad):
+    # Prepare
+    size = 2 * BLOCK + 5
+    for position in positions(size):
+        values = np.ones(size, np.float32)
+        values[position] = bad
+
+        # Execute
+        view = misaligned(values)
+
+        # Assert
+        assert not view.flags.aligned and not all_finite(view), position
+    assert all_finite(misaligned(np.ones(size, np.float32)))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_large_finite_values_whose_squares_overflow_are_finite(dtype):
     # Prepare: float32's squares of 3e38 overflow to inf, the values do not
@@ -197,6 +220,23 @@ def test_wrong_dtype_shape_and_names_give_the_same_reasons():
 
     for arrays, reason in cases:
         assert assert_same_verdict(envelope(arrays), reference, 1e6) is reason
+
+
+def test_misaligned_updates_are_decided_and_folded_as_before():
+    # Prepare: every array of the update misaligned, as decoded from a message
+    reference = reference_state()
+    arrays = {k: misaligned(v) for k, v in update_of(reference).items()}
+    norm = delta_norm({"shared": arrays}, {"shared": reference})
+    fast, plain = WeightedMean(reference), PlainMean(reference)
+
+    # Execute
+    verdicts = [assert_same_verdict(envelope(arrays), reference, float(b)) for b in (norm / 2, norm, 2 * norm)]
+    fast.add(arrays, 3.0)
+    plain.add(arrays, 3.0)
+
+    # Assert
+    assert verdicts == [Reason.NORM_TOO_LARGE, None, None]
+    assert all(fast.result()[k].tobytes() == plain.result()[k].tobytes() for k in reference)
 
 
 def test_the_first_failing_check_in_array_order_still_wins():
