@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_sdk import codecs
-from edge_sdk.params import BLOCK, ArraySpec, check_arrays
+from edge_sdk.params import ArraySpec, block_buffer, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
 from .aggregate import aligned_reference, squared_change_above, squared_distance
@@ -57,7 +57,7 @@ def norm_over(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup], b
 
 def _squared_change_above(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
     """An upper bound of delta_norm's sum of squares; infinite where an array is not float32."""
-    scratch = np.empty(BLOCK, np.float32)
+    scratch = block_buffer(np.float32, "changes")
     total = 0.0
     for group, arrays in update.items():
         base = reference.get(group, {})

@@ -100,6 +100,18 @@ def all_finite(array: np.ndarray) -> bool:
 _block_buffers = threading.local()
 
 
+def block_buffer(dtype: np.dtype | type, slot: str = "") -> np.ndarray:
+    """This thread's buffer of BLOCK elements of `dtype` named `slot`, made once: a block loop
+    that needs scratch space takes it here instead of allocating it for every array (a buffer
+    of 128 KiB or more is a new mapping each time, coordinator.memory)."""
+    name = f"{np.dtype(dtype).str}{slot}"
+    buffer = getattr(_block_buffers, name, None)
+    if buffer is None:
+        buffer = np.empty(BLOCK, dtype)
+        setattr(_block_buffers, name, buffer)
+    return buffer
+
+
 def aligned_blocks(values: np.ndarray) -> Iterator[np.ndarray]:
     """The blocks of a 1-d array as aligned arrays: views where it is aligned; else each block
     copied into this thread's block buffer (valid until the next block). Arrays decoded from a
@@ -108,10 +120,7 @@ def aligned_blocks(values: np.ndarray) -> Iterator[np.ndarray]:
     if values.flags.aligned:
         yield from (values[part] for part in blocks(values.size))
         return
-    buffer = getattr(_block_buffers, values.dtype.str, None)
-    if buffer is None:
-        buffer = np.empty(BLOCK, values.dtype)
-        setattr(_block_buffers, values.dtype.str, buffer)
+    buffer = block_buffer(values.dtype, "aligned")
     for part in blocks(values.size):
         block = buffer[: part.stop - part.start]
         np.copyto(block, values[part])
