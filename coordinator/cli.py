@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, coordinator, client, broker, broker-config.
+"""The `edgepfl` command: simulate, coordinator, client, aggregator, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
 `edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
@@ -182,6 +182,24 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from edge_sdk.lifecycle import run_until_done
+    from edge_sdk.protocol import aggregator_id
+    from edge_sdk.settings import BrokerSettings
+
+    from .aggregator import parse_shard
+
+    shard, shards = parse_shard(args.shard)
+    broker = section_from(BrokerSettings, args)
+    mqtt = broker.mqtt_settings(aggregator_id(shard))
+    from .aggregator import ShardAggregator  # torch: once the flags and credentials are checked
+
+    aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation)
+    run_until_done(aggregator)
+    print(f"aggregator {shard}/{shards}: run {aggregator.run_id} finished, {aggregator.partials_sent} partials sent")
+    return 0
+
+
 def _device_data(args: argparse.Namespace):
     """A device's own data (--data) or its partition of a built-in dataset (--index)."""
     from edge_sdk.settings import TrainSettings
@@ -275,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest upload published as one message, in bytes (lower it for a broker whose packet "
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.set_defaults(handler=cmd_client)
+
+    aggregator = sub.add_parser("aggregator", help="run one shard aggregator of a run with --shards K")
+    aggregator.add_argument("--shard", required=True, metavar="k/K",
+                            help="which shard this process sums (0 <= k < K) of the run's K shards")
+    add_setting_flags(aggregator, "client", sections=("broker",))
+    aggregator.set_defaults(handler=cmd_aggregator)
 
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
     _add_device_flags(lite, "lite-client")

@@ -73,10 +73,10 @@ class Screened(NamedTuple):
 
 def sender_of(incoming: Incoming) -> str:
     """Who published a message, the key of the receive queue's fair order: the device id of an
-    upstream topic (`edgepfl/<fed>/up/<id>/<kind>`); the coordinator for everything else, so
-    downstream messages keep their order across topics."""
+    upstream or shard topic (`edgepfl/<fed>/up/<id>/<kind>`, `edgepfl/<fed>/shard-<k>/<id>/<kind>`);
+    the coordinator for everything else, so downstream messages keep their order across topics."""
     parts = incoming.topic.split("/", 4)
-    return parts[3] if len(parts) > 3 and parts[2] == "up" else COORDINATOR
+    return parts[3] if len(parts) > 3 and parts[2] != "down" else COORDINATOR
 
 
 class Transport(Protocol):
