@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 
 MAX_NOTE_ENTRIES = 128
 """Devices named in one NOTE (it stays within the control-message size limit)."""
-MAX_EARLY_UPDATES = 4096
-"""Updates kept that arrive before their round's ROSTER (they are checked once it comes)."""
+MAX_EARLY_UPDATES = 256
+"""Updates kept that are handed out before their round's ROSTER or TRAIN (the receive queue
+takes senders in turn, so a device's update can overtake the coordinator's messages); they are
+checked once both are here. Beyond this many, an early update is dropped (`over_budget`)."""
 KEPT_REQUESTS = 4
 """TRAIN broadcasts and ROSTERs kept while waiting for their counterpart."""
 
@@ -162,19 +164,20 @@ class ShardAggregator(DeviceSession):
         devices = {str(c): int(n) for c, n in roster.config["devices"].items()}
         self.open = OpenRound(request, train.round, train.groups, devices)
         self.algorithm.begin_partial(train.round, train.groups)
-        early, self.early = [e for e in self.early if e.config.get("in_reply_to") == request], []
+        early = [e for e in self.early if e.config.get("in_reply_to") == request and e.run_id == self.run_id]
+        self.early = [e for e in self.early if e.round > train.round]
         for update in early:
             self._fold(update)
         self._finish_if_complete()
 
     def _on_update(self, update: Envelope) -> None:
-        if not self._ours(update):
+        if self.joined and update.run_id != self.run_id:
             raise ProtocolError(Reason.WRONG_RUN, f"update from {update.sender} for run {update.run_id!r}")
         request = update.config.get("in_reply_to")
         if self.open is not None and request == self.open.request_id:
             self._fold(update)
             self._finish_if_complete()
-        elif request in self.trains or request in self.rosters:
+        elif self.open is None or update.round > self.open.round:
             if len(self.early) >= MAX_EARLY_UPDATES:
                 raise ProtocolError(Reason.OVER_BUDGET, f"update from {update.sender}: too many before its ROSTER")
             self.early.append(update)
