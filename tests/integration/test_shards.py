@@ -208,3 +208,56 @@ def test_an_aggregator_killed_mid_round_loses_its_shard_of_that_round_only(mosqu
     assert [r["lost_shards"] for r in (rounds[0], rounds[2])] == [[], []], "the new aggregator sums round 3"
     assert [r["participants"] for r in (rounds[0], rounds[2])] == [4, 4], rounds
     assert any(e.get("event") == "shard_lost" and e.get("shard") == 1 for e in report["event_log"])
+
+
+class ForgingAggregator(ShardAggregator):
+    """Shard 1's aggregator gone bad in round 1: its partial is corrupted (`forgery`), and it
+    also publishes a partial in the name of a trainer device."""
+
+    def __init__(self, *args, forgery: str, impostor: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forgery, self.impostor = forgery, impostor
+
+    def send(self, kind: Kind, round_: int = 0, **fields) -> None:
+        if kind is Kind.PARTIAL and round_ == 1:
+            arrays = fields["groups"]["shared"]
+            key = sorted(arrays)[0]
+            arrays[key] = (np.full_like(arrays[key], np.nan) if self.forgery == "nan"
+                           else np.zeros(arrays[key].size + 1, arrays[key].dtype))
+            forged = Envelope(Kind.PARTIAL, self.impostor, run_id=self.run_id, round=round_, **fields)
+            self.channel.send(self.topics.up(self.impostor, Kind.PARTIAL), forged)
+        super().send(kind, round_, **fields)
+
+
+@pytest.mark.parametrize("forgery, reason", [("nan", "non_finite"), ("shape", "bad_shape")])
+def test_forged_partials_are_refused_and_counted(mosquitto, tmp_path, forgery, reason):
+    # Prepare
+    federation, ids = f"forged-{forgery}", ids_in_shards(2)
+    config = run_config(tmp_path, federation, shards=2, min_clients=1)
+    stop = threading.Event()
+    threads = start_devices(mosquitto.url, federation, ids, tmp_path, stop)
+    aggregators = [ShardAggregator(0, 2, broker=mosquitto.url, federation=federation),
+                   ForgingAggregator(1, 2, broker=mosquitto.url, federation=federation, forgery=forgery,
+                                     impostor=ids[0])]
+    threads += [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in aggregators]
+    for thread in threads[len(ids):]:
+        thread.start()
+    transport = MqttTransport(f"{federation}.coordinator", MqttSettings(url=mosquitto.url))
+    transport.connect()
+
+    # Execute
+    try:
+        report = Coordinator(config, Channel(transport, Topics(federation))).run()
+    finally:
+        transport.close()
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+
+    # Assert: round 1 aggregates shard 0 alone; the forged partials are counted by reason
+    first, second = report["rounds"]
+    assert first["lost_shards"] == [1] and first["lost_updates"] == 2 and first["participants"] == 2
+    assert first["rejections"] == {reason: 1, "unknown_device": 1}
+    assert second["lost_shards"] == [] and second["participants"] == 4
+    assert np.isfinite(np.concatenate([np.ravel(v) for g in checkpoint.load(RunFolder(tmp_path).checkpoint).state.values()
+                                       for v in g.values()])).all()
