@@ -259,7 +259,7 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
 
     port = args.port if args.port is not None else (8883 if args.tls else 1883)
     setup = generate(args.out, args.federation, args.devices, port, host=args.host, tls=args.tls, sans=args.san,
-                     user=args.user, force=args.force)
+                     user=args.user, force=args.force, shards=args.shards)
     print(describe(setup))
     return 0
 
@@ -339,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="extra DNS name or IP for the server certificate (repeatable; default: none)")
     broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
     broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
+    broker_config.add_argument("--shards", type=int, default=0,
+                               help="the runs' --shards K: accounts aggregator-0..K-1 and the shard topics in the "
+                                    "ACL (default: 0, no sharded aggregation)")
     broker_config.set_defaults(handler=cmd_broker_config)
     return parser
 
