@@ -27,7 +27,8 @@ def _first_sentence(text: str) -> str:
     return " ".join(text.split()).split(". ")[0].rstrip(".")
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, command: str, sections: Iterable[str] | None = None) -> list[str]:
+def add_setting_flags(parser: argparse.ArgumentParser, command: str,
+                      sections: Iterable[str] | None = None) -> list[str]:
     """Add a flag for every setting `command` takes, one argument group per section (of
     `sections` only, when given); returns the keys (the namespace attributes) added."""
     keys = []
