@@ -4,7 +4,8 @@ digits, 50 devices, 5 rounds, float64 aggregation (`--aggregation-dtype float64`
 Mosquitto started here (or `--broker`). The devices are `edgepfl simulate`'s worker processes;
 with shards, 2 `edgepfl aggregator --shard k/2` processes run beside them (started before the
 coordinator, which waits for them to register). Records each run's wall time (the report's
-`wall_seconds`: registration to report, and the sum of the rounds' seconds), the rounds'
+`wall_seconds`: registration to report; the registration alone, until every device and
+aggregator registered; the sum of the rounds' seconds, evaluation included), the rounds'
 participation and lost shards, and compares the two final global states (bit for bit, and the
 largest absolute difference). Writes shards.json and shards.md to --out.
 
@@ -29,6 +30,7 @@ from _brokers import broker, machine_info
 from _runs import setup_logging, write_outputs
 from coordinator import checkpoint
 from coordinator.config import RunConfig
+from coordinator.events import DevicesRegistered
 from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
 
@@ -53,8 +55,10 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
                           workers=workers, out=str(out), round_timeout=300)
     out.mkdir(parents=True, exist_ok=True)
     processes = aggregators(url, federation, shards, out)
+    registered: list[float] = []
     try:
-        report = run_simulation(config)
+        report = run_simulation(config, on_event=lambda e: registered.append(e.seconds)
+                                if isinstance(e, DevicesRegistered) else None)
     finally:
         for process in processes:
             try:
@@ -65,7 +69,7 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
     state = checkpoint.load(RunFolder(out).checkpoint).state
     rounds_ = report["rounds"]
     log.info("shards %d: %.1f s, participants %s", shards, report["wall_seconds"], [r["participants"] for r in rounds_])
-    return {"shards": shards, "wall_seconds": report["wall_seconds"],
+    return {"shards": shards, "wall_seconds": report["wall_seconds"], "registration_seconds": registered[0],
             "round_seconds": sum(r["seconds"] for r in rounds_),
             "participants": [r["participants"] for r in rounds_],
             "lost_shards": [r.get("lost_shards", []) for r in rounds_],
@@ -91,11 +95,12 @@ def markdown(document: dict[str, Any]) -> str:
     runs, parameters = document["runs"], document["parameters"]
     lines = [f"# Single coordinator vs 2 shard aggregators: FedAvg on digits, {parameters['clients']} devices, "
              f"{parameters['rounds']} rounds, float64 aggregation", "",
-             "| aggregation | wall s (registration to report) | rounds s | participants per round | lost shards | "
-             "personalized accuracy |", "|---|---|---|---|---|---|"]
+             "| aggregation | wall s (registration to report) | registration s | rounds s | participants per round | "
+             "lost shards | personalized accuracy |", "|---|---|---|---|---|---|---|"]
     for run in runs:
         label = "coordinator alone" if run["shards"] == 0 else f"{run['shards']} shard aggregators (processes)"
-        lines.append(f"| {label} | {run['wall_seconds']:.1f} | {run['round_seconds']:.1f} | {run['participants']} | "
+        lines.append(f"| {label} | {run['wall_seconds']:.1f} | {run['registration_seconds']:.1f} | "
+                     f"{run['round_seconds']:.1f} | {run['participants']} | "
                      f"{sum(len(x) for x in run['lost_shards'])} | {run['personalized_accuracy']:.4f} |")
     same = document["comparison"]
     lines += ["", f"Final global state: bit-identical {same['bit_identical']}, largest absolute difference "

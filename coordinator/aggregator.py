@@ -13,7 +13,9 @@ unsharded. The PARTIAL (the sums, their total weight, the devices folded) goes u
 every device of the roster answered, or when the coordinator CLOSEs the round.
 
 It holds one model-sized sum and the reference, never an update longer than it takes to fold
-it, and never a device's personal state (only shared arrays travel on the shard topic).
+it, and never a device's personal state (only shared arrays travel on the shard topic). With a
+`verifier` (the fleet's signing keys) every update must carry its device's signature, checked
+before it is decoded, as the coordinator checks them unsharded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from edge_sdk.config import ConfigError
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id
 from edge_sdk.session import DeviceSession
+from edge_sdk.signing import Verifier
 from edge_sdk.transport import MqttSettings
 
 from . import algorithms
@@ -81,11 +84,12 @@ class ShardAggregator(DeviceSession):
 
     def __init__(self, shard: int, shards: int, *, broker: MqttSettings | str = "mqtt://127.0.0.1:1883",
                  federation: str = "default", note_interval: float = 0.2, transport=None,
-                 max_pending_blobs: int = 4096, clock: Callable[[], float] = time.monotonic):
+                 max_pending_blobs: int = 4096, verifier: Verifier | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards}), got {shard}")
         super().__init__(aggregator_id(shard), broker=broker, federation=federation, transport=transport,
-                         max_pending_blobs=max_pending_blobs)
+                         max_pending_blobs=max_pending_blobs, verifier=verifier)
         self.shard, self.shards = shard, shards
         self.note_interval = note_interval
         self.clock = clock

@@ -192,12 +192,32 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     shard, shards = parse_shard(args.shard)
     broker = section_from(BrokerSettings, args)
     mqtt = broker.mqtt_settings(aggregator_id(shard))
+    verifier = _upload_verifier(broker.credentials, aggregator_id(shard))
     from .aggregator import ShardAggregator  # torch: once the flags and credentials are checked
 
-    aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation)
+    aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation, verifier=verifier)
     run_until_done(aggregator)
     print(f"aggregator {shard}/{shards}: run {aggregator.run_id} finished, {aggregator.partials_sent} partials sent")
     return 0
+
+
+def _upload_verifier(credentials: str | None, account: str):
+    """The devices' signing keys for an aggregator whose `--credentials` is the fleet's
+    credentials.json; None (uploads unchecked, said once) for a file with its own entry only."""
+    from edge_sdk.config import ConfigError
+    from edge_sdk.signing import SigningKeyError, fleet_verifier
+
+    if not credentials:
+        return None
+    try:
+        verifier = fleet_verifier(credentials)
+    except SigningKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    if verifier is None or not verifier.devices - {account}:
+        log.warning("%s enrolls no device keys besides %s's: device uploads are not checked for signatures (give "
+                    "the aggregator the fleet's credentials.json to check them)", credentials, account)
+        return None
+    return verifier
 
 
 def _device_data(args: argparse.Namespace):

@@ -267,8 +267,14 @@ class Coordinator:
         if self.config.round.holdout_clients:
             self.holdout = frozenset(self.registry.online("trainer")[-self.config.round.holdout_clients:])
             log.info("held out of training (heads only): %s", ", ".join(sorted(self.holdout)))
-        log.info("%d devices registered (%d trainers); starting", len(self.registry.devices), have)
-        self.events.emit(DevicesRegistered(len(self.registry.devices), have, self.clock() - opened))
+        devices = self._device_count()
+        log.info("%d devices registered (%d trainers)%s; starting", devices, have,
+                 f" and {self.shards} shard aggregators" if self.shards else "")
+        self.events.emit(DevicesRegistered(devices, have, self.clock() - opened))
+
+    def _device_count(self) -> int:
+        """Registered devices (trainers and weak ones; shard aggregators are not devices)."""
+        return sum(1 for device in self.registry.devices.values() if device.kind != AGGREGATOR)
 
     def _aggregators_missing(self) -> list[int]:
         """Shards whose aggregator is not online."""
@@ -808,7 +814,7 @@ class Coordinator:
         self._checkpoint()
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
-                             "devices": len(self.ledger.final), "of_devices": len(self.registry.devices)})
+                             "devices": len(self.ledger.final), "of_devices": self._device_count()})
 
     def _gather(self, targets: list[str], pool: Pool) -> None:
         """Ask `targets` for the pool's phase and pool their replies."""
@@ -850,7 +856,7 @@ class Coordinator:
                     "best_round_mean": max(means) if means else None,
                 },
                 "devices_evaluated": len(final),
-                "devices_registered": sum(1 for d in self.registry.devices.values() if d.kind != AGGREGATOR),
+                "devices_registered": self._device_count(),
                 "per_client": {cid: final[cid] for cid in sorted(final)},
                 "global_accuracy": global_summary["mean"] if global_summary else None,
                 "holdout_accuracy": holdout,

@@ -28,7 +28,7 @@ from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .protocol import SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
-from .signing import Signer
+from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class DeviceSession:
         hello_interval: float = 15.0,
         transport=None,
         max_pending_blobs: int = 64,
+        verifier: Verifier | None = None,
     ):
         self.client_id = check_client_id(client_id)
         self.topics = Topics(federation)
@@ -72,7 +73,7 @@ class DeviceSession:
         # repeated requests reach `answered`, which sends the cached reply (a Last Will is the same
         # bytes every time, and marking a device offline is idempotent)
         self.channel = Channel(transport, self.topics, chunk_size=chunk_size, max_pending_blobs=max_pending_blobs,
-                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer)
+                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer, verifier=verifier)
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None

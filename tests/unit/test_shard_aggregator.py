@@ -18,6 +18,7 @@ from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.channel import Channel, SenderBudget
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
+from edge_sdk.signing import Signer, Verifier, new_key
 
 FED = "unitshards"
 WAIT = 30.0
@@ -26,7 +27,7 @@ WAIT = 30.0
 class Stand:
     """The coordinator's side of the wire, and the devices' uploads, by hand."""
 
-    def __init__(self, broker: LoopbackBroker):
+    def __init__(self, broker: LoopbackBroker, signers: dict[str, Signer] | None = None):
         self.topics = Topics(FED)
         transport = broker.transport(f"{FED}.coordinator")
         transport.connect()
@@ -36,7 +37,7 @@ class Stand:
         for client_id in ("a", "b", "c"):
             device = broker.transport(f"{FED}.{client_id}")
             device.connect()
-            self.devices[client_id] = Channel(device, self.topics)
+            self.devices[client_id] = Channel(device, self.topics, signer=(signers or {}).get(client_id))
         config = RunConfig.of(algorithm="fedavg", dataset="digits", aggregation_dtype="float64")
         self.context = ServerContext(config.model_name, config.task(), 0, 3, 3, config.aggregation)
         self.state = algorithms.load("fedavg")(algorithms.hyperparameters("fedavg", {}), self.context).state
@@ -73,10 +74,12 @@ class Stand:
 
 
 @pytest.fixture
-def stand():
-    broker = LoopbackBroker()
-    stand = Stand(broker)
-    aggregator = ShardAggregator(0, 2, federation=FED, transport=broker.transport(f"{FED}.aggregator-0"))
+def stand(request):
+    """The stand and a running aggregator; `request.param`, if any: the devices' signing keys."""
+    broker, keys = LoopbackBroker(), getattr(request, "param", None)
+    stand = Stand(broker, {c: Signer(k) for c, k in keys.items()} if keys else None)
+    aggregator = ShardAggregator(0, 2, federation=FED, transport=broker.transport(f"{FED}.aggregator-0"),
+                                 verifier=Verifier(keys) if keys else None)
     stop = threading.Event()
     thread = threading.Thread(target=aggregator.run, args=(stop,), daemon=True)
     thread.start()
@@ -153,6 +156,23 @@ def test_a_close_brings_the_partial_of_what_came_and_budgets_renew_each_round(st
     # Assert
     assert folded == [["a"], ["a"], ["a"]]
     assert stand.aggregator.channel.rejections.get("over_budget", 0) == 0
+
+
+@pytest.mark.parametrize("stand", [{"a": bytes.fromhex(new_key())}], indirect=True)
+def test_with_the_fleets_keys_an_unsigned_update_is_dropped_unread(stand):
+    # Prepare: a signs with its key; c has none enrolled
+    train = stand.train(1)
+    stand.send("all", Kind.TRAIN, train)
+    stand.roster(1, train, {"a": 10, "c": 10})
+
+    # Execute
+    stand.update("c", train, 1.0, examples=10)
+    stand.update("a", train, 1.0, examples=10)
+    note = stand.next_up(Kind.NOTE)
+
+    # Assert
+    assert note.config["accepted"] == ["a"] and note.config["refused"] == []
+    assert stand.aggregator.channel.rejections["bad_signature"] == 1
 
 
 @pytest.mark.parametrize("text", ["2/2", "1", "a/b", "-1/2", "1/2/3"])
