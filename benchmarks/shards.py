@@ -7,9 +7,11 @@ coordinator, which waits for them to register). Records each run's wall time (th
 `wall_seconds`: registration to report; the registration alone, until every device and
 aggregator registered; the sum of the rounds' seconds, evaluation included), the rounds'
 participation and lost shards, and compares the two final global states (bit for bit, and the
-largest absolute difference). Writes shards.json and shards.md to --out.
+largest absolute difference). `--repeats N` plays the pair N times, alternating, and the
+ratios are those of the medians (the wall times of a shared machine vary from run to run).
+Writes shards.json and shards.md to --out.
 
-    python benchmarks/shards.py [--quick] [--broker mqtt://127.0.0.1:1883] [--out DIR]
+    python benchmarks/shards.py [--quick] [--repeats N] [--broker mqtt://127.0.0.1:1883] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,9 +106,10 @@ def markdown(document: dict[str, Any]) -> str:
                      f"{run['round_seconds']:.1f} | {run['participants']} | "
                      f"{sum(len(x) for x in run['lost_shards'])} | {run['personalized_accuracy']:.4f} |")
     same = document["comparison"]
-    lines += ["", f"Final global state: bit-identical {same['bit_identical']}, largest absolute difference "
-                  f"{same['max_abs_difference']:.3g}; wall-time ratio (2 shards / alone) "
-                  f"{document['wall_time_ratio']:.2f}, rounds-time ratio {document['round_time_ratio']:.2f}.", ""]
+    lines += ["", f"Final global state, every pair: bit-identical {same['bit_identical']}, largest absolute "
+                  f"difference {same['max_abs_difference']:.3g}. Medians over {parameters['repeats']} pair(s): "
+                  f"wall-time ratio (2 shards / alone) {document['wall_time_ratio']:.2f}, rounds-time ratio "
+                  f"{document['round_time_ratio']:.2f}.", ""]
     return "\n".join(lines)
 
 
@@ -114,19 +118,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="6 devices, 2 rounds")
     parser.add_argument("--broker", default="mosquitto", help="mosquitto (started here) or mqtt://host:port")
     parser.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating (default 1)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     setup_logging()
     clients, rounds = (6, 2) if args.quick else (50, 5)
+    runs = []
     with tempfile.TemporaryDirectory() as scratch, broker(args.broker, Path(scratch)) as running:
-        runs = [one_run(running.url, Path(scratch), shards, clients, rounds, args.workers) for shards in (0, 2)]
-    comparison = compare(runs[0].pop("state"), runs[1].pop("state"))
+        for repeat in range(args.repeats):
+            for shards in (0, 2):
+                runs.append(one_run(running.url, Path(scratch) / f"pair{repeat}", shards, clients, rounds,
+                                    args.workers))
+    pairs = [compare(alone.pop("state"), sharded.pop("state")) for alone, sharded in zip(runs[::2], runs[1::2])]
+    comparison = {"bit_identical": all(p["bit_identical"] for p in pairs),
+                  "max_abs_difference": max(p["max_abs_difference"] for p in pairs)}
+
+    def median(shards: int, key: str) -> float:
+        return statistics.median(run[key] for run in runs if run["shards"] == shards)
+
     document = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine_info(),
                 "parameters": {"algorithm": "fedavg", "dataset": "digits", "clients": clients, "rounds": rounds,
-                               "aggregation_dtype": "float64", "workers": args.workers, "broker": args.broker},
+                               "aggregation_dtype": "float64", "workers": args.workers, "broker": args.broker,
+                               "repeats": args.repeats},
                 "runs": runs, "comparison": comparison,
-                "wall_time_ratio": runs[1]["wall_seconds"] / runs[0]["wall_seconds"],
-                "round_time_ratio": runs[1]["round_seconds"] / runs[0]["round_seconds"]}
+                "wall_time_ratio": median(2, "wall_seconds") / median(0, "wall_seconds"),
+                "round_time_ratio": median(2, "round_seconds") / median(0, "round_seconds")}
     write_outputs(Path(args.out), "shards" if not args.quick else "shards-quick", document, markdown(document))
     print(markdown(document))
 

@@ -10,9 +10,12 @@ from coordinator.aggregate import PartialSum, WeightedMean
 from coordinator.algorithms import load
 from coordinator.config import RunConfig
 from coordinator.rounds import RoundCollector
+from coordinator.server import Coordinator
 from coordinator.sharding import ShardRound, check_partial, check_shardable, shard_of
+from edge_sdk.channel import Channel
 from edge_sdk.config import ConfigError
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason, Topics, ValidationError, shard_of_aggregator
+from test_doubles import Wire
 
 REFERENCE = {"w": np.array([1.0, 2.0], np.float32)}
 SPEC = {"shared": {"w": ((2,), "float64")}}
@@ -176,3 +179,13 @@ def test_shard_topics_parse_as_upstream_updates_of_their_sender():
         topics.parse("edgepfl/fed/shard-x/dev7/train_res")
     assert shard_of_aggregator("aggregator-4") == 4 and shard_of_aggregator("aggregator-04") is None
     assert shard_of_aggregator("dev1") is None
+
+
+def test_the_coordinator_refuses_an_unshardable_run_before_anything_starts(tmp_path):
+    # Prepare
+    config = RunConfig.of(algorithm="dc_pfl", shards=2, out=str(tmp_path))
+
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="algorithm dc_pfl cannot be aggregated in shards"):
+        Coordinator(config, Channel(Wire("coordinator"), Topics("fed")))
+    assert not (tmp_path / "checkpoint.msgpack").exists()
