@@ -50,6 +50,14 @@ def _run_config(args: argparse.Namespace):
     return config
 
 
+def _check_sharding(config) -> None:
+    """Refuse a run with `shards` whose algorithm or aggregation rule cannot be split (imports the algorithm)."""
+    from .algorithms import load
+    from .sharding import check_shardable
+
+    check_shardable(load(config.run.algorithm), config.aggregation.rule, config.round.shards)
+
+
 MAX_PARTICIPATION_LINES = 8
 """Rounds with a participation shortfall listed one by one in the summary; the rest are counted."""
 
@@ -98,6 +106,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .server import RegistrationTimeout, finished_report
     from .simulate import WorkersFailed, run_simulation
 
+    _check_sharding(config)
     finished = finished_report(config)
     if finished is not None:
         print(f"run {finished['run_id']} in {config.run.out} already finished all {config.training.rounds} rounds; "
@@ -149,6 +158,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from .memory import return_freed_buffers
     from .server import Coordinator, RegistrationTimeout
 
+    _check_sharding(config)  # before connecting
     return_freed_buffers()
     transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()

@@ -3,6 +3,11 @@ assignment, the checks on a PARTIAL, refusals of what cannot be sharded, shard t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +22,7 @@ from edge_sdk.config import ConfigError
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason, Topics, ValidationError, shard_of_aggregator
 from test_doubles import Wire
 
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = {"w": np.array([1.0, 2.0], np.float32)}
 SPEC = {"shared": {"w": ((2,), "float64")}}
 
@@ -189,3 +195,20 @@ def test_the_coordinator_refuses_an_unshardable_run_before_anything_starts(tmp_p
     with pytest.raises(ConfigError, match="algorithm dc_pfl cannot be aggregated in shards"):
         Coordinator(config, Channel(Wire("coordinator"), Topics("fed")))
     assert not (tmp_path / "checkpoint.msgpack").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--algorithm", "local"], "algorithm local cannot be aggregated in shards"),
+    (["--aggregation", "trimmed_mean"], "aggregation trimmed_mean needs every update"),
+    (["--late-updates", "next_round"], "late_updates must be discard when sharded"),
+])
+def test_the_coordinator_command_refuses_an_unshardable_run_before_connecting(tmp_path, flags, named):
+    # Execute: a broker nobody listens on; connecting would fail with exit code 1, not 2
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "coordinator", "--shards", "2", *flags,
+                             "--broker", "mqtt://127.0.0.1:9", "--connect-timeout", "0", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    # Assert
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr
