@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from brokers import Mosquitto
@@ -127,3 +128,28 @@ def test_workers_for_a_federation_that_never_starts_time_out_clearly(mosquitto) 
     assert result.returncode == 1, result.stderr
     assert_one_line_failure(result.stderr, "workers", "no coordinator registered devices on federation never",
                             "within 2 s (no STATUS at all)", "start `edgepfl simulate`")
+
+
+def test_ctrl_c_stops_the_workers_and_their_processes(tmp_path, mosquitto) -> None:
+    # Prepare: workers whose devices joined a coordinator that hosts none
+    broker = ["--broker", mosquitto.url, "--federation", "interrupted"]
+    simulate = start(edgepfl("simulate", *RUN, *broker, "--local-devices", "none", "--out", str(tmp_path / "run"),
+                             "--quiet"))
+    workers = start(edgepfl("workers", *RUN, *broker, "--devices", "0-3", "--start-timeout", "120",
+                            "--out", str(tmp_path / "workers")))
+    try:
+        joined = workers.stdout.readline()  # the footprint line, once the devices joined
+        children = psutil.Process(workers.pid).children(recursive=True)
+
+        # Execute
+        workers.send_signal(signal.SIGINT)
+        _, stderr = workers.communicate(timeout=60)
+    finally:
+        simulate.send_signal(signal.SIGINT)
+        simulate.communicate(timeout=60)
+
+    # Assert
+    assert "4 devices joined in 1 worker processes" in joined
+    assert workers.returncode == 130, stderr
+    assert_one_line_failure(stderr, "workers", "interrupted")
+    assert children and psutil.wait_procs(children, timeout=30)[1] == []  # nothing left running
