@@ -153,3 +153,33 @@ def test_ctrl_c_stops_the_workers_and_their_processes(tmp_path, mosquitto) -> No
     assert workers.returncode == 130, stderr
     assert_one_line_failure(stderr, "workers", "interrupted")
     assert children and psutil.wait_procs(children, timeout=30)[1] == []  # nothing left running
+
+
+def test_a_worker_process_killed_mid_run_fails_the_command_naming_it(tmp_path, mosquitto) -> None:
+    # Prepare: two worker processes of two devices each, joined
+    broker = ["--broker", mosquitto.url, "--federation", "killed"]
+    flags = [*RUN[:-2], "--workers", "2", "--round-timeout", "60"]
+    simulate = start(edgepfl("simulate", *flags, *broker, "--local-devices", "none", "--out", str(tmp_path / "run"),
+                             "--quiet"))
+    workers = start(edgepfl("workers", *flags, *broker, "--devices", "0-3", "--start-timeout", "120",
+                            "--out", str(tmp_path / "workers")))
+    try:
+        joined = workers.stdout.readline()
+        worker_processes = [p for p in psutil.Process(workers.pid).children()
+                            if any("spawn_main" in part for part in p.cmdline())]
+
+        # Execute: the kernel's OOM killer, say, ends one of them
+        worker_processes[0].kill()
+        _, stderr = workers.communicate(timeout=240)
+        simulate_out, simulate_err = simulate.communicate(timeout=240)
+    finally:
+        for process in (workers, simulate):
+            if process.poll() is None:
+                process.kill()
+
+    # Assert: the run finishes with the other two devices; the command names the dead worker
+    assert "4 devices joined in 2 worker processes" in joined and len(worker_processes) == 2
+    assert simulate.returncode == 0, simulate_err
+    assert workers.returncode == 1, stderr
+    assert_one_line_failure(stderr, "workers", "devices failed: signal SIGKILL (worker")
+    assert "died with signal SIGKILL (SIGKILL: most often the OOM killer" in stderr
