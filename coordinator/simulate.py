@@ -347,7 +347,8 @@ class WorkerPool:
                 process.start()
                 errors_end.close()  # the worker holds the write ends now
                 hosting_end.close()
-                self.devices[process], self.errors[process], self.hosting[process] = list(spec.connections), errors, hosting
+                self.devices[process] = list(spec.connections)
+                self.errors[process], self.hosting[process] = errors, hosting
         except BaseException:
             self.stop()
             raise
@@ -398,6 +399,7 @@ class WorkerPool:
 
 
 def all_devices(config: RunConfig) -> tuple[int, ...]:
+    """The indices of every device of the run."""
     return tuple(range(config.run.clients))
 
 

@@ -103,7 +103,8 @@ def test_workers_with_other_settings_than_the_coordinator_are_refused_naming_the
     # Assert
     assert workers.returncode == 2, workers.stderr
     assert_one_line_failure(workers.stderr, "workers", "settings differ from the run the coordinator announces",
-                            "lr: 0.1 here, 0.05 at the coordinator", "partition: 'iid' here, 'domains' at the coordinator")
+                            "lr: 0.1 here, 0.05 at the coordinator",
+                            "partition: 'iid' here, 'domains' at the coordinator")
     assert "alpha" not in workers.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "workers").exists()  # no device started
 
