@@ -36,3 +36,16 @@ def test_without_a_roster_the_blocks_follow_the_registrations(tmp_path) -> None:
 
     # Assert: what the roster prevents
     assert [reversed_[c] for c in DEVICES] == [4, 3, 2, 1]
+
+
+def test_dc_pfl_body_models_follow_the_roster_whatever_order_the_devices_register_in(tmp_path) -> None:
+    # Prepare: two body architectures, handed out round robin
+    config = RunConfig.of(algorithm="dc_pfl", dataset="fmnist", model="cnn28", clients=len(DEVICES),
+                          hyper={"body_models": "cnn28,resnet18", "covariance": "diag"}, out=str(tmp_path))
+    coordinator = Coordinator(config, Channel(Wire("coordinator"), Topics("roster")), roster=DEVICES)
+
+    # Execute: registrations in reverse order
+    models = {client_id: coordinator.welcome(client_id).config["assignment"]["model"] for client_id in DEVICES[::-1]}
+
+    # Assert
+    assert [models[c] for c in DEVICES] == ["cnn28", "resnet18", "cnn28", "resnet18"]
