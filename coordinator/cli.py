@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, coordinator, client, aggregator, broker, broker-config.
+"""The `edgepfl` command: simulate, workers, coordinator, client, aggregator, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
 `edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
@@ -100,6 +100,11 @@ def _summary(report: dict[str, Any], out: str) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
+    local = None
+    if args.local_devices is not None:
+        from .device_ranges import parse_devices
+
+        local = parse_devices(args.local_devices, config.run.clients, "--local-devices", allow_none=True)
     from .events import RunStarted
     from .memory import return_freed_buffers
     from .report import cumulative_megabytes
@@ -139,7 +144,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bars[0].update(1)
 
     try:
-        report = run_simulation(config, on_round=on_round, on_event=on_event)
+        report = run_simulation(config, local=local, on_round=on_round, on_event=on_event)
         if bars:  # the bar's last MB: the run's total, release and final evaluation included
             bars[0].set_postfix(MB=f"{cumulative_megabytes(report)[-1]:.1f}")
     except (RegistrationTimeout, WorkersFailed) as exc:
@@ -148,6 +153,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for bar in bars:
             bar.close()
     print(_summary(report, config.run.out))
+    return 0
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    from edge_sdk.config import ConfigError
+
+    from .device_ranges import parse_devices
+
+    config = _run_config(args)  # refused before the heavy imports below
+    indices = parse_devices(args.devices, config.run.clients, "--devices")
+    if not args.start_timeout > 0:
+        raise ConfigError(f"--start-timeout must be positive, got {args.start_timeout}")
+    from .simulate import WorkersFailed
+    from .workers import DevicesFailed, RunNotAnnounced, host_devices
+
+    try:
+        footprint = host_devices(config, indices, start_timeout=args.start_timeout,
+                                 on_joined=lambda joined: print(joined.describe(), flush=True))
+    except (RunNotAnnounced, DevicesFailed, WorkersFailed) as exc:
+        raise CommandFailed(str(exc)) from None
+    print(f"run finished; {footprint.devices} devices hosted here")
     return 0
 
 
@@ -311,7 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="a whole federation on this machine over MQTT")
     _add_run_flags(simulate, "simulate")
     simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    simulate.add_argument("--local-devices", metavar="RANGE",
+                          help="the devices this host runs, e.g. 0-99 (none: no device here); `edgepfl workers` "
+                               "on other hosts runs the rest, over --broker under --federation (default: all)")
     simulate.set_defaults(handler=cmd_simulate)
+
+    workers = sub.add_parser("workers", help="host a share of a simulation's devices on this host")
+    _add_run_flags(workers, "simulate")
+    workers.add_argument("--devices", required=True, metavar="RANGE",
+                         help="the devices this host runs, e.g. 100-199 or 100-149,300 (indices below --clients)")
+    workers.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",
+                         help="how long to wait for the coordinator to register devices, and then for these "
+                              "devices to join (default: 300)")
+    workers.set_defaults(handler=cmd_workers)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator against a broker")
     _add_run_flags(coordinator, "coordinator")

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
@@ -112,7 +112,12 @@ class RoundRecord:
 
 class Coordinator:
     """Runs one federated training over a `Channel`; `run()` returns the report. Observers
-    `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record."""
+    `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record.
+
+    `roster` names devices the run expects (a simulation's: dev000, dev001, ...): what the
+    algorithm hands out in order of registration (FediOS's projection blocks, DC-PFL's body
+    models) is handed out to them in the roster's order before registration opens, so it does
+    not depend on the order their HELLOs arrive in (devices on several hosts)."""
 
     def __init__(
         self,
@@ -122,8 +127,10 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         model: ModelSpec | None = None,
+        roster: Sequence[str] = (),
     ):
         self.config = config
+        self.roster = tuple(roster)
         self.model: ModelSpec = model if model is not None else config.model_name
         self.channel = channel
         self.topics = channel.topics
@@ -160,6 +167,8 @@ class Coordinator:
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
         self._started = time.time()
         self.ledger = Ledger(channel, self._resume())
+        for client_id in self.roster:  # before any HELLO: assignments in the roster's order
+            self.algorithm.assignment(client_id)
 
     def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
         """Call `callback(event)` for each event of the given types (every event without any)."""
@@ -225,15 +234,14 @@ class Coordinator:
         return report
 
     def _status(self, state: str) -> None:
+        """Publish the retained STATUS; while registering it carries the settings that define the
+        run (`RunConfig.defining`), which `edgepfl workers` checks its own against."""
         self._status_state = state
-        envelope = Envelope(
-            Kind.STATUS,
-            COORDINATOR,
-            run_id=self.run_id,
-            round=self.completed,
-            config={"state": state, "incarnation": self.incarnation, "epoch": self._connections,
-                    "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm},
-        )
+        config = {"state": state, "incarnation": self.incarnation, "epoch": self._connections,
+                  "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm}
+        if state == "registering":
+            config["settings"] = self.config.defining()
+        envelope = Envelope(Kind.STATUS, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
         self._send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
     def _send(self, topic: str, envelope: Envelope, *, retain: bool = False) -> None:
