@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, workers, coordinator, client, broker, broker-config.
+"""The `edgepfl` command: simulate, workers, coordinator, client, aggregator, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
 `edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
@@ -48,6 +48,14 @@ def _run_config(args: argparse.Namespace):
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return config
+
+
+def _check_sharding(config) -> None:
+    """Refuse a run with `shards` whose algorithm or aggregation rule cannot be split (imports the algorithm)."""
+    from .algorithms import load
+    from .sharding import check_shardable
+
+    check_shardable(load(config.run.algorithm), config.aggregation.rule, config.round.shards)
 
 
 MAX_PARTICIPATION_LINES = 8
@@ -103,6 +111,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .server import RegistrationTimeout, finished_report
     from .simulate import WorkersFailed, run_simulation
 
+    _check_sharding(config)
     finished = finished_report(config)
     if finished is not None:
         print(f"run {finished['run_id']} in {config.run.out} already finished all {config.training.rounds} rounds; "
@@ -175,6 +184,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from .memory import return_freed_buffers
     from .server import Coordinator, RegistrationTimeout
 
+    _check_sharding(config)  # before connecting
     return_freed_buffers()
     transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()
@@ -206,6 +216,44 @@ def cmd_client(args: argparse.Namespace) -> int:
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client)
     return 0
+
+
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from edge_sdk.lifecycle import run_until_done
+    from edge_sdk.protocol import aggregator_id
+    from edge_sdk.settings import BrokerSettings
+
+    from .aggregator import parse_shard
+
+    shard, shards = parse_shard(args.shard)
+    broker = section_from(BrokerSettings, args)
+    mqtt = broker.mqtt_settings(aggregator_id(shard))
+    verifier = _upload_verifier(broker.credentials, aggregator_id(shard))
+    from .aggregator import ShardAggregator  # torch: once the flags and credentials are checked
+
+    aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation, verifier=verifier)
+    run_until_done(aggregator)
+    print(f"aggregator {shard}/{shards}: run {aggregator.run_id} finished, {aggregator.partials_sent} partials sent")
+    return 0
+
+
+def _upload_verifier(credentials: str | None, account: str):
+    """The devices' signing keys for an aggregator whose `--credentials` is the fleet's
+    credentials.json; None (uploads unchecked, said once) for a file with its own entry only."""
+    from edge_sdk.config import ConfigError
+    from edge_sdk.signing import SigningKeyError, fleet_verifier
+
+    if not credentials:
+        return None
+    try:
+        verifier = fleet_verifier(credentials)
+    except SigningKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    if verifier is None or not verifier.devices - {account}:
+        log.warning("%s enrolls no device keys besides %s's: device uploads are not checked for signatures (give "
+                    "the aggregator the fleet's credentials.json to check them)", credentials, account)
+        return None
+    return verifier
 
 
 def _device_data(args: argparse.Namespace):
@@ -267,7 +315,7 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
 
     port = args.port if args.port is not None else (8883 if args.tls else 1883)
     setup = generate(args.out, args.federation, args.devices, port, host=args.host, tls=args.tls, sans=args.san,
-                     user=args.user, force=args.force)
+                     user=args.user, force=args.force, shards=args.shards)
     print(describe(setup))
     return 0
 
@@ -314,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.set_defaults(handler=cmd_client)
 
+    aggregator = sub.add_parser("aggregator", help="run one shard aggregator of a run with --shards K")
+    aggregator.add_argument("--shard", required=True, metavar="k/K",
+                            help="which shard this process sums (0 <= k < K) of the run's K shards")
+    add_setting_flags(aggregator, "client", sections=("broker",))
+    aggregator.set_defaults(handler=cmd_aggregator)
+
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
     _add_device_flags(lite, "lite-client")
     lite.add_argument("--providers", default="auto",
@@ -353,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="extra DNS name or IP for the server certificate (repeatable; default: none)")
     broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
     broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
+    broker_config.add_argument("--shards", type=int, default=0,
+                               help="the runs' --shards K: accounts aggregator-0..K-1 and the shard topics in the "
+                                    "ACL (default: 0, no sharded aggregation)")
     broker_config.set_defaults(handler=cmd_broker_config)
     return parser
 

@@ -110,6 +110,8 @@ class DcPflServer(ServerAlgorithm):
 
     id = "dc_pfl"
     Hyper = Hyper
+    unshardable = ("its server keeps every device's class statistics of the round and fits the classifier on "
+                   "features drawn from all of them at once")
 
     def __init__(self, hyper: Hyper, context: ServerContext):
         task = context.task
