@@ -6,7 +6,7 @@ Node i runs on host i as `n<i>` (`server_name`, which JetStream in a cluster nee
 own JetStream store folder (kept across `stop`/`start`, as a restarted machine keeps its disk)
 and `max_payload` (`MAX_PAYLOAD`, NATS's default 1 MB). `start` waits until every node answers
 `/healthz` (JetStream current included) on its monitoring port; `stop(kill=True)` is a crash.
-`config_text` may be replaced per node (e.g. by `edgepfl broker-config --nats`'s file).
+A node's configuration may be given instead (`edgepfl broker-config --broker-kind nats`'s files).
 """
 
 from __future__ import annotations
@@ -55,12 +55,17 @@ def node_config(hosts: Hosts, host: int, nodes: int, store: Path, max_payload: i
 
 
 class NatsNode:
-    def __init__(self, hosts: Hosts, host: int, workdir: Path, config_text: str):
+    """One nats-server on a host, from `config` (a file, or the text of one written to `workdir`)."""
+
+    def __init__(self, hosts: Hosts, host: int, workdir: Path, config: str | Path):
         self.hosts, self.host, self.workdir = hosts, host, workdir
-        self.config = workdir / "nats.conf"
         self.log = workdir / "nats.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(config_text)
+        if isinstance(config, Path):
+            self.config = config
+        else:
+            self.config = workdir / "nats.conf"
+            self.config.write_text(config)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -106,10 +111,11 @@ class NatsNode:
 
 
 class NatsCluster:
-    """Nodes on hosts 1..len(hosts); `urls` are their MQTT addresses, node i+1 at index i."""
+    """Nodes on hosts 1..len(hosts); `urls` are their MQTT addresses, node i+1 at index i.
+    `config(host, store folder)` gives node `host`'s configuration: its text or a file."""
 
     def __init__(self, hosts: Hosts, workdir: Path, nodes: int | None = None,
-                 config: Callable[[int, Path], str] | None = None):
+                 config: Callable[[int, Path], str | Path] | None = None):
         nodes = nodes or hosts.count
         make = config or (lambda host, store: node_config(hosts, host, nodes, store))
         self.nodes = [NatsNode(hosts, host, workdir / f"n{host}", make(host, workdir / f"n{host}" / "store"))

@@ -3,8 +3,8 @@ processes, two on each of the three hosts, each device connected to the node of 
 
 FedAvg on digits in float64 aggregation gives the same global model as the same run over one
 Mosquitto, bit for bit. Then node 2 is SIGKILLed after round 2 (its two devices lose the broker,
-with no Last Will: the node that held their connections is gone) and restarted once round 3
-closed without them: the run completes, both devices reconnect to the restarted node, say HELLO
+with no Last Will: the node that held their wills is gone, so the coordinator still counts them
+online) and restarted once round 3 closed on its quorum without them: the run completes, both devices reconnect to the restarted node, say HELLO
 and train again, and every round is aggregated once with at most one update per device.
 """
 
@@ -173,7 +173,9 @@ def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path):
 
 def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
     rounds, on_node_2 = 6, {"dev1", "dev4"}
-    run = ClusterRun(hosts, tmp_path, rounds, "--min-clients", "4", "--quorum-grace", "2")
+    # evaluated only after the last round: an evaluation waits for every device it thinks online
+    # up to --round-timeout, and no Last Will tells the coordinator that node 2's devices are gone
+    run = ClusterRun(hosts, tmp_path, rounds, "--min-clients", "4", "--quorum-grace", "2", "--eval-every", str(rounds))
     node = run.nodes.node(2)
     try:
         run.watcher.wait_for_round(2)

@@ -47,16 +47,16 @@ class Probe:
     PUBACKs, and queues what it receives as (topic, payload, retained)."""
 
     def __init__(self, hosts: Hosts, host: int, url: str, client_id: str, *, clean: bool = True):
-        self.hosts, self.host = hosts, host
+        self.hosts, self.host, self.client_id = hosts, host, client_id
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311,
                                   clean_session=clean)
         self.client.reconnect_delay_set(1, 2)
         self.messages: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
-        self.sessions: queue.Queue[bool] = queue.Queue()  # session_present of each CONNACK
-        self._acks: queue.Queue[int] = queue.Queue()
-        self.client.on_connect = lambda c, u, flags, rc, p: self.sessions.put(flags.session_present)
-        self.client.on_subscribe = lambda c, u, mid, codes, p: self._acks.put(mid)
-        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, m.payload, m.retain))
+        self._connacks: queue.Queue[tuple[bool, bool]] = queue.Queue()  # CONNACK: (refused, session present)
+        self._acks: queue.Queue[tuple[int, bool]] = queue.Queue()  # SUBACK: (message id, refused)
+        self.client.on_connect = lambda c, u, flags, rc, p: self._connacks.put((rc.is_failure, flags.session_present))
+        self.client.on_subscribe = lambda c, u, mid, codes, p: self._acks.put((mid, codes[0].is_failure))
+        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload), m.retain))
         self.url = url
 
     def connect(self) -> bool:
@@ -65,11 +65,21 @@ class Probe:
         with self.hosts.inside(self.host):
             self.client.connect(host, int(port), keepalive=10)
             self.client.loop_start()
-        return self.sessions.get(timeout=WAIT)
+        return self.connack()
 
-    def subscribe(self, topic: str, qos: int = 1) -> None:
+    def connack(self, timeout: float = WAIT) -> bool:
+        """The next CONNACK's session-present flag; ConnectionRefusedError if it refused the client."""
+        refused, session_present = self._connacks.get(timeout=timeout)
+        if refused:
+            raise ConnectionRefusedError(f"{self.url} refused {self.client_id!r}")
+        return session_present
+
+    def subscribe(self, topic: str, qos: int = 1, *, granted: bool = True) -> None:
+        """Subscribe and wait for the SUBACK, which must grant it (or, with `granted=False`, refuse it)."""
         _, mid = self.client.subscribe(topic, qos)
-        assert self._acks.get(timeout=WAIT) == mid
+        acked, refused = self._acks.get(timeout=WAIT)
+        assert acked == mid
+        assert refused is not granted, f"the subscription to {topic} was {'refused' if refused else 'granted'}"
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         self.client.publish(topic, payload, qos=qos, retain=retain).wait_for_publish(WAIT)
@@ -201,7 +211,7 @@ def test_persistent_session_gets_what_was_published_while_its_node_was_down(clus
             node.start()
         else:
             node.start()  # the probe's own reconnection (every 1-2 s) finds it back
-            assert device.sessions.get(timeout=2 * WAIT) is True
+            assert device.connack(timeout=2 * WAIT) is True
         received = [device.next()[1] for _ in missed]
 
         assert received == missed
