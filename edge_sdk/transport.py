@@ -226,6 +226,7 @@ class MqttTransport:
         self._subscribe_refusals: dict[str, int] = {}  # topic filter -> refusals in a row
         self.refused_subscriptions = 0
         """SUBACKs that refused a subscription (each one tried again, see the module docstring)."""
+        self._unconfirmed: set[str] = set()  # topic filters this connection has no granting SUBACK for
 
     # -- lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
@@ -340,9 +341,16 @@ class MqttTransport:
         self.connected.clear()
 
     # -- operations ------------------------------------------------------------------------
+    def subscriptions_active(self) -> bool:
+        """Connected, and the broker granted every subscription on this connection: what is
+        published from now on reaches this client (what a re-publication after a reconnection waits for)."""
+        with self._lock:
+            return self.connected.is_set() and not self._unconfirmed
+
     def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         with self._lock:
             self._subscriptions[topic_filter] = qos
+            self._unconfirmed.add(topic_filter)
         if self._client is not None and self.connected.is_set():
             self._subscribe(self._client, topic_filter, qos)
 
@@ -386,6 +394,7 @@ class MqttTransport:
         self.max_packet_size = getattr(properties, "MaximumPacketSize", None)
         with self._lock:
             subscriptions = list(self._subscriptions.items())
+            self._unconfirmed = set(self._subscriptions)
         for topic_filter, qos in subscriptions:
             self._subscribe(client, topic_filter, qos)
         if self.connections > 1:
@@ -443,6 +452,8 @@ class MqttTransport:
         """A SUBACK's verdict on `topic_filter`: granted, refused (retried later) or denied for good."""
         refusal = next((code for code in reason_codes if code.is_failure), None)
         if refusal is None:
+            with self._lock:
+                self._unconfirmed.discard(topic_filter)
             self._subscribe_refusals.pop(topic_filter, None)
             return
         self.refused_subscriptions += 1

@@ -103,5 +103,6 @@ def test_edgepfl_transport_retries_a_refused_subscription(configured):
         device.subscribe(Topics(FED).down("cam-2", Kind.WELCOME))
 
         wait_until(lambda: device.refused_subscriptions >= 2, 30, lambda: "the refused subscription was not retried")
+        assert not device.subscriptions_active()
     finally:
         device.close()
