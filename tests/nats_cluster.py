@@ -106,6 +106,17 @@ class NatsNode:
     def wait_healthy(self, timeout: float = READY_TIMEOUT) -> None:
         wait_until(self.healthy, timeout, lambda: f"nats node n{self.host} not healthy; its log:\n{self.tail()}")
 
+    def stream_leader(self, stream: str) -> str | None:
+        """The server name of the JetStream leader of `stream` (e.g. `$MQTT_msgs`), as this node sees it."""
+        url = f"http://{self.address}:{MONITOR_PORT}/jsz?accounts=true&streams=true"
+        with self.hosts.inside(self.host), urllib.request.urlopen(url, timeout=5) as response:
+            details = json.loads(response.read()).get("account_details") or []
+        for account in details:
+            for found in account.get("stream_detail") or []:
+                if found.get("name") == stream:
+                    return (found.get("cluster") or {}).get("leader")
+        return None
+
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text()[-chars:] if self.log.exists() else "(no log)"
 

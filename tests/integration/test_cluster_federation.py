@@ -1,11 +1,12 @@
-"""A whole federation on a 3-node NATS cluster: the coordinator on host 1, six `edgepfl client`
-processes, two on each of the three hosts, each device connected to the node of its own host.
+"""A whole federation on a 3-node NATS cluster: the coordinator on one host, six `edgepfl client`
+processes, two on each of the three hosts, each process connected to the node of its own host.
 
 FedAvg on digits in float64 aggregation gives the same global model as the same run over one
-Mosquitto, bit for bit. Then node 2 is SIGKILLed after round 2 (its two devices lose the broker,
-with no Last Will: the node that held their wills is gone, so the coordinator still counts them
-online) and restarted once round 3 closed on its quorum without them: the run completes, both devices reconnect to the restarted node, say HELLO
-and train again, and every round is aggregated once with at most one update per device.
+Mosquitto, bit for bit. Then the node leading the `$MQTT_msgs` stream is SIGKILLed after round
+2 (its two devices lose the broker, with no Last Will: the node that held their wills is gone,
+so the coordinator still counts them online) and restarted once round 3 closed on its quorum
+without them: the run completes, both devices reconnect to the restarted node, say HELLO and
+train again, and every round is aggregated once with at most one update per device.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -58,8 +61,10 @@ def device_args(url: str, tmp_path: Path, index: int) -> list[str]:
                "--device", "cpu")
 
 
-def log_file(tmp_path: Path, name: str):
-    return open(tmp_path / f"{name}.log", "w")
+def spawn_logged(start: Callable[..., subprocess.Popen], argv: list[str], log: Path) -> subprocess.Popen:
+    """`start(argv)` (subprocess.Popen, or Hosts.spawn on a host) with its output going to `log`."""
+    with open(log, "w") as output:
+        return start(argv, env=ENV, stdout=output, stderr=subprocess.STDOUT)
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = WAIT) -> None:
@@ -107,10 +112,10 @@ def run_on_mosquitto(tmp_path: Path, rounds: int) -> Path:
     out, processes = tmp_path / "run", []
     try:
         for index in range(DEVICES):
-            processes.append(subprocess.Popen(device_args(broker.url, tmp_path, index), env=ENV,
-                                              stdout=log_file(tmp_path, f"dev{index}"), stderr=subprocess.STDOUT))
-        coordinator = subprocess.Popen(coordinator_args(broker.url, out, rounds), env=ENV,
-                                       stdout=log_file(tmp_path, "coordinator"), stderr=subprocess.STDOUT)
+            processes.append(spawn_logged(subprocess.Popen, device_args(broker.url, tmp_path, index),
+                                          tmp_path / f"dev{index}.log"))
+        coordinator = spawn_logged(subprocess.Popen, coordinator_args(broker.url, out, rounds),
+                                   tmp_path / "coordinator.log")
         processes.append(coordinator)
         finish(coordinator, tmp_path / "coordinator.log")
     finally:
@@ -122,17 +127,34 @@ def run_on_mosquitto(tmp_path: Path, rounds: int) -> Path:
 
 
 class ClusterRun:
-    """Hosts, the NATS cluster, the devices and the coordinator of one federation on them."""
+    """Hosts, the NATS cluster and the devices of one federation on them; then the coordinator
+    and a watcher, both on host `coordinator_host` and its node."""
 
-    def __init__(self, hosts: Hosts, tmp_path: Path, rounds: int, *coordinator_flags: str):
+    def __init__(self, hosts: Hosts, tmp_path: Path):
         self.hosts, self.tmp_path, self.out = hosts, tmp_path, tmp_path / "run"
         self.nodes = NatsCluster(hosts, tmp_path / "nats").start()
-        self.devices = [hosts.spawn(host_of(i), device_args(self.nodes.urls[host_of(i) - 1], tmp_path, i), env=ENV,
-                                    stdout=log_file(tmp_path, f"dev{i}"), stderr=subprocess.STDOUT)
+        self.devices = [spawn_logged(partial(hosts.spawn, host_of(i)),
+                                     device_args(self.nodes.urls[host_of(i) - 1], tmp_path, i), tmp_path / f"dev{i}.log")
                         for i in range(DEVICES)]
-        self.watcher = Watcher(hosts, 1, self.nodes.urls[0])
-        self.coordinator = hosts.spawn(1, coordinator_args(self.nodes.urls[0], self.out, rounds, *coordinator_flags),
-                                       env=ENV, stdout=log_file(tmp_path, "coordinator"), stderr=subprocess.STDOUT)
+        self.watcher: Watcher | None = None
+        self.coordinator: subprocess.Popen | None = None
+
+    def start_coordinator(self, rounds: int, *flags: str, coordinator_host: int = 1) -> None:
+        url = self.nodes.urls[coordinator_host - 1]
+        self.watcher = Watcher(self.hosts, coordinator_host, url)
+        self.coordinator = spawn_logged(partial(self.hosts.spawn, coordinator_host),
+                                        coordinator_args(url, self.out, rounds, *flags), self.tmp_path / "coordinator.log")
+
+    def msgs_stream_leader(self) -> int:
+        """The node (host) leading `$MQTT_msgs`, where every QoS 1 message is stored first; the
+        stream exists once an MQTT client connected (a probe connection makes sure)."""
+        probe = MqttTransport(f"{FED}.probe", MqttSettings(url=self.nodes.urls[0], connect_timeout=60))
+        with self.hosts.inside(1):
+            probe.connect()
+        probe.close()
+        leader = self.nodes.node(1).stream_leader("$MQTT_msgs")
+        assert leader is not None and leader.startswith("n"), f"no leader for $MQTT_msgs: {leader!r}"
+        return int(leader[1:])
 
     def finish(self) -> None:
         finish(self.coordinator, self.tmp_path / "coordinator.log")
@@ -140,7 +162,8 @@ class ClusterRun:
             finish(device, self.tmp_path / f"dev{index}.log", timeout=60)
 
     def close(self) -> None:
-        self.watcher.close()
+        if self.watcher is not None:
+            self.watcher.close()
         self.nodes.stop()
 
 
@@ -154,8 +177,9 @@ def hosts():
 def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path):
     rounds = 3
     reference = run_on_mosquitto(tmp_path / "mosquitto", rounds)
-    run = ClusterRun(hosts, tmp_path / "cluster", rounds)
+    run = ClusterRun(hosts, tmp_path / "cluster")
     try:
+        run.start_coordinator(rounds)
         run.finish()
     finally:
         run.close()
@@ -172,25 +196,33 @@ def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path):
 
 
 def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
-    rounds, on_node_2 = 6, {"dev1", "dev4"}
+    """The node killed is the leader of `$MQTT_msgs` (the coordinator is on another one): for the
+    seconds JetStream needs to elect a new leader, the other nodes time out QoS 1 publishes (and
+    close those connections) and refuse subscriptions, the hardest case for the nodes left."""
+    rounds = 6
+    run = ClusterRun(hosts, tmp_path)
+    killed = run.msgs_stream_leader()
+    on_killed = {f"dev{i}" for i in range(DEVICES) if host_of(i) == killed}
     # evaluated only after the last round: an evaluation waits for every device it thinks online
-    # up to --round-timeout, and no Last Will tells the coordinator that node 2's devices are gone
-    run = ClusterRun(hosts, tmp_path, rounds, "--min-clients", "4", "--quorum-grace", "2", "--eval-every", str(rounds))
-    node = run.nodes.node(2)
+    # up to --round-timeout, and no Last Will tells the coordinator that the killed node's devices are gone
+    run.start_coordinator(rounds, "--min-clients", "4", "--quorum-grace", "2", "--eval-every", str(rounds),
+                          coordinator_host=1 if killed != 1 else 2)
+    node = run.nodes.node(killed)
     try:
         run.watcher.wait_for_round(2)
         node.stop(kill=True)
-        run.watcher.wait_for_round(3)  # closed on quorum, without the devices of node 2
+        run.watcher.wait_for_round(3)  # closed on quorum, without the devices of the killed node
         run.coordinator.send_signal(signal.SIGSTOP)  # held until they are back: a slow restart can't outlast the run
         node.start()
         node.wait_healthy()
         hello = set()
-        run.watcher.wait_for("HELLOs of the devices on node 2", lambda e: e.kind is Kind.HELLO and (
-            hello.add(e.sender) or on_node_2 <= hello))
+        run.watcher.wait_for("HELLOs of the devices on the restarted node", lambda e: e.kind is Kind.HELLO and (
+            hello.add(e.sender) or on_killed <= hello))
         run.coordinator.send_signal(signal.SIGCONT)
         run.finish()
     finally:
-        run.coordinator.send_signal(signal.SIGCONT)
+        if run.coordinator is not None:
+            run.coordinator.send_signal(signal.SIGCONT)
         run.close()
 
     report = report_of(run.out)
@@ -199,7 +231,7 @@ def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
     assert report["rounds_completed"] == rounds
     assert [m["round"] for m in metrics if m["event"] == "round"] == list(range(1, rounds + 1)), "each round once"
     assert participants[:2] == [DEVICES] * 2
-    assert participants[2] == DEVICES - len(on_node_2), "round 3 closed without the devices of node 2"
-    assert participants[-1] == DEVICES, "the devices of node 2 rejoined and trained again"
+    assert participants[2] == DEVICES - len(on_killed), "round 3 closed without the devices of the killed node"
+    assert participants[-1] == DEVICES, "the devices of the restarted node rejoined and trained again"
     assert all(r["participants"] <= r["selected"] <= DEVICES for r in report["rounds"]), "no update applied twice"
-    assert on_node_2 <= set(report["final"]["per_client"])
+    assert on_killed <= set(report["final"]["per_client"])
