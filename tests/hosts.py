@@ -6,7 +6,9 @@ address `10.77.0.<i>/24`. Nothing is added to the machine's own namespace, so th
 are seen only by processes inside the namespaces, and two test runs (each its own bridge) can use
 the same subnet side by side.
 
-A process runs on a host with `hosts.spawn(i, argv)` (`ip netns exec`); the test's own MQTT
+A process runs on a host with `hosts.spawn(i, argv)` (`ip netns exec`, which also shows the host
+the files of `/etc/netns/<namespace>/`: `add_name` gives every host an /etc/hosts entry, e.g. one
+name for all the broker's nodes, as a DNS name with several addresses would); the test's own MQTT
 clients run on a host inside `with hosts.inside(i):` (setns(2) on the calling thread; threads
 started there, such as paho's network loop, stay in that host for good). `close()` kills every
 process spawned here and deletes the namespaces (which deletes the veths in them); it runs on
@@ -57,13 +59,23 @@ def _setns(fd: int) -> None:
         raise OSError(error, f"setns: {os.strerror(error)}")
 
 
+ETC_NETNS = Path("/etc/netns")
+
+
+def _remove_namespace(name: str) -> None:
+    _ip("netns", "del", name, check=False)
+    shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        ETC_NETNS.rmdir()  # only when no namespace has files there any more
+
+
 def remove_stale_namespaces() -> None:
     """Delete namespaces named by this module whose creating process is gone."""
     listing = _ip("netns", "list", check=False).stdout
     for name in re.findall(rf"^({PREFIX}(\d+)-\w+)", listing, flags=re.MULTILINE):
         namespace, pid = name
         if not Path(f"/proc/{pid}").exists():
-            _ip("netns", "del", namespace, check=False)
+            _remove_namespace(namespace)
 
 
 class Hosts:
@@ -127,7 +139,7 @@ class Hosts:
         for process in processes:
             stop_process(process)
         for name in reversed(self._created):
-            _ip("netns", "del", name, check=False)
+            _remove_namespace(name)
         self._created.clear()
 
     def __enter__(self) -> "Hosts":
@@ -135,6 +147,17 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def add_name(self, name: str, addresses: Sequence[str]) -> None:
+        """Resolve `name` to `addresses` (in this order) for processes spawned on every host."""
+        for host in range(1, self.count + 1):
+            folder = ETC_NETNS / self.namespace(host)
+            folder.mkdir(parents=True, exist_ok=True)
+            hosts_file = folder / "hosts"
+            if not hosts_file.exists():
+                hosts_file.write_text("127.0.0.1 localhost\n")
+            with hosts_file.open("a") as handle:
+                handle.writelines(f"{address} {name}\n" for address in addresses)
 
     # -- running things on a host ------------------------------------------------------------
     def command(self, host: int, argv: Sequence[str]) -> list[str]:

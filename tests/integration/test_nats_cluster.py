@@ -15,6 +15,7 @@ import queue
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -155,6 +156,13 @@ def test_qos1_messages_cross_nodes_in_order(cluster):
         sender.close()
 
 
+def line_of(process: subprocess.Popen, timeout: float = WAIT) -> str:
+    """The next line `process` prints; queue.Empty after `timeout` (its stdout must be a text pipe)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+    return lines.get(timeout=timeout)
+
+
 DEVICE_SCRIPT = textwrap.dedent("""
     import sys, threading
     from edge_sdk.transport import MqttSettings, MqttTransport
@@ -175,7 +183,7 @@ def test_last_will_of_a_killed_device_on_node2_reaches_the_coordinator_on_node1(
     device = hosts.spawn(2, [sys.executable, "-c", DEVICE_SCRIPT, nodes.urls[1], will_topic],
                          stdout=subprocess.PIPE, text=True)
     try:
-        assert device.stdout.readline().strip() == "connected"
+        assert line_of(device).strip() == "connected"
         assert coordinator.messages.empty()
 
         device.kill()  # no DISCONNECT: the node sees the socket close
@@ -220,6 +228,45 @@ def test_persistent_session_gets_what_was_published_while_its_node_was_down(clus
         node.wait_healthy()
         device.close()
         coordinator.close()
+
+
+FAILOVER_SCRIPT = textwrap.dedent("""
+    import sys
+    from edge_sdk.transport import MqttSettings, MqttTransport
+    url, topic = sys.argv[1:3]
+    device = MqttTransport("nc.dev-failover", MqttSettings(url=url, connect_timeout=30, reconnect_max_delay=2))
+    device.connect()
+    device.subscribe(topic)
+    while True:
+        incoming = device.incoming.get()
+        print(bytes(incoming.payload).decode(), device.connections, flush=True)
+""")
+
+
+def test_a_device_given_one_name_for_all_nodes_fails_over_to_another_node(cluster):
+    """The README's failover: a broker name that resolves to several nodes (here an /etc/hosts
+    entry; a DNS name with several addresses in the field). The device's node is killed; its
+    reconnection tries the next address, and its resubscription brings the retained status."""
+    hosts, nodes = cluster
+    topic = Topics(FED).broadcast(Kind.STATUS)
+    hosts.add_name("nats-cluster", [nodes.node(2).address, nodes.node(3).address])
+    coordinator = Probe(hosts, 1, nodes.urls[0], "nc.coordinator-failover")
+    coordinator.connect()
+    coordinator.publish(topic, b"before", retain=True)
+    device = hosts.spawn(2, [sys.executable, "-c", FAILOVER_SCRIPT, "mqtt://nats-cluster:1883", topic],
+                         stdout=subprocess.PIPE, text=True)
+    node = nodes.node(2)
+    try:
+        assert line_of(device).split() == ["before", "1"], "first connection: node 2, the first address"
+        node.stop(kill=True)
+        coordinator.publish(topic, b"after", retain=True)
+
+        assert line_of(device, 2 * WAIT).split() == ["after", "2"], "reconnected (to node 3) and resubscribed"
+    finally:
+        device.kill()
+        coordinator.close()
+        node.start()
+        node.wait_healthy()
 
 
 NATS_CHUNK_SIZE = 1_000_000
