@@ -1,14 +1,19 @@
 """`edgepfl broker-config --broker-kind nats`: a 3-node NATS cluster started with the written node
-configurations takes the coordinator and the devices on their own topics, and refuses a device
-on another device's topics (and a wrong password)."""
+configurations takes the coordinator and the devices on their own topics, refuses a device on
+another device's topics (and a wrong password), and carries a federation of `edgepfl`
+processes logged in with the written credentials files."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from coordinator.cli import main
+from coordinator.run_folder import RunFolder
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 from hosts import hosts_or_skip
@@ -106,3 +111,33 @@ def test_edgepfl_transport_retries_a_refused_subscription(configured):
         assert not device.subscriptions_active()
     finally:
         device.close()
+
+
+def test_a_federation_runs_with_the_written_accounts(configured, tmp_path):
+    """The real processes with their own credentials files: a coordinator on host 1 and two
+    signing devices on hosts 2 and 3 finish two FedAvg rounds, every update accepted."""
+    hosts, cluster, _ = configured
+    setup = tmp_path / "nats"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    common = ["--federation", FED, "--mqtt-protocol", "3.1.1", "--dataset", "digits", "--clients", str(len(DEVICES))]
+    devices = []
+    for index, (host, device) in enumerate(zip((2, 3), DEVICES)):
+        with open(tmp_path / f"{device}.log", "w") as log:
+            devices.append(hosts.spawn(host, [
+                sys.executable, "-m", "coordinator.cli", "client", "--broker", cluster.urls[host - 1], *common,
+                "--client-id", device, "--index", str(index), "--credentials", str(setup / "devices" / f"{device}.json"),
+                "--state-dir", str(tmp_path / device), "--device", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT))
+    with open(tmp_path / "coordinator.log", "w") as log:
+        coordinator = hosts.spawn(1, [
+            sys.executable, "-m", "coordinator.cli", "coordinator", "--broker", cluster.urls[0], *common,
+            "--algorithm", "fedavg", "--rounds", "2", "--local-epochs", "1", "--credentials",
+            str(setup / "credentials.json"), "--out", str(tmp_path / "run")], env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+    coordinator.wait(timeout=300)
+    assert coordinator.returncode == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    for device in devices:
+        device.wait(timeout=60)
+
+    report = json.loads(RunFolder(tmp_path / "run").report.read_text())
+    assert [r["participants"] for r in report["rounds"]] == [2, 2]
+    assert report["rejections"] == {}
