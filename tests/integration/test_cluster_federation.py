@@ -133,9 +133,11 @@ class ClusterRun:
     def __init__(self, hosts: Hosts, tmp_path: Path):
         self.hosts, self.tmp_path, self.out = hosts, tmp_path, tmp_path / "run"
         self.nodes = NatsCluster(hosts, tmp_path / "nats").start()
-        self.devices = [spawn_logged(partial(hosts.spawn, host_of(i)),
-                                     device_args(self.nodes.urls[host_of(i) - 1], tmp_path, i), tmp_path / f"dev{i}.log")
-                        for i in range(DEVICES)]
+        self.devices = []
+        for i in range(DEVICES):
+            url = self.nodes.urls[host_of(i) - 1]
+            self.devices.append(spawn_logged(partial(hosts.spawn, host_of(i)), device_args(url, tmp_path, i),
+                                             tmp_path / f"dev{i}.log"))
         self.watcher: Watcher | None = None
         self.coordinator: subprocess.Popen | None = None
 
@@ -143,7 +145,8 @@ class ClusterRun:
         url = self.nodes.urls[coordinator_host - 1]
         self.watcher = Watcher(self.hosts, coordinator_host, url)
         self.coordinator = spawn_logged(partial(self.hosts.spawn, coordinator_host),
-                                        coordinator_args(url, self.out, rounds, *flags), self.tmp_path / "coordinator.log")
+                                        coordinator_args(url, self.out, rounds, *flags),
+                                        self.tmp_path / "coordinator.log")
 
     def msgs_stream_leader(self) -> int:
         """The node (host) leading `$MQTT_msgs`, where every QoS 1 message is stored first; the

@@ -125,8 +125,9 @@ def test_a_federation_runs_with_the_written_accounts(configured, tmp_path):
         with open(tmp_path / f"{device}.log", "w") as log:
             devices.append(hosts.spawn(host, [
                 sys.executable, "-m", "coordinator.cli", "client", "--broker", cluster.urls[host - 1], *common,
-                "--client-id", device, "--index", str(index), "--credentials", str(setup / "devices" / f"{device}.json"),
-                "--state-dir", str(tmp_path / device), "--device", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT))
+                "--client-id", device, "--index", str(index),
+                "--credentials", str(setup / "devices" / f"{device}.json"), "--state-dir", str(tmp_path / device),
+                "--device", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT))
     with open(tmp_path / "coordinator.log", "w") as log:
         coordinator = hosts.spawn(1, [
             sys.executable, "-m", "coordinator.cli", "coordinator", "--broker", cluster.urls[0], *common,
