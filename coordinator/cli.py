@@ -311,8 +311,20 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_broker_config(args: argparse.Namespace) -> int:
-    from .broker_config import describe, generate
+    from .broker_config import BrokerConfigError, describe, generate
 
+    if args.broker_kind == "nats":
+        from .broker_nats import describe_nats, generate_nats
+
+        if args.tls or args.san or args.user:
+            raise BrokerConfigError("--tls, --san and --user are written for Mosquitto only (--broker-kind mosquitto)")
+        nodes = args.nodes.split(",") if args.nodes else [args.host]
+        setup = generate_nats(args.out, args.federation, args.devices, args.port or 1883, nodes=nodes,
+                              force=args.force)
+        print(describe_nats(setup))
+        return 0
+    if args.nodes:
+        raise BrokerConfigError("--nodes is for a NATS cluster (--broker-kind nats)")
     port = args.port if args.port is not None else (8883 if args.tls else 1883)
     setup = generate(args.out, args.federation, args.devices, port, host=args.host, tls=args.tls, sans=args.san,
                      user=args.user, force=args.force, shards=args.shards)
@@ -395,7 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--port", type=int, default=1883, help="port to listen on (default: 1883)")
     broker.set_defaults(handler=cmd_broker)
 
-    broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup: accounts, ACLs, mutual TLS")
+    broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup (accounts, ACLs, mutual TLS) or a "
+                                                         "NATS cluster's (accounts, permissions, nodes)")
+    broker_config.add_argument("--broker-kind", choices=["mosquitto", "nats"], default="mosquitto",
+                               help="which broker to configure (default: mosquitto)")
+    broker_config.add_argument("--nodes", metavar="ADDR,ADDR,...",
+                               help="nats: the cluster nodes' addresses, one nats-server configuration each "
+                                    "(default: --host alone)")
     broker_config.add_argument("--out", required=True, help="folder for mosquitto.conf, passwords, acl, credentials")
     broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
     broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")

@@ -334,9 +334,12 @@ class Coordinator:
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back, publish what devices may have missed."""
-        connections = getattr(self.channel.transport, "connections", 0)
+        transport = self.channel.transport
+        connections = getattr(transport, "connections", 0)
         if connections == self._connections:
             return
+        if not getattr(transport, "subscriptions_active", lambda: True)():
+            return  # not yet: the replies to what is published again must find the coordinator listening
         self._connections = connections
         log.warning("broker connection re-established; publishing status and the open request again")
         self.ledger.event("coordinator_reconnected", round=self.completed + 1)

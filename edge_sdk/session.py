@@ -144,9 +144,12 @@ class DeviceSession:
 
     # -- registration ----------------------------------------------------------------------
     def _should_hello(self) -> bool:
-        """Register again after a reconnection (the coordinator saw our Last Will), or while no
-        coordinator has answered yet."""
-        reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
+        """Register again after a reconnection (the coordinator saw our Last Will) once the broker
+        granted our subscriptions (the WELCOME must find us listening), or while no coordinator
+        has answered yet."""
+        transport = self.channel.transport
+        reconnected = (getattr(transport, "connections", 1) != self._connections_at_hello
+                       and getattr(transport, "subscriptions_active", lambda: True)())
         unanswered = not self.joined and time.monotonic() - self._last_hello > self.hello_interval
         return reconnected or unanswered
 
