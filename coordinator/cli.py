@@ -320,7 +320,7 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
             raise BrokerConfigError("--tls, --san and --user are written for Mosquitto only (--broker-kind mosquitto)")
         nodes = args.nodes.split(",") if args.nodes else [args.host]
         setup = generate_nats(args.out, args.federation, args.devices, args.port or 1883, nodes=nodes,
-                              force=args.force)
+                              force=args.force, shards=args.shards)
         print(describe_nats(setup))
         return 0
     if args.nodes:

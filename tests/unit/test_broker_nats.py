@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.broker_config import BrokerConfigError
 from coordinator.broker_nats import MQTT_DELIVERY, generate_nats, hash_password, permissions, subject
+from coordinator.sharding import shard_of
 
 
 def test_mqtt_topics_become_nats_subjects():
@@ -24,6 +25,25 @@ def test_permissions_equal_the_mosquitto_acl_plus_qos1_delivery():
     assert device == {"publish": ["edgepfl.plant7.up.cam-1", "edgepfl.plant7.up.cam-1.>"],
                       "subscribe": ["edgepfl.plant7.down.all", "edgepfl.plant7.down.all.>",
                                     "edgepfl.plant7.down.cam-1", "edgepfl.plant7.down.cam-1.>", MQTT_DELIVERY]}
+
+
+def test_with_shards_a_device_writes_its_shard_topic_and_an_aggregator_reads_its_shard():
+    shard = shard_of("cam-1", 2)
+
+    device, aggregator = permissions("plant7", "cam-1", shards=2), permissions("plant7", f"aggregator-{shard}", shards=2)
+
+    assert f"edgepfl.plant7.shard-{shard}.cam-1.train_res" in device["publish"]
+    assert not any(".shard-" in s for s in device["subscribe"])
+    assert f"edgepfl.plant7.shard-{shard}.*.train_res" in aggregator["subscribe"]
+    assert f"edgepfl.plant7.shard-{1 - shard}.*.train_res" not in aggregator["subscribe"]
+
+
+def test_shards_add_the_aggregator_accounts_and_refuse_a_reserved_device_id(tmp_path):
+    setup = generate_nats(tmp_path / "a", "plant7", "cam-1", 1884, shards=2)
+
+    assert set(json.loads(setup.credentials.read_text())["devices"]) == {"cam-1", "aggregator-0", "aggregator-1"}
+    with pytest.raises(BrokerConfigError, match="reserved for a shard aggregator"):
+        generate_nats(tmp_path / "b", "plant7", "aggregator-0", 1884, shards=1)
 
 
 def test_one_node_file_per_address_with_routes_to_the_others(tmp_path):
