@@ -2,7 +2,8 @@
 processes, two on each of the three hosts, each process connected to the node of its own host.
 
 FedAvg on digits in float64 aggregation gives the same global model as the same run over one
-Mosquitto, bit for bit. Then the node leading the `$MQTT_msgs` stream is SIGKILLed after round
+Mosquitto, bit for bit; so does the run with its aggregation split over two `edgepfl aggregator`
+processes on hosts 2 and 3 (`--shards 2`), each summing the updates of its shard's devices. Then the node leading the `$MQTT_msgs` stream is SIGKILLed after round
 2 (its two devices lose the broker, with no Last Will: the node that held their wills is gone,
 so the coordinator still counts them online) and restarted once round 3 closed on its quorum
 without them: the run completes, both devices reconnect to the restarted node, say HELLO and
@@ -140,6 +141,7 @@ class ClusterRun:
                                              tmp_path / f"dev{i}.log"))
         self.watcher: Watcher | None = None
         self.coordinator: subprocess.Popen | None = None
+        self.aggregators: list[tuple[subprocess.Popen, Path]] = []
 
     def start_coordinator(self, rounds: int, *flags: str, coordinator_host: int = 1) -> None:
         url = self.nodes.urls[coordinator_host - 1]
@@ -147,6 +149,15 @@ class ClusterRun:
         self.coordinator = spawn_logged(partial(self.hosts.spawn, coordinator_host),
                                         coordinator_args(url, self.out, rounds, *flags),
                                         self.tmp_path / "coordinator.log")
+
+    def start_aggregators(self, shards: int) -> None:
+        """`edgepfl aggregator --shard k/K` on host k + 2 (hosts 2 and 3 for two shards), each on its host's node."""
+        for shard in range(shards):
+            host = shard % (len(self.nodes.urls) - 1) + 2
+            argv = cli("aggregator", "--shard", f"{shard}/{shards}", "--broker", self.nodes.urls[host - 1],
+                       "--federation", FED)
+            log = self.tmp_path / f"aggregator{shard}.log"
+            self.aggregators.append((spawn_logged(partial(self.hosts.spawn, host), argv, log), log))
 
     def msgs_stream_leader(self) -> int:
         """The node (host) leading `$MQTT_msgs`, where every QoS 1 message is stored first; the
@@ -163,10 +174,15 @@ class ClusterRun:
         finish(self.coordinator, self.tmp_path / "coordinator.log")
         for index, device in enumerate(self.devices):
             finish(device, self.tmp_path / f"dev{index}.log", timeout=60)
+        for aggregator, log in self.aggregators:
+            finish(aggregator, log, timeout=60)
 
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
+        for aggregator, _ in self.aggregators:
+            aggregator.kill()
+            aggregator.wait()
         self.nodes.stop()
 
 
@@ -177,12 +193,23 @@ def hosts():
         yield made
 
 
-def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path):
+def assert_same_global_state(expected_run: Path, actual_run: Path) -> None:
+    expected, actual = global_state(expected_run), global_state(actual_run)
+    assert set(actual) == set(expected)
+    for group, arrays in expected.items():
+        assert set(actual[group]) == set(arrays)
+        for name, value in arrays.items():
+            assert np.array_equal(actual[group][name], value), f"{group}/{name} differs from the Mosquitto run"
+
+
+@pytest.mark.parametrize("shards", [0, 2], ids=["coordinator_aggregates", "two_aggregator_hosts"])
+def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path, shards):
     rounds = 3
     reference = run_on_mosquitto(tmp_path / "mosquitto", rounds)
     run = ClusterRun(hosts, tmp_path / "cluster")
     try:
-        run.start_coordinator(rounds)
+        run.start_aggregators(shards)
+        run.start_coordinator(rounds, "--shards", str(shards))
         run.finish()
     finally:
         run.close()
@@ -190,12 +217,10 @@ def test_federation_on_the_cluster_equals_one_mosquitto(hosts, tmp_path):
     report = report_of(run.out)
     assert report["rounds_completed"] == rounds
     assert [r["participants"] for r in report["rounds"]] == [DEVICES] * rounds
-    expected, actual = global_state(reference), global_state(run.out)
-    assert set(actual) == set(expected)
-    for group, arrays in expected.items():
-        assert set(actual[group]) == set(arrays)
-        for name, value in arrays.items():
-            assert np.array_equal(actual[group][name], value), f"{group}/{name} differs from the Mosquitto run"
+    assert all(not r.get("lost_shards") for r in report["rounds"])
+    for _, log in run.aggregators:
+        assert f"{rounds} partials sent" in log.read_text()
+    assert_same_global_state(reference, run.out)
 
 
 def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
