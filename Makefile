@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-APT_PACKAGES := mosquitto dataset-fashion-mnist
+APT_PACKAGES := mosquitto nats-server iproute2 dataset-fashion-mnist
 
 .PHONY: demo test install system-deps clean
 
@@ -21,10 +21,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-# Mosquitto for the integration tests and Fashion-MNIST for the dataset tests; needs root.
+# Mosquitto for the integration tests, nats-server and iproute2 for the cluster tests (network
+# namespaces) and Fashion-MNIST for the dataset tests; needs root.
 system-deps:
 	@missing=""; \
 	[ -x /usr/sbin/mosquitto ] || command -v mosquitto >/dev/null 2>&1 || missing="$$missing mosquitto"; \
+	[ -x /usr/sbin/nats-server ] || command -v nats-server >/dev/null 2>&1 || missing="$$missing nats-server"; \
+	command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing="$$missing iproute2"; \
 	[ -d /usr/share/datasets/fashion-mnist ] || missing="$$missing dataset-fashion-mnist"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

@@ -112,7 +112,7 @@ def run_loopback(config: RunConfig) -> dict:
     hub = LoopbackBroker()
     federation = config.broker.federation
     threads = []
-    for indices in split_among_workers(config.run.clients, config.worker_count):
+    for indices in split_among_workers(range(config.run.clients), config.worker_count):
         lock = threading.Lock()
         for index in indices:
             data = config.run.client_data(index, config.training.seed)
@@ -197,7 +197,7 @@ def run_inprocess(config: RunConfig) -> dict:
     started = time.monotonic()
     context = multiprocessing.get_context("spawn")
     workers, conns = [], []
-    for indices in split_among_workers(config.run.clients, config.worker_count):
+    for indices in split_among_workers(range(config.run.clients), config.worker_count):
         parent, child = context.Pipe()
         process = context.Process(target=_direct_worker, args=(config, indices, child), daemon=True)
         process.start()

@@ -7,6 +7,7 @@ one model, not one model per device, and no full-size temporaries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -27,6 +28,18 @@ def accumulator_dtype(dtype: np.dtype, least: np.dtype = np.dtype(np.float32)) -
     training can amplify that; summed in float64, runs repeat bit for bit.
     """
     return np.result_type(dtype, least)
+
+
+@dataclass
+class PartialSum:
+    """One shard's part of a round's weighted mean: `sums` holds, by name, the sum over the
+    shard's updates of weight x (update - reference), in the accumulator's dtype; `total_weight`
+    and `count` are those of the updates summed. The mean over every shard is
+    reference + (sum of the shards' sums) / (sum of their total weights)."""
+
+    sums: ArrayGroup
+    total_weight: float
+    count: int
 
 
 class WeightedMean:
@@ -96,6 +109,31 @@ class WeightedMean:
         if dtype not in self._scratch:
             self._scratch[dtype] = np.empty(BLOCK, dtype)
         return self._scratch[dtype]
+
+    def partial(self) -> PartialSum:
+        """The running sums as they are (not divided, the reference not added back): what a
+        shard aggregator sends; the aggregator is spent after that (`add` raises)."""
+        self._result = {}
+        return PartialSum(self._sums, self.total_weight, self.count)
+
+    def add_partial(self, partial: PartialSum, dtypes: Mapping[str, np.dtype]) -> None:
+        """Fold in another aggregator's sums (`partial`, already checked: the names of every
+        other partial, shapes, finite values, the accumulator's dtype); `dtypes` are the
+        updates' own dtypes, those of the result."""
+        if self._result is not None:
+            raise ValueError("the mean was already taken; start a new WeightedMean for the next round")
+        if partial.count == 0:
+            return
+        if self._sums and set(partial.sums) != set(self._sums):
+            raise ValueError("every partial must carry the same array names")
+        for key, value in partial.sums.items():
+            if key in self._sums:
+                self._sums[key] += value
+            else:
+                self._sums[key] = np.array(value, dtype=accumulator_dtype(np.dtype(dtypes[key]), self._least))
+                self._dtypes[key] = np.dtype(dtypes[key])
+        self.total_weight += partial.total_weight
+        self.count += partial.count
 
     def result(self) -> ArrayGroup:
         if self.count == 0:

@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, coordinator, client, broker, broker-config.
+"""The `edgepfl` command: simulate, workers, coordinator, client, aggregator, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
 `edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
@@ -50,6 +50,14 @@ def _run_config(args: argparse.Namespace):
     return config
 
 
+def _check_sharding(config) -> None:
+    """Refuse a run with `shards` whose algorithm or aggregation rule cannot be split (imports the algorithm)."""
+    from .algorithms import load
+    from .sharding import check_shardable
+
+    check_shardable(load(config.run.algorithm), config.aggregation.rule, config.round.shards)
+
+
 MAX_PARTICIPATION_LINES = 8
 """Rounds with a participation shortfall listed one by one in the summary; the rest are counted."""
 
@@ -92,12 +100,18 @@ def _summary(report: dict[str, Any], out: str) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
+    local = None
+    if args.local_devices is not None:
+        from .device_ranges import parse_devices
+
+        local = parse_devices(args.local_devices, config.run.clients, "--local-devices", allow_none=True)
     from .events import RunStarted
     from .memory import return_freed_buffers
     from .report import cumulative_megabytes
     from .server import RegistrationTimeout, finished_report
     from .simulate import WorkersFailed, run_simulation
 
+    _check_sharding(config)
     finished = finished_report(config)
     if finished is not None:
         print(f"run {finished['run_id']} in {config.run.out} already finished all {config.training.rounds} rounds; "
@@ -130,7 +144,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bars[0].update(1)
 
     try:
-        report = run_simulation(config, on_round=on_round, on_event=on_event)
+        report = run_simulation(config, local=local, on_round=on_round, on_event=on_event)
         if bars:  # the bar's last MB: the run's total, release and final evaluation included
             bars[0].set_postfix(MB=f"{cumulative_megabytes(report)[-1]:.1f}")
     except (RegistrationTimeout, WorkersFailed) as exc:
@@ -142,6 +156,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    from edge_sdk.config import ConfigError
+
+    from .device_ranges import parse_devices
+
+    config = _run_config(args)  # refused before the heavy imports below
+    indices = parse_devices(args.devices, config.run.clients, "--devices")
+    if not args.start_timeout > 0:
+        raise ConfigError(f"--start-timeout must be positive, got {args.start_timeout}")
+    from .simulate import WorkersFailed
+    from .workers import DevicesFailed, RunNotAnnounced, host_devices
+
+    try:
+        footprint = host_devices(config, indices, start_timeout=args.start_timeout,
+                                 on_joined=lambda joined: print(joined.describe(), flush=True))
+    except (RunNotAnnounced, DevicesFailed, WorkersFailed) as exc:
+        raise CommandFailed(str(exc)) from None
+    print(f"run finished; {footprint.devices} devices hosted here")
+    return 0
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
     from edge_sdk.settings import DEFAULT_BROKER
@@ -149,6 +184,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from .memory import return_freed_buffers
     from .server import Coordinator, RegistrationTimeout
 
+    _check_sharding(config)  # before connecting
     return_freed_buffers()
     transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()
@@ -180,6 +216,44 @@ def cmd_client(args: argparse.Namespace) -> int:
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client)
     return 0
+
+
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from edge_sdk.lifecycle import run_until_done
+    from edge_sdk.protocol import aggregator_id
+    from edge_sdk.settings import BrokerSettings
+
+    from .aggregator import parse_shard
+
+    shard, shards = parse_shard(args.shard)
+    broker = section_from(BrokerSettings, args)
+    mqtt = broker.mqtt_settings(aggregator_id(shard))
+    verifier = _upload_verifier(broker.credentials, aggregator_id(shard))
+    from .aggregator import ShardAggregator  # torch: once the flags and credentials are checked
+
+    aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation, verifier=verifier)
+    run_until_done(aggregator)
+    print(f"aggregator {shard}/{shards}: run {aggregator.run_id} finished, {aggregator.partials_sent} partials sent")
+    return 0
+
+
+def _upload_verifier(credentials: str | None, account: str):
+    """The devices' signing keys for an aggregator whose `--credentials` is the fleet's
+    credentials.json; None (uploads unchecked, said once) for a file with its own entry only."""
+    from edge_sdk.config import ConfigError
+    from edge_sdk.signing import SigningKeyError, fleet_verifier
+
+    if not credentials:
+        return None
+    try:
+        verifier = fleet_verifier(credentials)
+    except SigningKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    if verifier is None or not verifier.devices - {account}:
+        log.warning("%s enrolls no device keys besides %s's: device uploads are not checked for signatures (give "
+                    "the aggregator the fleet's credentials.json to check them)", credentials, account)
+        return None
+    return verifier
 
 
 def _device_data(args: argparse.Namespace):
@@ -237,11 +311,23 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_broker_config(args: argparse.Namespace) -> int:
-    from .broker_config import describe, generate
+    from .broker_config import BrokerConfigError, describe, generate
 
+    if args.broker_kind == "nats":
+        from .broker_nats import describe_nats, generate_nats
+
+        if args.tls or args.san or args.user:
+            raise BrokerConfigError("--tls, --san and --user are written for Mosquitto only (--broker-kind mosquitto)")
+        nodes = args.nodes.split(",") if args.nodes else [args.host]
+        setup = generate_nats(args.out, args.federation, args.devices, args.port or 1883, nodes=nodes,
+                              force=args.force, shards=args.shards)
+        print(describe_nats(setup))
+        return 0
+    if args.nodes:
+        raise BrokerConfigError("--nodes is for a NATS cluster (--broker-kind nats)")
     port = args.port if args.port is not None else (8883 if args.tls else 1883)
     setup = generate(args.out, args.federation, args.devices, port, host=args.host, tls=args.tls, sans=args.san,
-                     user=args.user, force=args.force)
+                     user=args.user, force=args.force, shards=args.shards)
     print(describe(setup))
     return 0
 
@@ -263,7 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="a whole federation on this machine over MQTT")
     _add_run_flags(simulate, "simulate")
     simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    simulate.add_argument("--local-devices", metavar="RANGE",
+                          help="the devices this host runs, e.g. 0-99 (none: no device here); `edgepfl workers` "
+                               "on other hosts runs the rest, over --broker under --federation (default: all)")
     simulate.set_defaults(handler=cmd_simulate)
+
+    workers = sub.add_parser("workers", help="host a share of a simulation's devices on this host")
+    _add_run_flags(workers, "simulate")
+    workers.add_argument("--devices", required=True, metavar="RANGE",
+                         help="the devices this host runs, e.g. 100-199 or 100-149,300 (indices below --clients)")
+    workers.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",
+                         help="how long to wait for the coordinator to register devices, and then for these "
+                              "devices to join (default: 300)")
+    workers.set_defaults(handler=cmd_workers)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator against a broker")
     _add_run_flags(coordinator, "coordinator")
@@ -275,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest upload published as one message, in bytes (lower it for a broker whose packet "
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.set_defaults(handler=cmd_client)
+
+    aggregator = sub.add_parser("aggregator", help="run one shard aggregator of a run with --shards K")
+    aggregator.add_argument("--shard", required=True, metavar="k/K",
+                            help="which shard this process sums (0 <= k < K) of the run's K shards")
+    add_setting_flags(aggregator, "client", sections=("broker",))
+    aggregator.set_defaults(handler=cmd_aggregator)
 
     lite = sub.add_parser("lite-client", help="run one weak device (ONNX Runtime + a numpy head, no torch)")
     _add_device_flags(lite, "lite-client")
@@ -303,7 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--port", type=int, default=1883, help="port to listen on (default: 1883)")
     broker.set_defaults(handler=cmd_broker)
 
-    broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup: accounts, ACLs, mutual TLS")
+    broker_config = sub.add_parser("broker-config", help="write a Mosquitto setup (accounts, ACLs, mutual TLS) or a "
+                                                         "NATS cluster's (accounts, permissions, nodes)")
+    broker_config.add_argument("--broker-kind", choices=["mosquitto", "nats"], default="mosquitto",
+                               help="which broker to configure (default: mosquitto)")
+    broker_config.add_argument("--nodes", metavar="ADDR,ADDR,...",
+                               help="nats: the cluster nodes' addresses, one nats-server configuration each "
+                                    "(default: --host alone)")
     broker_config.add_argument("--out", required=True, help="folder for mosquitto.conf, passwords, acl, credentials")
     broker_config.add_argument("--federation", required=True, help="federation name (topic namespace)")
     broker_config.add_argument("--devices", required=True, help="comma-separated device ids (their MQTT usernames)")
@@ -315,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="extra DNS name or IP for the server certificate (repeatable; default: none)")
     broker_config.add_argument("--user", help="account mosquitto runs as when started as root (default: you)")
     broker_config.add_argument("--force", action="store_true", help="replace an existing setup (new passwords)")
+    broker_config.add_argument("--shards", type=int, default=0,
+                               help="the runs' --shards K: accounts aggregator-0..K-1 and the shard topics in the "
+                                    "ACL (default: 0, no sharded aggregation)")
     broker_config.set_defaults(handler=cmd_broker_config)
     return parser
 

@@ -202,13 +202,15 @@ class RunConfig:
         """How `account` connects to `url`: explicit username/password, else its entry in `credentials`."""
         return self.broker.mqtt_settings(account, url)
 
-    def fingerprint(self) -> str:
-        """A hash of the settings that define the run's results; a resume requires the same one.
+    def defining(self) -> dict[str, Any]:
+        """The settings that define the run's results, by flat key, as plain JSON values: what
+        the fingerprint hashes and what the coordinator announces while it registers devices
+        (so `edgepfl workers` can check that it hosts devices of this very run).
 
-        The settings declared with `defines` enter it by their flat key (`rounds` is left out
-        so a finished run can be extended; so are paths, timeouts and how the run is executed);
-        those declared `DEFINES_IF_SET` only when set, so runs made before they existed keep
-        their fingerprint.
+        The settings declared with `defines` enter by their flat key (`rounds` is left out so a
+        finished run can be extended; so are paths, timeouts and how the run is executed); those
+        declared `DEFINES_IF_SET` only when set, so runs made before they existed keep their
+        fingerprint.
         """
         defining: dict[str, Any] = {}
         for section, item in all_settings():
@@ -219,7 +221,11 @@ class RunConfig:
         defining["model"] = self.model_name
         if self.declared_task is not None:
             defining["declared_task"] = self.declared_task
-        return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return json.loads(json.dumps(defining, default=str))
+
+    def fingerprint(self) -> str:
+        """A hash of the settings that define the run's results (`defining`); a resume requires the same one."""
+        return hashlib.sha256(json.dumps(self.defining(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _releases(algorithm: str) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class Device:
     client_id: str
-    kind: str  # "trainer" or "lite"
+    kind: str  # "trainer", "lite" or "aggregator" (a shard aggregator)
     num_examples: int
     online: bool = True
     capabilities: dict | None = None
@@ -31,7 +31,9 @@ class DeviceRegistry:
             self.devices[client_id].online = False
 
     def online(self, kind: str | None = None) -> list[str]:
-        return sorted(d.client_id for d in self.devices.values() if d.online and (kind is None or d.kind == kind))
+        """Online devices of `kind`; without one, every device but the shard aggregators."""
+        return sorted(d.client_id for d in self.devices.values()
+                      if d.online and (d.kind == kind if kind is not None else d.kind != "aggregator"))
 
     def kind_of(self, client_id: str) -> str:
         return self.devices[client_id].kind if client_id in self.devices else "unknown"

@@ -99,7 +99,8 @@ class Federation:
             transport.connect()
             try:
                 coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=self.on_round,
-                                          model=None if isinstance(self.model, str) else self.model)
+                                          model=None if isinstance(self.model, str) else self.model,
+                                          roster=[client_id_for(index) for index in range(config.run.clients)])
                 report = coordinator.run()
             finally:
                 transport.close()

@@ -27,11 +27,14 @@ def _first_sentence(text: str) -> str:
     return " ".join(text.split()).split(". ")[0].rstrip(".")
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> list[str]:
-    """Add a flag for every setting `command` takes, one argument group per section; returns
-    the keys (the namespace attributes) added."""
+def add_setting_flags(parser: argparse.ArgumentParser, command: str,
+                      sections: Iterable[str] | None = None) -> list[str]:
+    """Add a flag for every setting `command` takes, one argument group per section (of
+    `sections` only, when given); returns the keys (the namespace attributes) added."""
     keys = []
     for section, cls in SECTIONS.items():
+        if sections is not None and section not in sections:
+            continue
         items = [item for item in settings_of(cls) if command in item.commands]
         if not items:
             continue

@@ -78,6 +78,17 @@ class RoundCollector:
         self.refused[client_id] = msg_id
         self.offline.discard(client_id)
 
+    def lose(self, client_id: str) -> int:
+        """A selected device whose reply will not be aggregated after all (its shard's aggregator
+        was lost): it counts as missing, not replied; returns 1 if its reply had been accepted."""
+        if client_id not in self.selected or client_id in self.refused:
+            return 0
+        accepted = self.replied.pop(client_id, None) is not None
+        self.offline.add(client_id)
+        if len(self.replied) < self.min_replies:
+            self.quorum_at = None
+        return int(accepted)
+
     def mark_offline(self, client_id: str) -> None:
         if client_id in self.selected and client_id not in self.replied:
             self.offline.add(client_id)

@@ -7,7 +7,9 @@ all / quorum+grace / deadline (both grow with the reply times measured, `rounds.
 late, missing). There are no algorithm branches here; everything algorithm-specific sits behind
 `ServerAlgorithm`. Killed and restarted with the same `--out`, it resumes after the last
 checkpointed round and never applies or records a round twice; a run that already played all
-its rounds is left as it is (`finished_report`). After a broker reconnection it
+its rounds is left as it is (`finished_report`). With `shards` K > 0, K shard aggregators
+register too and sum their shards' updates; the coordinator adds their partials up
+(`coordinator.sharding`). After a broker reconnection it
 publishes its status and the outstanding request again (devices answer a repeated request with
 their cached reply, so nothing is trained or applied twice).
 """
@@ -18,13 +20,14 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError, to_plain
 from edge_sdk.models import (ModelSpec, Signature, build_model, first_mismatch, model_signature, signature_from_plain,
                              signature_to_plain)
-from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, check_client_id, new_message_id
+from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id,
+                               check_client_id, new_message_id, shard_of_aggregator)
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
@@ -37,6 +40,7 @@ from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, read_report, summarize, write_report
 from .rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients
 from .run_folder import RunFolder
+from .sharding import AGGREGATOR, ShardRound, check_partial, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
 
 log = logging.getLogger(__name__)
@@ -100,11 +104,20 @@ class RoundRecord:
     """Late updates that arrived during this round and were dropped."""
     bytes_down_delivered: int = 0
     """What the broker delivered: each broadcast once per online registered device."""
+    lost_shards: list[int] = field(default_factory=list)
+    """Shards (`shards` > 0) whose partial was not aggregated: aggregator gone, partial refused or late."""
+    lost_updates: int = 0
+    """Updates a lost shard's aggregator had folded: checked, but not aggregated."""
 
 
 class Coordinator:
     """Runs one federated training over a `Channel`; `run()` returns the report. Observers
-    `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record."""
+    `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record.
+
+    `roster` names devices the run expects (a simulation's: dev000, dev001, ...): what the
+    algorithm hands out in order of registration (FediOS's projection blocks, DC-PFL's body
+    models) is handed out to them in the roster's order before registration opens, so it does
+    not depend on the order their HELLOs arrive in (devices on several hosts)."""
 
     def __init__(
         self,
@@ -114,8 +127,10 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         model: ModelSpec | None = None,
+        roster: Sequence[str] = (),
     ):
         self.config = config
+        self.roster = tuple(roster)
         self.model: ModelSpec = model if model is not None else config.model_name
         self.channel = channel
         self.topics = channel.topics
@@ -126,6 +141,9 @@ class Coordinator:
         self.folder = RunFolder(config.run.out)
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.run.algorithm)
+        self.shards = config.round.shards
+        check_shardable(algorithm_cls, config.aggregation.rule, self.shards)
+        self._sharded: ShardRound | None = None  # the training round's shards, while it is open
         self.hyper = algorithms.hyperparameters(config.run.algorithm, config.hyper)
         context = ServerContext(self.model, config.task(), config.training.seed, config.training.rounds,
                                 config.run.clients, config.aggregation)
@@ -149,6 +167,8 @@ class Coordinator:
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
         self._started = time.time()
         self.ledger = Ledger(channel, self._resume())
+        for client_id in self.roster:  # before any HELLO: assignments in the roster's order
+            self.algorithm.assignment(client_id)
 
     def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
         """Call `callback(event)` for each event of the given types (every event without any)."""
@@ -214,15 +234,14 @@ class Coordinator:
         return report
 
     def _status(self, state: str) -> None:
+        """Publish the retained STATUS; while registering it carries the settings that define the
+        run (`RunConfig.defining`), which `edgepfl workers` checks its own against."""
         self._status_state = state
-        envelope = Envelope(
-            Kind.STATUS,
-            COORDINATOR,
-            run_id=self.run_id,
-            round=self.completed,
-            config={"state": state, "incarnation": self.incarnation, "epoch": self._connections,
-                    "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm},
-        )
+        config = {"state": state, "incarnation": self.incarnation, "epoch": self._connections,
+                  "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm}
+        if state == "registering":
+            config["settings"] = self.config.defining()
+        envelope = Envelope(Kind.STATUS, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
         self._send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
     def _send(self, topic: str, envelope: Envelope, *, retain: bool = False) -> None:
@@ -238,8 +257,15 @@ class Coordinator:
         opened = self.clock()
         self.events.emit(RegistrationOpened(self.config.run.clients))
         deadline = opened + self.config.round.registration_timeout
-        while len(self.registry.online()) < self.config.run.clients and self.clock() < deadline:
+        while ((len(self.registry.online()) < self.config.run.clients or self._aggregators_missing())
+               and self.clock() < deadline):
             self._serve(min(1.0, deadline - self.clock()), on_reply=self._stale_reply)
+        missing = self._aggregators_missing()
+        if missing:
+            raise RegistrationTimeout(
+                f"shard aggregators {', '.join(map(aggregator_id, missing))} did not register within "
+                f"{self.config.round.registration_timeout:.0f} s; start `edgepfl aggregator --shard k/{self.shards}` "
+                "for each")
         have = len(self.registry.online("trainer"))
         if have < self.config.round.min_clients:
             raise RegistrationTimeout(
@@ -249,8 +275,19 @@ class Coordinator:
         if self.config.round.holdout_clients:
             self.holdout = frozenset(self.registry.online("trainer")[-self.config.round.holdout_clients:])
             log.info("held out of training (heads only): %s", ", ".join(sorted(self.holdout)))
-        log.info("%d devices registered (%d trainers); starting", len(self.registry.devices), have)
-        self.events.emit(DevicesRegistered(len(self.registry.devices), have, self.clock() - opened))
+        devices = self._device_count()
+        log.info("%d devices registered (%d trainers)%s; starting", devices, have,
+                 f" and {self.shards} shard aggregators" if self.shards else "")
+        self.events.emit(DevicesRegistered(devices, have, self.clock() - opened))
+
+    def _device_count(self) -> int:
+        """Registered devices (trainers and weak ones; shard aggregators are not devices)."""
+        return sum(1 for device in self.registry.devices.values() if device.kind != AGGREGATOR)
+
+    def _aggregators_missing(self) -> list[int]:
+        """Shards whose aggregator is not online."""
+        online = set(self.registry.online(AGGREGATOR))
+        return [k for k in range(self.shards) if aggregator_id(k) not in online]
 
     # -- message handling ------------------------------------------------------------------
     def _serve(self, timeout: float, on_reply: Callable[[Received], None]) -> None:
@@ -283,12 +320,26 @@ class Coordinator:
                 self._late_update(envelope)
             else:
                 on_reply(received)
+        elif envelope.kind in (Kind.NOTE, Kind.PARTIAL):
+            if envelope.run_id != self.run_id:
+                self.channel.reject(Reason.WRONG_RUN, f"{envelope.kind.value} from {envelope.sender}: run "
+                                                      f"{envelope.run_id!r}")
+            elif self.registry.kind_of(envelope.sender) != AGGREGATOR:
+                self.channel.reject(Reason.UNKNOWN_DEVICE, f"{envelope.kind.value} from {envelope.sender}, not a "
+                                                           "registered shard aggregator")
+            elif self._sharded is None:
+                self._stale_reply(received)
+            else:
+                self._on_shard_message(envelope)
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back, publish what devices may have missed."""
-        connections = getattr(self.channel.transport, "connections", 0)
+        transport = self.channel.transport
+        connections = getattr(transport, "connections", 0)
         if connections == self._connections:
             return
+        if not getattr(transport, "subscriptions_active", lambda: True)():
+            return  # not yet: the replies to what is published again must find the coordinator listening
         self._connections = connections
         log.warning("broker connection re-established; publishing status and the open request again")
         self.ledger.event("coordinator_reconnected", round=self.completed + 1)
@@ -343,6 +394,9 @@ class Coordinator:
         except ValueError as exc:
             self.channel.reject(Reason.MALFORMED, f"HELLO: {exc}")
             return
+        if kind == AGGREGATOR or shard_of_aggregator(hello.sender) is not None:
+            self._register_aggregator(hello)
+            return
         if (kind not in ("trainer", "lite") or not isinstance(examples, (int, float))
                 or not math.isfinite(examples) or examples < 1):
             self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
@@ -358,6 +412,28 @@ class Coordinator:
         self.registry.register(hello.sender, kind, int(examples), hello.config)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
+        self._send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+
+    def _register_aggregator(self, hello: Envelope) -> None:
+        """A shard aggregator: `aggregator-<k>` with device_type "aggregator", for one of this
+        run's shards; it gets the run's aggregation settings, or a refusal that says why not."""
+        shard, kind = shard_of_aggregator(hello.sender), hello.config.get("device_type")
+        if kind != AGGREGATOR or hello.config.get("shard") != shard:
+            self.channel.reject(Reason.MALFORMED, f"HELLO from {hello.sender}: ids aggregator-<k> are reserved for "
+                                                  f"the aggregator of shard k (device_type {kind!r})")
+            return
+        if not self.shards or shard >= self.shards or hello.config.get("shards") != self.shards:
+            refusal = (f"this run has shards {self.shards}; {hello.sender} came as shard {shard} of "
+                       f"{hello.config.get('shards')!r}")
+            self.channel.reject(Reason.MALFORMED, f"HELLO: {refusal}")
+            self._send(self.topics.down(hello.sender, Kind.WELCOME),
+                       Envelope(Kind.WELCOME, COORDINATOR, run_id=self.run_id, round=self.completed,
+                                config={"refused": refusal}))
+            return
+        known = hello.sender in self.registry.devices
+        self.registry.register(hello.sender, AGGREGATOR, 0, hello.config)
+        self.ledger.event("rejoined" if known else "registered", device=hello.sender, round=self.completed + 1)
+        log.info("%s shard aggregator %s", "re-registered" if known else "registered", hello.sender)
         self._send(self.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
 
     @property
@@ -381,21 +457,31 @@ class Coordinator:
 
     def welcome(self, client_id: str) -> Envelope:
         """The WELCOME a registered device receives: the run, the algorithm with its
-        hyperparameters, the device's assignment and the training settings."""
-        return Envelope(
-            Kind.WELCOME,
-            COORDINATOR,
-            run_id=self.run_id,
-            round=self.completed,
-            config={
-                "incarnation": self.incarnation,
-                "algorithm": self.config.run.algorithm,
-                "hyper": to_plain(self.hyper),
-                "assignment": self.algorithm.assignment(client_id),
-                "settings": self.config.welcome_settings(),
-                "model_signature": signature_to_plain(self.model_signature),
-            },
-        )
+        hyperparameters, the device's assignment and the training settings; under sharded
+        aggregation a trainer's `shard`, and a shard aggregator what it checks and sums with."""
+        if self.registry.kind_of(client_id) == AGGREGATOR:
+            return Envelope(Kind.WELCOME, COORDINATOR, run_id=self.run_id, round=self.completed,
+                            config={"incarnation": self.incarnation, "algorithm": self.config.run.algorithm,
+                                    "hyper": to_plain(self.hyper), "aggregation": self._aggregation_settings()})
+        config = {
+            "incarnation": self.incarnation,
+            "algorithm": self.config.run.algorithm,
+            "hyper": to_plain(self.hyper),
+            "assignment": self.algorithm.assignment(client_id),
+            "settings": self.config.welcome_settings(),
+            "model_signature": signature_to_plain(self.model_signature),
+        }
+        if self.shards and self.registry.kind_of(client_id) == "trainer":
+            config["shard"] = shard_of(client_id, self.shards)
+        return Envelope(Kind.WELCOME, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
+
+    def _aggregation_settings(self) -> dict[str, Any]:
+        """What a shard aggregator needs to check and sum updates as this coordinator would."""
+        context = self.algorithm.context
+        return {"model": self.config.model_name, "task": context.task.to_plain(), "seed": context.seed,
+                "rounds": context.rounds, "clients": context.clients, "rule": asdict(context.aggregation),
+                "max_examples": self.limits.max_examples, "max_update_norm": self.limits.max_update_norm,
+                "upload_codec": self.config.training.upload_codec}
 
     def _offline(self, client_id: str) -> None:
         if client_id in self.registry.devices and self.registry.devices[client_id].online:
@@ -404,6 +490,9 @@ class Coordinator:
         self.registry.mark_offline(client_id)
         if self._collector is not None:
             self._collector.mark_offline(client_id)
+        shard = shard_of_aggregator(client_id)
+        if self._sharded is not None and shard is not None:
+            self._lose_shard(shard, "its aggregator went offline")
 
     def _request(self, kind: Kind, envelope: Envelope, collector: RoundCollector,
                  on_reply: Callable[[Received], None]) -> Outcome:
@@ -451,7 +540,7 @@ class Coordinator:
         selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
-        collector, outcome, folded = self._train(round_, selected, started)
+        collector, outcome, folded, sharded = self._train(round_, selected, started)
         evaluation = None
         accuracies: list[float] = []
         if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
@@ -481,6 +570,8 @@ class Coordinator:
             late_folded=folded,
             late_discarded=self.late.discarded - discarded0,
             bytes_down_delivered=self.ledger.delivered_total() - delivered0,
+            lost_shards=sorted(sharded.lost) if sharded else [],
+            lost_updates=sharded.lost_updates if sharded else 0,
         )
         entry = asdict(record)
         self.completed = round_
@@ -499,11 +590,12 @@ class Coordinator:
         settings = self.config.round
         return round_windows(settings.quorum_grace, settings.round_timeout, settings.patience, self._slowest_reply)
 
-    def _train(self, round_: int, selected: list[str], started: float) -> tuple[RoundCollector, Outcome, int]:
+    def _train(self, round_: int, selected: list[str],
+               started: float) -> tuple[RoundCollector, Outcome, int, ShardRound | None]:
         """Broadcast TRAIN, fold the replies in (and the previous round's late updates kept for
-        this one), aggregate; returns the collector, the outcome and how many late updates were
-        folded. What was broadcast is let go on return, before evaluation and the checkpoint
-        (kept only while late updates may be folded against it)."""
+        this one), aggregate; returns the collector, the outcome, how many late updates were
+        folded and, sharded, the round's shards. What was broadcast is let go on return, before
+        evaluation and the checkpoint (kept only while late updates may be folded against it)."""
         self.algorithm.begin_round(round_)
         groups = self.algorithm.task_groups(round_)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
@@ -516,8 +608,18 @@ class Coordinator:
             deadline=self.clock() + timeout,
             grace=grace,
         )
-        outcome = self._request(Kind.TRAIN, task, collector,
-                                lambda r: self._on_update(r, round_, groups, collector, started))
+        if self.shards:
+            self._sharded = self._open_shards(round_, selected, task.msg_id, collector)
+            on_update = self._misrouted_update
+        else:
+            on_update = lambda r: self._on_update(r, round_, groups, collector, started)  # noqa: E731
+        sharded = self._sharded
+        try:
+            outcome = self._request(Kind.TRAIN, task, collector, on_update)
+            if sharded is not None:
+                self._gather_partials(sharded)
+        finally:
+            self._sharded = None
         late = self.late.take(frozenset(collector.replied), aggregating=collector.enough)
         if collector.enough:
             aggregating = self.clock()
@@ -529,7 +631,105 @@ class Coordinator:
             log.warning("round %d: %d of %d replies, below the quorum of %d; nothing aggregated, global state "
                         "unchanged", round_, len(collector.replied), len(selected), collector.min_replies)
         self.late.close(round_, task.msg_id, groups, collector.waiting)
-        return collector, outcome, len(late)
+        return collector, outcome, len(late), sharded
+
+    # -- sharded rounds --------------------------------------------------------------------
+    def _open_shards(self, round_: int, selected: list[str], request_id: str,
+                     collector: RoundCollector) -> ShardRound:
+        """Send each shard's aggregator its ROSTER (before the TRAIN broadcast it belongs to); a
+        shard whose aggregator is offline is lost from the start."""
+        rosters: dict[int, dict[str, int]] = {}
+        for client_id in selected:
+            rosters.setdefault(shard_of(client_id, self.shards), {})[client_id] = \
+                self.registry.devices[client_id].num_examples
+        sharded = ShardRound(request_id, rosters, collector)
+        online = set(self.registry.online(AGGREGATOR))
+        for shard, roster in sorted(rosters.items()):
+            if aggregator_id(shard) not in online:
+                self._lose_shard(shard, "its aggregator is offline", sharded)
+                continue
+            self._send(self.topics.down(aggregator_id(shard), Kind.ROSTER),
+                       Envelope(Kind.ROSTER, COORDINATOR, run_id=self.run_id, round=round_,
+                                config={"request": request_id, "devices": roster}))
+        return sharded
+
+    def _misrouted_update(self, received: Received) -> None:
+        """An update sent to the coordinator in a sharded run (it goes to the device's shard)."""
+        envelope = received.envelope
+        if self._collector is not None and self._admit(received, Kind.TRAIN_RES, envelope.round, self._collector):
+            self._refuse(envelope, self._collector, Reason.BAD_TOPIC,
+                         f"update from {envelope.sender} sent to the coordinator; this run is sharded (shard "
+                         f"{shard_of(envelope.sender, self.shards)})")
+
+    def _on_shard_message(self, envelope: Envelope) -> None:
+        """A NOTE or PARTIAL of the open training round from a registered aggregator."""
+        sharded, shard = self._sharded, shard_of_aggregator(envelope.sender)
+        if envelope.config.get("in_reply_to") != sharded.request_id or shard not in sharded.open_shards:
+            self.channel.reject(Reason.STALE, f"{envelope.kind.value} from {envelope.sender} for round "
+                                              f"{envelope.round} is not expected (closed, lost or another round)")
+        elif envelope.kind is Kind.NOTE:
+            self._on_note(sharded, shard, envelope)
+        else:
+            self._on_partial(sharded, shard, envelope)
+
+    def _on_note(self, sharded: ShardRound, shard: int, note: Envelope) -> None:
+        """Updates shard `shard`'s aggregator folded or refused: the round's progress."""
+        roster, now = sharded.rosters[shard], self.clock()
+        accepted, refused = note.config.get("accepted", []), note.config.get("refused", [])
+        if not isinstance(accepted, list) or not isinstance(refused, list):
+            self.channel.reject(Reason.MALFORMED, f"NOTE from {note.sender}: accepted and refused must be lists")
+            return
+        for client_id in accepted:
+            if client_id not in roster:
+                self.channel.reject(Reason.NOT_SELECTED, f"NOTE from {note.sender}: {client_id!r} is not selected "
+                                                         f"in shard {shard}")
+            else:
+                sharded.folded(shard, client_id, note.msg_id, now)
+        for entry in refused:
+            client_id, reason, detail = (list(entry) + ["", "", ""])[:3] if isinstance(entry, list) else ("", "", "")
+            if client_id not in roster or client_id in sharded.collector.replied:
+                self.channel.reject(Reason.NOT_SELECTED, f"NOTE from {note.sender}: refusal of {client_id!r}")
+                continue
+            code = Reason(reason) if reason in Reason._value2member_map_ else Reason.MALFORMED
+            self._refuse(Envelope(Kind.TRAIN_RES, client_id, msg_id=f"{note.msg_id}/{client_id}"), sharded.collector,
+                         code, f"update from {client_id} (shard {shard}): {detail}")
+
+    def _on_partial(self, sharded: ShardRound, shard: int, partial: Envelope) -> None:
+        """Check shard `shard`'s PARTIAL and fold it in; a refused one loses the shard's round."""
+        round_ = sharded.collector.round
+        try:
+            checked = check_partial(partial, shard, sharded.rosters[shard], self.algorithm.partial_spec(round_),
+                                    self.limits.max_examples)
+        except ProtocolError as err:
+            self.channel.reject(err.reason, f"PARTIAL from {partial.sender}: {err.detail}")
+            self._lose_shard(shard, f"its partial was refused ({err.reason.value})")
+            return
+        if checked.folded:
+            self.algorithm.fold_partial(round_, checked.sums)
+        sharded.deliver(checked, partial.msg_id, self.clock())
+        log.info("round %d: partial of shard %d folded (%d updates)", round_, shard, len(checked.folded))
+
+    def _lose_shard(self, shard: int, why: str, sharded: ShardRound | None = None) -> None:
+        """Shard `shard` delivers nothing this round (if it was still expected to), logged and recorded."""
+        sharded = sharded or self._sharded
+        if shard in sharded.open_shards:
+            lost = sharded.lose(shard, why)
+            log.warning("round %d: shard %d lost, %s: %d folded updates not aggregated", sharded.collector.round,
+                        shard, why, lost)
+            self.ledger.event("shard_lost", shard=shard, round=sharded.collector.round, updates=lost, why=why)
+
+    def _gather_partials(self, sharded: ShardRound) -> None:
+        """The round closed: ask the aggregators still summing for their PARTIAL and wait for
+        them (up to the round's timeout window); a shard that does not deliver is lost."""
+        for shard in sharded.open_shards:
+            self._send(self.topics.down(aggregator_id(shard), Kind.CLOSE),
+                       Envelope(Kind.CLOSE, COORDINATOR, run_id=self.run_id, round=sharded.collector.round,
+                                config={"request": sharded.request_id}))
+        deadline = self.clock() + self._windows()[1]
+        while sharded.open_shards and self.clock() < deadline:
+            self._serve(min(1.0, deadline - self.clock()), self._stale_reply)
+        for shard in sharded.open_shards:
+            self._lose_shard(shard, "no partial came before the timeout")
 
     def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector,
                    started: float) -> None:
@@ -625,7 +825,7 @@ class Coordinator:
         self._checkpoint()
         summary = summarize(m["accuracy"] for m in self.ledger.final.values() if not m.get("holdout"))
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
-                             "devices": len(self.ledger.final), "of_devices": len(self.registry.devices)})
+                             "devices": len(self.ledger.final), "of_devices": self._device_count()})
 
     def _gather(self, targets: list[str], pool: Pool) -> None:
         """Ask `targets` for the pool's phase and pool their replies."""
@@ -667,7 +867,7 @@ class Coordinator:
                     "best_round_mean": max(means) if means else None,
                 },
                 "devices_evaluated": len(final),
-                "devices_registered": len(self.registry.devices),
+                "devices_registered": self._device_count(),
                 "per_client": {cid: final[cid] for cid in sorted(final)},
                 "global_accuracy": global_summary["mean"] if global_summary else None,
                 "holdout_accuracy": holdout,

@@ -94,6 +94,8 @@ class RoundSettings:
     registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
     max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
+    shards: int = setting(0, help="split aggregation over this many `edgepfl aggregator --shard k/K` processes, each "
+                                  "validating and summing its devices' updates (0: the coordinator aggregates)")
 
     def __post_init__(self) -> None:
         check(0 < self.fraction <= 1, "fraction", "in (0, 1]", self.fraction)
@@ -106,6 +108,10 @@ class RoundSettings:
         check(self.late_updates in LATE_POLICIES, "late_updates", "discard or next_round", self.late_updates)
         check(self.max_examples >= 1, "max_examples", "at least 1", self.max_examples)
         check(self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive", self.max_update_norm)
+        check(0 <= self.shards <= 1024, "shards", "between 0 (off) and 1024", self.shards)
+        check(not (self.shards and self.late_updates == "next_round"), "late_updates",
+              "discard when sharded (a late update reaches its shard's aggregator after the round's partial left)",
+              self.late_updates)
 
 
 @dataclass(frozen=True)

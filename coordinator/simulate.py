@@ -1,34 +1,41 @@
-"""A whole federation on one machine, honestly over MQTT.
+"""A whole federation on one machine, honestly over MQTT; or its devices spread over hosts.
 
 The broker (embedded amqtt unless `--broker` names one), the coordinator in this process, and
 the devices in worker processes, each hosting several virtual devices with their own MQTT
 connections. Devices in one worker take turns to compute (one lock per worker) so that the
-workers, not the threads, use the cores.
+workers, not the threads, use the cores. A `WorkerPool` is the same worker processes for any
+share of the devices: `edgepfl simulate` starts one for its share (`local`, all devices unless
+told otherwise) and `edgepfl workers` (coordinator/workers.py) one for a share on another host.
 
-Runs repeat: devices register one after another in index order, across all workers
-(`RegistrationTurns`), so that what the coordinator hands out in order of registration (FediOS's
-projection blocks, DC-PFL's body models) is the same in every run of the same command; each
-device draws its randomness from generators of its own seed, never from torch's global one.
+Runs repeat: what the coordinator hands out in order of registration (FediOS's projection
+blocks, DC-PFL's body models) it hands out in device index order before registration opens
+(the Coordinator's `roster`), so the order the HELLOs arrive in, from one host or several,
+does not matter; each device draws its randomness from generators of its own seed, never from
+torch's global one.
 
 A worker that cannot host its devices (their data cannot be found, the broker refuses them)
 sends its error, one line, to the parent through a pipe of its own and exits with code 1; once
 every worker is gone the run stops with their errors (`WorkersFailed`) instead of waiting for
-registrations that cannot come. Ctrl-C is the parent's alone: workers ignore SIGINT and are
-stopped by the parent, with the embedded broker, before the KeyboardInterrupt goes on.
+registrations that cannot come. A worker some of whose devices failed sends their errors the
+same way and exits with 0 (`edgepfl workers` then fails; a simulation goes on without them).
+Ctrl-C is the parent's alone: workers ignore SIGINT and are stopped by the parent, with the
+embedded broker, before the KeyboardInterrupt goes on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from edge_sdk.config import ConfigError
 from edge_sdk.lifecycle import run_until_done
@@ -38,6 +45,7 @@ from edge_sdk.transport import MqttSettings, TransportError
 from .algorithms import hyperparameters
 from .broker import EmbeddedBroker
 from .config import RunConfig
+from .device_ranges import describe_indices
 from .events import Event
 from .run_folder import RunFolder
 from .server import Coordinator
@@ -55,34 +63,6 @@ LOGGED_ERROR = 160
 
 JOIN_POLL = 0.02
 """Seconds between two looks at whether a starting device has joined the run."""
-
-REGISTRATION_WAIT = 120.0
-"""Seconds a device waits for the devices before it to register; then it goes on all the same
-(a worker that died before registering its devices must not hold the others back)."""
-
-
-class RegistrationTurns:
-    """Device i registers only after devices 0..i-1 have (or have failed to): the registration
-    order, and with it every assignment the coordinator makes in that order, is the devices'
-    index order in every run. Shared by the worker processes (made from the run's context)."""
-
-    def __init__(self, context: multiprocessing.context.BaseContext, devices: int):
-        self._finished = context.Array("b", devices, lock=False)  # 1: registered or failed
-        self._changed = context.Condition()
-
-    def wait_for(self, index: int) -> None:
-        """Block until it is device `index`'s turn (or `REGISTRATION_WAIT` has passed)."""
-        with self._changed:
-            if not self._changed.wait_for(lambda: all(self._finished[:index]), timeout=REGISTRATION_WAIT):
-                log.warning("device %d registers out of turn: the devices before it did not register in %.0f s",
-                            index, REGISTRATION_WAIT)
-
-    def done(self, *indices: int) -> None:
-        """Devices `indices` have registered (or failed, or never will): those after them may."""
-        with self._changed:
-            for index in indices:
-                self._finished[index] = 1
-            self._changed.notify_all()
 
 
 class WorkersFailed(RuntimeError):
@@ -121,18 +101,21 @@ def client_id_for(index: int) -> str:
     return f"dev{index:03d}"
 
 
-def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection, turns: RegistrationTurns) -> None:
-    """Entry point of a worker process: run its devices until the coordinator finishes. If none of
-    them can run, send why (one line) through `errors` and exit with `WORKER_FAILED`."""
+def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection,
+                 hosting: multiprocessing.connection.Connection) -> None:
+    """Entry point of a worker process: run its devices until the coordinator finishes. Once its
+    devices have joined it sends its `Hosting` (JSON) through `hosting`. If any device failed it
+    sends why (one line) through `errors`; if none of them could run it exits with `WORKER_FAILED`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
-        failures = _host_devices(spec, turns)
+        failures = _host_devices(spec, hosting)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the parent reports it in one line
-        failures = [_one_line(exc)]
+        failures = [_one_line(exc)] * len(spec.indices)
         log.debug("worker failed", exc_info=True)
-    if failures and len(failures) >= len(spec.indices):
+    if failures:
         errors.send_bytes("; ".join(sorted(set(failures))).encode())
+    if len(failures) >= len(spec.indices):
         sys.exit(WORKER_FAILED)
 
 
@@ -142,29 +125,69 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _host_devices(spec: WorkerSpec, turns: RegistrationTurns) -> list[str]:
+def resident_bytes() -> int:
+    """This process's resident set size (RSS) now, in bytes (Linux: /proc/self/statm; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Hosting:
+    """What one worker process measured once its devices joined: how many joined, and its RSS
+    before the first device was started (torch and the SDK imported) and after the last joined."""
+
+    devices: int
+    rss_before: int
+    rss_after: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"devices": self.devices, "rss_before": self.rss_before,
+                           "rss_after": self.rss_after}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Hosting:
+        """A worker's report, checked field by field (JSON of three counts; never unpickled)."""
+        plain = json.loads(data)
+        values = [plain.get(key) if isinstance(plain, dict) else None for key in ("devices", "rss_before", "rss_after")]
+        if not all(isinstance(value, int) and value >= 0 for value in values):
+            raise ValueError(f"malformed hosting report {data[:80]!r}")
+        return cls(*values)
+
+
+def _host_devices(spec: WorkerSpec, hosting: multiprocessing.connection.Connection) -> list[str]:
     """Run the worker's devices, one thread each, until they end; returns the errors of those that
-    failed. Each device starts in its turn and the next waits until it has joined the run."""
+    failed. Each device starts once the one before it has joined the run (or ended)."""
     import torch
+
+    from edge_sdk.client import EdgeClient  # noqa: F401 - imported before the RSS is taken: shared by every device
 
     torch.set_num_threads(1)
     lock = threading.Lock()
-    threads, failures = [], []
-    try:
-        for index in spec.indices:
-            turns.wait_for(index)
-            threads.append(_start_device(spec, index, lock, failures))
-            turns.done(index)
-    finally:  # a worker that cannot host its devices holds nobody back
-        turns.done(*spec.indices)
+    threads, failures, joined = [], [], 0
+    before = resident_bytes()
+    for index in spec.indices:
+        try:
+            thread, client = _start_device(spec, index, lock, failures)
+        except Exception as exc:  # noqa: BLE001 - e.g. its data cannot be read; the other devices go on
+            failures.append(_one_line(exc))
+            log.error("%s could not start: %s", client_id_for(index), failures[-1])
+            log.debug("%s's failure", client_id_for(index), exc_info=True)
+            continue
+        threads.append(thread)
+        joined += client.joined
+    hosting.send_bytes(Hosting(joined, before, resident_bytes()).to_bytes())
     for thread in threads:
         thread.join()
     return failures
 
 
-def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock, failures: list[str]) -> threading.Thread:
-    """Start device `index` of the worker in a thread of its own; return once it has joined the
-    run (or its session ended)."""
+def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
+                  failures: list[str]) -> tuple[threading.Thread, Any]:
+    """Start device `index` of the worker in a thread of its own; return (the thread, the
+    device) once it has joined the run (or its session ended)."""
     from edge_sdk.client import EdgeClient
 
     data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
@@ -183,7 +206,7 @@ def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock, failures: 
     thread.start()
     while thread.is_alive() and not client.joined:
         thread.join(JOIN_POLL)
-    return thread
+    return thread, client
 
 
 def _run_device(client, failures: list[str]) -> None:
@@ -202,9 +225,11 @@ def device_settings(config: RunConfig, url: str, client_id: str) -> MqttSettings
     return config.mqtt_settings(url, account=client_id)
 
 
-def split_among_workers(clients: int, workers: int) -> list[tuple[int, ...]]:
-    workers = max(1, min(workers, clients))
-    return [tuple(range(w, clients, workers)) for w in range(workers)]
+def split_among_workers(indices: Sequence[int], workers: int) -> list[tuple[int, ...]]:
+    """Devices `indices` dealt round robin to at most `workers` processes (none without devices)."""
+    indices = tuple(indices)
+    workers = max(1, min(workers, len(indices)))
+    return [indices[w::workers] for w in range(workers)] if indices else []
 
 
 class WorkerWatch(threading.Thread):
@@ -253,16 +278,21 @@ class WorkerWatch(threading.Thread):
 
     def _error_of(self, process: multiprocessing.Process) -> str | None:
         pipe = self.errors.get(process)
-        try:
-            return pipe.recv_bytes().decode(errors="replace") if pipe is not None and pipe.poll() else None
-        except (EOFError, OSError):
-            return None
+        return None if pipe is None else _pending(pipe)
 
     def failure(self) -> WorkersFailed:
         """The error of a run whose workers are all gone: their causes, each with its workers."""
         with self._lock:
             causes = "; ".join(f"{cause} ({', '.join(names)})" for cause, names in self.causes.items())
         return WorkersFailed(f"every device worker died before the run finished: {causes or 'no error reported'}")
+
+
+def _pending(pipe: multiprocessing.connection.Connection) -> str | None:
+    """The error a worker left in its pipe, if any."""
+    try:
+        return pipe.recv_bytes().decode(errors="replace") if pipe.poll() else None
+    except (EOFError, OSError):
+        return None
 
 
 def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
@@ -298,12 +328,98 @@ class WatchedChannel:
                 return received
 
 
-def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
+class WorkerPool:
+    """Worker processes (`config.worker_count` at most) hosting devices `indices` of `config`'s
+    run, reaching the broker at `url`; started on creation. `stop` ends those still alive."""
+
+    def __init__(self, config: RunConfig, indices: Sequence[int], url: str):
+        context = multiprocessing.get_context("spawn")
+        self.devices: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
+        self.errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+        self.hosting: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+        try:
+            for share in split_among_workers(indices, config.worker_count):
+                spec = WorkerSpec.for_devices(config, share, url)
+                errors, errors_end = context.Pipe(duplex=False)
+                hosting, hosting_end = context.Pipe(duplex=False)
+                process = context.Process(target=_worker_main, args=(spec, errors_end, hosting_end),
+                                          name=f"worker{len(self.devices)}", daemon=True)
+                process.start()
+                errors_end.close()  # the worker holds the write ends now
+                hosting_end.close()
+                self.devices[process] = list(spec.connections)
+                self.errors[process], self.hosting[process] = errors, hosting
+        except BaseException:
+            self.stop()
+            raise
+
+    def watch(self, done: threading.Event) -> WorkerWatch:
+        """Start a `WorkerWatch` over the pool's processes (see there)."""
+        return watch_workers(self.devices, done, self.errors)
+
+    def hosted(self, timeout: float) -> list[Hosting] | None:
+        """Each worker's `Hosting` once every worker has sent it or ended (those that ended
+        without one are left out); None if that takes longer than `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        waiting, reports = list(self.hosting.values()), []
+        while waiting:
+            ready = multiprocessing.connection.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            for pipe in ready:
+                waiting.remove(pipe)
+                try:
+                    reports.append(Hosting.from_bytes(pipe.recv_bytes()))
+                except (EOFError, OSError):  # the worker ended before its devices joined
+                    pass
+        return reports
+
+    def join(self, timeout: float | None = None) -> None:
+        for process in self.devices:
+            process.join(timeout)
+
+    def partial_failures(self) -> dict[str, str]:
+        """Once the workers ended: the errors of devices that failed in workers that went on
+        (a worker that died is the watch's to report), by worker name."""
+        failures = {}
+        for process in self.devices:
+            error = _pending(self.errors[process]) if process.exitcode == 0 else None
+            if error is not None:
+                failures[process.name] = error
+        return failures
+
+    def stop(self) -> None:
+        """Terminate the workers still alive and close the pipes."""
+        for process in self.devices:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+        for pipe in [*self.errors.values(), *self.hosting.values()]:
+            pipe.close()
+
+
+def all_devices(config: RunConfig) -> tuple[int, ...]:
+    """The indices of every device of the run."""
+    return tuple(range(config.run.clients))
+
+
+def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
+                   on_round: Callable[[dict[str, Any]], None] | None = None,
                    on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
     """Run `config` end to end and return the report (also written to `config.run.out`); `on_event`
-    receives every event of the coordinator (coordinator/events.py)."""
+    receives every event of the coordinator (coordinator/events.py).
+
+    `local` are the devices this process hosts (default: all); the others are hosted elsewhere
+    (`edgepfl workers`) and reach the coordinator through the broker that `config` names under
+    the federation it names. While every device is local, the run stops once every worker is
+    gone (`WorkersFailed`); with devices elsewhere it goes on with them."""
     from edge_sdk.models import resolve_factory
 
+    local = all_devices(config) if local is None else tuple(local)
+    remote = sorted(set(all_devices(config)) - set(local))
+    if remote and (config.broker.broker is None or config.broker.federation == "default"):
+        raise ConfigError(f"--local-devices leaves devices {describe_indices(remote)} to other hosts: give --broker "
+                          "(a broker they reach) and --federation (the name they join with `edgepfl workers`)")
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
     if config.broker.federation == "default":
@@ -313,42 +429,29 @@ def run_simulation(config: RunConfig, *, on_round: Callable[[dict[str, Any]], No
     url = broker.url if broker else config.broker.broker
     if broker is not None:
         config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
-    context = multiprocessing.get_context("spawn")
-    turns = RegistrationTurns(context, config.run.clients)
-    workers: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
-    errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+    pool: WorkerPool | None = None
     done = threading.Event()
     try:
-        for indices in split_among_workers(config.run.clients, config.worker_count):
-            spec = WorkerSpec.for_devices(config, indices, url)
-            read_end, write_end = context.Pipe(duplex=False)
-            process = context.Process(target=_worker_main, args=(spec, write_end, turns), name=f"worker{len(workers)}",
-                                      daemon=True)
-            process.start()
-            write_end.close()  # the worker holds it now
-            workers[process], errors[process] = list(spec.connections), read_end
-        watch = watch_workers(workers, done, errors)
+        pool = WorkerPool(config, local, url)
+        watch = pool.watch(done)
         transport = config.coordinator_transport(url)
         transport.connect()
         try:
-            coordinator = Coordinator(config, WatchedChannel(config.coordinator_channel(transport), watch),
-                                      on_round=on_round)
+            channel = config.coordinator_channel(transport)
+            coordinator = Coordinator(config, WatchedChannel(channel, watch) if not remote else channel,
+                                      on_round=on_round, roster=[client_id_for(i) for i in all_devices(config)])
             if on_event is not None:
                 coordinator.subscribe(on_event)
             report = coordinator.run()
         finally:
             transport.close()
         done.set()  # the workers now end on their own: not news for the watch
-        for process in workers:
-            process.join(timeout=30)
+        pool.join(timeout=30)
         return report
     finally:
         done.set()
-        for process in workers:
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=10)
-        for pipe in errors.values():
-            pipe.close()
+        if pool is not None:
+            pool.stop()
         if broker is not None:
             broker.stop()
+

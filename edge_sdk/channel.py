@@ -73,10 +73,10 @@ class Screened(NamedTuple):
 
 def sender_of(incoming: Incoming) -> str:
     """Who published a message, the key of the receive queue's fair order: the device id of an
-    upstream topic (`edgepfl/<fed>/up/<id>/<kind>`); the coordinator for everything else, so
-    downstream messages keep their order across topics."""
+    upstream or shard topic (`edgepfl/<fed>/up/<id>/<kind>`, `edgepfl/<fed>/shard-<k>/<id>/<kind>`);
+    the coordinator for everything else, so downstream messages keep their order across topics."""
     parts = incoming.topic.split("/", 4)
-    return parts[3] if len(parts) > 3 and parts[2] == "up" else COORDINATOR
+    return parts[3] if len(parts) > 3 and parts[2] != "down" else COORDINATOR
 
 
 class Transport(Protocol):
@@ -240,8 +240,13 @@ class Channel:
             self.counters.send_seconds += time.perf_counter() - started
         self.counters.record("sent", envelope.kind, size)
         if envelope.kind is Kind.TRAIN:
-            self._spent = {}  # a new round: every sender's budget renews
+            self.renew_budgets()
         return sent
+
+    def renew_budgets(self) -> None:
+        """A new round: every sender's budget renews (on sending TRAIN, and on the network thread
+        on receiving one: a shard aggregator takes in updates but sends no TRAIN)."""
+        self._spent = {}
 
     def _send(self, topic: str, envelope: Envelope, retain: bool) -> tuple[int, int]:
         """(the encoded envelope's size, the bytes published: its frames' when chunked)."""
@@ -298,6 +303,8 @@ class Channel:
         try:
             address = self.topics.parse(topic)
             if address.direction != "up" or not payload:
+                if address.kind is Kind.TRAIN and payload:
+                    self.renew_budgets()  # before any reply to it can arrive on this connection
                 return incoming
             limit = self.limits.for_kind(address.kind)
             if len(payload) > limit:

@@ -21,6 +21,9 @@ TOPIC_ROOT = "edgepfl"
 BROADCAST = "all"
 COORDINATOR = "coordinator"
 RESERVED_IDS = frozenset({BROADCAST, COORDINATOR})
+AGGREGATOR_PREFIX = "aggregator-"
+"""Client ids `aggregator-<k>` belong to shard aggregators (`edgepfl aggregator --shard k/K`)."""
+SHARD_PREFIX = "shard-"
 STATISTICS = "statistics"
 """EVALUATE phase and EVAL_RES group: the global body's BatchNorm statistics before a release."""
 
@@ -36,16 +39,24 @@ class Kind(str, Enum):
     TRAIN_RES = "train_res"  # up: the result of local training (shared arrays or statistics)
     EVAL_RES = "eval_res"  # up: personalized evaluation metrics (and, if allowed, class prototypes)
     FETCH = "fetch"  # up: a device asks for a released artifact by sha256
+    NOTE = "note"  # up, from a shard aggregator: which of its devices' updates it folded or refused so far
+    PARTIAL = "partial"  # up, from a shard aggregator: its shard's weighted sum of changes for one round
     WELCOME = "welcome"  # down, per device: registration accepted, the run's settings
     TRAIN = "train"  # down, broadcast: one round's task and the shared state
     EVALUATE = "evaluate"  # down, broadcast: evaluate the deployed model
     STATUS = "status"  # down, broadcast, retained: the coordinator's state
     RELEASE = "release"  # down, broadcast, retained: manifest of the released representation
     ARTIFACT = "artifact"  # down, per device: the released bytes (chunked), answering FETCH
+    ROSTER = "roster"  # down, per aggregator: the round's selected devices of its shard and their examples
+    CLOSE = "close"  # down, per aggregator: the round closed, send the partial now
 
 
-UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH})
-DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT})
+UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH, Kind.NOTE, Kind.PARTIAL})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT, Kind.ROSTER,
+                        Kind.CLOSE})
+SHARD_KINDS = frozenset({Kind.TRAIN_RES})
+"""What travels on a shard topic (`edgepfl/<fed>/shard-<k>/<id>/<kind>`): a device's update, to its aggregator."""
+
 
 
 class Reason(str, Enum):
@@ -127,6 +138,17 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _FEDERATION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
+def aggregator_id(shard: int) -> str:
+    """The client id of shard `shard`'s aggregator."""
+    return f"{AGGREGATOR_PREFIX}{shard}"
+
+
+def shard_of_aggregator(client_id: str) -> int | None:
+    """The shard an `aggregator-<k>` id serves; None for any other id."""
+    digits = client_id.removeprefix(AGGREGATOR_PREFIX)
+    return int(digits) if digits != client_id and digits.isdigit() and digits == str(int(digits)) else None
+
+
 def check_client_id(client_id: str) -> str:
     """Client ids are topic segments: letters, digits, `_.-`, at most 64, not a reserved name."""
     if not _CLIENT_ID.match(client_id) or client_id in RESERVED_IDS:
@@ -139,15 +161,19 @@ def check_client_id(client_id: str) -> str:
 
 @dataclass(frozen=True)
 class TopicAddress:
-    """A parsed topic: direction ('up' or 'down'), the device id (or 'all'), and the kind."""
+    """A parsed topic: direction ('up' or 'down'), the device id (or 'all'), and the kind;
+    `shard` is the shard of an update sent to a shard aggregator (direction 'up'), else None."""
 
     direction: str
     client_id: str
     kind: Kind
+    shard: int | None = None
 
 
 class Topics:
-    """Topic names of one federation: `edgepfl/<federation>/{up,down}/<client_id|all>/<kind>`."""
+    """Topic names of one federation: `edgepfl/<federation>/{up,down}/<client_id|all>/<kind>`, and
+    `edgepfl/<federation>/shard-<k>/<client_id>/train_res` for updates read by shard `k`'s aggregator
+    (the client-id level is the sender's, so broker ACLs bind a device to its id there too)."""
 
     def __init__(self, federation: str):
         if not _FEDERATION.match(federation):
@@ -168,19 +194,35 @@ class Topics:
         """The coordinator's subscription."""
         return f"{self.prefix}/up/+/+"
 
+    def shard(self, shard: int, client_id: str, kind: Kind) -> str:
+        """Where a device of shard `shard` sends `kind` (an update) under sharded aggregation."""
+        return f"{self.prefix}/{SHARD_PREFIX}{shard}/{client_id}/{kind.value}"
+
+    def shard_updates(self, shard: int) -> str:
+        """Shard `shard`'s aggregator's subscription to its devices' updates."""
+        return f"{self.prefix}/{SHARD_PREFIX}{shard}/+/{Kind.TRAIN_RES.value}"
+
     def device_subscriptions(self, client_id: str) -> list[str]:
         """A device reads the broadcast topics and its own downstream topics, nothing else."""
         return [f"{self.prefix}/down/{BROADCAST}/+", f"{self.prefix}/down/{client_id}/+"]
 
     def parse(self, topic: str) -> TopicAddress:
         parts = topic.split("/")
-        if len(parts) != 5 or "/".join(parts[:2]) != self.prefix or parts[2] not in ("up", "down"):
+        shard = _shard_level(parts[2]) if len(parts) == 5 else None
+        if (len(parts) != 5 or "/".join(parts[:2]) != self.prefix
+                or (parts[2] not in ("up", "down") and shard is None)):
             raise ProtocolError(Reason.BAD_TOPIC, f"topic {topic!r} is not in federation {self.federation!r}")
         try:
             kind = Kind(parts[4])
         except ValueError:
             raise ProtocolError(Reason.BAD_KIND, f"unknown kind in topic {topic!r}") from None
-        allowed = UP_KINDS if parts[2] == "up" else DOWN_KINDS
+        allowed = SHARD_KINDS if shard is not None else UP_KINDS if parts[2] == "up" else DOWN_KINDS
         if kind not in allowed:
-            raise ProtocolError(Reason.BAD_KIND, f"kind {kind.value!r} cannot travel {parts[2]}")
-        return TopicAddress(parts[2], parts[3], kind)
+            raise ProtocolError(Reason.BAD_KIND, f"kind {kind.value!r} cannot travel on {parts[2]}")
+        return TopicAddress("up" if shard is not None else parts[2], parts[3], kind, shard)
+
+
+def _shard_level(level: str) -> int | None:
+    """k for a topic level `shard-<k>`, else None."""
+    digits = level.removeprefix(SHARD_PREFIX)
+    return int(digits) if digits != level and digits.isdigit() and digits == str(int(digits)) else None

@@ -10,6 +10,9 @@ registration twice. It joins the run a WELCOME names,
 and answers requests. A repeated request (same message id) gets the cached reply, message id
 included, so work is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
 (`join`) and which downstream kinds it handles (`handlers`).
+
+Under sharded aggregation the WELCOME names the device's shard, and its updates (TRAIN_RES)
+go to that shard's aggregator (`Topics.shard`) instead of the coordinator.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any, Callable
 from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
-from .protocol import Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
-from .signing import Signer
+from .protocol import SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
+from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class DeviceSession:
         exit_on_finish: bool = True,
         hello_interval: float = 15.0,
         transport=None,
+        max_pending_blobs: int = 64,
+        verifier: Verifier | None = None,
     ):
         self.client_id = check_client_id(client_id)
         self.topics = Topics(federation)
@@ -67,14 +72,16 @@ class DeviceSession:
             transport = MqttTransport(f"{federation}.{client_id}", settings, will=will)
         # repeated requests reach `answered`, which sends the cached reply (a Last Will is the same
         # bytes every time, and marking a device offline is idempotent)
-        self.channel = Channel(transport, self.topics, chunk_size=chunk_size,
-                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer)
+        self.channel = Channel(transport, self.topics, chunk_size=chunk_size, max_pending_blobs=max_pending_blobs,
+                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer, verifier=verifier)
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
+        self.upload_shard: int | None = None
+        """The shard whose aggregator reads this device's updates (WELCOME `shard`); None: the coordinator."""
         self._replies: OrderedDict[str, Envelope] = OrderedDict()  # request msg_id -> our reply
 
     # -- what subclasses provide -----------------------------------------------------------
@@ -90,6 +97,13 @@ class DeviceSession:
         """Handlers of the downstream kinds beyond STATUS and WELCOME."""
         return {}
 
+    def subscriptions(self) -> list[str]:
+        """The topic filters this session reads: the broadcasts and its own downstream topics."""
+        return self.topics.device_subscriptions(self.client_id)
+
+    def tick(self) -> None:
+        """Called after every message and every idle half second of `run` (nothing by default)."""
+
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
@@ -101,7 +115,7 @@ class DeviceSession:
         self.channel.transport.connect()
         handlers = {Kind.STATUS: self._on_status, Kind.WELCOME: self._on_welcome, **self.handlers()}
         try:
-            for topic_filter in self.topics.device_subscriptions(self.client_id):
+            for topic_filter in self.subscriptions():
                 self.channel.transport.subscribe(topic_filter)
             # the first HELLO answers the coordinator's STATUS; without one, `hello_interval` from now
             self._last_hello = time.monotonic()
@@ -112,6 +126,7 @@ class DeviceSession:
                     self._dispatch(received, handlers)
                 elif self._should_hello():
                     self._hello()
+                self.tick()
         finally:
             self.channel.transport.close()
 
@@ -129,9 +144,12 @@ class DeviceSession:
 
     # -- registration ----------------------------------------------------------------------
     def _should_hello(self) -> bool:
-        """Register again after a reconnection (the coordinator saw our Last Will), or while no
-        coordinator has answered yet."""
-        reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
+        """Register again after a reconnection (the coordinator saw our Last Will) once the broker
+        granted our subscriptions (the WELCOME must find us listening), or while no coordinator
+        has answered yet."""
+        transport = self.channel.transport
+        reconnected = (getattr(transport, "connections", 1) != self._connections_at_hello
+                       and getattr(transport, "subscriptions_active", lambda: True)())
         unanswered = not self.joined and time.monotonic() - self._last_hello > self.hello_interval
         return reconnected or unanswered
 
@@ -158,6 +176,8 @@ class DeviceSession:
         refusal = welcome.config.get("refused")
         if refusal is not None:
             raise RegistrationRefused(f"{self.client_id}: the coordinator refused the registration: {refusal}")
+        shard = welcome.config.get("shard")
+        self.upload_shard = shard if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 0 else None
         if self.joined and welcome.run_id == self.run_id:
             return  # a repeated registration within the same run
         self.join(welcome)
@@ -171,7 +191,7 @@ class DeviceSession:
         if request is not None:
             fields["config"] = {**fields.get("config", {}), "in_reply_to": request.msg_id}
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
-        self.channel.send(self.topics.up(self.client_id, kind), envelope)
+        self.channel.send(self.topic_for(kind), envelope)
         if request is not None:
             self._replies[request.msg_id] = envelope
             while len(self._replies) > MAX_CACHED_REPLIES:
@@ -192,5 +212,12 @@ class DeviceSession:
         reply = self._replies.get(request.msg_id)
         if reply is None:
             return False
-        self.channel.send(self.topics.up(self.client_id, reply.kind), reply)
+        self.channel.send(self.topic_for(reply.kind), reply)
         return True
+
+    def topic_for(self, kind: Kind) -> str:
+        """Where this device sends `kind`: its update to its shard's aggregator when it has a shard,
+        everything else to the coordinator."""
+        if kind in SHARD_KINDS and self.upload_shard is not None:
+            return self.topics.shard(self.upload_shard, self.client_id, kind)
+        return self.topics.up(self.client_id, kind)

@@ -6,6 +6,12 @@ bytes and full, which is how a receiver holds its backlog back at the broker. Su
 remembered and renewed on every (re)connection; paho reconnects with exponential backoff. MQTT
 5 is used where the broker speaks it and 3.1.1 otherwise (`protocol="auto"` tries 5 first).
 
+A subscription the broker refuses in its SUBACK is tried again with backoff (1 s doubling to
+`RETRY_MAX_DELAY`) while the connection lasts, and again on every reconnection: a clustered
+broker (NATS) refuses subscriptions for the seconds its JetStream needs to elect new leaders
+after a node died; paho alone would leave the client deaf without a word. A refusal for lack of
+authorization (MQTT 5) under `give_up_when_denied` sets `failed` instead.
+
 Failing clearly: the first connection is retried with backoff while the broker is unreachable
 (`MqttSettings.retry_first_connect`), and every failure is one line naming its cause and fix
 (`BrokerUnreachable`, `NotAuthorized`, a TLS mismatch). A broker that refuses this account
@@ -215,6 +221,12 @@ class MqttTransport:
         self._connected_at = 0.0
         self._brief_connections = 0
         self._sent_topics: dict[int, str] = {}  # message id -> topic, for a PUBACK's refusal
+        self._subscribing: dict[int, str] = {}  # message id -> topic filter awaiting its SUBACK
+        self._early_subacks: dict[int, list] = {}  # message id -> reason codes of a SUBACK read before its id
+        self._subscribe_refusals: dict[str, int] = {}  # topic filter -> refusals in a row
+        self.refused_subscriptions = 0
+        """SUBACKs that refused a subscription (each one tried again, see the module docstring)."""
+        self._unconfirmed: set[str] = set()  # topic filters this connection has no granting SUBACK for
 
     # -- lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
@@ -315,6 +327,7 @@ class MqttTransport:
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
         return client
 
     def close(self) -> None:
@@ -328,11 +341,32 @@ class MqttTransport:
         self.connected.clear()
 
     # -- operations ------------------------------------------------------------------------
+    def subscriptions_active(self) -> bool:
+        """Connected, and the broker granted every subscription on this connection: what is
+        published from now on reaches this client (what a re-publication after a reconnection waits for)."""
+        with self._lock:
+            return self.connected.is_set() and not self._unconfirmed
+
     def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         with self._lock:
             self._subscriptions[topic_filter] = qos
+            self._unconfirmed.add(topic_filter)
         if self._client is not None and self.connected.is_set():
-            self._client.subscribe(topic_filter, qos)
+            self._subscribe(self._client, topic_filter, qos)
+
+    def _subscribe(self, client: mqtt.Client, topic_filter: str, qos: int) -> None:
+        """Send SUBSCRIBE, remembering its message id for the SUBACK (which may come first: paho's
+        network thread can read it before `subscribe` returns; never hold `_lock` across paho calls,
+        whose callbacks take it)."""
+        result, mid = client.subscribe(topic_filter, qos)
+        if result != mqtt.MQTT_ERR_SUCCESS:
+            return
+        with self._lock:
+            early = self._early_subacks.pop(mid, None)
+            if early is None:
+                self._subscribing[mid] = topic_filter
+        if early is not None:
+            self._check_suback(client, topic_filter, early)
 
     def publish(self, topic: str, payload: bytes | bytearray | memoryview, *, qos: int = 1,
                 retain: bool = False) -> None:
@@ -360,8 +394,9 @@ class MqttTransport:
         self.max_packet_size = getattr(properties, "MaximumPacketSize", None)
         with self._lock:
             subscriptions = list(self._subscriptions.items())
+            self._unconfirmed = set(self._subscriptions)
         for topic_filter, qos in subscriptions:
-            client.subscribe(topic_filter, qos)
+            self._subscribe(client, topic_filter, qos)
         if self.connections > 1:
             log.info("%s reconnected to %s (connection %d)", self.client_id, self.settings.url, self.connections)
         self.connected.set()
@@ -404,6 +439,43 @@ class MqttTransport:
                 f"the broker at {self.settings.address} denied {self.client_id!r} publishing to {topic}: its ACL does "
                 f"not allow this account there; {self.settings.credentials_hint()}, and that the account is this "
                 "device's"))
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._lock:
+            topic_filter = self._subscribing.pop(mid, None)
+            if topic_filter is None:
+                self._early_subacks[mid] = list(reason_codes)
+                return
+        self._check_suback(client, topic_filter, reason_codes)
+
+    def _check_suback(self, client, topic_filter: str, reason_codes) -> None:
+        """A SUBACK's verdict on `topic_filter`: granted, refused (retried later) or denied for good."""
+        refusal = next((code for code in reason_codes if code.is_failure), None)
+        if refusal is None:
+            with self._lock:
+                self._unconfirmed.discard(topic_filter)
+            self._subscribe_refusals.pop(topic_filter, None)
+            return
+        self.refused_subscriptions += 1
+        if refusal.getName() == "Not authorized" and self.settings.give_up_when_denied and self.failure is None:
+            self._give_up(client, NotAuthorized(
+                f"the broker at {self.settings.address} denied {self.client_id!r} subscribing to {topic_filter}: its "
+                f"ACL does not allow this account there; {self.settings.credentials_hint()}"))
+            return
+        refusals = self._subscribe_refusals[topic_filter] = self._subscribe_refusals.get(topic_filter, 0) + 1
+        delay = min(2.0 ** (refusals - 1), RETRY_MAX_DELAY)
+        log.warning("%s: the broker at %s refused the subscription to %s (%s); trying again in %.0f s", self.client_id,
+                    self.settings.address, topic_filter, refusal.getName(), delay)
+        retry = threading.Timer(delay, self._subscribe_again, (client, topic_filter))
+        retry.daemon = True
+        retry.start()
+
+    def _subscribe_again(self, client: mqtt.Client, topic_filter: str) -> None:
+        """A refused subscription's retry; a connection lost meanwhile subscribes again by itself."""
+        with self._lock:
+            qos = self._subscriptions.get(topic_filter)
+        if qos is not None and client is self._client and self.connected.is_set() and self.failure is None:
+            self._subscribe(client, topic_filter, qos)
 
     def _give_up(self, client, failure: NotAuthorized) -> None:
         """The broker will not have this client: record why, stop reconnecting, wake the owner."""

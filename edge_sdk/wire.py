@@ -54,7 +54,7 @@ class WireLimits:
     def for_kind(self, kind: Kind) -> int:
         """The largest message of `kind` a receiver takes, checked on its size alone (whole, or
         as a chunked blob's declared size) before anything is decoded."""
-        if kind in (Kind.HELLO, Kind.OFFLINE, Kind.FETCH):
+        if kind in (Kind.HELLO, Kind.OFFLINE, Kind.FETCH, Kind.NOTE):
             return min(self.max_control_bytes, self.max_message_bytes)
         if kind is Kind.EVAL_RES:
             return min(self.max_eval_bytes, self.max_message_bytes)

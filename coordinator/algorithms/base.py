@@ -18,6 +18,7 @@ from edge_sdk.models import ModelSpec, build_model, check_capabilities
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup
 
+from ..aggregate import PartialSum
 from ..robust import AggregationSettings, Aggregator, make_aggregator
 
 
@@ -41,6 +42,9 @@ class ServerAlgorithm(ABC):
     Hyper: ClassVar[type] = NoHyper
     releases_representation: ClassVar[bool] = False
     """True when the algorithm's product is a frozen representation to release after training."""
+    unshardable: ClassVar[str | None] = "its server step is not a sum of per-update terms"
+    """Why its aggregation cannot be split over shard aggregators (`shards`); None when it can:
+    then `begin_partial`, `partial`, `partial_spec` and `fold_partial` are provided."""
 
     def __init__(self, hyper: Any, context: ServerContext):
         self.hyper = hyper
@@ -102,3 +106,22 @@ class ServerAlgorithm(ABC):
     @abstractmethod
     def end_round(self, round_: int) -> None:
         """Turn the accumulators into the next global state."""
+
+    # -- sharded aggregation (algorithms with `unshardable` None) -------------------------
+    def begin_partial(self, round_: int, sent: dict[str, ArrayGroup]) -> None:
+        """A shard aggregator's `begin_round`: its accumulators start against `sent`, what the
+        round broadcast (the aggregator holds no global state of its own)."""
+        raise NotImplementedError(f"{self.id}: {self.unshardable}")
+
+    def partial(self) -> dict[str, PartialSum]:
+        """A shard aggregator's accumulated sums, by group, to send to the coordinator."""
+        raise NotImplementedError(f"{self.id}: {self.unshardable}")
+
+    def partial_spec(self, round_: int) -> dict[str, ArraySpec]:
+        """Group -> names, shapes and dtypes of the sums a partial of `round_` carries."""
+        raise NotImplementedError(f"{self.id}: {self.unshardable}")
+
+    def fold_partial(self, round_: int, partial: dict[str, PartialSum]) -> None:
+        """The coordinator folds one shard's checked partial of `round_` into the round's accumulators
+        (instead of that shard's updates); `end_round` then makes the state as usual."""
+        raise NotImplementedError(f"{self.id}: {self.unshardable}")

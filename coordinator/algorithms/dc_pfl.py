@@ -18,7 +18,8 @@ Down next round: phi^{t+1} and mu^{t+1}. A class that no reporting client has ke
 previous mean (and stays without one until first seen). EVALUATE carries phi only.
 
 Heterogeneous bodies: `Hyper.body_models` names the architectures (model factories, resolved as
-the run's model is), handed out round-robin in registration order by `assignment`; each must
+the run's model is), handed out round-robin in registration order by `assignment` (a
+simulation's coordinator hands them to its roster first, in device index order); each must
 have DC-PFL's capabilities and the feature dimension of the run's model.
 The order lives in memory: a coordinator restarted from a checkpoint hands them out anew.
 """
@@ -109,6 +110,8 @@ class DcPflServer(ServerAlgorithm):
 
     id = "dc_pfl"
     Hyper = Hyper
+    unshardable = ("its server keeps every device's class statistics of the round and fits the classifier on "
+                   "features drawn from all of them at once")
 
     def __init__(self, hyper: Hyper, context: ServerContext):
         task = context.task

@@ -14,6 +14,7 @@ from .base import ServerAlgorithm
 
 class LocalServer(ServerAlgorithm):
     id = "local"
+    unshardable = "it aggregates nothing (there is no global state to sum)"
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         return {}

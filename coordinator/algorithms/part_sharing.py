@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
+
 from edge_sdk.algorithms.torch_device import SHARED, TorchDevice, model_partition
 from edge_sdk.models import build_model
 from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
+from ..aggregate import PartialSum, WeightedMean, accumulator_dtype
 from .base import ServerAlgorithm
 
 
@@ -21,10 +24,14 @@ class PartSharingServer(ServerAlgorithm):
     """Holds the shared parts of the model; averages uploads weighted by examples.
 
     `device` names the device-side class, whose `shared_parts` both sides use, so the partition
-    is written once.
+    is written once. The mean is a sum of per-update terms, so shard aggregators can each sum
+    their devices' weighted changes (`partial`) and the coordinator add the sums up
+    (`fold_partial`): with the mean rule, optionally clipped (each update is clipped where it is
+    summed, as it would be at the coordinator).
     """
 
     device: ClassVar[type[TorchDevice]]
+    unshardable = None
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         model = build_model(self.context.model, self.context.task, seed=self.context.seed)
@@ -41,6 +48,29 @@ class PartSharingServer(ServerAlgorithm):
 
     def end_round(self, round_: int) -> None:
         self.state = {SHARED: self._mean.result()}
+
+    def begin_partial(self, round_: int, sent: dict[str, ArrayGroup]) -> None:
+        self.state = sent
+        self.begin_round(round_)
+
+    def partial(self) -> dict[str, PartialSum]:
+        return {SHARED: self._weighted_mean().partial()}
+
+    def partial_spec(self, round_: int) -> dict[str, ArraySpec]:
+        least = np.dtype(self.context.aggregation.dtype)
+        return {group: {key: (shape, accumulator_dtype(np.dtype(dtype), least).name) for key, (shape, dtype) in
+                        arrays.items()} for group, arrays in self.update_spec(round_).items()}
+
+    def fold_partial(self, round_: int, partial: dict[str, PartialSum]) -> None:
+        dtypes = {key: np.dtype(dtype) for key, (_, dtype) in self.update_spec(round_)[SHARED].items()}
+        self._weighted_mean().add_partial(partial[SHARED], dtypes)
+
+    def _weighted_mean(self) -> WeightedMean:
+        """The round's streaming mean, under the clipping wrapper if any."""
+        mean = getattr(self._mean, "inner", self._mean)
+        if not isinstance(mean, WeightedMean):
+            raise TypeError(f"{self.id}: the {self.context.aggregation.rule} rule does not split into partial sums")
+        return mean
 
 
 def server_for(device: type[TorchDevice]) -> type[PartSharingServer]:

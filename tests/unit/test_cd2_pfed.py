@@ -217,3 +217,8 @@ def test_personal_state_round_trip_restores_the_model_and_g_w0_statistics(data) 
     assert set(restored) == set(saved)
     assert all(np.array_equal(restored[k], saved[k]) for k in saved)
     assert any(k.startswith("g_w0.") for k in saved)
+
+
+def test_an_unknown_distillation_form_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="distillation must be one of cyclic\\+inplace, inplace, cyclic"):
+        Hyper(distillation="mutual")

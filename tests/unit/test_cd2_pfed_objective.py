@@ -2,13 +2,16 @@
 
 Round 2 of 4 with p = 0.5: p_t = 0.25, so that each layer has both shared and personal channels.
 The personal entries are written out by hand: the last round(p_t C) output channels of every
-body tensor, the last input columns of the head's weight, none of the head's bias.
+body tensor, the last input columns of the head's weight, none of the head's bias. L_CD comes in
+three forms (the module's Decision): Eq. (4) (`cyclic`), the in-place distillation of the paper's
+ref. 43 (`inplace`) and their sum (`cyclic+inplace`, the default).
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.func import functional_call
 
@@ -16,15 +19,15 @@ from builtin_tasks import digits_client
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, Hyper
 from edge_sdk.settings import TrainSettings
-from objectives import assert_same_objective, cross_entropy, kl, tiny_batch
+from objectives import assert_same_objective, cross_entropy, kl, tiny_batch, value_and_gradients
 
 ROUND, ROUNDS, P, LAM = 2, 4, 0.5, 0.8
 
 
-def make_device() -> CD2PFedDevice:
+def make_device(distillation: str = "cyclic+inplace") -> CD2PFedDevice:
     data = digits_client(4, num_clients=10, partition="dirichlet", seed=0)
     settings = TrainSettings("cnn8", ROUNDS, local_epochs=1, batch_size=32, lr=0.05, seed=0)
-    return CD2PFedDevice(Hyper(p=P, lam=LAM), settings, data, "cpu", client_seed=14)
+    return CD2PFedDevice(Hyper(p=P, lam=LAM, distillation=distillation), settings, data, "cpu", client_seed=14)
 
 
 def personal_entries(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -53,28 +56,38 @@ def sub_network(model: torch.nn.Module, x: torch.Tensor, keep_personal: bool,
     return functional_call(model, {**params, **buffers}, (x,))
 
 
-def reference_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Eq. (5): CE(g_{wi,w0}) + lambda 1/2 (KL(p_L || p_G) + KL(p_G || p_L)), each target detached."""
-    local, shared = sub_network(model, x, True), sub_network(model, x, False)
-    distillation = 0.5 * (kl(local.detach(), shared) + kl(shared.detach(), local))
-    return cross_entropy(model(x), y) + LAM * distillation
+def reference_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, distillation: str) -> torch.Tensor:
+    """Eq. (5): CE(g_{wi,w0}) + lambda L_CD, each KL's target detached; L_CD is
+    cyclic: 1/2 (KL(p_L || p_G) + KL(p_G || p_L)) (Eq. 4),
+    inplace: 1/2 (KL(p_F || p_G) + KL(p_F || p_L)) (ref. 43), cyclic+inplace: their sum."""
+    full, local, shared = model(x), sub_network(model, x, True), sub_network(model, x, False)
+    cyclic = 0.5 * (kl(local.detach(), shared) + kl(shared.detach(), local))
+    inplace = 0.5 * (kl(full.detach(), shared) + kl(full.detach(), local))
+    terms = {"cyclic": cyclic, "inplace": inplace, "cyclic+inplace": cyclic + inplace}
+    return cross_entropy(full, y) + LAM * terms[distillation]
 
 
-def test_the_loss_is_eq_5_in_value_and_gradient() -> None:
+@pytest.mark.parametrize("distillation", ["cyclic+inplace", "inplace", "cyclic"])
+def test_the_loss_is_eq_5_in_value_and_gradient(distillation: str) -> None:
     # Prepare: evaluation mode, so that every pass uses the same (initial) BatchNorm statistics
-    device = make_device()
+    device = make_device(distillation)
     device.model.eval()
     x, y = tiny_batch(device.data)
     loss = device.local_loss(Task(ROUND, {}, {}))
 
     # Execute / Assert
-    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(device.model, x, y),
+    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(device.model, x, y, distillation),
                           dict(device.model.named_parameters()))
 
 
-def test_the_distillation_term_is_not_zero_on_the_batch() -> None:
+def test_the_default_distillation_is_cyclic_plus_inplace() -> None:
+    assert Hyper().distillation == "cyclic+inplace"
+
+
+@pytest.mark.parametrize("distillation", ["cyclic+inplace", "inplace", "cyclic"])
+def test_the_distillation_term_is_not_zero_on_the_batch(distillation: str) -> None:
     # Prepare
-    device = make_device()
+    device = make_device(distillation)
     device.model.eval()
     x, y = tiny_batch(device.data)
 
@@ -85,6 +98,28 @@ def test_the_distillation_term_is_not_zero_on_the_batch() -> None:
 
     # Assert: lambda weighs a distillation that is there
     assert total - ce > 1e-4
+
+
+def test_the_inplace_term_teaches_both_sub_networks() -> None:
+    # Prepare: the in-place term alone (the full network's CE subtracted out)
+    device = make_device("inplace")
+    device.model.eval()
+    x, y = tiny_batch(device.data)
+    parameters = dict(device.model.named_parameters())
+    loss = device.local_loss(Task(ROUND, {}, {}))
+
+    # Execute: gradient of (loss - CE(full)) = lambda * in-place term
+    value, grads = value_and_gradients(lambda: loss(x, y) - cross_entropy(device.model(x), y), parameters)
+    with torch.no_grad():
+        shared, local = sub_network(device.model, x, False), sub_network(device.model, x, True)
+        expected = LAM * 0.5 * (kl(device.model(x), shared) + kl(device.model(x), local))
+
+    # Assert: the value is the in-place term, and both the shared and the personal entries learn from it
+    torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    for keep_personal in (False, True):
+        moved = [grads[n][personal_entries(n, p) if keep_personal else ~personal_entries(n, p)].abs().sum()
+                 for n, p in parameters.items()]
+        assert float(sum(moved)) > 0, "personal" if keep_personal else "shared"
 
 
 def test_the_shared_sub_network_keeps_its_own_batchnorm_statistics_in_training() -> None:

@@ -1,7 +1,8 @@
 """FediOS's training objective against Eq. (8)-(12) written out here, and what a local round may change.
 
 alpha is 0.3 (not the default 0.5), so that a fusion that ignores alpha or swaps its weights
-shows; the projections are written as explicit zero padding into R^D.
+shows; the projections are written as explicit zero padding into R^D. L_re (Eq. 11) acts on the
+extractors' outputs before projection (the module's Decision): on the projected features it is 0.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import torch
 
 from builtin_tasks import digits_client
 from edge_sdk.algorithms.base import Task
-from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, fedios_loss
+from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, fedios_loss, orthogonality
 from edge_sdk.settings import TrainSettings
-from objectives import assert_same_objective, changed, cross_entropy, snapshot, tiny_batch
+from objectives import assert_same_objective, changed, cross_entropy, snapshot, tiny_batch, value_and_gradients
 
 ALPHA, LAM, BLOCK, CAPACITY = 0.3, 0.7, 2, 3
 
@@ -38,14 +39,20 @@ def embed(features: torch.Tensor, block: int, capacity: int) -> torch.Tensor:
 
 
 def reference_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Eq. (12): CE(fused) + CE(generic) + CE(personal) + lambda * mean_k |phi_g . phi_p|."""
-    phi_g = embed(model.body(x), 0, CAPACITY)
-    phi_p = embed(model.personal_body(x), BLOCK, CAPACITY)
+    """Eq. (12): CE(fused) + CE(generic) + CE(personal) + lambda * mean_k |body(x_k) . personal_body(x_k)|."""
+    generic, personal = model.body(x), model.personal_body(x)
+    phi_g = embed(generic, 0, CAPACITY)
+    phi_p = embed(personal, BLOCK, CAPACITY)
     phi_f = ALPHA * phi_g + (1 - ALPHA) * phi_p
     head = lambda phi: phi @ model.head.weight.T + model.head.bias  # noqa: E731 - the linear head, by hand
-    orthogonality = torch.stack([(phi_g[k] * phi_p[k]).sum().abs() for k in range(len(y))]).mean()
     return (cross_entropy(head(phi_f), y) + cross_entropy(head(phi_g), y) + cross_entropy(head(phi_p), y)
-            + LAM * orthogonality)
+            + LAM * reference_orthogonality(generic, personal))
+
+
+def reference_orthogonality(generic: torch.Tensor, personal: torch.Tensor) -> torch.Tensor:
+    """Eq. (11) on the unprojected features: 1/|B| sum_k |sum_j generic[k, j] personal[k, j]|."""
+    return torch.stack([sum(generic[k, j] * personal[k, j] for j in range(generic.shape[1])).abs()
+                        for k in range(len(generic))]).mean()
 
 
 def test_the_loss_is_eq_12_in_value_and_gradient(data) -> None:
@@ -59,6 +66,40 @@ def test_the_loss_is_eq_12_in_value_and_gradient(data) -> None:
     assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y), dict(model.named_parameters()))
 
 
+def test_the_orthogonality_loss_is_the_mean_absolute_inner_product_for_signed_features() -> None:
+    # Prepare: signed features (the extractors' ReLU outputs are >= 0), so that |.| shows
+    generator = torch.Generator().manual_seed(3)
+    generic = torch.randn(5, 7, generator=generator, requires_grad=True)
+    personal = torch.randn(5, 7, generator=generator, requires_grad=True)
+
+    # Execute / Assert
+    assert_same_objective(lambda: orthogonality(generic, personal),
+                          lambda: reference_orthogonality(generic, personal),
+                          {"generic": generic, "personal": personal})
+
+
+def test_the_orthogonality_term_is_not_zero_and_trains_both_extractors_and_not_the_head(data) -> None:
+    # Prepare: the loss without lambda's term, so that the difference is lambda * L_re alone
+    device = make_device(data)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+    parameters = dict(model.named_parameters())
+
+    # Execute
+    with_term, grads = value_and_gradients(lambda: fedios_loss(model, LAM)(x, y), parameters)
+    without_term, grads_without = value_and_gradients(lambda: fedios_loss(model, 0.0)(x, y), parameters)
+
+    # Assert: the term weighs lambda * L_re > 0 and moves both extractors' gradients, not the head's
+    with torch.no_grad():
+        expected = LAM * reference_orthogonality(model.body(x), model.personal_body(x))
+    assert float(expected) > 1e-3
+    assert float(with_term - without_term) == pytest.approx(float(expected), rel=1e-4)
+    for prefix in ("body.", "personal_body."):
+        assert any(not torch.allclose(grads[n], grads_without[n]) for n in parameters if n.startswith(prefix)), prefix
+    for name in ("head.weight", "head.bias"):
+        torch.testing.assert_close(grads[name], grads_without[name])
+
+
 def test_each_cross_entropy_term_moves_the_loss(data) -> None:
     # Prepare: the three CE terms separately (the fused one weighs alpha against 1 - alpha)
     device = make_device(data)
@@ -67,7 +108,7 @@ def test_each_cross_entropy_term_moves_the_loss(data) -> None:
 
     # Execute
     with torch.no_grad():
-        total = float(fedios_loss(model, LAM)(x, y))
+        total = float(fedios_loss(model, 0.0)(x, y))
         phi_g, phi_p = embed(model.body(x), 0, CAPACITY), embed(model.personal_body(x), BLOCK, CAPACITY)
         generic = float(cross_entropy(model.head(phi_g), y))
         personal = float(cross_entropy(model.head(phi_p), y))

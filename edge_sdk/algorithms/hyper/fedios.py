@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Hyper:
     alpha: float = 0.5  # weight of the generic features in phi_f (Eq. 9)
-    lam: float = 1.0  # weight of the orthogonality regularizer (Eq. 12)
+    lam: float = 0.1  # weight of L_re (Eq. 12); the paper's value (ALGORITHMS.md: 1, see fedios.py's Decision)
     capacity: int = 0  # number of personal blocks B; 0 = the configured number of clients
     momentum: float = 0.9  # SGD momentum (Appendix B.3)
 

@@ -1,0 +1,252 @@
+"""A shard aggregator (`edgepfl aggregator --shard k/K`): sums its shard's updates for the coordinator.
+
+It registers like a device (HELLO with device_type "aggregator", id `aggregator-<k>`); the
+WELCOME gives it what the coordinator checks updates with (the algorithm and its
+hyperparameters, model, task, limits, upload codec, aggregation settings). Each round the
+coordinator sends it a ROSTER (its shard's selected devices and their registered examples)
+before the TRAIN broadcast, whose arrays are the reference. Updates arrive on the shard's
+topic (`Topics.shard_updates`); each is checked exactly as the coordinator checks one
+(`checked_update`) and folded with the algorithm's own `accumulate` into a running sum
+(`ServerAlgorithm.begin_partial`). NOTEs (batched every `note_interval` seconds) tell the
+coordinator which updates were folded or refused, so its quorum and deadline work as
+unsharded. The PARTIAL (the sums, their total weight, the devices folded) goes up once: when
+every device of the roster answered, or when the coordinator CLOSEs the round.
+
+It holds one model-sized sum and the reference, never an update longer than it takes to fold
+it, and never a device's personal state (only shared arrays travel on the shard topic). With a
+`verifier` (the fleet's signing keys) every update must carry its device's signature, checked
+before it is decoded, as the coordinator checks them unsharded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from edge_sdk.config import ConfigError
+from edge_sdk.data.task import TaskSpec
+from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id
+from edge_sdk.session import DeviceSession
+from edge_sdk.signing import Verifier
+from edge_sdk.transport import MqttSettings
+
+from . import algorithms
+from .algorithms.base import ServerAlgorithm, ServerContext
+from .robust import AggregationSettings
+from .sharding import AGGREGATOR, partial_envelope_fields
+from .validation import UpdateLimits, checked_update
+
+log = logging.getLogger(__name__)
+
+MAX_NOTE_ENTRIES = 128
+"""Devices named in one NOTE (it stays within the control-message size limit)."""
+MAX_EARLY_UPDATES = 256
+"""Updates kept that are handed out before their round's ROSTER or TRAIN (the receive queue
+takes senders in turn, so a device's update can overtake the coordinator's messages); they are
+checked once both are here. Beyond this many, an early update is dropped (`over_budget`)."""
+KEPT_REQUESTS = 4
+"""TRAIN broadcasts and ROSTERs kept while waiting for their counterpart."""
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`k/K` -> (k, K), with 0 <= k < K; ValueError naming the flag otherwise."""
+    try:
+        shard, shards = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be k/K (e.g. 0/2), got {text!r}") from None
+    if not 0 <= shard < shards:
+        raise ValueError(f"--shard k/K needs 0 <= k < K, got {text!r}")
+    return shard, shards
+
+
+@dataclass
+class OpenRound:
+    """The round being summed: its request, reference, roster and who answered."""
+
+    request_id: str
+    round: int
+    sent: dict[str, ArrayGroup]
+    roster: dict[str, int]
+    folded: list[str] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)
+    partial_sent: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.folded) + len(self.refused) >= len(self.roster)
+
+
+class ShardAggregator(DeviceSession):
+    """Shard `shard` of `shards`: `run()` until the coordinator's run finishes (or `stop`)."""
+
+    def __init__(self, shard: int, shards: int, *, broker: MqttSettings | str = "mqtt://127.0.0.1:1883",
+                 federation: str = "default", note_interval: float = 0.2, transport=None,
+                 max_pending_blobs: int = 4096, verifier: Verifier | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard must be in [0, {shards}), got {shard}")
+        super().__init__(aggregator_id(shard), broker=broker, federation=federation, transport=transport,
+                         max_pending_blobs=max_pending_blobs, verifier=verifier)
+        self.shard, self.shards = shard, shards
+        self.note_interval = note_interval
+        self.clock = clock
+        self.algorithm: ServerAlgorithm | None = None
+        self.limits = UpdateLimits(1, 0.0)
+        self.codec = "fp32"
+        self.trains: OrderedDict[str, Envelope] = OrderedDict()
+        self.rosters: OrderedDict[str, Envelope] = OrderedDict()
+        self.open: OpenRound | None = None
+        self.early: list[Envelope] = []
+        self.partials_sent = 0
+        self._notes: tuple[list[str], list[list[str]]] = ([], [])
+        self._last_note = float("-inf")
+
+    # -- the session's hooks ---------------------------------------------------------------
+    def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
+        return {}, {"device_type": AGGREGATOR, "shard": self.shard, "shards": self.shards}
+
+    def subscriptions(self) -> list[str]:
+        """Its own downstream topics and the broadcasts, and its shard's updates (subscribed
+        before it registers, so before any device of the shard can send one)."""
+        return [*super().subscriptions(), self.topics.shard_updates(self.shard)]
+
+    def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
+        return {Kind.TRAIN: self._on_train, Kind.ROSTER: self._on_roster, Kind.CLOSE: self._on_close,
+                Kind.TRAIN_RES: self._on_update}
+
+    def join(self, welcome: Envelope) -> None:
+        """Build the algorithm's server side, as the coordinator has it, from the WELCOME."""
+        described = welcome.config.get("aggregation")
+        if not isinstance(described, dict):
+            raise ConfigError(f"{self.client_id}: the WELCOME carries no aggregation settings (is `shards` set?)")
+        algorithm_id = welcome.config["algorithm"]
+        hyper = algorithms.hyperparameters(algorithm_id, welcome.config.get("hyper", {}))
+        context = ServerContext(described["model"], TaskSpec.from_plain(described["task"]), int(described["seed"]),
+                                int(described["rounds"]), int(described["clients"]),
+                                AggregationSettings(**described["rule"]))
+        self.algorithm = algorithms.load(algorithm_id)(hyper, context)
+        self.limits = UpdateLimits(int(described["max_examples"]), float(described["max_update_norm"]))
+        self.codec = str(described["upload_codec"])
+        log.info("%s: joined run %s (%s), summing shard %d of %d", self.client_id, welcome.run_id, algorithm_id,
+                 self.shard, self.shards)
+
+    def tick(self) -> None:
+        if self._notes[0] or self._notes[1]:
+            if self.clock() - self._last_note >= self.note_interval:
+                self._send_note()
+
+    # -- the round -------------------------------------------------------------------------
+    def _ours(self, envelope: Envelope) -> bool:
+        return self.joined and envelope.run_id == self.run_id and self.algorithm is not None
+
+    def _on_train(self, train: Envelope) -> None:
+        repeated = train.msg_id in self.trains or (self.open is not None and self.open.request_id == train.msg_id)
+        if self._ours(train) and not repeated:
+            _keep(self.trains, train.msg_id, train)
+            self._try_open(train.msg_id)
+
+    def _on_roster(self, roster: Envelope) -> None:
+        request = roster.config.get("request")
+        devices = roster.config.get("devices")
+        if not isinstance(request, str) or not isinstance(devices, dict):
+            raise ProtocolError(Reason.MALFORMED, "a ROSTER names its request and its devices")
+        if self._ours(roster) and request not in self.rosters:
+            _keep(self.rosters, request, roster)
+            self._try_open(request)
+
+    def _try_open(self, request: str) -> None:
+        """Start summing the round of `request` once both its TRAIN and its ROSTER are here."""
+        if request not in self.trains or request not in self.rosters:
+            return
+        train, roster = self.trains.pop(request), self.rosters.pop(request)
+        if self.open is not None and not self.open.partial_sent:
+            log.warning("%s: round %d superseded by round %d before its partial was asked for", self.client_id,
+                        self.open.round, train.round)
+        devices = {str(c): int(n) for c, n in roster.config["devices"].items()}
+        self.open = OpenRound(request, train.round, train.groups, devices)
+        self.algorithm.begin_partial(train.round, train.groups)
+        early = [e for e in self.early if e.config.get("in_reply_to") == request and e.run_id == self.run_id]
+        self.early = [e for e in self.early if e.round > train.round]
+        for update in early:
+            self._fold(update)
+        self._finish_if_complete()
+
+    def _on_update(self, update: Envelope) -> None:
+        if self.joined and update.run_id != self.run_id:
+            raise ProtocolError(Reason.WRONG_RUN, f"update from {update.sender} for run {update.run_id!r}")
+        request = update.config.get("in_reply_to")
+        if self.open is not None and request == self.open.request_id:
+            self._fold(update)
+            self._finish_if_complete()
+        elif self.open is None or update.round > self.open.round:
+            if len(self.early) >= MAX_EARLY_UPDATES:
+                raise ProtocolError(Reason.OVER_BUDGET, f"update from {update.sender}: too many before its ROSTER")
+            self.early.append(update)
+        else:
+            raise ProtocolError(Reason.STALE, f"update from {update.sender} for round {update.round} is not a reply "
+                                              "to the open round")
+
+    def _fold(self, update: Envelope) -> None:
+        """Check one update as the coordinator does, then fold it into the shard's sum."""
+        round_, sender = self.open, update.sender
+        if sender not in round_.roster:
+            self.channel.reject(Reason.NOT_SELECTED, f"update from {sender} in round {round_.round}")
+            return
+        if sender in round_.folded or sender in round_.refused:
+            self.channel.reject(Reason.CONFLICTING_REPLY, f"a second update from {sender} in round {round_.round}")
+            return
+        if round_.partial_sent:
+            self.channel.reject(Reason.STALE, f"update from {sender} after the round {round_.round} partial left")
+            return
+        try:
+            groups, weight = checked_update(self.algorithm, round_.round, update, round_.sent, round_.roster[sender],
+                                            self.limits, self.codec)
+        except ProtocolError as err:
+            self.channel.reject(err.reason, f"update from {sender}: {err.detail}")
+            round_.refused.add(sender)
+            self._notes[1].append([sender, err.reason.value, err.detail[:200]])
+        else:
+            self.algorithm.accumulate(sender, groups, update.metrics, weight)
+            round_.folded.append(sender)
+            self._notes[0].append(sender)
+        if len(self._notes[0]) + len(self._notes[1]) >= MAX_NOTE_ENTRIES:
+            self._send_note()
+
+    def _finish_if_complete(self) -> None:
+        if self.open is not None and self.open.complete and not self.open.partial_sent:
+            self._send_partial()
+
+    def _on_close(self, close: Envelope) -> None:
+        if self.open is not None and close.config.get("request") == self.open.request_id and not self.open.partial_sent:
+            self._send_partial()
+
+    # -- what goes up ----------------------------------------------------------------------
+    def _send_note(self) -> None:
+        accepted, refused = self._notes
+        self._notes, self._last_note = ([], []), self.clock()
+        if self.open is None or not (accepted or refused):
+            return
+        self.send(Kind.NOTE, self.open.round, config={"in_reply_to": self.open.request_id, "shard": self.shard,
+                                                      "accepted": accepted, "refused": refused})
+
+    def _send_partial(self) -> None:
+        """The notes still pending, then the PARTIAL; the sums and the reference are let go."""
+        self._send_note()
+        round_ = self.open
+        sums = self.algorithm.partial() if round_.folded else {}
+        fields = partial_envelope_fields(sums, round_.folded)
+        fields["config"].update(in_reply_to=round_.request_id, shard=self.shard)
+        self.send(Kind.PARTIAL, round_.round, **fields)
+        round_.partial_sent, round_.sent = True, {}
+        self.partials_sent += 1
+        log.info("%s: round %d partial sent (%d folded, %d refused of %d)", self.client_id, round_.round,
+                 len(round_.folded), len(round_.refused), len(round_.roster))
+
+
+def _keep(kept: OrderedDict[str, Envelope], key: str, envelope: Envelope) -> None:
+    kept[key] = envelope
+    while len(kept) > KEPT_REQUESTS:
+        kept.popitem(last=False)

@@ -1,0 +1,157 @@
+"""Sharded aggregation, the coordinator's side: which shard a device is in, what may be sharded,
+the checks on a shard's PARTIAL, and one round's bookkeeping of its shards.
+
+With `shards` K > 0, each trainer belongs to shard `shard_of(id, K)` (a stable hash of its id:
+the same shard in every run and after any restart, whatever the registration order, so a
+shard's sum repeats and a lost shard's devices are known). Shard k's aggregator
+(`edgepfl aggregator --shard k/K`, `coordinator.aggregator`) reads its devices' updates, checks
+them as the coordinator would, sums their weighted changes and sends one PARTIAL per round;
+NOTEs on the way say which updates it folded or refused, so the coordinator's `RoundCollector`
+applies quorum, grace and deadline as it does unsharded. The coordinator adds the partials up
+(`ServerAlgorithm.fold_partial`): reference + sum of sums / sum of weights is the mean of every
+update (`WeightedMean`), the same figure as unsharded (in float64 mode, to the last bit in
+practice: the summands are exact in float64).
+
+A shard whose aggregator goes offline, or whose PARTIAL is refused or does not come, is lost
+for the round: its updates are not aggregated and the round record names it (`lost_shards`,
+`lost_updates`); the other shards aggregate if the quorum allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from edge_sdk.config import ConfigError
+from edge_sdk.params import ArraySpec, check_arrays
+from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
+
+from .aggregate import PartialSum
+from .rounds import RoundCollector
+
+AGGREGATOR = "aggregator"
+"""The device type a shard aggregator registers with (HELLO `device_type`)."""
+
+
+def shard_of(client_id: str, shards: int) -> int:
+    """The shard of device `client_id` among `shards`: a stable hash of the id (sha256)."""
+    return int.from_bytes(hashlib.sha256(client_id.encode()).digest()[:8], "big") % shards
+
+
+def check_shardable(algorithm: type, aggregation_rule: str, shards: int) -> None:
+    """Refuse, naming why, a run whose aggregation cannot be split over `shards` aggregators."""
+    if not shards:
+        return
+    if algorithm.unshardable is not None:
+        raise ConfigError(f"shards {shards}: algorithm {algorithm.id} cannot be aggregated in shards: "
+                          f"{algorithm.unshardable}; use shards 0")
+    if aggregation_rule != "mean":
+        raise ConfigError(f"shards {shards}: aggregation {aggregation_rule} needs every update of the round in one "
+                          "place (a median or trimmed mean of shard results is another rule, not offered); use "
+                          "aggregation mean (clip_norm clips each update exactly, sharded or not) or shards 0")
+
+
+@dataclass
+class ShardPartial:
+    """A checked PARTIAL: the devices its shard folded, in order, and the sums by group."""
+
+    shard: int
+    folded: list[str]
+    sums: dict[str, PartialSum]
+
+
+def check_partial(envelope: Envelope, shard: int, roster: Mapping[str, int], spec: dict[str, ArraySpec],
+                  max_examples: int) -> ShardPartial:
+    """Raise ValidationError for a PARTIAL of shard `shard` that must be refused: devices not of
+    its `roster` (selected device -> registered examples) or repeated, a count that is not theirs,
+    groups, names, shapes or dtypes other than `spec`, non-finite values, a total weight that is
+    not positive or exceeds its devices' registered examples (capped at `max_examples`)."""
+    config, metrics = envelope.config, envelope.metrics
+    if config.get("shard") != shard:
+        raise ValidationError(Reason.SENDER_MISMATCH, f"partial of shard {config.get('shard')!r} from shard {shard}'s "
+                                                      "aggregator")
+    folded = config.get("folded")
+    if not isinstance(folded, list) or not all(isinstance(c, str) for c in folded) or len(set(folded)) != len(folded):
+        raise ValidationError(Reason.MALFORMED, "folded must be a list of distinct device ids")
+    strangers = [c for c in folded if c not in roster]
+    if strangers:
+        raise ValidationError(Reason.NOT_SELECTED, f"folded devices not selected in shard {shard}: {strangers[:5]}")
+    count, weight = metrics.get("count"), metrics.get("total_weight")
+    if count != len(folded):
+        raise ValidationError(Reason.MALFORMED, f"count {count!r} for {len(folded)} folded devices")
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValidationError(Reason.MALFORMED, f"total_weight {weight!r}")
+    if not folded:
+        if envelope.groups or weight != 0:
+            raise ValidationError(Reason.UNEXPECTED_ARRAYS, "an empty partial carries no arrays and no weight")
+        return ShardPartial(shard, [], {})
+    if set(envelope.groups) != set(spec):
+        raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"groups {sorted(envelope.groups)}, want {sorted(spec)}")
+    for group, expected in spec.items():
+        check_arrays(group, envelope.groups[group], expected)
+    ceiling = sum(min(roster[c], max_examples) for c in folded)
+    if not 0 < weight <= ceiling:
+        raise ValidationError(Reason.MALFORMED, f"total_weight {weight} not in (0, {ceiling}], the registered "
+                                                "examples of its devices")
+    return ShardPartial(shard, list(folded), {g: PartialSum(envelope.groups[g], float(weight), len(folded))
+                                              for g in spec})
+
+
+def partial_envelope_fields(sums: dict[str, PartialSum], folded: list[str]) -> dict[str, Any]:
+    """What a PARTIAL carries (groups, metrics, config but `in_reply_to` and `shard`) for `sums`
+    over the `folded` devices: an empty partial carries no arrays."""
+    weight = next(iter(sums.values())).total_weight if folded and sums else 0.0
+    groups: dict[str, ArrayGroup] = {g: p.sums for g, p in sums.items()} if folded else {}
+    return {"groups": groups, "metrics": {"total_weight": weight, "count": len(folded)},
+            "config": {"folded": list(folded)}}
+
+
+@dataclass
+class ShardRound:
+    """One training round's shards at the coordinator: who each shard's selected devices are
+    (`rosters`), which updates their aggregators reported folded (`noted`), which PARTIALs came
+    (`delivered`) and which shards are lost, and why. It keeps the round's `collector` in step:
+    a device whose update was folded counts as replied, one whose shard is lost as missing."""
+
+    request_id: str
+    rosters: dict[int, dict[str, int]]
+    collector: RoundCollector
+    noted: dict[int, set[str]] = field(default_factory=dict)
+    delivered: dict[int, list[str]] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)
+    lost_updates: int = 0
+
+    def shard_with(self, client_id: str) -> int | None:
+        return next((k for k, roster in self.rosters.items() if client_id in roster), None)
+
+    @property
+    def open_shards(self) -> list[int]:
+        """Shards still expected to send their PARTIAL."""
+        return sorted(k for k in self.rosters if k not in self.delivered and k not in self.lost)
+
+    def folded(self, shard: int, client_id: str, msg_id: str, now: float) -> None:
+        """Shard `shard`'s aggregator folded `client_id`'s update."""
+        self.noted.setdefault(shard, set()).add(client_id)
+        if client_id not in self.collector.replied:
+            self.collector.accept(client_id, msg_id, now)
+
+    def deliver(self, partial: ShardPartial, msg_id: str, now: float) -> None:
+        """A checked PARTIAL was folded in: its devices count as replied (also those folded
+        after the round closed, before the aggregator heard it)."""
+        self.delivered[partial.shard] = partial.folded
+        for client_id in partial.folded:
+            self.folded(partial.shard, client_id, msg_id, now)
+
+    def lose(self, shard: int, why: str) -> int:
+        """Shard `shard` delivers nothing this round: the updates its aggregator reported folded
+        are lost and its devices count as missing; returns how many updates were lost."""
+        if shard not in self.open_shards:
+            return 0
+        self.lost[shard] = why
+        lost = 0
+        for client_id in self.rosters[shard]:
+            lost += self.collector.lose(client_id)
+        self.lost_updates += lost
+        return lost

@@ -1,0 +1,306 @@
+"""What edgepfl relies on from its broker, across a 3-node NATS cluster on three test hosts.
+
+Each node runs on its own network namespace (tests/hosts.py, tests/nats_cluster.py); clients
+connect to different nodes from inside those hosts. Checked: retained STATUS/RELEASE-like
+messages (also for a later subscriber), QoS 1 delivery, the Last Will of a killed device
+process, a persistent session that gets what was published while its node was down (after
+reconnecting to another node, and to the same node restarted), and a chunked broadcast larger
+than the node's max_payload (1 MB). NATS speaks MQTT 3.1.1 only: edgepfl's transport, under
+`protocol="auto"`, is refused MQTT 5 and falls back to 3.1.1.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Iterator
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from edge_sdk.channel import Channel
+from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
+from edge_sdk.transport import MqttSettings, MqttTransport
+from hosts import Hosts, hosts_or_skip
+from nats_cluster import MAX_PAYLOAD, NatsCluster, nats_binary
+
+pytestmark = pytest.mark.integration
+WAIT = 30.0
+FED = "nc"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[tuple[Hosts, NatsCluster]]:
+    nats_binary()
+    with hosts_or_skip(3) as hosts:
+        nodes = NatsCluster(hosts, tmp_path_factory.mktemp("nats")).start()
+        yield hosts, nodes
+        nodes.stop()
+
+
+class Probe:
+    """A plain paho MQTT 3.1.1 client on one test host that waits for its CONNACK, SUBACKs and
+    PUBACKs, and queues what it receives as (topic, payload, retained)."""
+
+    def __init__(self, hosts: Hosts, host: int, url: str, client_id: str, *, clean: bool = True):
+        self.hosts, self.host, self.client_id = hosts, host, client_id
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311,
+                                  clean_session=clean)
+        self.client.reconnect_delay_set(1, 2)
+        self.messages: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
+        self._connacks: queue.Queue[tuple[bool, bool]] = queue.Queue()  # CONNACK: (refused, session present)
+        self._acks: queue.Queue[tuple[int, bool]] = queue.Queue()  # SUBACK: (message id, refused)
+        self.client.on_connect = lambda c, u, flags, rc, p: self._connacks.put((rc.is_failure, flags.session_present))
+        self.client.on_subscribe = lambda c, u, mid, codes, p: self._acks.put((mid, codes[0].is_failure))
+        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload), m.retain))
+        self.url = url
+
+    def connect(self) -> bool:
+        """Connect (its network thread lives on the probe's host); True if a session was present."""
+        host, port = self.url.removeprefix("mqtt://").split(":")
+        with self.hosts.inside(self.host):
+            self.client.connect(host, int(port), keepalive=10)
+            self.client.loop_start()
+        return self.connack()
+
+    def connack(self, timeout: float = WAIT) -> bool:
+        """The next CONNACK's session-present flag; ConnectionRefusedError if it refused the client."""
+        refused, session_present = self._connacks.get(timeout=timeout)
+        if refused:
+            raise ConnectionRefusedError(f"{self.url} refused {self.client_id!r}")
+        return session_present
+
+    def subscribe(self, topic: str, qos: int = 1, *, granted: bool = True) -> None:
+        """Subscribe and wait for the SUBACK, which must grant it (or, with `granted=False`, refuse it)."""
+        _, mid = self.client.subscribe(topic, qos)
+        acked, refused = self._acks.get(timeout=WAIT)
+        assert acked == mid
+        assert refused is not granted, f"the subscription to {topic} was {'refused' if refused else 'granted'}"
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        self.client.publish(topic, payload, qos=qos, retain=retain).wait_for_publish(WAIT)
+
+    def next(self) -> tuple[str, bytes, bool]:
+        return self.messages.get(timeout=WAIT)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def transport_on(hosts: Hosts, host: int, url: str, client_id: str, **settings) -> MqttTransport:
+    """edgepfl's own transport (protocol auto), connected from `host`."""
+    transport = MqttTransport(client_id, MqttSettings(url=url, connect_timeout=WAIT, **settings))
+    with hosts.inside(host):
+        transport.connect()
+    return transport
+
+
+def test_edgepfl_transport_falls_back_to_mqtt_3_1_1(cluster):
+    hosts, nodes = cluster
+
+    transport = transport_on(hosts, 2, nodes.urls[1], "nc.fallback")
+
+    try:
+        assert transport.protocol == "3.1.1", "NATS refuses MQTT 5; auto must fall back"
+    finally:
+        transport.close()
+
+
+def test_retained_status_on_node1_reaches_node3_also_a_later_subscriber(cluster):
+    hosts, nodes = cluster
+    topic = Topics(FED).broadcast(Kind.STATUS)
+    coordinator = Probe(hosts, 1, nodes.urls[0], "nc.coordinator")
+    early = Probe(hosts, 3, nodes.urls[2], "nc.early")
+    late = Probe(hosts, 2, nodes.urls[1], "nc.late")
+    coordinator.connect()
+    early.connect()
+    early.subscribe(topic)
+    try:
+        coordinator.publish(topic, b"status-1", retain=True)
+        coordinator.publish(topic, b"status-2", retain=True)
+        live = [early.next(), early.next()]
+        late.connect()
+        late.subscribe(topic)
+
+        assert [(t, p) for t, p, _ in live] == [(topic, b"status-1"), (topic, b"status-2")]
+        assert late.next() == (topic, b"status-2", True), "a later subscriber gets the last retained message"
+    finally:
+        for probe in (coordinator, early, late):
+            probe.close()
+
+
+def test_qos1_messages_cross_nodes_in_order(cluster):
+    hosts, nodes = cluster
+    topic = Topics(FED).up("dev7", Kind.TRAIN_RES)
+    receiver = Probe(hosts, 1, nodes.urls[0], "nc.receiver")
+    sender = Probe(hosts, 2, nodes.urls[1], "nc.sender")
+    receiver.connect()
+    receiver.subscribe(Topics(FED).all_up())
+    sender.connect()
+    sent = [f"update-{i}".encode() * 100 for i in range(200)]
+    try:
+        for payload in sent:
+            sender.publish(topic, payload)
+        received = [receiver.next() for _ in sent]
+
+        assert [p for _, p, _ in received] == sent
+        assert {t for t, _, _ in received} == {topic}
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def line_of(process: subprocess.Popen, timeout: float = WAIT) -> str:
+    """The next line `process` prints; queue.Empty after `timeout` (its stdout must be a text pipe)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+    return lines.get(timeout=timeout)
+
+
+DEVICE_SCRIPT = textwrap.dedent("""
+    import sys, threading
+    from edge_sdk.transport import MqttSettings, MqttTransport
+    url, topic = sys.argv[1:3]
+    device = MqttTransport("nc.dev-will", MqttSettings(url=url, connect_timeout=30), will=(topic, b"offline"))
+    device.connect()
+    print("connected", flush=True)
+    threading.Event().wait()
+""")
+
+
+def test_last_will_of_a_killed_device_on_node2_reaches_the_coordinator_on_node1(cluster):
+    hosts, nodes = cluster
+    will_topic = Topics(FED).up("dev-will", Kind.OFFLINE)
+    coordinator = Probe(hosts, 1, nodes.urls[0], "nc.coordinator-will")
+    coordinator.connect()
+    coordinator.subscribe(Topics(FED).all_up())
+    device = hosts.spawn(2, [sys.executable, "-c", DEVICE_SCRIPT, nodes.urls[1], will_topic],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert line_of(device).strip() == "connected"
+        assert coordinator.messages.empty()
+
+        device.kill()  # no DISCONNECT: the node sees the socket close
+        device.wait(timeout=WAIT)
+
+        assert coordinator.next() == (will_topic, b"offline", False)
+    finally:
+        coordinator.close()
+
+
+@pytest.mark.parametrize("back_to", ["another node", "the same node restarted"])
+def test_persistent_session_gets_what_was_published_while_its_node_was_down(cluster, back_to):
+    hosts, nodes = cluster
+    topic = Topics(FED).down("dev-persist", Kind.TRAIN)
+    client_id = f"nc.persist-{back_to.split()[1]}"
+    device = Probe(hosts, 2, nodes.urls[1], client_id, clean=False)
+    assert device.connect() is False
+    device.subscribe(topic)
+    coordinator = Probe(hosts, 1, nodes.urls[0], "nc.coordinator-persist")
+    coordinator.connect()
+    coordinator.publish(topic, b"before")
+    assert device.next()[1] == b"before"
+    node = nodes.node(2)
+    try:
+        node.stop(kill=True)
+        missed = [f"while-away-{i}".encode() for i in range(5)]
+        for payload in missed:
+            coordinator.publish(topic, payload)  # PUBACKed: stored by the two nodes left
+        if back_to == "another node":
+            device.client.loop_stop()  # its own loop keeps redialling node 2: replace the client
+            device = Probe(hosts, 2, nodes.urls[2], client_id, clean=False)
+            assert device.connect() is True, "node 3 knows the session"
+            node.start()
+        else:
+            node.start()  # the probe's own reconnection (every 1-2 s) finds it back
+            assert device.connack(timeout=2 * WAIT) is True
+        received = [device.next()[1] for _ in missed]
+
+        assert received == missed
+    finally:
+        node.start() if node.process is None else None
+        node.wait_healthy()
+        device.close()
+        coordinator.close()
+
+
+FAILOVER_SCRIPT = textwrap.dedent("""
+    import sys
+    from edge_sdk.transport import MqttSettings, MqttTransport
+    url, topic = sys.argv[1:3]
+    device = MqttTransport("nc.dev-failover", MqttSettings(url=url, connect_timeout=30, reconnect_max_delay=2))
+    device.connect()
+    device.subscribe(topic)
+    while True:
+        incoming = device.incoming.get()
+        print(bytes(incoming.payload).decode(), device.connections, flush=True)
+""")
+
+
+def test_a_device_given_one_name_for_all_nodes_fails_over_to_another_node(cluster):
+    """The README's failover: a broker name that resolves to several nodes (here an /etc/hosts
+    entry; a DNS name with several addresses in the field). The device's node is killed; its
+    reconnection tries the next address, and its resubscription brings the retained status."""
+    hosts, nodes = cluster
+    topic = Topics(FED).broadcast(Kind.STATUS)
+    hosts.add_name("nats-cluster", [nodes.node(2).address, nodes.node(3).address])
+    coordinator = Probe(hosts, 1, nodes.urls[0], "nc.coordinator-failover")
+    coordinator.connect()
+    coordinator.publish(topic, b"before", retain=True)
+    device = hosts.spawn(2, [sys.executable, "-c", FAILOVER_SCRIPT, "mqtt://nats-cluster:1883", topic],
+                         stdout=subprocess.PIPE, text=True)
+    node = nodes.node(2)
+    try:
+        assert line_of(device).split() == ["before", "1"], "first connection: node 2, the first address"
+        node.stop(kill=True)
+        coordinator.publish(topic, b"after", retain=True)
+
+        assert line_of(device, 2 * WAIT).split() == ["after", "2"], "reconnected (to node 3) and resubscribed"
+    finally:
+        device.kill()
+        coordinator.close()
+        node.start()
+        node.wait_healthy()
+
+
+NATS_CHUNK_SIZE = 1_000_000
+"""The coordinator's --chunk-size the README gives for NATS's default max_payload (1 MB): a frame
+is its slice plus about 122 bytes, so the default 1 MiB slices would not fit."""
+
+
+def test_chunked_broadcast_larger_than_max_payload_reaches_devices_on_other_nodes(cluster):
+    hosts, nodes = cluster
+    topics = Topics(FED)
+    weights = np.random.default_rng(0).standard_normal(3 * MAX_PAYLOAD // 4, dtype=np.float32)  # 3 MB
+    devices = []
+    for host, device_id in ((2, "dev-a"), (3, "dev-b")):
+        transport = transport_on(hosts, host, nodes.urls[host - 1], f"{FED}.{device_id}")
+        for subscription in topics.device_subscriptions(device_id):
+            transport.subscribe(subscription)
+        devices.append((transport, Channel(transport, topics)))
+    frames = Probe(hosts, 3, nodes.urls[2], "nc.frames")
+    frames.connect()
+    frames.subscribe(topics.broadcast(Kind.TRAIN))
+    coordinator = transport_on(hosts, 1, nodes.urls[0], f"{FED}.coordinator")
+    try:
+        sent = Channel(coordinator, topics, chunk_size=NATS_CHUNK_SIZE).send(topics.broadcast(Kind.TRAIN), Envelope(
+            Kind.TRAIN, COORDINATOR, run_id="r", round=1, groups={"shared": {"w": weights}}))
+        received = [channel.receive(WAIT) for _, channel in devices]
+        sizes = [len(frames.next()[1]) for _ in range(-(-sent // NATS_CHUNK_SIZE))]
+
+        assert sent > MAX_PAYLOAD and len(sizes) >= 3
+        assert max(sizes) <= MAX_PAYLOAD, "every frame fits the node's max_payload"
+        for item in received:
+            assert item is not None and item.envelope.kind is Kind.TRAIN
+            np.testing.assert_array_equal(item.envelope.groups["shared"]["w"], weights)
+    finally:
+        frames.close()
+        coordinator.close()
+        for transport, _ in devices:
+            transport.close()

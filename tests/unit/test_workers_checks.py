@@ -1,0 +1,51 @@
+"""The checks of `edgepfl workers` that need no broker: device ranges, the settings comparison
+with the coordinator's announcement, and a worker's hosting report."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import RunConfig
+from coordinator.device_ranges import describe_indices, parse_devices
+from coordinator.simulate import Hosting
+from coordinator.workers import Footprint, check_settings, settings_mismatch
+from edge_sdk.config import ConfigError
+
+
+def test_ranges_and_single_devices_make_one_ascending_share() -> None:
+    assert parse_devices("4-6, 0,9", 10, "--devices") == (0, 4, 5, 6, 9)
+    assert describe_indices((0, 4, 5, 6, 9)) == "0, 4-6, 9"
+
+
+def test_none_is_an_empty_share_only_where_allowed() -> None:
+    assert parse_devices("none", 4, "--local-devices", allow_none=True) == ()
+    with pytest.raises(ConfigError, match="--devices 'none': 'none' is not a device index"):
+        parse_devices("none", 4, "--devices")
+
+
+def test_the_settings_that_differ_are_named_with_both_values() -> None:
+    here = RunConfig.of(alpha=0.1, partition="dirichlet", clients=8)
+    there = RunConfig.of(alpha=0.5, partition="dirichlet", clients=8).defining()
+
+    lines = settings_mismatch(here.defining(), {**there, "newer_setting": 1})
+
+    assert lines == ["alpha: 0.1 here, 0.5 at the coordinator", "newer_setting: None here, 1 at the coordinator"]
+    with pytest.raises(ConfigError, match="alpha: 0.1 here, 0.5 at the coordinator"):
+        check_settings(here, there)
+    check_settings(here, here.defining())  # the same settings pass
+
+
+def test_a_malformed_hosting_report_is_refused() -> None:
+    report = Hosting(3, 100, 400)
+
+    assert Hosting.from_bytes(report.to_bytes()) == report
+    for data in (b'{"devices": -1, "rss_before": 0, "rss_after": 0}', b"[1, 2, 3]", b'{"devices": 1.5}'):
+        with pytest.raises(ValueError, match="malformed hosting report"):
+            Hosting.from_bytes(data)
+
+
+def test_the_footprint_is_the_rss_the_devices_added_over_their_number() -> None:
+    footprint = Footprint.of([Hosting(2, 100 << 20, 120 << 20), Hosting(3, 100 << 20, 130 << 20)])
+
+    assert footprint.per_device == (50 << 20) / 5
+    assert "5 devices joined in 2 worker processes: RSS 10.0 MiB per device" in footprint.describe()
