@@ -11,11 +11,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from edge_sdk import codecs
-from edge_sdk.params import ArraySpec, check_arrays
+from edge_sdk.params import ArraySpec, block_buffer, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
-from .aggregate import aligned_reference, squared_distance
+from .aggregate import aligned_reference, squared_change_above, squared_distance
 
 if TYPE_CHECKING:
     from .algorithms.base import ServerAlgorithm
@@ -41,6 +43,34 @@ def delta_norm(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) 
     return math.sqrt(total)
 
 
+def norm_over(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup], bound: float) -> float | None:
+    """`delta_norm(update, reference)` where it exceeds `bound`, else None: the same decision.
+    Float32 updates well within the bound, the common case, are settled by an upper bound of
+    their norm computed in float32 with a proven error margin (`squared_change_above`, 3x
+    faster); the float64 norm is computed only for the others (within 0.4% of the bound or
+    over it, other dtypes, an overflow)."""
+    if math.sqrt(_squared_change_above(update, reference)) * (1 + 1e-9) < bound:  # 1e-9: delta_norm's rounding
+        return None
+    norm = delta_norm(update, reference)
+    return norm if norm > bound else None
+
+
+def _squared_change_above(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
+    """An upper bound of delta_norm's sum of squares; infinite where an array is not float32."""
+    scratch = block_buffer(np.float32, "changes")
+    total = 0.0
+    for group, arrays in update.items():
+        base = reference.get(group, {})
+        for key, value in arrays.items():
+            ref = aligned_reference(base[key], value) if key in base else None
+            if ref is None or value.dtype.kind != "f":
+                continue
+            if value.dtype != np.float32 or ref.dtype != np.float32:
+                return math.inf
+            total += squared_change_above(value, ref, scratch)
+    return total
+
+
 def check_update(
     envelope: Envelope,
     spec: dict[str, ArraySpec],
@@ -57,8 +87,8 @@ def check_update(
     if not isinstance(claimed, (int, float)) or not claimed >= 1:
         raise ValidationError(Reason.MALFORMED, f"num_examples {claimed!r}")
     if limits.max_update_norm > 0:
-        norm = delta_norm(envelope.groups, reference)
-        if norm > limits.max_update_norm:
+        norm = norm_over(envelope.groups, reference, limits.max_update_norm)
+        if norm is not None:
             raise ValidationError(Reason.NORM_TOO_LARGE, f"update norm {norm:.3g} > {limits.max_update_norm:.3g}")
     return float(min(claimed, registered_examples, limits.max_examples))
 

@@ -64,15 +64,23 @@ def decode(codec: str, groups: dict[str, ArrayGroup], sent: dict[str, ArrayGroup
                 out[group][key] = value
                 continue
             wanted = np.dtype(spec[key][1])
+            delta = np.empty(value.shape, np.float32)
             if codec == "fp16":
                 if value.dtype != np.float16:
                     raise ValidationError(Reason.BAD_DTYPE, f"{group}/{key}: fp16 codec, got {value.dtype}")
-                delta = value.astype(np.float32)
+                np.copyto(delta, value)
             else:
                 scale = arrays.get(key + SCALE_SUFFIX)
                 if value.dtype != np.int8 or scale is None or scale.shape != () or not np.isfinite(scale):
                     raise ValidationError(Reason.MALFORMED, f"{group}/{key}: int8 codec needs int8 data and a scale")
-                delta = value.astype(np.float32) * np.float32(scale)
-            base = _reference(key, delta, sent.get(group, {}))
-            out[group][key] = (delta + (base.astype(np.float32) if base is not None else 0.0)).astype(wanted)
+                np.multiply(value, np.float32(scale), out=delta, dtype=np.float32)
+            out[group][key] = _restored(delta, _reference(key, delta, sent.get(group, {})), wanted)
     return out
+
+
+def _restored(delta: np.ndarray, base: np.ndarray | None, wanted: np.dtype) -> np.ndarray:
+    """`delta + base` in float32 (the base rounded to float32 first), in the dtype `wanted`:
+    computed in place in `delta`, so one full-size array is made, not four."""
+    if base is not None:
+        np.add(delta, base, out=delta, dtype=np.float32)
+    return delta if wanted == np.float32 else delta.astype(wanted)
