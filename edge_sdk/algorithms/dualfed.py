@@ -138,9 +138,10 @@ class DualFedDevice(TorchDevice):
             u = model.projector(z)
             labels = yb.repeat_interleave(2)
             ce = F.cross_entropy(model.head(u), labels)
+            if with_global_head:
+                ce = ce + F.cross_entropy(model.global_head(z), labels)
             contrastive = supcon_loss(u.view(len(yb), 2, -1), yb, self.hyper.temperature, variant="out")
-            total = ce + self.hyper.lam * contrastive
-            return total + F.cross_entropy(model.global_head(z), labels) if with_global_head else total
+            return ce + self.hyper.lam * contrastive
 
         return loss
 
