@@ -39,7 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
 from _machine import machine_info  # noqa: E402
-from _runs import DEFAULT_CACHE, NAMES, RunCache, Setting, bench_config, mean_std, setup_logging, write_outputs  # noqa: E402
+from _runs import (  # noqa: E402  (the script's own folder)
+    DEFAULT_CACHE,
+    NAMES,
+    RunCache,
+    Setting,
+    bench_config,
+    mean_std,
+    setup_logging,
+    write_outputs,
+)
 
 log = logging.getLogger("benchmarks")
 
@@ -351,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
     machine = machine_info()
     results = run_rows(args, cache, rows)
-    config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds, "local_epochs": args.local_epochs,
-              "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
+    config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
               "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers,
               "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
     document = {"benchmark": "ablations", "machine": machine, "config": config, "rows": results,

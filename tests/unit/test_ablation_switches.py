@@ -96,8 +96,11 @@ def test_dualfed_stagewise_runs_both_stages_and_simultaneous_neither(monkeypatch
     calls: list[str] = []
     for name in ("train_main_branch", "train_global_head", "train_simultaneously"):
         real = getattr(dualfed.DualFedDevice, name)
-        monkeypatch.setattr(dualfed.DualFedDevice, name,
-                            lambda self, generator, _real=real, _name=name: (calls.append(_name), _real(self, generator))[1])
+        def recorded(self, generator, _real=real, _name=name):
+            calls.append(_name)
+            return _real(self, generator)
+
+        monkeypatch.setattr(dualfed.DualFedDevice, name, recorded)
     server = DualFedServer(dualfed.Hyper(), ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
 
     # Execute
