@@ -18,6 +18,11 @@ Local round, stage-wise (Sec. 4.2):
     CE(global_head(z)), Eq. (9)-(10), with z of the un-augmented training images.
 Both stages use SGD, lr 0.01, momentum 0.5 (Sec. 5.3). `lr=none` uses the run's `--lr`.
 
+Ablations (switches, off by default): `schedule="simultaneous"` (Table 4's "Simu.") trains body,
+projector, head and global_head together for `local_epochs` epochs with one optimizer on
+Eq. (8) + CE(global_head(z)), z of the same augmented views (the mean over both), instead of
+(a) then (b); `projector=false` replaces the projector with the identity, so u = z.
+
 Partition: shared = `body` and `global_head` without BatchNorm running statistics; personal =
 `projector`, `head` and every BatchNorm running statistic.
 Up (TRAIN_RES): group "shared" = body and global_head after the local round, num_examples, loss.
@@ -56,6 +61,7 @@ log = logging.getLogger(__name__)
 
 SHARED_PARTS = ("body", "global_head")
 MAIN_BRANCH = ("body", "projector", "head")
+ALL_PARTS = (*MAIN_BRANCH, "global_head")
 
 
 def projector(dim: int, hidden: int) -> nn.Sequential:
@@ -68,10 +74,11 @@ def projector(dim: int, hidden: int) -> nn.Sequential:
 class DualFedNet(nn.Module):
     """Top-level parts `body`, `projector`, `head` (on u) and `global_head` (on z)."""
 
-    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int, hidden: int) -> None:
+    def __init__(self, body: nn.Module, feature_dim: int, num_classes: int, hidden: int | None) -> None:
+        """`hidden` None: no projector (the identity, u = z; the ablation `projector=false`)."""
         super().__init__()
         self.body = body
-        self.projector = projector(feature_dim, hidden)
+        self.projector = nn.Identity() if hidden is None else projector(feature_dim, hidden)
         self.head = nn.Linear(feature_dim, num_classes)
         self.global_head = nn.Linear(feature_dim, num_classes)
 
@@ -94,7 +101,7 @@ def build_network(model: ModelSpec, task: TaskSpec, hyper: Hyper, seed: int) -> 
     """The same initial network on every device and on the server for the run's seed."""
     with seeded_init(seed):
         body, feature_dim = build_body(model, task)
-        hidden = hyper.projector_hidden or max(1, feature_dim // 2)
+        hidden = (hyper.projector_hidden or max(1, feature_dim // 2)) if hyper.projector else None
         return DualFedNet(body, feature_dim, task.num_classes, hidden)
 
 
@@ -120,14 +127,19 @@ class DualFedDevice(TorchDevice):
         lr = self.settings.lr if self.hyper.lr is None else self.hyper.lr
         return torch.optim.SGD(params, lr=lr, momentum=self.hyper.momentum)
 
-    def main_branch_loss(self, generator: torch.Generator) -> LossFn:
-        """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch."""
+    def main_branch_loss(self, generator: torch.Generator, *, with_global_head: bool = False) -> LossFn:
+        """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch; with
+        `with_global_head` (the simultaneous schedule) plus CE(global_head(z)) on the same views."""
         task, model = self.data.task, self.model
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             views = task_views(xb, task, generator).flatten(0, 1)
-            u = model.projector(model.body(views))
-            ce = F.cross_entropy(model.head(u), yb.repeat_interleave(2))
+            z = model.body(views)
+            u = model.projector(z)
+            labels = yb.repeat_interleave(2)
+            ce = F.cross_entropy(model.head(u), labels)
+            if with_global_head:
+                ce = ce + F.cross_entropy(model.global_head(z), labels)
             contrastive = supcon_loss(u.view(len(yb), 2, -1), yb, self.hyper.temperature, variant="out")
             return ce + self.hyper.lam * contrastive
 
@@ -149,9 +161,19 @@ class DualFedDevice(TorchDevice):
                           epochs=self.hyper.global_head_epochs, batch_size=self.settings.batch_size,
                           generator=generator)
 
+    def train_simultaneously(self, generator: torch.Generator) -> float:
+        """The ablation `schedule="simultaneous"`: every part learns at once on both stages' losses."""
+        self.model.train()
+        return run_epochs(self.main_branch_loss(generator, with_global_head=True),
+                          self.optimizer(parameters_of(self.model, ALL_PARTS)), self.train_x, self.train_y,
+                          epochs=self.settings.local_epochs, batch_size=self.settings.batch_size, generator=generator)
+
     def fit(self, task: Task) -> FitResult:
         self.load_shared(task)
         generator = self.generator(task.round)
+        if self.hyper.schedule == "simultaneous":
+            metrics = {"num_examples": len(self.train_y), "loss": self.train_simultaneously(generator)}
+            return FitResult({SHARED: self.shared_state()}, metrics)
         loss = self.train_main_branch(generator)
         head_loss = self.train_global_head(generator)
         metrics = {"num_examples": len(self.train_y), "loss": loss, "global_head_loss": head_loss}

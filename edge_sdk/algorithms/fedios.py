@@ -48,6 +48,11 @@ and every running statistic are personal.
 Down, each round: the global `body` and `head` (group `shared`). Up: the trained `body` and `head`;
 the server averages them weighted by n_k (FedAvg, Alg. 1 lines 19-20).
 Deployed model: head(phi_f). `global_accuracy`: head(P^g body(x)) (Sec. 3, inference).
+
+Ablation `personal_extractor=false` (Table 7, "w/o personalized extractors"): `personal_body` is
+`ZeroExtractor` (no parameters, zero features), so phi_p = 0, and alpha is taken as 1, so
+phi_f = phi_g: the model is head(P^g body(x)), FedAvg through the generic projection. The loss
+keeps its form, so its personal cross-entropy CE(head(0)) then trains only the head's bias.
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ def project(features: torch.Tensor, block: int, dim: int) -> torch.Tensor:
 
 
 # -- the model ------------------------------------------------------------------------------
+class ZeroExtractor(nn.Module):
+    """Zero features of dimension d for any input: the personal extractor of the ablation
+    `personal_extractor=false`."""
+
+    def __init__(self, feature_dim: int) -> None:
+        super().__init__()
+        self.feature_dim = feature_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(len(x), self.feature_dim)
+
+
 def seeded_body(model: ModelSpec, task: TaskSpec, seed: int) -> tuple[nn.Module, int]:
     """A feature extractor initialized from `seed` (the federation seed gives the generic `body`), and d."""
     net = build_model(model, task, seed=seed)
@@ -171,8 +188,10 @@ class FediOSDevice(TorchDevice):
         """The factory's model of the federation seed supplies the generic body, the factory's
         model of the device's own seed the personal body; the head is FediOS's linear map on R^D."""
         block, capacity = parse_assignment(self.assignment)
-        personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
         head = shared_head(base.feature_dim, capacity, self.data.task.num_classes, self.settings.seed)
+        if not self.hyper.personal_extractor:
+            return FediOSNet(base.body, ZeroExtractor(base.feature_dim), head, block, alpha=1.0)
+        personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
         return FediOSNet(base.body, personal_body, head, block, self.hyper.alpha)
 
     def fit(self, task: Task) -> FitResult:

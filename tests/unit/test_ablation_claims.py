@@ -1,0 +1,57 @@
+"""benchmarks/ablations.py's claim table: an ordering is measured on the seeds both rows ran, and says so."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows  # noqa: E402
+
+CLAIM = Claim("dc_pfl", "DC-PFL > w/o AL", "full", "no_al", "Table 1")
+
+
+def row(id_: str, seeds: dict[int, float], missing: str = "") -> dict:
+    return {"paper": "dc_pfl", "id": id_, "seeds": seeds, "missing": missing}
+
+
+@pytest.mark.parametrize("full, ablated, measured, reproduced", [
+    ({0: 0.90}, {0: 0.85}, "90.00 vs 85.00: +5.00 (seed 0)", "yes (1 seed)"),
+    ({0: 0.80}, {0: 0.85}, "80.00 vs 85.00: -5.00 (seed 0)", "no (1 seed)"),
+    ({0: 0.90, 1: 0.80, 2: 0.70}, {0: 0.85, 1: 0.82}, "85.00 vs 83.50: +1.50 ± 3.50 (seeds 0, 1)",
+     "yes, within seed spread"),
+    ({0: 0.90, 1: 0.91}, {0: 0.80, 1: 0.82}, "90.50 vs 81.00: +9.50 ± 0.50 (seeds 0, 1)", "yes"),
+])
+def test_a_claim_compares_the_rows_on_their_common_seeds(full, ablated, measured, reproduced) -> None:
+    # Execute
+    [entry] = claim_rows([row("full", full), row("no_al", ablated)], [CLAIM])
+
+    # Assert
+    assert entry["measured"] == measured
+    assert entry["reproduced"] == reproduced
+
+
+def test_a_claim_without_runs_is_not_measured_and_names_a_missing_switch() -> None:
+    # Execute
+    [no_seed] = claim_rows([row("full", {0: 0.9}), row("no_al", {1: 0.8})], [CLAIM])
+    [no_switch] = claim_rows([row("full", {0: 0.9}), row("no_al", {}, missing="no switch")], [CLAIM])
+    none = claim_rows([row("other", {0: 0.9})], [CLAIM])
+
+    # Assert
+    assert (no_seed["measured"], no_seed["reproduced"]) == ("not measured", "not measured")
+    assert no_switch["measured"] == "not measured (no switch)"
+    assert none == []  # a paper not asked for has no lines
+
+
+def test_every_claim_names_rows_of_its_paper_and_every_paper_has_its_full_method_and_references() -> None:
+    # Prepare
+    ids = {(r.paper, r.id) for r in ROWS}
+
+    # Assert
+    for claim in CLAIMS:
+        assert (claim.paper, claim.better) in ids and (claim.paper, claim.worse) in ids, claim.text
+    for paper in PAPERS:
+        assert {(paper, "full"), (paper, "fedavg"), (paper, "fedavg_ft")} <= ids
