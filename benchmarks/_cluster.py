@@ -20,7 +20,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY / "tests"))
 
 from hosts import Hosts, HostsUnavailable, stop_process  # noqa: E402
-from nats_cluster import NatsCluster  # noqa: E402
+from nats_cluster import NatsCluster, node_config  # noqa: E402
 
 HOSTS = 3
 CLONE_NEWNET = 0x40000000
@@ -116,11 +116,23 @@ class Cluster:
         return tails
 
 
+def mqtt_options(consumer_replicas: int | None, consumer_memory: bool) -> str:
+    """Lines for the nodes' `mqtt` block beyond the tests' configuration: the replicas of the
+    JetStream consumer NATS makes for every QoS 1 subscription (default: the stream's, 3 here)
+    and whether it keeps them in memory instead of on disk."""
+    lines = [f"  consumer_replicas: {consumer_replicas}\n"] if consumer_replicas else []
+    return "".join(lines + (["  consumer_memory_storage: true\n"] if consumer_memory else []))
+
+
 @contextlib.contextmanager
-def cluster(workdir: Path) -> Iterator[Cluster]:
-    """Three hosts with a NATS node each, removed (processes and namespaces) on exit."""
+def cluster(workdir: Path, mqtt_extra: str = "") -> Iterator[Cluster]:
+    """Three hosts with a NATS node each (tests/nats_cluster.py's configuration, `mqtt_extra`
+    added to its `mqtt` block), removed (processes and namespaces) on exit."""
     with Hosts(HOSTS) as hosts:
-        nodes = NatsCluster(hosts, workdir / "nats")
+        def config(host: int, store: Path) -> str:
+            return node_config(hosts, host, HOSTS, store).replace("mqtt {\n", "mqtt {\n" + mqtt_extra)
+
+        nodes = NatsCluster(hosts, workdir / "nats", config=config)
         try:
             nodes.start()
             yield Cluster(hosts, nodes)
@@ -128,5 +140,5 @@ def cluster(workdir: Path) -> Iterator[Cluster]:
             nodes.stop()
 
 
-__all__ = ["Cluster", "HostsUnavailable", "cluster", "enter_namespace", "host_of_process", "proc_status",
-           "unavailable"]
+__all__ = ["Cluster", "HostsUnavailable", "cluster", "enter_namespace", "host_of_process", "mqtt_options",
+           "proc_status", "unavailable"]

@@ -474,7 +474,10 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
              f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
-             f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}; "
+             f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}"
+             + (f" ({s['shards']} shard aggregators, JetStream consumers per QoS 1 subscription: "
+                f"{s['nats_consumer_replicas'] or 'the stream' + chr(39) + 's 3'} replicas, "
+                f"{'in memory' if s['nats_consumer_memory'] else 'on disk'})" if s.get("cluster") else "") + "; "
              "memory: coordinator RSS over the whole round (broadcast to checkpoint), as multiples of the "
              "model's bytes",
              "",
@@ -544,9 +547,10 @@ def plot(result: dict, path: Path) -> None:
 def run_on_cluster(devices: int, args, workdir: Path) -> dict:
     """One device count on a fresh cluster (hosts, NATS nodes with empty JetStream stores), so
     that the nodes' memory is this count's."""
-    from _cluster import cluster
+    from _cluster import cluster, mqtt_options
 
-    with cluster(workdir / f"cluster{devices}") as running:
+    extra = mqtt_options(args.nats_consumer_replicas, args.nats_consumer_memory)
+    with cluster(workdir / f"cluster{devices}", mqtt_extra=extra) as running:
         return run_scale(devices, (running.url(1), "3.1.1", None), args, workdir, cluster=running)
 
 
@@ -583,6 +587,11 @@ def main() -> None:
                              "500,2000,5000,10000 devices, 1 round, mlp on digits: 26,122 parameters, 104 KB; quick: "
                              "30 devices)")
     parser.add_argument("--shards", type=int, default=2, help="--cluster: shard aggregators (default 2)")
+    parser.add_argument("--nats-consumer-replicas", type=int,
+                        help="--cluster: replicas of the JetStream consumer NATS makes per QoS 1 subscription "
+                             "(default: the stream's, 3: every subscription is a 3-node Raft group)")
+    parser.add_argument("--nats-consumer-memory", action="store_true",
+                        help="--cluster: NATS keeps those consumers in memory, not on disk")
     args = parser.parse_args()
     if args.cluster:
         from _cluster import unavailable
@@ -619,6 +628,8 @@ def main() -> None:
                                  "round_timeout": args.round_timeout,
                                  "broker": "nats cluster (3 nodes)" if args.cluster else args.broker or "mosquitto",
                                  "cluster": args.cluster, "shards": args.shards if args.cluster else 0,
+                                 "nats_consumer_replicas": args.nats_consumer_replicas,
+                                 "nats_consumer_memory": args.nats_consumer_memory,
                                  "device_keepalive": args.device_keepalive,
                                  "mosquitto_conf": None if args.broker or args.cluster else conf,
                                  "open_files_limit": list(fd_limit)},
