@@ -472,12 +472,13 @@ def cluster_summary(summary: dict, samples: dict[str, list], detail: dict, start
 
 def markdown(result: dict) -> str:
     s = result["settings"]
+    replicas = s.get("nats_consumer_replicas") or "3 (the stream's)"
+    cluster_note = (f" ({s['shards']} shard aggregators; the JetStream consumer of each QoS 1 subscription: {replicas} "
+                    f"replicas, {'in memory' if s.get('nats_consumer_memory') else 'on disk'})") if s.get("cluster") else ""
     lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
              f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
              f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}"
-             + (f" ({s['shards']} shard aggregators, JetStream consumers per QoS 1 subscription: "
-                f"{s['nats_consumer_replicas'] or 'the stream' + chr(39) + 's 3'} replicas, "
-                f"{'in memory' if s['nats_consumer_memory'] else 'on disk'})" if s.get("cluster") else "") + "; "
+             + cluster_note + "; "
              "memory: coordinator RSS over the whole round (broadcast to checkpoint), as multiples of the "
              "model's bytes",
              "",
