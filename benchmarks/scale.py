@@ -141,9 +141,10 @@ def client_id_for(index: int) -> str:
 
 
 def _devices_main(indices: list[int], url: str, protocol: str, federation: str, chunk_size: int, keepalive: int,
-                  results, namespace: str | None = None) -> None:
+                  results, namespace: str | None = None, connect_interval: float = 0.0) -> None:
     """One device process: its devices as threads, each with its own MQTT connection (on the host
-    of network namespace `namespace` when given)."""
+    of network namespace `namespace` when given), started `connect_interval` seconds apart (a
+    fleet that comes online at a set rate rather than all in the same instant)."""
     if namespace is not None:
         from _cluster import enter_namespace
 
@@ -165,6 +166,8 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
     connect_started = time.monotonic()
     for thread in threads:
         thread.start()
+        if connect_interval:
+            time.sleep(connect_interval)  # pacing the connections, not waiting for anything
     connected_at = None
     while connected_at is None and any(t.is_alive() for t in threads):
         if all(d.channel.transport.connected.is_set() for d in devices):
@@ -358,12 +361,17 @@ def run_scale(devices: int, running, args, workdir: Path, cluster=None) -> dict:
                                      args=(list(range(w, devices, processes)),
                                            cluster.url(host) if cluster is not None else url, protocol, federation,
                                            args.upload_chunk_size, args.device_keepalive, results,
-                                           cluster.namespace(host) if cluster is not None else None))
+                                           cluster.namespace(host) if cluster is not None else None,
+                                           processes / args.connect_rate if args.connect_rate else 0.0))
             worker.start()
             workers.append(worker)
         limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
-        if not parent.poll(limit):
-            raise RuntimeError(f"the coordinator did not finish within {limit:.0f} s")
+        deadline = time.monotonic() + limit
+        while not parent.poll(1.0):  # this process holds the pipe's other end too: no EOF if the coordinator dies
+            if not coordinator.is_alive():
+                raise RuntimeError(f"the coordinator process exited (code {coordinator.exitcode}) without a result")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not finish within {limit:.0f} s")
         message, detail = parent.recv()
         if message != "done":
             raise RuntimeError(f"coordinator: {detail}")
@@ -601,6 +609,8 @@ def main() -> None:
                              "500,2000,5000,10000 devices, 1 round, mlp on digits: 26,122 parameters, 104 KB; quick: "
                              "30 devices)")
     parser.add_argument("--shards", type=int, default=2, help="--cluster: shard aggregators (default 2)")
+    parser.add_argument("--connect-rate", type=float, default=0.0,
+                        help="devices connecting per second, over all device processes (default 0: all at once)")
     parser.add_argument("--nats-consumer-replicas", type=int,
                         help="--cluster: replicas of the JetStream consumer NATS makes per QoS 1 subscription "
                              "(default: the stream's, 3: every subscription is a 3-node Raft group)")
@@ -644,7 +654,7 @@ def main() -> None:
                                  "cluster": args.cluster, "shards": args.shards if args.cluster else 0,
                                  "nats_consumer_replicas": args.nats_consumer_replicas,
                                  "nats_consumer_memory": args.nats_consumer_memory,
-                                 "device_keepalive": args.device_keepalive,
+                                 "device_keepalive": args.device_keepalive, "connect_rate": args.connect_rate,
                                  "mosquitto_conf": None if args.broker or args.cluster else conf,
                                  "open_files_limit": list(fd_limit)},
                     "runs": []}
