@@ -375,7 +375,10 @@ def run_scale(devices: int, running, args, workdir: Path, cluster=None) -> dict:
         message, detail = parent.recv()
         if message != "done":
             raise RuntimeError(f"coordinator: {detail}")
-        device_stats = [results.get(timeout=60) for _ in workers]
+        try:
+            device_stats = [results.get(timeout=60) for _ in workers]
+        except queue.Empty:  # devices that never heard the run finish (e.g. their broker dropped them)
+            raise RuntimeError("a device process did not finish within 60 s of the coordinator") from None
     finally:
         stop.set()
         for worker in workers:
