@@ -497,8 +497,9 @@ def cluster_summary(summary: dict, samples: dict[str, list], detail: dict, start
 def markdown(result: dict) -> str:
     s = result["settings"]
     replicas = s.get("nats_consumer_replicas") or "3 (the stream's)"
-    cluster_note = (f" ({s['shards']} shard aggregators; the JetStream consumer of each QoS 1 subscription: {replicas} "
-                    f"replicas, {'in memory' if s.get('nats_consumer_memory') else 'on disk'})") if s.get("cluster") else ""
+    storage = "in memory" if s.get("nats_consumer_memory") else "on disk"
+    cluster_note = (f" ({s['shards']} shard aggregators; the JetStream consumer of each QoS 1 subscription: "
+                    f"{replicas} replicas, {storage})") if s.get("cluster") else ""
     lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
              f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
              f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}"
