@@ -54,7 +54,9 @@ node (each process setns()es into its host's namespace before it connects). Defa
 the round's participants, all folded by the aggregators), the aggregators' and NATS nodes' peak
 RSS (VmHWM) and RSS once every device registered. `--nats-consumer-replicas` and
 `--nats-consumer-memory` set how NATS keeps the JetStream consumer it makes for every QoS 1
-subscription. Writes scale-cluster.{json,md,png}.
+subscription, `--connect-rate` how many devices come online per second (default: all at once).
+On 2 cores NATS's JetStream stops between 1,000 and 2,000 devices (benchmarks/README.md).
+Writes scale-cluster.{json,md,png}.
 """
 
 from __future__ import annotations
