@@ -42,11 +42,27 @@ coordinator's), `--mosquitto-max-queued` (Mosquitto's per-client queue, as `edge
 broker-config` writes it: no limit).
 
 Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
+
+Cluster (`--cluster`, as root; prints why and exits otherwise): per device count a fresh
+topology from tests/hosts.py and tests/nats_cluster.py (imported, not copied): three hosts
+(network namespaces on a bridge), a NATS node on each (JetStream, MQTT 3.1.1), the coordinator
+process on host 1 with `--shards K` (`--shards`, default 2), `edgepfl aggregator --shard k/K`
+processes on hosts 2 and 3, and device process w on host w % 3 + 1 connected to its own host's
+node (each process setns()es into its host's namespace before it connects). Default 500, 2,000,
+5,000 and 10,000 devices, 1 round, mlp on digits (26,122 parameters, 104 KB of float32, so
+~100 KB updates); quick: 30 devices. Beside the figures above (the updates accepted are then
+the round's participants, all folded by the aggregators), the aggregators' and NATS nodes' peak
+RSS (VmHWM) and RSS once every device registered. `--nats-consumer-replicas` and
+`--nats-consumer-memory` set how NATS keeps the JetStream consumer it makes for every QoS 1
+subscription, `--connect-rate` how many devices come online per second (default: all at once).
+On 2 cores NATS's JetStream stops between 1,000 and 2,000 devices (benchmarks/README.md).
+Writes scale-cluster.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -127,8 +143,14 @@ def client_id_for(index: int) -> str:
 
 
 def _devices_main(indices: list[int], url: str, protocol: str, federation: str, chunk_size: int, keepalive: int,
-                  results) -> None:
-    """One device process: its devices as threads, each with its own MQTT connection."""
+                  results, namespace: str | None = None, connect_interval: float = 0.0) -> None:
+    """One device process: its devices as threads, each with its own MQTT connection (on the host
+    of network namespace `namespace` when given), started `connect_interval` seconds apart (a
+    fleet that comes online at a set rate rather than all in the same instant)."""
+    if namespace is not None:
+        from _cluster import enter_namespace
+
+        enter_namespace(namespace)
     raise_fd_limit()
     started = time.monotonic()
     settings = MqttSettings(url=url, protocol=protocol, connect_timeout=60, keepalive=keepalive)
@@ -146,6 +168,8 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
     connect_started = time.monotonic()
     for thread in threads:
         thread.start()
+        if connect_interval:
+            time.sleep(connect_interval)  # pacing the connections, not waiting for anything
     connected_at = None
     while connected_at is None and any(t.is_alive() for t in threads):
         if all(d.channel.transport.connected.is_set() for d in devices):
@@ -159,9 +183,9 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
                  "errors": errors, "rejections": sum(sum(d.channel.rejections.values()) for d in devices)})
 
 
-def _read_status(field: str) -> int:
-    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as handle:
+def _read_status(field: str, pid: int | str = "self") -> int:
+    """A /proc/<pid>/status memory field in bytes (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
@@ -178,9 +202,13 @@ def _reset_peak() -> bool:
         return False
 
 
-def _coordinator_main(config_fields: dict, conn) -> None:
+def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -> None:
     """The coordinator process: set up as `edgepfl coordinator` does; its events time the rounds
-    and mark when to read its memory."""
+    and mark when to read its memory. On the host of network namespace `namespace` when given."""
+    if namespace is not None:
+        from _cluster import enter_namespace
+
+        enter_namespace(namespace)
     from coordinator.config import RunConfig
     from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundStarted,
                                     UpdateAccepted)
@@ -224,7 +252,7 @@ def _coordinator_main(config_fields: dict, conn) -> None:
         current["accumulated"] += 1
 
     def round_aggregated(event: RoundAggregated) -> None:
-        current.update(end_round_seconds=event.seconds, ended_at=time.monotonic(),
+        current.update(end_round_seconds=event.seconds, ended_at=time.monotonic(), participants=event.participants,
                        peak_rss_aggregated=_read_status("VmHWM"))
 
     def round_ended(event: RoundEnded) -> None:
@@ -255,7 +283,9 @@ def _coordinator_main(config_fields: dict, conn) -> None:
 
 
 def _sample_rss(pids: dict[str, int | None], stop: threading.Event, samples: dict[str, list], started: float) -> None:
-    """RSS of the coordinator (and the broker, when started here) every 50 ms."""
+    """RSS of the coordinator (and the broker or NATS nodes and aggregators, when started here)
+    every 50 ms; `samples[name + ":hwm"]` keeps the last high-water mark (VmHWM) read of each,
+    the peak between two samples included."""
     import psutil
 
     processes = {name: psutil.Process(pid) for name, pid in pids.items() if pid is not None}
@@ -264,7 +294,8 @@ def _sample_rss(pids: dict[str, int | None], stop: threading.Event, samples: dic
         for name, process in list(processes.items()):
             try:
                 samples.setdefault(name, []).append((now, process.memory_info().rss))
-            except psutil.Error:
+                samples[name + ":hwm"] = [(now, _read_status("VmHWM", process.pid))]
+            except (psutil.Error, OSError):
                 del processes[name]
         stop.wait(0.05)
 
@@ -285,25 +316,37 @@ def broker_dropped(url: str, protocol: str) -> int | None:
         transport.close()
 
 
-def run_scale(devices: int, running, args, workdir: Path) -> dict:
+def run_scale(devices: int, running, args, workdir: Path, cluster=None) -> dict:
+    """One device count through one broker (`running`), or, with `cluster` (_cluster.Cluster),
+    through its NATS nodes: the coordinator on host 1 with `--shards`, the aggregators on hosts 2
+    and 3, device process w on host w % 3 + 1, each connected to its own host's node."""
     url, protocol, broker_pid = running
     federation = f"scale{devices}-{uuid.uuid4().hex[:6]}"
     processes = args.processes or max(1, min(16, math.ceil(devices / 125)))
+    shards = args.shards if cluster is not None else 0
+    sharding = {"shards": shards} if shards else {}
     config = dict(algorithm="fedavg", dataset=args.dataset, model=args.model, clients=devices, rounds=args.rounds,
                   eval_every=args.rounds, min_clients=devices, quorum_grace=0.0, round_timeout=args.round_timeout,
                   registration_timeout=args.registration_timeout, federation=federation, broker=url,
-                  mqtt_protocol=protocol, out=str(workdir / federation), seed=0, **args.library)
-    dropped_before = broker_dropped(url, protocol)
+                  mqtt_protocol=protocol, out=str(workdir / federation), seed=0, **sharding, **args.library)
+    dropped_before = broker_dropped(url, protocol) if cluster is None else None
+    pids = {"broker": broker_pid}
+    if cluster is not None:
+        from _cluster import host_of_process
+
+        (workdir / federation).mkdir(parents=True, exist_ok=True)
+        cluster.start_aggregators(shards, federation, workdir / federation)
+        pids = {**cluster.node_pids, **{f"aggregator-{k}": p.pid for k, (p, _) in enumerate(cluster.aggregators)}}
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     coordinator = context.Process(target=_coordinator_main, name="coordinator", daemon=True,
-                                  args=(config, child))
+                                  args=(config, child, cluster.namespace(1) if cluster is not None else None))
     coordinator.start()
     samples: dict[str, list] = {}
     stop = threading.Event()
     started = time.monotonic()
     sampler = threading.Thread(target=_sample_rss, daemon=True,
-                               args=({"coordinator": coordinator.pid, "broker": broker_pid}, stop, samples, started))
+                               args=({"coordinator": coordinator.pid, **pids}, stop, samples, started))
     sampler.start()
     results = context.Queue()
     workers: list = []
@@ -315,18 +358,29 @@ def run_scale(devices: int, running, args, workdir: Path) -> dict:
             raise RuntimeError(f"coordinator: {detail}")
         devices_started = time.monotonic()
         for w in range(processes):
+            host = host_of_process(w) if cluster is not None else None
             worker = context.Process(target=_devices_main, daemon=True,
-                                     args=(list(range(w, devices, processes)), url, protocol, federation,
-                                           args.upload_chunk_size, args.device_keepalive, results))
+                                     args=(list(range(w, devices, processes)),
+                                           cluster.url(host) if cluster is not None else url, protocol, federation,
+                                           args.upload_chunk_size, args.device_keepalive, results,
+                                           cluster.namespace(host) if cluster is not None else None,
+                                           processes / args.connect_rate if args.connect_rate else 0.0))
             worker.start()
             workers.append(worker)
         limit = args.registration_timeout + args.rounds * args.round_timeout * 2 + 120
-        if not parent.poll(limit):
-            raise RuntimeError(f"the coordinator did not finish within {limit:.0f} s")
+        deadline = time.monotonic() + limit
+        while not parent.poll(1.0):  # this process holds the pipe's other end too: no EOF if the coordinator dies
+            if not coordinator.is_alive():
+                raise RuntimeError(f"the coordinator process exited (code {coordinator.exitcode}) without a result")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not finish within {limit:.0f} s")
         message, detail = parent.recv()
         if message != "done":
             raise RuntimeError(f"coordinator: {detail}")
-        device_stats = [results.get(timeout=60) for _ in workers]
+        try:
+            device_stats = [results.get(timeout=60) for _ in workers]
+        except queue.Empty:  # devices that never heard the run finish (e.g. their broker dropped them)
+            raise RuntimeError("a device process did not finish within 60 s of the coordinator") from None
     finally:
         stop.set()
         for worker in workers:
@@ -336,9 +390,12 @@ def run_scale(devices: int, running, args, workdir: Path) -> dict:
         coordinator.join(timeout=30)
         if coordinator.is_alive():
             coordinator.terminate()
-    dropped_after = broker_dropped(url, protocol)
+        aggregator_logs = cluster.stop_aggregators() if cluster is not None else []
+    dropped_after = broker_dropped(url, protocol) if cluster is None else None
     summary = summarize(devices, processes, detail, device_stats, devices_started, samples.get("coordinator", []),
                         started)
+    if cluster is not None:
+        summary.update(cluster_summary(summary, samples, detail, started, aggregator_logs))
     broker_rss = [rss for _, rss in samples.get("broker", [])]
     summary["broker_peak_rss_bytes"] = max(broker_rss) if broker_rss else None
     summary["broker_rss_before_bytes"] = broker_rss[0] if broker_rss else None
@@ -359,8 +416,11 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
             "round": r["round"],
             "participants": record.get("participants"),
             "outcome": record.get("outcome"),
-            "updates_accepted": r.get("accumulated", 0),
-            "all_updates_received": r.get("accumulated", 0) == devices,
+            # sharded, the coordinator folds no update itself: the round's participants are the updates in the partials
+            "updates_accepted": r.get("accumulated") or r.get("participants", 0),
+            "all_updates_received": (r.get("accumulated") or r.get("participants", 0)) == devices,
+            "lost_updates": record.get("lost_updates"),
+            "lost_shards": record.get("lost_shards"),
             "latency_seconds": r["ended_at"] - r["began_at"],
             "first_update_after_seconds": r.get("first_update_at"),
             "aggregation_seconds": r.get("accumulate_seconds", 0.0) + r.get("end_round_seconds", 0.0),
@@ -412,11 +472,40 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
     }
 
 
+def cluster_summary(summary: dict, samples: dict[str, list], detail: dict, started: float,
+                    aggregator_logs: list[str]) -> dict:
+    """The aggregators' and NATS nodes' memory: each one's peak (VmHWM, read every 50 ms while it
+    runs, so its last read is within 50 ms of its end) and RSS when every device had registered;
+    an aggregator's peak above that RSS as a multiple of the model's size."""
+    registered = detail["marks"]["registered_at"] - started
+    model_bytes = summary["model_bytes"]
+
+    def memory(name: str) -> dict:
+        series = samples.get(name, [])
+        before = [rss for t, rss in series if t <= registered]
+        hwm = samples.get(name + ":hwm", [(0, None)])[-1][1]
+        peak = max(hwm or 0, max((rss for _, rss in series), default=0)) or None
+        base = before[-1] if before else None
+        return {"peak_rss_bytes": peak, "rss_registered_bytes": base,
+                "peak_over_registered_over_model": (peak - base) / model_bytes if peak and base else None}
+
+    aggregators = sorted(name for name in samples if name.startswith("aggregator-") and ":" not in name)
+    nodes = sorted(name for name in samples if name.startswith("nats-") and ":" not in name)
+    return {"aggregators": [{"name": name, **memory(name), "last_log_line": line}
+                            for name, line in zip(aggregators, aggregator_logs)],
+            "nats_nodes": [{"name": name, **memory(name)} for name in nodes]}
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
+    replicas = s.get("nats_consumer_replicas") or "3 (the stream's)"
+    storage = "in memory" if s.get("nats_consumer_memory") else "on disk"
+    cluster_note = (f" ({s['shards']} shard aggregators; the JetStream consumer of each QoS 1 subscription: "
+                    f"{replicas} replicas, {storage})") if s.get("cluster") else ""
     lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
              f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
-             f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}; "
+             f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}"
+             + cluster_note + "; "
              "memory: coordinator RSS over the whole round (broadcast to checkpoint), as multiples of the "
              "model's bytes",
              "",
@@ -447,6 +536,16 @@ def markdown(result: dict) -> str:
             f"above the RSS before round 1 (target <= 3x): {'met' if t['memory_met'] else 'missed'}",
             f"- every update received at every device count and round: {'yes' if t['no_update_lost'] else 'NO'}",
         ]
+    if s.get("cluster"):
+        lines += ["", "## Cluster: aggregators and NATS nodes", "",
+                  "| devices | process | peak RSS MB | RSS when registered MB | peak over registered / model |",
+                  "|---|---|---|---|---|"]
+        for run in result["runs"]:
+            for process in run.get("aggregators", []) + run.get("nats_nodes", []):
+                over = process["peak_over_registered_over_model"]
+                lines.append(f"| {run['devices']} | {process['name']} | {(process['peak_rss_bytes'] or 0) / MB:.0f} "
+                             f"| {(process['rss_registered_bytes'] or 0) / MB:.0f} "
+                             f"| {'-' if over is None else f'{over:.2f}'} |")
     lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
@@ -471,6 +570,16 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_on_cluster(devices: int, args, workdir: Path) -> dict:
+    """One device count on a fresh cluster (hosts, NATS nodes with empty JetStream stores), so
+    that the nodes' memory is this count's."""
+    from _cluster import cluster, mqtt_options
+
+    extra = mqtt_options(args.nats_consumer_replicas, args.nats_consumer_memory)
+    with cluster(workdir / f"cluster{devices}", mqtt_extra=extra) as running:
+        return run_scale(devices, (running.url(1), "3.1.1", None), args, workdir, cluster=running)
 
 
 def main() -> None:
@@ -500,11 +609,34 @@ def main() -> None:
                         help="Mosquitto's max_queued_messages per client (default 0, no limit, as `edgepfl "
                              "broker-config` writes it; Mosquitto's own default is 1000)")
     parser.add_argument("--registration-timeout", type=float, default=300.0)
+    parser.add_argument("--cluster", action="store_true",
+                        help="three hosts (network namespaces, root) with a NATS node each, the coordinator on host 1 "
+                             "with --shards, aggregators on hosts 2 and 3, the devices over all three (default "
+                             "500,2000,5000,10000 devices, 1 round, mlp on digits: 26,122 parameters, 104 KB; quick: "
+                             "30 devices)")
+    parser.add_argument("--shards", type=int, default=2, help="--cluster: shard aggregators (default 2)")
+    parser.add_argument("--connect-rate", type=float, default=0.0,
+                        help="devices connecting per second, over all device processes (default 0: all at once)")
+    parser.add_argument("--nats-consumer-replicas", type=int,
+                        help="--cluster: replicas of the JetStream consumer NATS makes per QoS 1 subscription "
+                             "(default: the stream's, 3: every subscription is a 3-node Raft group)")
+    parser.add_argument("--nats-consumer-memory", action="store_true",
+                        help="--cluster: NATS keeps those consumers in memory, not on disk")
     args = parser.parse_args()
-    args.devices = [int(n) for n in (args.devices or ("20,50" if args.quick else "100,500,1000")).split(",")]
-    args.rounds = args.rounds or 2
-    args.dataset = args.dataset or ("digits" if args.quick else "cifar100")
-    args.model = args.model or ("cnn8" if args.quick else "cnn32")
+    if args.cluster:
+        from _cluster import unavailable
+
+        if (reason := unavailable()) is not None:
+            print(f"skipped: {reason}")
+            return
+        if args.broker:
+            parser.error("--cluster starts its own NATS nodes; --broker does not apply")
+    default_devices = ("30" if args.quick else "500,2000,5000,10000") if args.cluster else \
+        ("20,50" if args.quick else "100,500,1000")
+    args.devices = [int(n) for n in (args.devices or default_devices).split(",")]
+    args.rounds = args.rounds or (1 if args.cluster else 2)
+    args.dataset = args.dataset or ("digits" if args.quick or args.cluster else "cifar100")
+    args.model = args.model or ("mlp" if args.cluster else "cnn8" if args.quick else "cnn32")
     if args.quick:
         args.round_timeout = min(args.round_timeout, 60.0)
         args.registration_timeout = min(args.registration_timeout, 60.0)
@@ -523,17 +655,23 @@ def main() -> None:
                                  "dataset": args.dataset, "model": args.model, "chunk_size": library.broker.chunk_size,
                                  "upload_chunk_size": library.broker.upload_chunk_size,
                                  "flow_control_bytes": library.broker.flow_control_bytes,
-                                 "round_timeout": args.round_timeout, "broker": args.broker or "mosquitto",
-                                 "device_keepalive": args.device_keepalive,
-                                 "mosquitto_conf": None if args.broker else conf,
+                                 "round_timeout": args.round_timeout,
+                                 "broker": "nats cluster (3 nodes)" if args.cluster else args.broker or "mosquitto",
+                                 "cluster": args.cluster, "shards": args.shards if args.cluster else 0,
+                                 "nats_consumer_replicas": args.nats_consumer_replicas,
+                                 "nats_consumer_memory": args.nats_consumer_memory,
+                                 "device_keepalive": args.device_keepalive, "connect_rate": args.connect_rate,
+                                 "mosquitto_conf": None if args.broker or args.cluster else conf,
                                  "open_files_limit": list(fd_limit)},
                     "runs": []}
-    with tempfile.TemporaryDirectory(prefix="edgepfl-scale-") as workdir, \
-            broker(args.broker or "mosquitto", Path(workdir), mosquitto_extra=conf) as running:
+    with tempfile.TemporaryDirectory(prefix="edgepfl-scale-") as workdir, contextlib.ExitStack() as stack:
+        running = None if args.cluster else stack.enter_context(
+            broker(args.broker or "mosquitto", Path(workdir), mosquitto_extra=conf))
         for devices in args.devices:
             try:
-                run = run_scale(devices, running, args, Path(workdir))
-            except (RuntimeError, OSError, EOFError) as exc:
+                run = (run_on_cluster(devices, args, Path(workdir)) if args.cluster
+                       else run_scale(devices, running, args, Path(workdir)))
+            except (RuntimeError, OSError, EOFError, AssertionError) as exc:
                 run = {"devices": devices, "error": f"{type(exc).__name__}: {exc}"}
             result["runs"].append(run)
             rounds = run.get("rounds", [])
@@ -550,9 +688,10 @@ def main() -> None:
         "memory_met": bool(largest) and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
         "no_update_lost": bool(done) and len(done) == len(result["runs"]) and all(r["all_updates_received"] for r in done),
     }
-    (out / "scale.json").write_text(json.dumps(result, indent=2))
-    (out / "scale.md").write_text(markdown(result))
-    plot(result, out / "scale.png")
+    stem = "scale-cluster" if args.cluster else "scale"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out / f"{stem}.png")
     print(markdown(result))
 
 

@@ -77,6 +77,7 @@ class DeviceSession:
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None
+        self._hello_due = False  # a STATUS asked for a HELLO before the broker granted our subscriptions
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
@@ -143,17 +144,23 @@ class DeviceSession:
             self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
 
     # -- registration ----------------------------------------------------------------------
+    def _subscribed(self) -> bool:
+        """The broker granted every subscription: a WELCOME, and the TRAIN after it, reach us. A
+        clustered broker (NATS) can refuse a subscription under load; the transport retries it."""
+        return getattr(self.channel.transport, "subscriptions_active", lambda: True)()
+
     def _should_hello(self) -> bool:
-        """Register again after a reconnection (the coordinator saw our Last Will) once the broker
-        granted our subscriptions (the WELCOME must find us listening), or while no coordinator
-        has answered yet."""
-        transport = self.channel.transport
-        reconnected = (getattr(transport, "connections", 1) != self._connections_at_hello
-                       and getattr(transport, "subscriptions_active", lambda: True)())
+        """Register (again) only once the broker granted our subscriptions (the WELCOME, and the
+        round's TRAIN, must find us listening): after a reconnection (the coordinator saw our Last
+        Will), after a STATUS that arrived too early, or while no coordinator has answered yet."""
+        if not self._subscribed():
+            return False
+        reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
         unanswered = not self.joined and time.monotonic() - self._last_hello > self.hello_interval
-        return reconnected or unanswered
+        return reconnected or unanswered or self._hello_due
 
     def _hello(self) -> None:
+        self._hello_due = False
         self._last_hello = time.monotonic()
         self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
         metrics, config = self.hello()
@@ -170,7 +177,10 @@ class DeviceSession:
             return
         if announcement != self._announcement:
             self._announcement = announcement
-            self._hello()
+            if self._subscribed():
+                self._hello()
+            else:
+                self._hello_due = True
 
     def _on_welcome(self, welcome: Envelope) -> None:
         refusal = welcome.config.get("refused")
