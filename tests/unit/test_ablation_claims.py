@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+_PATH = sys.path[:]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows  # noqa: E402
+try:
+    from ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows
+finally:  # benchmarks/ stays off the path: its user_models.py would shadow tests/user_models.py
+    sys.path[:] = _PATH
 
 CLAIM = Claim("dc_pfl", "DC-PFL > w/o AL", "full", "no_al", "Table 1")
 
