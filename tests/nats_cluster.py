@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ ROUTE_PORT = 6222
 MONITOR_PORT = 8222
 MAX_PAYLOAD = 1 << 20
 READY_TIMEOUT = 60.0
+POLL_SECONDS = 0.2
 
 
 def nats_binary() -> str:
@@ -106,7 +108,18 @@ class NatsNode:
                 return False
 
     def wait_healthy(self, timeout: float = READY_TIMEOUT) -> None:
-        wait_until(self.healthy, timeout, lambda: f"nats node n{self.host} not healthy; its log:\n{self.tail()}")
+        """Until /healthz says ok; between looks, wait on the node's process, so a node that exits
+        fails at once with its log instead of after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            try:
+                code = self.process.wait(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"nats node n{self.host} not healthy in {timeout:.0f} s; its log:\n"
+                                         f"{self.tail()}") from None
+                continue
+            raise AssertionError(f"nats node n{self.host} exited with {code}; its log:\n{self.tail()}")
 
     def stream_leader(self, stream: str) -> str | None:
         """The server name of the JetStream leader of `stream` (e.g. `$MQTT_msgs`), as this node sees it."""
@@ -154,9 +167,10 @@ class NatsCluster:
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, message: Callable[[], str]) -> None:
-    """Poll `condition` (each call blocks up to its own timeout) until true; fail with `message`."""
-    deadline = time.monotonic() + timeout
+    """Look at `condition` every POLL_SECONDS until true (for state with nothing to wait on, such
+    as a transport's counters); fail with `message` after `timeout`."""
+    deadline, pause = time.monotonic() + timeout, threading.Event()
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(message())
-        time.sleep(0.2)
+        pause.wait(POLL_SECONDS)

@@ -89,19 +89,27 @@ def run_federation(url: str, out: Path, federation: str, ids: list[str], *, shar
     stop = threading.Event()
     threads = start_devices(url, federation, ids, out, stop)
     aggregators = [ShardAggregator(k, shards, broker=url, federation=federation) for k in range(shards)]
-    threads += [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in aggregators]
-    for thread in threads[len(ids):]:
+    report = coordinate(url, config, aggregators, threads, stop)
+    return report, checkpoint.load(RunFolder(out).checkpoint).state, aggregators
+
+
+def coordinate(url: str, config: RunConfig, aggregators: list[ShardAggregator], threads: list[threading.Thread],
+               stop: threading.Event) -> dict:
+    """Start the `aggregators` as threads beside the devices' `threads`, run the coordinator of
+    `config` to its report, then stop and join them all."""
+    federation = config.broker.federation
+    started = [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in aggregators]
+    for thread in started:
         thread.start()
     transport = MqttTransport(f"{federation}.coordinator", MqttSettings(url=url))
     transport.connect()
     try:
-        report = Coordinator(config, Channel(transport, Topics(federation))).run()
+        return Coordinator(config, Channel(transport, Topics(federation))).run()
     finally:
         transport.close()
         stop.set()
-        for thread in threads:
+        for thread in threads + started:
             thread.join(timeout=30)
-    return report, checkpoint.load(RunFolder(out).checkpoint).state, aggregators
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
@@ -239,20 +247,9 @@ def test_forged_partials_are_refused_and_counted(mosquitto, tmp_path, forgery, r
     aggregators = [ShardAggregator(0, 2, broker=mosquitto.url, federation=federation),
                    ForgingAggregator(1, 2, broker=mosquitto.url, federation=federation, forgery=forgery,
                                      impostor=ids[0])]
-    threads += [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in aggregators]
-    for thread in threads[len(ids):]:
-        thread.start()
-    transport = MqttTransport(f"{federation}.coordinator", MqttSettings(url=mosquitto.url))
-    transport.connect()
 
     # Execute
-    try:
-        report = Coordinator(config, Channel(transport, Topics(federation))).run()
-    finally:
-        transport.close()
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
+    report = coordinate(mosquitto.url, config, aggregators, threads, stop)
 
     # Assert: round 1 aggregates shard 0 alone; the forged partials are counted by reason
     first, second = report["rounds"]
