@@ -14,11 +14,14 @@ Needs root and Debian's package tools (it installs what it needs):
    personalized model and its peak RSS (VmHWM, under emulation: qemu's own memory counts too);
 5. the same personalization on x86-64 (a host lite-client), and both personalized models run by
    the host's onnxruntime on the device's test split: predictions equal, probabilities within
-   1e-5.
+   1e-5;
+6. with `--trainer`: `pip install ".[train]"` with torch pinned (`TRAIN_PINS`) into a second venv in
+   the chroot, and one FedAvg round of `edgepfl client` (cnn8, the same digits) there and on
+   x86-64, each against an `edgepfl coordinator` on the host: install size, peak RSS, accuracy.
 Emulated times are not device times; the JSON records them only as how long the run took.
 Writes arm64.json and arm64.md to --out:
 
-    sudo python benchmarks/arm64.py --out benchmarks/results
+    sudo python benchmarks/arm64.py --out benchmarks/results --trainer
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ BINFMT = Path("/proc/sys/fs/binfmt_misc")
 AARCH64_MAGIC = r"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00"
 AARCH64_MASK = r"\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff"
 DEVICE_TIMEOUT = 1800.0
+TRAIN_PINS = ("torch==2.9.1", "torchvision==0.24.1")
+"""The trainer's torch on aarch64, pinned: the package index's cp311 aarch64 wheel of torch 2.9.1 is
+the CPU build (99 MB); from 2.11 on the index's aarch64 wheels weigh 400-432 MB, which a
+Raspberry Pi class board should not download."""
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
 """chroot lives in /usr/sbin, which the chroot's own PATH does not search from the host."""
 
@@ -94,8 +101,9 @@ def chroot(rootfs: Path, command: list[str], timeout: float, **options: Any) -> 
     return run([CHROOT, str(rootfs), *command], timeout, env=env, **options)
 
 
-def install_lite(rootfs: Path) -> dict[str, Any]:
-    """The checkout's `edgepfl[lite]` in /opt/edgepfl-venv of the chroot; its size."""
+def copy_checkout(rootfs: Path) -> None:
+    """The checkout's files (tracked and untracked, not ignored) in /opt/edgepfl-src of the chroot,
+    and the host's resolver and CA bundle, so pip inside reaches the package index."""
     shutil.copy("/etc/resolv.conf", rootfs / "etc" / "resolv.conf")
     shutil.copy("/etc/ssl/certs/ca-certificates.crt", rootfs / "etc" / "ssl" / "certs" / "host-ca.crt")
     source = rootfs / "opt" / "edgepfl-src"
@@ -106,15 +114,21 @@ def install_lite(rootfs: Path) -> dict[str, Any]:
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
+
+
+def install_extra(rootfs: Path, venv_name: str, extra: str, pins: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`pip install "/opt/edgepfl-src[EXTRA]" PINS` into /opt/VENV_NAME of the chroot: its
+    site-packages MB (pip and setuptools left out) and the emulated install time."""
     started = time.perf_counter()
-    if not (rootfs / "opt" / "edgepfl-venv" / "bin" / "python").exists():
-        chroot(rootfs, ["python3", "-m", "venv", "/opt/edgepfl-venv"], 600)
-    chroot(rootfs, ["/opt/edgepfl-venv/bin/pip", "install", "--quiet", "/opt/edgepfl-src[lite]"], 3600)
-    site = next((rootfs / "opt" / "edgepfl-venv" / "lib").glob("python*/site-packages"))
+    if not (rootfs / "opt" / venv_name / "bin" / "python").exists():
+        chroot(rootfs, ["python3", "-m", "venv", f"/opt/{venv_name}"], 600)
+    chroot(rootfs, [f"/opt/{venv_name}/bin/pip", "install", "--quiet", f"/opt/edgepfl-src[{extra}]", *pins], 5400)
+    site = next((rootfs / "opt" / venv_name / "lib").glob("python*/site-packages"))
     skipped = ("pip", "setuptools", "pkg_resources", "_distutils_hack")
     total = sum(f.stat().st_size for entry in site.iterdir() if entry.name.split("-")[0] not in skipped
                 for f in ([entry] if entry.is_file() else entry.rglob("*")) if f.is_file())
-    return {"site_packages_mb": round(total / 2**20, 1), "install_seconds_emulated": round(time.perf_counter() - started)}
+    return {"site_packages_mb": round(total / 2**20, 1), "install_seconds_emulated": round(time.perf_counter() - started),
+            "pins": list(pins)}
 
 
 def personalize(url: str, body: Path, head: str, side: str, arguments: list[str], runner: list[str], log: Path,
@@ -140,6 +154,41 @@ def personalize(url: str, body: Path, head: str, side: str, arguments: list[str]
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], work: Path,
+                env: dict[str, str]) -> dict[str, Any]:
+    """One FedAvg round of one `edgepfl client` (`runner` + MEASURED, CPU, cnn8) on the digits
+    .npz (`data`: its host path for the coordinator, its path as the client sees it) against an
+    `edgepfl coordinator` on the host: exit status, the device's peak RSS, the round's wall time
+    and the final accuracy the coordinator recorded."""
+    host_data, client_data = data
+    federation, out = f"arm64-train-{side}", work / f"train-{side}"
+    shutil.rmtree(out, ignore_errors=True)
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "coordinator", "--data", str(host_data), "--broker", url,
+         "--federation", federation, "--clients", "1", "--model", "cnn8", "--algorithm", "fedavg", "--rounds", "1",
+         "--local-epochs", "1", "--registration-timeout", str(DEVICE_TIMEOUT), "--round-timeout", str(DEVICE_TIMEOUT),
+         "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    peak_file = work / f"train-{side}.peak"
+    started = time.perf_counter()
+    try:
+        with open(work / f"train-{side}.log", "w") as log:
+            status = subprocess.run([*runner, "-c", MEASURED, "client", "--client-id", f"trainer-{side}", "--device",
+                                     "cpu", "--data", client_data, "--broker", url, "--federation", federation,
+                                     "--state-dir", f"{Path(client_data).parent}/trainer-{side}"],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, timeout=DEVICE_TIMEOUT,
+                                    cwd="/").returncode
+        coordinator.wait(timeout=120)
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    report = out / "report.json"
+    final = json.loads(report.read_text())["final"] if report.exists() else None
+    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+    return {"exit_status": status, "peak_rss_mb": peak and round(peak, 1),
+            "accuracy": final and final["personalized_accuracy"], "seconds": round(time.perf_counter() - started, 1)}
+
+
 def parity(arm_model: Path, x86_model: Path, samples: np.ndarray) -> dict[str, Any]:
     """Both personalized models on the host's onnxruntime: label agreement, largest probability gap."""
     import onnxruntime as ort
@@ -155,7 +204,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "edgepfl-arm64"))
-    parser.add_argument("--heads", default=",".join(HEADS))
+    parser.add_argument("--heads", default=",".join(HEADS), help="weak-device heads to run ('' for none)")
+    parser.add_argument("--trainer", action="store_true",
+                        help=f"also `pip install .[train]` ({' '.join(TRAIN_PINS)}) in the chroot and run one "
+                             "FedAvg round of a trainer device there and on x86-64")
     args = parser.parse_args()
     out, rootfs = Path(args.out), Path(args.cache) / "rootfs"
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +218,8 @@ def main() -> None:
     document["rootfs_seconds"] = round(time.perf_counter() - started)
     unmount = mounted(rootfs)
     try:
-        document["install"] = install_lite(rootfs)
+        copy_checkout(rootfs)
+        document["install"] = install_extra(rootfs, "edgepfl-venv", "lite")
         work = rootfs / "opt" / "edgepfl-work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -175,7 +228,7 @@ def main() -> None:
         write_images("digits", data, 2000, synthetic=False)
         document["runs"] = []
         with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
-            for head in args.heads.split(","):
+            for head in filter(None, args.heads.split(",")):
                 arm = personalize(broker.url, body, head, "arm64",
                                   ["--data", "/opt/edgepfl-work/digits.npz", "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
                                   [CHROOT, str(rootfs), "/opt/edgepfl-venv/bin/python"], work / f"arm-{head}.log",
@@ -194,6 +247,15 @@ def main() -> None:
                     row["parity"] = parity(*models, load_folder_data(str(data)).test_x)
                 document["runs"].append(row)
                 (out / "arm64.json").write_text(json.dumps(document, indent=2))
+            if args.trainer:
+                document["train_install"] = install_extra(rootfs, "edgepfl-train-venv", "train", TRAIN_PINS)
+                document["trainer"] = {
+                    "arm64": train_round(broker.url, "arm64", [CHROOT, str(rootfs), "/opt/edgepfl-train-venv/bin/python"],
+                                         (data, "/opt/edgepfl-work/digits.npz"), work,
+                                         {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": "/opt/edgepfl-work/train-arm64.peak"}),
+                    "x86_64": train_round(broker.url, "x86_64", [sys.executable], (data, str(data)), work,
+                                          {**os.environ, "PYTHONPATH": str(ROOT),
+                                           "EDGEPFL_PEAK_FILE": str(work / "train-x86_64.peak")})}
     finally:
         for point in reversed(unmount):
             subprocess.run(["umount", str(point)], check=False)
