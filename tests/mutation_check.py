@@ -42,10 +42,12 @@ FEDIOS = ("tests/unit/test_fedios_objective.py",)
 DUALFED = ("tests/unit/test_dualfed_objective.py",)
 REPPER = ("tests/unit/test_repper_objective.py",)
 CD2 = ("tests/unit/test_cd2_pfed_objective.py",)
+CD2_SCHEDULE = ("tests/unit/test_cd2_pfed.py",)
 DC_PFL = ("tests/unit/test_dc_pfl_objective.py",)
 FEDIOS_PY, DUALFED_PY = "edge_sdk/algorithms/fedios.py", "edge_sdk/algorithms/dualfed.py"
 REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
 DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
+CD2_SERVER_PY = "coordinator/algorithms/cd2_pfed.py"
 
 MUTATIONS = (
     # FediOS: Eq. (9)-(12)
@@ -78,6 +80,18 @@ MUTATIONS = (
     Mutation("fedios: orthogonality without the absolute value", FEDIOS_PY,
              (("return (generic * personal).sum(dim=1).abs().mean()",
                "return (generic * personal).sum(dim=1).mean()"),), FEDIOS),
+    # FediOS without the personal extractor (Table 7): CE(head(phi_g)) alone (fedios.py's Decision)
+    Mutation("fedios: ablation keeps the personal CE", FEDIOS_PY,
+             (("return F.cross_entropy(model.head(phi_g), yb)",
+               "return F.cross_entropy(model.head(phi_g), yb)"
+               " + F.cross_entropy(model.head(model.personal_features(xb)), yb)"),),
+             FEDIOS),
+    Mutation("fedios: ablation counts the generic CE as the fused one too", FEDIOS_PY,
+             (("return F.cross_entropy(model.head(phi_g), yb)", "return 2 * F.cross_entropy(model.head(phi_g), yb)"),),
+             FEDIOS),
+    Mutation("fedios: device loss ignores personal_extractor", FEDIOS_PY,
+             (("return fedios_loss(self.model, self.hyper.lam, self.hyper.personal_extractor)",
+               "return fedios_loss(self.model, self.hyper.lam)"),), FEDIOS),
     # DualFed: Eq. (5)-(10)
     Mutation("dualfed: no SupCon term", DUALFED_PY,
              (("return ce + self.hyper.lam * contrastive", "return ce"),), DUALFED),
@@ -134,6 +148,15 @@ MUTATIONS = (
     Mutation("cd2_pfed: global accuracy of the personal sub-network", CD2_PY,
              (("keep_shared = {k: (~m).to(torch.float32) for k, m in self.masks(task.round).items()}",
                "keep_shared = {k: m.to(torch.float32) for k, m in self.masks(task.round).items()}"),), CD2),
+    # CD2-pFed without LI (Table 5): `ramp=false` keeps p_t = p from round 1
+    Mutation("cd2_pfed: ramp switch ignored", CD2_PY,
+             (("    if not ramp:\n        return p if round_ >= 1 else 0.0\n", ""),), CD2_SCHEDULE),
+    Mutation("cd2_pfed: device ignores ramp", CD2_PY,
+             (("personal_fraction(self.hyper.p, round_, self.settings.rounds, self.hyper.ramp)",
+               "personal_fraction(self.hyper.p, round_, self.settings.rounds)"),), CD2_SCHEDULE),
+    Mutation("cd2_pfed: server ignores ramp", CD2_SERVER_PY,
+             (("personal_fraction(self.hyper.p, round_, self.context.rounds, self.hyper.ramp)",
+               "personal_fraction(self.hyper.p, round_, self.context.rounds)"),), CD2_SCHEDULE),
     # DC-PFL: Eq. (4), (8)-(12)
     Mutation("dc_pfl: auxiliary loss without its lambda", DC_PFL_PY,
              (("value = value + self.hyper.lam * distance.mean()", "value = value + distance.mean()"),), DC_PFL),

@@ -2,10 +2,11 @@
 
 Paper: papers/cd2_pfed.txt, Sec. 3.2-3.3 and Alg. 1. The global state holds only shared
 entries: before round 1 the full parameters (p_0 = 0); after round t the example-weighted mean
-of the uploaded shared slices for p_t = p * t / T (Eq. 3), entry by entry. Personal channels
-never reach the server. Round t broadcasts that state (the slices of the last aggregated round)
-and expects from each device exactly the slices of round t (`update_spec`), which shrink as p_t
-grows. The split rule lives in `edge_sdk.algorithms.cd2_pfed`, shared with the device.
+of the uploaded shared slices for p_t = p * t / T (Eq. 3; p from round 1 with `ramp=false`),
+entry by entry. Personal channels never reach the server. Round t broadcasts that state (the
+slices of the last aggregated round) and expects from each device exactly the slices of round t
+(`update_spec`), which shrink as p_t grows. The split rule lives in
+`edge_sdk.algorithms.cd2_pfed`, shared with the device.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class CD2PFedServer(PartSharingServer):
         self.shapes = {key: tuple(value.shape) for key, value in self.state[SHARED].items()}
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
-        fraction = personal_fraction(self.hyper.p, round_, self.context.rounds)
+        fraction = personal_fraction(self.hyper.p, round_, self.context.rounds, self.hyper.ramp)
         return {SHARED: upload_spec(self.shapes, fraction)}
 
 

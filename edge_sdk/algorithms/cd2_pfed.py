@@ -4,6 +4,8 @@ Paper: papers/cd2_pfed.txt. Every layer's output channels are split into shared 
 federated) and personal channels (w_i, never leave the device).
 
 - Eq. (3): the personal fraction grows linearly, p_t = p * t / T (t = round, T = rounds).
+  Ablation `ramp=false` (Table 5's "w/o LI", linear increase): p_t = p from round 1, so every
+  round, the first included, splits and uploads as the ramp's last round does.
 - Partition (ALGORITHMS.md Decision): in each hidden conv/linear layer the *last*
   round(p_t * C_out) output channels are personal: those rows of the weight, the bias and the
   BatchNorm affine parameters. For the classifier `head`, whose outputs are classes, the split is
@@ -75,8 +77,11 @@ Cut = tuple[int | None, int]
 
 
 # -- the schedule and the split (both sides use these) -------------------------------------
-def personal_fraction(p: float, round_: int, rounds: int) -> float:
-    """Eq. (3): p_t = p * t / T, with t clipped to [0, T]."""
+def personal_fraction(p: float, round_: int, rounds: int, ramp: bool = True) -> float:
+    """Eq. (3): p_t = p * t / T, with t clipped to [0, T]; without the ramp p from round 1 on
+    (before round 1, p_0 = 0 either way: the initial global state is whole)."""
+    if not ramp:
+        return p if round_ >= 1 else 0.0
     return p * min(max(round_, 0), rounds) / rounds
 
 
@@ -189,7 +194,7 @@ class CD2PFedDevice(TorchDevice):
 
     # -- the split at a round --------------------------------------------------------------
     def fraction(self, round_: int) -> float:
-        return personal_fraction(self.hyper.p, round_, self.settings.rounds)
+        return personal_fraction(self.hyper.p, round_, self.settings.rounds, self.hyper.ramp)
 
     def masks(self, round_: int) -> dict[str, torch.Tensor]:
         return personal_masks(self.shapes, self.fraction(round_), self.device)

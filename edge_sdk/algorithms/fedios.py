@@ -51,8 +51,18 @@ Deployed model: head(phi_f). `global_accuracy`: head(P^g body(x)) (Sec. 3, infer
 
 Ablation `personal_extractor=false` (Table 7, "w/o personalized extractors"): `personal_body` is
 `ZeroExtractor` (no parameters, zero features), so phi_p = 0, and alpha is taken as 1, so
-phi_f = phi_g: the model is head(P^g body(x)), FedAvg through the generic projection. The loss
-keeps its form, so its personal cross-entropy CE(head(0)) then trains only the head's bias.
+phi_f = phi_g: the model is head(P^g body(x)), FedAvg through the generic projection.
+Decision (issue 23; the paper gives no equation for the ablation): the objective is
+L = CE(head(phi_g)), one cross-entropy, and `alpha` and `lam` are unused. Without a personal
+extractor Eq. (10)'s personalized term has no features (kept, CE(head(0)) would train the head's
+bias alone toward the device's label frequencies), L_re (Eq. 11) has nothing to be orthogonal
+to, and the fused term is the generic term itself (phi_f = phi_g); counted twice it would only
+double the step size. Sec. 4.4 reads the ablation as FedAvg plus the projection ("still performs
+slightly better than FedAvg ... the projection matrix may map the model parameters into a
+subspace"), and with one CE it is exactly that: FedAvg's loss and optimizer (SGD, momentum 0.9)
+on a body with a linear head over R^D whose columns outside block 0 see only zeros, so the model
+and the loss differ from FedAvg's only in the head's initialization (its own draw, uniform within
+1/sqrt(D) rather than 1/sqrt(d)).
 """
 
 from __future__ import annotations
@@ -153,12 +163,17 @@ def orthogonality(generic: torch.Tensor, personal: torch.Tensor) -> torch.Tensor
     return (generic * personal).sum(dim=1).abs().mean()
 
 
-def fedios_loss(model: FediOSNet, lam: float) -> LossFn:
-    """Eq. (10)-(12): three cross-entropies (fused, generic, personal) + lam * L_re."""
+def fedios_loss(model: FediOSNet, lam: float, personal_extractor: bool = True) -> LossFn:
+    """Eq. (10)-(12): three cross-entropies (fused, generic, personal) + lam * L_re; without the
+    personal extractor (Table 7's ablation, the Decision above) CE(head(phi_g)) alone."""
 
     def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        generic, personal = model.body(xb), model.personal_body(xb)
-        phi_g, phi_p = model.project_generic(generic), model.project_personal(personal)
+        generic = model.body(xb)
+        phi_g = model.project_generic(generic)
+        if not personal_extractor:
+            return F.cross_entropy(model.head(phi_g), yb)
+        personal = model.personal_body(xb)
+        phi_p = model.project_personal(personal)
         ce = sum(F.cross_entropy(model.head(phi), yb) for phi in (model.fuse(phi_g, phi_p), phi_g, phi_p))
         return ce + lam * orthogonality(generic, personal)
 
@@ -194,12 +209,17 @@ class FediOSDevice(TorchDevice):
         personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
         return FediOSNet(base.body, personal_body, head, block, self.hyper.alpha)
 
+    def local_loss(self) -> LossFn:
+        """The objective a local round minimizes: Eq. (12), or CE(head(phi_g)) alone without the
+        personal extractor."""
+        return fedios_loss(self.model, self.hyper.lam, self.hyper.personal_extractor)
+
     def fit(self, task: Task) -> FitResult:
         """Alg. 1 lines 6-16: load the global body and head, minimize Eq. (12) with SGD, send them up."""
         self.load_shared(task)
         self.model.train()
         optimizer = torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=self.hyper.momentum)
-        loss = run_epochs(fedios_loss(self.model, self.hyper.lam), optimizer, self.train_x, self.train_y,
+        loss = run_epochs(self.local_loss(), optimizer, self.train_x, self.train_y,
                           epochs=self.settings.local_epochs, batch_size=self.settings.batch_size,
                           generator=self.generator(task.round))
         return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})

@@ -1,4 +1,5 @@
-"""benchmarks/ablations.py's claim table: an ordering is measured on the seeds both rows ran, and says so."""
+"""benchmarks/ablations.py's claim table: an ordering is measured on the seeds both rows ran, and says so;
+every row is a valid switch of its algorithm."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from coordinator.algorithms import hyperparameters
 
 _PATH = sys.path[:]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -58,3 +61,17 @@ def test_every_claim_names_rows_of_its_paper_and_every_paper_has_its_full_method
         assert (claim.paper, claim.better) in ids and (claim.paper, claim.worse) in ids, claim.text
     for paper in PAPERS:
         assert {(paper, "full"), (paper, "fedavg"), (paper, "fedavg_ft")} <= ids
+
+
+def test_every_row_is_runnable_and_each_ablation_differs_from_its_full_method() -> None:
+    # Prepare
+    full = {r.paper: r for r in ROWS if r.id == "full"}
+
+    # Execute / Assert: no row waits for a switch, every override is a valid value of its algorithm,
+    # and a row of the full method's algorithm changes its hyperparameters or its local epochs
+    for row in ROWS:
+        assert not row.missing, (row.paper, row.id)
+        hyper = hyperparameters(row.algorithm, row.overrides)
+        if row.algorithm == full[row.paper].algorithm and row.id != "full":
+            assert hyper != hyperparameters(row.algorithm, {}) or row.local_epochs, (row.paper, row.id)
+    assert hyperparameters("cd2_pfed", next(r for r in ROWS if r.id == "no_li").overrides).ramp is False

@@ -2,9 +2,10 @@
 
 DualFed: `schedule="simultaneous"` trains every part in one pass on both stages' losses;
 `projector=false` removes the projector. FediOS: `personal_extractor=false` leaves phi_p = 0 and
-phi_f = phi_g. Existing values that express an ablation exactly: DC-PFL `lam=0` (no auxiliary
-loss) and `calibration_epochs=0` (no Eq. 12 step); CD2-pFed `lam=0` (no L_CD) and `beta=1,
-warmup=0` (no EMA). Bad values are refused naming the key.
+phi_f = phi_g (its loss, CE(head(phi_g)) alone, is proved in test_fedios_objective.py). CD2-pFed:
+`ramp=false` keeps p_t = p from round 1 (test_cd2_pfed.py). Existing values that express an
+ablation exactly: DC-PFL `lam=0` (no auxiliary loss) and `calibration_epochs=0` (no Eq. 12 step);
+CD2-pFed `lam=0` (no L_CD) and `beta=1, warmup=0` (no EMA). Bad values are refused naming the key.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def changed(before: dict[str, torch.Tensor], module: nn.Module) -> bool:
     ("dualfed", "schedule", "jointly"),
     ("dualfed", "projector", "maybe"),
     ("fedios", "personal_extractor", "sometimes"),
+    ("cd2_pfed", "ramp", "sometimes"),
 ])
 def test_a_bad_switch_value_is_refused_naming_its_key(algorithm: str, key: str, value: str) -> None:
     # Execute / Assert

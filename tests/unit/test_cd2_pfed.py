@@ -1,4 +1,5 @@
-"""CD2-pFed mechanics on tiny data: the split schedule, the upload mask, the loss, the EMA."""
+"""CD2-pFed mechanics on tiny data: the split schedule (with and without Eq. 3's ramp), the upload
+mask, the loss, the EMA."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def data():
     return digits_client(0, num_clients=10, partition="dirichlet", seed=0)
 
 
-def make_device(data, *, lr: float = 0.05, rounds: int = ROUNDS) -> CD2PFedDevice:
+def make_device(data, *, lr: float = 0.05, rounds: int = ROUNDS, client_seed: int = 11, **hyper) -> CD2PFedDevice:
     settings = TrainSettings("cnn8", rounds, local_epochs=1, batch_size=32, lr=lr, seed=0)
-    return CD2PFedDevice(Hyper(), settings, data, "cpu", client_seed=11)
+    return CD2PFedDevice(Hyper(**hyper), settings, data, "cpu", client_seed=client_seed)
 
 
-def make_server(data, rounds: int = ROUNDS) -> CD2PFedServer:
-    return CD2PFedServer(Hyper(), ServerContext("cnn8", data.task, seed=0, rounds=rounds, clients=10))
+def make_server(data, rounds: int = ROUNDS, **hyper) -> CD2PFedServer:
+    return CD2PFedServer(Hyper(**hyper), ServerContext("cnn8", data.task, seed=0, rounds=rounds, clients=10))
 
 
 def test_personal_fraction_is_p_t_over_T() -> None:
@@ -57,15 +58,26 @@ def test_personal_fraction_is_p_t_over_T() -> None:
     assert fractions[-1] == pytest.approx(0.5)
 
 
+def test_without_the_ramp_the_personal_fraction_is_p_from_round_1() -> None:
+    # Execute
+    fractions = [personal_fraction(0.5, t, ROUNDS, ramp=False) for t in range(0, ROUNDS + 1)]
+
+    # Assert: the whole model is shared before round 1, p from then on
+    assert fractions == [0.0] + [0.5] * ROUNDS
+
+
 # round -> personal channels of the cnn8 layers with 32, 64 and 128 outputs (round(p_t * C))
 EXPECTED_COUNTS = {1: (1, 2, 4), 8: (9, 17, 34), 15: (16, 32, 64)}
+WITHOUT_RAMP = (16, 32, 64)
+"""round(p * C) in every round when p_t = p from round 1 (`ramp=False`)."""
 
 
+@pytest.mark.parametrize("ramp", [True, False])
 @pytest.mark.parametrize("round_", sorted(EXPECTED_COUNTS))
-def test_last_channels_of_each_layer_are_personal(data, round_: int) -> None:
+def test_last_channels_of_each_layer_are_personal(data, round_: int, ramp: bool) -> None:
     # Prepare
-    device = make_device(data)
-    n32, n64, n128 = EXPECTED_COUNTS[round_]
+    device = make_device(data, ramp=ramp)
+    n32, n64, n128 = EXPECTED_COUNTS[round_] if ramp else WITHOUT_RAMP
 
     # Execute
     masks = device.masks(round_)
@@ -114,6 +126,26 @@ def test_uploads_shrink_as_the_personal_fraction_grows(data) -> None:
 
     # Assert
     assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_a_run_without_the_ramp_uploads_the_smallest_slices_from_round_1(data) -> None:
+    # Prepare
+    ramped_server, ramped = make_server(data), {"dev000": make_device(data)}
+    server, devices = make_server(data, ramp=False), {"dev000": make_device(data, ramp=False)}
+
+    # Execute: rounds 1-2 without the ramp, round 1 with it; the server checks every upload
+    # against its own update_spec (a mismatch raises)
+    without = [play_round(server, devices, round_) for round_ in (1, 2)]
+    ramped_first = play_round(ramped_server, ramped, 1)
+
+    # Assert: without the ramp, round 1 already carries p_T's slices (the ramp's last round),
+    # fewer bytes than the ramp's round 1, and round 2 the same
+    smallest = make_server(data).update_spec(ROUNDS)[SHARED]
+    first = without[0].results["dev000"]
+    assert {k: v.shape for k, v in first.groups[SHARED].items()} == {k: shape for k, (shape, _) in smallest.items()}
+    assert first.metrics["personal_fraction"] == pytest.approx(0.5)
+    assert without[0].bytes_up["dev000"] < 0.6 * ramped_first.bytes_up["dev000"]
+    assert without[1].bytes_up["dev000"] == without[0].bytes_up["dev000"]
 
 
 def test_server_averages_entry_by_entry_and_device_loads_leading_slices(data) -> None:

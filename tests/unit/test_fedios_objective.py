@@ -3,6 +3,8 @@
 alpha is 0.3 (not the default 0.5), so that a fusion that ignores alpha or swaps its weights
 shows; the projections are written as explicit zero padding into R^D. L_re (Eq. 11) acts on the
 extractors' outputs before projection (the module's Decision): on the projected features it is 0.
+Without the personal extractor (Table 7's ablation, the module's other Decision) the objective is
+CE(head(phi_g)) alone, whatever alpha and lambda say.
 """
 
 from __future__ import annotations
@@ -60,10 +62,46 @@ def test_the_loss_is_eq_12_in_value_and_gradient(data) -> None:
     device = make_device(data)
     model = device.model.train()
     x, y = tiny_batch(data)
-    loss = fedios_loss(model, device.hyper.lam)
+    loss = device.local_loss()
 
     # Execute / Assert: every parameter's gradient agrees
     assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y), dict(model.named_parameters()))
+
+
+def reference_generic_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The ablation's objective: CE(head(P^g body(x))), one term, no personal or fused copy, no L_re."""
+    phi_g = embed(model.body(x), 0, CAPACITY)
+    return cross_entropy(phi_g @ model.head.weight.T + model.head.bias, y)
+
+
+def test_without_the_personal_extractor_the_loss_is_the_generic_cross_entropy_alone(data) -> None:
+    # Prepare: alpha 0.3 and lambda 0.7 as configured, which the ablation must not use
+    device = make_device(data, personal_extractor=False)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+    parameters = dict(model.named_parameters())
+    loss = device.local_loss()
+
+    # Execute / Assert: value and every gradient (the head's bias included) are those of one CE
+    assert not any(name.startswith("personal_body.") for name in parameters)
+    assert_same_objective(lambda: loss(x, y), lambda: reference_generic_loss(model, x, y), parameters)
+
+
+def test_without_the_personal_extractor_no_term_of_the_full_objective_remains(data) -> None:
+    # Prepare: the full form's terms on this model, phi_p = 0: CE(head(0)) and a second generic CE
+    device = make_device(data, personal_extractor=False)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+
+    # Execute
+    with torch.no_grad():
+        value = float(device.local_loss()(x, y))
+        generic = float(reference_generic_loss(model, x, y))
+        personal = float(cross_entropy(model.head(torch.zeros(len(x), model.head.in_features)), y))
+
+    # Assert: the value is one generic CE, and the terms the Decision drops weigh enough to show
+    assert value == pytest.approx(generic, rel=1e-6)
+    assert personal > 1.0 and generic > 1.0
 
 
 def test_the_orthogonality_loss_is_the_mean_absolute_inner_product_for_signed_features() -> None:

@@ -14,6 +14,7 @@ in-place term alone, Eq. (4) alone."""
 @dataclass(frozen=True)
 class Hyper:
     p: float = 0.5  # maximum personal fraction (Eq. 3)
+    ramp: bool = True  # Eq. (3)'s linear increase p_t = p t / T; false: p_t = p from round 1 (Table 5's w/o LI)
     lam: float = 1.0  # weight of the cyclic distillation loss (Eq. 5)
     distillation: Literal["cyclic+inplace", "inplace", "cyclic"] = "cyclic+inplace"  # L_CD's form (DISTILLATIONS)
     beta: float = 0.5  # EMA smoothing coefficient after the ramp-up (Eq. 7)

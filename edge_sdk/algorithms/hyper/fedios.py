@@ -12,7 +12,9 @@ class Hyper:
     lam: float = 0.1  # weight of L_re (Eq. 12); the paper's value (ALGORITHMS.md: 1, see fedios.py's Decision)
     capacity: int = 0  # number of personal blocks B; 0 = the configured number of clients
     momentum: float = 0.9  # SGD momentum (Appendix B.3)
-    personal_extractor: bool = True  # false: Table 7's "w/o personalized extractors" (phi_p = 0, phi_f = phi_g)
+    # false: Table 7's "w/o personalized extractors": phi_p = 0, phi_f = phi_g, the loss CE(head(phi_g))
+    # alone (fedios.py's Decision); alpha and lam are then unused
+    personal_extractor: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
