@@ -117,7 +117,7 @@ class RoundSettings:
 @dataclass(frozen=True)
 class SimulationSettings:
     """How `edgepfl simulate` hosts the devices: processes, accelerator, weak and adversarial
-    devices (`[simulation]`)."""
+    devices, and the shard aggregators (`[simulation]`)."""
 
     commands: ClassVar[tuple[str, ...]] = ("simulate",)
 
@@ -132,6 +132,9 @@ class SimulationSettings:
     adversaries: int = setting(0, defines=DEFINES,
                                help="this many devices corrupt their uploads (robustness experiments)")
     attack: str = setting("sign_flip", defines=DEFINES, help="sign_flip | noise | nan | mixed (what adversaries do)")
+    local_aggregators: str = setting("all", help="the shard aggregators (--shards) this command hosts, a process "
+                                                 "each: shards like 0-1 or 0,2, all, or none (those left out run "
+                                                 "on other hosts with `edgepfl aggregator --shard k/K`)")
 
     def __post_init__(self) -> None:
         check(self.workers >= 0, "workers", "zero (one per core) or more", self.workers)
