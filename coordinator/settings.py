@@ -94,8 +94,9 @@ class RoundSettings:
     registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
     max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
-    shards: int = setting(0, help="split aggregation over this many `edgepfl aggregator --shard k/K` processes, each "
-                                  "validating and summing its devices' updates (0: the coordinator aggregates)")
+    shards: int = setting(0, help="split aggregation over this many shard aggregators, each validating and summing "
+                                  "its devices' updates (0: the coordinator aggregates): `edgepfl aggregator --shard "
+                                  "k/K` processes, which simulate starts itself (--local-aggregators)")
 
     def __post_init__(self) -> None:
         check(0 < self.fraction <= 1, "fraction", "in (0, 1]", self.fraction)
