@@ -387,7 +387,8 @@ class WorkerPool:
         return reports
 
     def join(self, timeout: float | None = None) -> None:
-        _join(self.devices, timeout)
+        for process in self.devices:
+            process.join(timeout)
 
     def partial_failures(self) -> dict[str, str]:
         """Once the workers ended: the errors of devices that failed in workers that went on
@@ -402,12 +403,6 @@ class WorkerPool:
     def stop(self) -> None:
         """Terminate the workers still alive and close the pipes."""
         _stop(self.devices, [*self.errors.values(), *self.hosting.values()])
-
-
-def _join(processes: Sequence[multiprocessing.Process], timeout: float | None) -> None:
-    """Wait for each of `processes` to end, up to `timeout` seconds each."""
-    for process in processes:
-        process.join(timeout)
 
 
 def _stop(processes: Sequence[multiprocessing.Process], pipes: Sequence[multiprocessing.connection.Connection]) -> None:
@@ -483,7 +478,8 @@ class AggregatorPool:
         return watch_workers(self.shards, done, self.errors, SHARD_LOST)
 
     def join(self, timeout: float | None = None) -> None:
-        _join(self.shards, timeout)
+        for process in self.shards:
+            process.join(timeout)
 
     def stop(self) -> None:
         """Terminate the aggregators still alive and close the pipes."""

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 # dev000-dev003 fall 2 in each of 2 shards (sha256 of the id, mod 2)
 RUN = ["--algorithm", "fedavg", "--dataset", "digits", "--clients", "4", "--rounds", "2", "--seed", "0",
-       "--aggregation-dtype", "float64", "--workers", "1", "--quiet"]
+       "--aggregation-dtype", "float64", "--workers", "1", "--registration-timeout", "60", "--quiet"]
 
 
 def simulate(*args: str) -> subprocess.CompletedProcess:
