@@ -1,6 +1,7 @@
 """`edgepfl simulate --shards K` hosts its shard aggregators: alone (embedded broker) it gives the
 unsharded run's global state bit for bit; an aggregator process that dies is logged and its shard
-lost; aggregators left to other hosts need --broker and --federation, as devices do."""
+lost; aggregators left to other hosts need --broker and --federation, as devices do, and with
+them (a real Mosquitto) the run sums its shards with `edgepfl aggregator` beside it."""
 
 from __future__ import annotations
 
@@ -107,3 +108,31 @@ def test_a_local_aggregator_that_dies_is_logged_and_its_shard_lost(tmp_path, cap
     assert "aggregator-1 died with signal SIGKILL" in caplog.text
     assert "its shard's updates are lost from now on" in caplog.text and "shard 1 of 2" in caplog.text
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("aggregator-")]
+
+
+def test_one_aggregator_here_the_other_by_edgepfl_aggregator(mosquitto, tmp_path):
+    # Prepare: shard 1's aggregator as another host would run it
+    federation = "split-aggregators"
+    aggregator = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "aggregator", "--shard", "1/2", "--broker",
+                                   mosquitto.url, "--federation", federation], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=4, rounds=2, seed=0, workers=1, shards=2,
+                          local_aggregators="0", broker=mosquitto.url, federation=federation, registration_timeout=60,
+                          out=str(tmp_path))
+
+    # Execute
+    try:
+        report = run_simulation(config)
+        output, _ = aggregator.communicate(timeout=60)  # it ends when the run is announced finished
+    finally:
+        if aggregator.poll() is None:
+            aggregator.kill()
+            aggregator.wait()
+
+    # Assert: both shards summed every round, each aggregator registered once (none twice: no takeover)
+    assert aggregator.returncode == 0, output[-3000:]
+    assert "aggregator 1/2: run" in output and "2 partials sent" in output
+    assert [r["lost_shards"] for r in report["rounds"]] == [[], []]
+    assert [r["participants"] for r in report["rounds"]] == [4, 4]
+    joins = [(e["event"], e["device"]) for e in report["event_log"] if str(e.get("device")).startswith("aggregator-")]
+    assert sorted(joins) == [("registered", "aggregator-0"), ("registered", "aggregator-1")]
