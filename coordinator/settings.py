@@ -96,7 +96,7 @@ class RoundSettings:
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
     shards: int = setting(0, help="split aggregation over this many shard aggregators, each validating and summing "
                                   "its devices' updates (0: the coordinator aggregates): `edgepfl aggregator --shard "
-                                  "k/K` processes, which simulate starts itself (--local-aggregators)")
+                                  "k/K` processes, which simulate starts itself as --local-aggregators says")
 
     def __post_init__(self) -> None:
         check(0 < self.fraction <= 1, "fraction", "in (0, 1]", self.fraction)
