@@ -448,6 +448,16 @@ def _aggregator_main(spec: AggregatorSpec, errors: multiprocessing.connection.Co
         sys.exit(WORKER_FAILED)
 
 
+def _aggregator_connection(config: RunConfig, url: str, shard: int) -> MqttSettings:
+    """How shard `shard`'s aggregator connects: its own account, `aggregator-<k>`, as `edgepfl
+    aggregator` connects; a missing account is refused with where it comes from."""
+    try:
+        return config.mqtt_settings(url, account=aggregator_id(shard))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the shard aggregators connect with their own accounts: `edgepfl broker-config "
+                          f"--shards {config.round.shards}` enrolls them)") from None
+
+
 class AggregatorPool:
     """The aggregators of shards `shards` of `config`'s run, one process each, reaching the broker
     at `url`; started on creation (every connection is checked first: an account missing from
@@ -456,7 +466,7 @@ class AggregatorPool:
     def __init__(self, config: RunConfig, shards: Sequence[int], url: str):
         context = multiprocessing.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
-        specs = [AggregatorSpec(k, config.round.shards, config.mqtt_settings(url, account=aggregator_id(k)),
+        specs = [AggregatorSpec(k, config.round.shards, _aggregator_connection(config, url, k),
                                 config.broker.federation, config.broker.credentials, level) for k in shards]
         self.shards: dict[multiprocessing.Process, list[str]] = {}  # process -> its shard, in words
         self.errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}

@@ -136,3 +136,19 @@ def test_one_aggregator_here_the_other_by_edgepfl_aggregator(mosquitto, tmp_path
     assert [r["participants"] for r in report["rounds"]] == [4, 4]
     joins = [(e["event"], e["device"]) for e in report["event_log"] if str(e.get("device")).startswith("aggregator-")]
     assert sorted(joins) == [("registered", "aggregator-0"), ("registered", "aggregator-1")]
+
+
+def test_each_local_aggregator_connects_with_its_own_account(tmp_path):
+    # Prepare: a fleet's credentials without the aggregators' accounts (broker-config without --shards)
+    credentials = tmp_path / "credentials.json"
+    credentials.write_text(json.dumps({"coordinator": {"username": "coordinator", "password": "c"},
+                                       "devices": {f"dev{i:03d}": {"username": f"dev{i:03d}", "password": "d"}
+                                                   for i in range(4)}}))
+    config = RunConfig.of(clients=4, rounds=1, shards=2, credentials=str(credentials), out=str(tmp_path / "run"))
+
+    # Execute / Assert: refused before any process starts
+    with pytest.raises(ConfigError, match=r"credentials file .* has no entry for 'aggregator-0' \(the shard "
+                                          r"aggregators connect with their own accounts: `edgepfl broker-config "
+                                          r"--shards 2` enrolls them\)"):
+        run_simulation(config)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith(("aggregator-", "worker"))]
