@@ -1,14 +1,15 @@
 """The same FedAvg run with the coordinator aggregating alone and with 2 shard aggregators.
 
 digits, 50 devices, 5 rounds, float64 aggregation (`--aggregation-dtype float64`), over one
-Mosquitto started here (or `--broker`). The devices are `edgepfl simulate`'s worker processes;
-with shards, 2 `edgepfl aggregator --shard k/2` processes run beside them (started before the
-coordinator, which waits for them to register). Records each run's wall time (the report's
-`wall_seconds`: registration to report; the registration alone, until every device and
-aggregator registered; the sum of the rounds' seconds, evaluation included), the rounds'
-participation and lost shards, and compares the two final global states (bit for bit, and the
-largest absolute difference). `--repeats N` plays the pair N times, alternating, and the
-ratios are those of the medians (the wall times of a shared machine vary from run to run).
+Mosquitto started here (or `--broker`), through `edgepfl simulate`'s path (`run_simulation`):
+the devices in its worker processes and, with shards, its 2 shard aggregator processes beside
+them (started with them, before the coordinator, which waits for them to register). Records
+each run's wall time (the report's `wall_seconds`: registration to report; the registration
+alone, until every device and aggregator registered; the sum of the rounds' seconds,
+evaluation included), the rounds' participation and lost shards, the aggregators that
+registered, and compares the two final global states (bit for bit, and the largest absolute
+difference). `--repeats N` plays the pair N times, alternating, and the ratios are those of the
+medians (the wall times of a shared machine vary from run to run).
 Writes shards.json and shards.md to --out.
 
     python benchmarks/shards.py [--quick] [--repeats N] [--broker mqtt://127.0.0.1:1883] [--out DIR]
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -38,16 +37,6 @@ from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
 
 log = logging.getLogger(__name__)
-REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-def aggregators(url: str, federation: str, shards: int, logs: Path) -> list[subprocess.Popen]:
-    """`edgepfl aggregator --shard k/K` for every k, as processes of their own."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
-    return [subprocess.Popen([sys.executable, "-m", "coordinator.cli", "aggregator", "--shard", f"{k}/{shards}",
-                              "--broker", url, "--federation", federation], env=env,
-                             stdout=(logs / f"aggregator-{k}.log").open("wb"), stderr=subprocess.STDOUT)
-            for k in range(shards)]
 
 
 def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, workers: int) -> dict[str, Any]:
@@ -56,19 +45,9 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=clients, rounds=rounds, seed=0,
                           aggregation_dtype="float64", shards=shards, broker=url, federation=federation,
                           workers=workers, out=str(out), round_timeout=300)
-    out.mkdir(parents=True, exist_ok=True)
-    processes = aggregators(url, federation, shards, out)
     registered: list[float] = []
-    try:
-        report = run_simulation(config, on_event=lambda e: registered.append(e.seconds)
-                                if isinstance(e, DevicesRegistered) else None)
-    finally:
-        for process in processes:
-            try:
-                process.wait(timeout=60)  # an aggregator ends when the run is announced finished
-            except subprocess.TimeoutExpired:
-                process.terminate()
-                process.wait(timeout=30)
+    report = run_simulation(config, on_event=lambda e: registered.append(e.seconds)
+                            if isinstance(e, DevicesRegistered) else None)
     state = checkpoint.load(RunFolder(out).checkpoint).state
     rounds_ = report["rounds"]
     log.info("shards %d: %.1f s, participants %s", shards, report["wall_seconds"], [r["participants"] for r in rounds_])
@@ -79,7 +58,8 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
             "rejections": report["rejections"],
             "personalized_accuracy": report["final"]["personalized_accuracy"]["mean"],
             "bytes_up": report["communication"]["bytes_up"], "state": state,
-            "aggregator_exit_codes": [p.returncode for p in processes]}
+            "aggregators": sorted(e["device"] for e in report["event_log"]
+                                  if e.get("event") == "registered" and e["device"].startswith("aggregator-"))}
 
 
 def compare(first: dict, second: dict) -> dict[str, Any]:

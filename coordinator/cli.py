@@ -25,13 +25,13 @@ class CommandFailed(RuntimeError):
     """A run that could not go on, for a reason the message states (exit code 1)."""
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, command: str) -> None:
+def _add_run_flags(parser: argparse.ArgumentParser, command: str, leave_out: tuple[str, ...] = ()) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="TOML file: the flags' keys, flat or in [section] tables (flags override it; "
                              "default: none)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="algorithm hyperparameter, e.g. --set mu=0.1 (repeatable; default: the algorithm's)")
-    parser.set_defaults(setting_keys=add_setting_flags(parser, command))
+    parser.set_defaults(setting_keys=add_setting_flags(parser, command, leave_out=leave_out))
 
 
 def _run_config(args: argparse.Namespace):
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(handler=cmd_simulate)
 
     workers = sub.add_parser("workers", help="host a share of a simulation's devices on this host")
-    _add_run_flags(workers, "simulate")
+    _add_run_flags(workers, "simulate", leave_out=("local_aggregators",))  # its aggregators: `edgepfl aggregator`
     workers.add_argument("--devices", required=True, metavar="RANGE",
                          help="the devices this host runs, e.g. 100-199 or 100-149,300 (indices below --clients)")
     workers.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",

@@ -72,6 +72,8 @@ class RunConfig:
         from edge_sdk.codecs import CODECS
         from edge_sdk.data import BUILTIN_TASKS, PARTITIONS
 
+        from .device_ranges import parse_shards
+
         run, simulation = self.run, self.simulation
         checks = [
             (run.algorithm in ALGORITHM_IDS, "algorithm", run.algorithm, f"one of {', '.join(ALGORITHM_IDS)}"),
@@ -89,6 +91,7 @@ class RunConfig:
         for ok, key, value, what in checks:
             if not ok:
                 raise ConfigError(f"{key} must be {what}, got {value!r}")
+        parse_shards(simulation.local_aggregators, self.round.shards, "local_aggregators")  # refused by its key
         if self.lite_devices >= run.clients:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} leaves no trainer device among {run.clients}")
         trainers = run.clients - self.lite_devices
@@ -169,6 +172,13 @@ class RunConfig:
     def lite_devices(self) -> int:
         """How many simulated devices are weak ones: the last ones by index."""
         return int(round(self.simulation.lite_fraction * self.run.clients))
+
+    @property
+    def local_shards(self) -> tuple[int, ...]:
+        """The shards whose aggregators `edgepfl simulate` hosts (`local_aggregators`, of `shards`)."""
+        from .device_ranges import parse_shards
+
+        return parse_shards(self.simulation.local_aggregators, self.round.shards, "local_aggregators")
 
     @property
     def worker_count(self) -> int:

@@ -28,14 +28,15 @@ def _first_sentence(text: str) -> str:
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, command: str,
-                      sections: Iterable[str] | None = None) -> list[str]:
-    """Add a flag for every setting `command` takes, one argument group per section (of
-    `sections` only, when given); returns the keys (the namespace attributes) added."""
-    keys = []
+                      sections: Iterable[str] | None = None, leave_out: Iterable[str] = ()) -> list[str]:
+    """Add a flag for every setting `command` takes but the keys in `leave_out`, one argument
+    group per section (of `sections` only, when given); returns the keys (the namespace
+    attributes) added."""
+    keys, leave_out = [], set(leave_out)
     for section, cls in SECTIONS.items():
         if sections is not None and section not in sections:
             continue
-        items = [item for item in settings_of(cls) if command in item.commands]
+        items = [item for item in settings_of(cls) if command in item.commands and item.key not in leave_out]
         if not items:
             continue
         group = parser.add_argument_group(f"[{section}] settings", _first_sentence(cls.__doc__ or ""))

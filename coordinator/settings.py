@@ -94,8 +94,9 @@ class RoundSettings:
     registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
     max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
-    shards: int = setting(0, help="split aggregation over this many `edgepfl aggregator --shard k/K` processes, each "
-                                  "validating and summing its devices' updates (0: the coordinator aggregates)")
+    shards: int = setting(0, help="split aggregation over this many shard aggregators, each validating and summing "
+                                  "its devices' updates (0: the coordinator aggregates): `edgepfl aggregator --shard "
+                                  "k/K` processes, which simulate starts itself as --local-aggregators says")
 
     def __post_init__(self) -> None:
         check(0 < self.fraction <= 1, "fraction", "in (0, 1]", self.fraction)
@@ -117,7 +118,7 @@ class RoundSettings:
 @dataclass(frozen=True)
 class SimulationSettings:
     """How `edgepfl simulate` hosts the devices: processes, accelerator, weak and adversarial
-    devices (`[simulation]`)."""
+    devices, and the shard aggregators (`[simulation]`)."""
 
     commands: ClassVar[tuple[str, ...]] = ("simulate",)
 
@@ -132,6 +133,9 @@ class SimulationSettings:
     adversaries: int = setting(0, defines=DEFINES,
                                help="this many devices corrupt their uploads (robustness experiments)")
     attack: str = setting("sign_flip", defines=DEFINES, help="sign_flip | noise | nan | mixed (what adversaries do)")
+    local_aggregators: str = setting("all", help="the shard aggregators (--shards) this command hosts, a process "
+                                                 "each: shards like 0-1 or 0,2, all, or none (those left out run "
+                                                 "on other hosts with `edgepfl aggregator --shard k/K`)")
 
     def __post_init__(self) -> None:
         check(self.workers >= 0, "workers", "zero (one per core) or more", self.workers)

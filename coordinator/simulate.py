@@ -6,6 +6,9 @@ connections. Devices in one worker take turns to compute (one lock per worker) s
 workers, not the threads, use the cores. A `WorkerPool` is the same worker processes for any
 share of the devices: `edgepfl simulate` starts one for its share (`local`, all devices unless
 told otherwise) and `edgepfl workers` (coordinator/workers.py) one for a share on another host.
+With `shards` K, `edgepfl simulate` also hosts the shard aggregators (`local_aggregators`, all
+unless told otherwise; the others run `edgepfl aggregator` on other hosts): an `AggregatorPool`,
+one process per shard, each a `ShardAggregator` under its own MQTT identity (`aggregator-<k>`).
 
 Runs repeat: what the coordinator hands out in order of registration (FediOS's projection
 blocks, DC-PFL's body models) it hands out in device index order before registration opens
@@ -18,8 +21,10 @@ sends its error, one line, to the parent through a pipe of its own and exits wit
 every worker is gone the run stops with their errors (`WorkersFailed`) instead of waiting for
 registrations that cannot come. A worker some of whose devices failed sends their errors the
 same way and exits with 0 (`edgepfl workers` then fails; a simulation goes on without them).
-Ctrl-C is the parent's alone: workers ignore SIGINT and are stopped by the parent, with the
-embedded broker, before the KeyboardInterrupt goes on.
+An aggregator process that dies is logged the same way, naming its shard; the coordinator
+loses that shard's updates from then on and says so in each round's `lost_shards`.
+Ctrl-C is the parent's alone: workers and aggregators ignore SIGINT and are stopped by the
+parent, with the embedded broker, before the KeyboardInterrupt goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 from edge_sdk.config import ConfigError
 from edge_sdk.lifecycle import run_until_done
+from edge_sdk.protocol import aggregator_id
 from edge_sdk.settings import BrokerSettings, TrainSettings
 from edge_sdk.transport import MqttSettings, TransportError
 
@@ -54,7 +60,8 @@ from .settings import RunSettings, SimulationSettings
 log = logging.getLogger(__name__)
 
 WORKER_FAILED = 1
-"""A worker's exit code when it could not host any of its devices (its error is in its pipe)."""
+"""A worker's exit code when it could not host any of its devices, an aggregator's when it failed
+(the error is in its pipe)."""
 
 
 LOGGED_ERROR = 160
@@ -63,6 +70,10 @@ LOGGED_ERROR = 160
 
 JOIN_POLL = 0.02
 """Seconds between two looks at whether a starting device has joined the run."""
+
+DEVICES_GONE = "its devices are gone"
+SHARD_LOST = "its shard's updates are lost from now on (each round's lost_shards says so)"
+"""What the run loses when a device worker, an aggregator process dies (`WorkerWatch`)."""
 
 
 class WorkersFailed(RuntimeError):
@@ -233,10 +244,10 @@ def split_among_workers(indices: Sequence[int], workers: int) -> list[tuple[int,
 
 
 class WorkerWatch(threading.Thread):
-    """Watches the device worker processes until `done` is set: logs an error naming the devices
-    (`workers` maps each process to its device ids) and the error (from `errors`, the read end
-    of each worker's pipe, when given) of any worker that dies mid-run, and sets `all_dead` once
-    every worker is gone.
+    """Watches the device worker (or aggregator) processes until `done` is set: logs an error
+    naming what the run lost (`loss`, then what `workers` maps each process to: its device ids,
+    its shard) and the error (from `errors`, the read end of each process's pipe, when given) of
+    any process that dies mid-run, and sets `all_dead` once every one is gone.
 
     Its devices' Last Wills make the coordinator close the round without them; without this line
     the run would only say that nobody replied. A worker killed by SIGKILL was most often the
@@ -244,9 +255,10 @@ class WorkerWatch(threading.Thread):
     """
 
     def __init__(self, workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
-                 errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None):
+                 errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None,
+                 loss: str = DEVICES_GONE):
         super().__init__(name="worker-watch", daemon=True)
-        self.workers, self.done, self.errors = workers, done, errors or {}
+        self.workers, self.done, self.errors, self.loss = workers, done, errors or {}, loss
         self.all_dead = threading.Event()
         self.causes: dict[str, list[str]] = {}  # a dead worker's cause -> the workers it ended
         self._lock = threading.Lock()
@@ -272,7 +284,7 @@ class WorkerWatch(threading.Thread):
             cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             oom = " (SIGKILL: most often the OOM killer; see dmesg)" if code == -signal.SIGKILL else ""
             shown = cause + oom
-        log.error("%s died with %s; its devices are gone: %s", process.name, shown, ", ".join(self.workers[process]))
+        log.error("%s died with %s; %s: %s", process.name, shown, self.loss, ", ".join(self.workers[process]))
         with self._lock:
             self.causes.setdefault(cause, []).append(process.name)
 
@@ -296,10 +308,10 @@ def _pending(pipe: multiprocessing.connection.Connection) -> str | None:
 
 
 def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
-                  errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None
-                  ) -> WorkerWatch:
+                  errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None,
+                  loss: str = DEVICES_GONE) -> WorkerWatch:
     """Start a `WorkerWatch` over `workers` (see there)."""
-    watch = WorkerWatch(workers, done, errors)
+    watch = WorkerWatch(workers, done, errors, loss)
     watch.start()
     return watch
 
@@ -390,12 +402,98 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Terminate the workers still alive and close the pipes."""
-        for process in self.devices:
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=10)
-        for pipe in [*self.errors.values(), *self.hosting.values()]:
-            pipe.close()
+        _stop(self.devices, [*self.errors.values(), *self.hosting.values()])
+
+
+def _stop(processes: Sequence[multiprocessing.Process], pipes: Sequence[multiprocessing.connection.Connection]) -> None:
+    """Terminate those of `processes` still alive (and wait for them), then close `pipes`."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=10)
+    for pipe in pipes:
+        pipe.close()
+
+
+@dataclass(frozen=True)
+class AggregatorSpec:
+    """What one aggregator process needs: its shard of `shards`, its connection (the account
+    `aggregator-<k>`) and federation, and the credentials file whose devices' signing keys it
+    checks uploads with, as the coordinator checks them unsharded."""
+
+    shard: int
+    shards: int
+    connection: MqttSettings
+    federation: str
+    credentials: str | None
+    log_level: int
+
+
+def _aggregator_main(spec: AggregatorSpec, errors: multiprocessing.connection.Connection) -> None:
+    """Entry point of an aggregator process: sum its shard's updates until the coordinator
+    finishes. If it fails it sends why (one line) through `errors` and exits with `WORKER_FAILED`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    try:
+        from edge_sdk.signing import fleet_verifier
+
+        from .aggregator import ShardAggregator
+
+        verifier = fleet_verifier(spec.credentials) if spec.credentials else None
+        run_until_done(ShardAggregator(spec.shard, spec.shards, broker=spec.connection, federation=spec.federation,
+                                       verifier=verifier))
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the parent reports it in one line
+        log.debug("aggregator failed", exc_info=True)
+        errors.send_bytes(_one_line(exc).encode())
+        sys.exit(WORKER_FAILED)
+
+
+def _aggregator_connection(config: RunConfig, url: str, shard: int) -> MqttSettings:
+    """How shard `shard`'s aggregator connects: its own account, `aggregator-<k>`, as `edgepfl
+    aggregator` connects; a missing account is refused with where it comes from."""
+    try:
+        return config.mqtt_settings(url, account=aggregator_id(shard))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the shard aggregators connect with their own accounts: `edgepfl broker-config "
+                          f"--shards {config.round.shards}` enrolls them)") from None
+
+
+class AggregatorPool:
+    """The aggregators of shards `shards` of `config`'s run, one process each, reaching the broker
+    at `url`; started on creation (every connection is checked first: an account missing from
+    `credentials` starts none). `stop` ends those still alive."""
+
+    def __init__(self, config: RunConfig, shards: Sequence[int], url: str):
+        context = multiprocessing.get_context("spawn")
+        level = logging.getLogger().getEffectiveLevel()
+        specs = [AggregatorSpec(k, config.round.shards, _aggregator_connection(config, url, k),
+                                config.broker.federation, config.broker.credentials, level) for k in shards]
+        self.shards: dict[multiprocessing.Process, list[str]] = {}  # process -> its shard, in words
+        self.errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+        try:
+            for spec in specs:
+                errors, errors_end = context.Pipe(duplex=False)
+                process = context.Process(target=_aggregator_main, args=(spec, errors_end),
+                                          name=aggregator_id(spec.shard), daemon=True)
+                process.start()
+                errors_end.close()  # the aggregator holds the write end now
+                self.shards[process] = [f"shard {spec.shard} of {spec.shards}"]
+                self.errors[process] = errors
+        except BaseException:
+            self.stop()
+            raise
+
+    def watch(self, done: threading.Event) -> WorkerWatch:
+        """Start a `WorkerWatch` over the aggregators (see there): one that dies is logged with its shard."""
+        return watch_workers(self.shards, done, self.errors, SHARD_LOST)
+
+    def join(self, timeout: float | None = None) -> None:
+        for process in self.shards:
+            process.join(timeout)
+
+    def stop(self) -> None:
+        """Terminate the aggregators still alive and close the pipes."""
+        _stop(self.shards, list(self.errors.values()))
 
 
 def all_devices(config: RunConfig) -> tuple[int, ...]:
@@ -412,14 +510,22 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
     `local` are the devices this process hosts (default: all); the others are hosted elsewhere
     (`edgepfl workers`) and reach the coordinator through the broker that `config` names under
     the federation it names. While every device is local, the run stops once every worker is
-    gone (`WorkersFailed`); with devices elsewhere it goes on with them."""
+    gone (`WorkersFailed`); with devices elsewhere it goes on with them. So with the shard
+    aggregators: those of `config.local_shards` run here, the others elsewhere (`edgepfl
+    aggregator`). Worker and aggregator processes are stopped when the run ends or fails."""
     from edge_sdk.models import resolve_factory
 
     local = all_devices(config) if local is None else tuple(local)
     remote = sorted(set(all_devices(config)) - set(local))
-    if remote and (config.broker.broker is None or config.broker.federation == "default"):
+    remote_shards = sorted(set(range(config.round.shards)) - set(config.local_shards))
+    connected = config.broker.broker is not None and config.broker.federation != "default"
+    if remote and not connected:
         raise ConfigError(f"--local-devices leaves devices {describe_indices(remote)} to other hosts: give --broker "
                           "(a broker they reach) and --federation (the name they join with `edgepfl workers`)")
+    if remote_shards and not connected:
+        raise ConfigError(f"--local-aggregators leaves the aggregators of shards {describe_indices(remote_shards)} to "
+                          "other hosts: give --broker (a broker they reach) and --federation (the name they join "
+                          f"with `edgepfl aggregator --shard k/{config.round.shards}`)")
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
     if config.broker.federation == "default":
@@ -430,8 +536,11 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
     if broker is not None:
         config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
     pool: WorkerPool | None = None
+    aggregators: AggregatorPool | None = None
     done = threading.Event()
     try:
+        aggregators = AggregatorPool(config, config.local_shards, url)
+        aggregators.watch(done)
         pool = WorkerPool(config, local, url)
         watch = pool.watch(done)
         transport = config.coordinator_transport(url)
@@ -445,13 +554,16 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
             report = coordinator.run()
         finally:
             transport.close()
-        done.set()  # the workers now end on their own: not news for the watch
+        done.set()  # the workers and aggregators now end on their own: not news for the watches
         pool.join(timeout=30)
+        aggregators.join(timeout=30)
         return report
     finally:
         done.set()
         if pool is not None:
             pool.stop()
+        if aggregators is not None:
+            aggregators.stop()
         if broker is not None:
             broker.stop()
 

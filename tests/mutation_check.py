@@ -1,10 +1,10 @@
-"""Mutation check: each targeted break of a seed algorithm's objective must make its tests fail.
+"""Mutation check: each targeted break of a seed algorithm's objective (or of a switch) must make its tests fail.
 
 Usage: `python tests/mutation_check.py [--jobs N] [name-substring ...]` from the repository root
 (the interpreter must have edgepfl's dependencies). The repository is copied to a temporary
 folder once per job; each mutation (exact string replacements in one module) is applied to a
-free copy, only the algorithm's objective tests run there (`pytest -x`, so a caught mutation
-stops at its first failing test), and the module is restored. The unmutated tests must pass
+free copy, only its tests run there (an algorithm's objective tests, a switch's own) (`pytest
+-x`, so a caught mutation stops at its first failing test), and the module is restored. The unmutated tests must pass
 first. Jobs default to the CPU count, at most 4. Exit status 0
 when every mutation was caught, 1 when one survived (they are listed), 2 when the baseline fails
 or a mutation no longer applies (its text is not in the module exactly once).
@@ -48,6 +48,8 @@ FEDIOS_PY, DUALFED_PY = "edge_sdk/algorithms/fedios.py", "edge_sdk/algorithms/du
 REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
 DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
 CD2_SERVER_PY = "coordinator/algorithms/cd2_pfed.py"
+SIMULATE_PY, CONFIG_PY = "coordinator/simulate.py", "coordinator/config.py"
+SIMULATE_SHARDS = "tests/integration/test_simulate_shards.py"
 
 MUTATIONS = (
     # FediOS: Eq. (9)-(12)
@@ -170,6 +172,20 @@ MUTATIONS = (
              (("loss = self._calibrate(head, optimizer, features, labels, round_)", "loss = float(\"nan\")"),), DC_PFL),
     Mutation("dc_pfl: server steps in arrival order", DC_PFL_SERVER_PY,
              (("for cid in sorted(self._reports)]", "for cid in self._reports]"),), DC_PFL),
+    # simulate --local-aggregators: the shard aggregators simulate hosts
+    Mutation("local_aggregators: key ignored (every shard hosted)", CONFIG_PY,
+             (("return parse_shards(self.simulation.local_aggregators, self.round.shards, \"local_aggregators\")",
+               "return tuple(range(self.round.shards))"),), ("tests/unit/test_workers_checks.py",)),
+    Mutation("local_aggregators: simulate starts no aggregator", SIMULATE_PY,
+             (("aggregators = AggregatorPool(config, config.local_shards, url)",
+               "aggregators = AggregatorPool(config, (), url)"),),
+             (f"{SIMULATE_SHARDS}::test_simulate_with_two_shards_alone_gives_the_unsharded_global_state",)),
+    Mutation("local_aggregators: remote aggregators without broker or federation", SIMULATE_PY,
+             (("if remote_shards and not connected:", "if False:"),),
+             (f"{SIMULATE_SHARDS}::test_aggregators_on_other_hosts_need_broker_and_federation",)),
+    Mutation("local_aggregators: a dead aggregator not reported", SIMULATE_PY,
+             (("        aggregators.watch(done)\n", ""),),
+             (f"{SIMULATE_SHARDS}::test_a_local_aggregator_that_dies_is_logged_and_its_shard_lost",)),
 )
 
 

@@ -1,12 +1,14 @@
-"""The checks of `edgepfl workers` that need no broker: device ranges, the settings comparison
-with the coordinator's announcement, and a worker's hosting report."""
+"""The checks of `edgepfl workers` that need no broker: device ranges (and simulate's shard
+ranges), the settings comparison with the coordinator's announcement, and a worker's hosting
+report."""
 
 from __future__ import annotations
 
 import pytest
 
 from coordinator.config import RunConfig
-from coordinator.device_ranges import describe_indices, parse_devices
+from coordinator.cli import build_parser
+from coordinator.device_ranges import describe_indices, parse_devices, parse_shards
 from coordinator.simulate import Hosting
 from coordinator.workers import Footprint, check_settings, settings_mismatch
 from edge_sdk.config import ConfigError
@@ -21,6 +23,34 @@ def test_none_is_an_empty_share_only_where_allowed() -> None:
     assert parse_devices("none", 4, "--local-devices", allow_none=True) == ()
     with pytest.raises(ConfigError, match="--devices 'none': 'none' is not a device index"):
         parse_devices("none", 4, "--devices")
+
+
+def test_shard_ranges_take_all_and_none_and_stay_below_the_shard_count() -> None:
+    assert parse_shards("all", 3, "--local-aggregators") == (0, 1, 2)
+    assert parse_shards("none", 3, "--local-aggregators") == ()
+    assert parse_shards("2,0", 3, "--local-aggregators") == (0, 2)
+    with pytest.raises(ConfigError, match=r"--local-aggregators '1-3': shard 3 does not exist; the run has 3 shards "
+                                          r"\(--shards\), indices 0-2"):
+        parse_shards("1-3", 3, "--local-aggregators")
+    with pytest.raises(ConfigError, match="'some' is not a shard index or range; expected .*, or all, or none"):
+        parse_shards("some", 3, "--local-aggregators")
+
+
+def test_a_bad_local_aggregators_is_refused_by_its_key() -> None:
+    assert RunConfig.of(shards=2).local_shards == (0, 1)  # the default: all
+    assert RunConfig.of().local_shards == ()  # no shards, no aggregator
+    assert RunConfig.of(shards=2, local_aggregators="1").local_shards == (1,)
+    with pytest.raises(ConfigError, match=r"^local_aggregators '0': shard 0 does not exist; the run has 0 shards "
+                                          r"\(--shards\)$"):
+        RunConfig.of(local_aggregators="0")
+
+
+def test_only_simulate_takes_local_aggregators() -> None:
+    parser = build_parser()
+
+    assert parser.parse_args(["simulate", "--local-aggregators", "none"]).local_aggregators == "none"
+    with pytest.raises(SystemExit):  # `edgepfl workers` hosts devices only
+        parser.parse_args(["workers", "--devices", "0", "--local-aggregators", "none"])
 
 
 def test_the_settings_that_differ_are_named_with_both_values() -> None:
