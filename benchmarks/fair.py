@@ -75,8 +75,8 @@ PAPER_OPTIMIZERS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="digits, 6 devices, 2 rounds x 1 epoch, fedavg and fedrep, lrs 0.01 and 0.1, dir0.5@1, one worker, "
-                             "seed 0 (a smoke test)")
+                        help="digits, 6 devices, 2 rounds x 1 epoch, fedavg and fedrep, lrs 0.01 and 0.1, dir0.5@1, "
+                             "one worker, seed 0 (a smoke test)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", help="output file stem (default fair-<dataset>-<rounds>rounds)")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
@@ -183,13 +183,14 @@ def markdown(document: dict[str, Any]) -> str:
     header = "| method | " + " | ".join(labels.values()) + " |"
     rule = "|---|" + "---|" * len(labels)
     lines = ["## Fair protocol (issue 23)", "",
-             f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds x {config['local_epochs']} "
-             f"local epoch(s)**, batch {config['batch_size']}; mean personalized accuracy over devices at the last "
-             f"round on the test split (%), mean ± std over seeds {', '.join(map(str, config['seeds']))}. Over MQTT. "
+             f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds x "
+             f"{config['local_epochs']} local epoch(s)**, batch {config['batch_size']}; mean personalized accuracy "
+             "over devices at the last round on the test split (%), mean ± std over seeds "
+             f"{', '.join(map(str, config['seeds']))}. Over MQTT. "
              "The two tables are separate experiments: do not compare a cell of one with a cell of the other as a "
              "ranking of methods.", "",
-             f"### Common optimizer: SGD, momentum {config['sgd_momentum']}, weight decay {config['sgd_weight_decay']}, "
-             "lr chosen per method on validation", "",
+             f"### Common optimizer: SGD, momentum {config['sgd_momentum']}, weight decay "
+             f"{config['sgd_weight_decay']}, lr chosen per method on validation", "",
              "Every local phase of every method (head phases included) trains with this SGD; the lr is each method's "
              f"best of {', '.join(f'{lr:g}' for lr in config['grid'])} by validation accuracy "
              f"({config['validation_fraction']:g} of each device's training data held out; the test split unread), "
