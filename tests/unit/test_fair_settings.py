@@ -78,7 +78,7 @@ def test_the_fair_settings_come_from_flags_and_toml(tmp_path):
     ({"validation_fraction": 1.0}, "validation_fraction"),
     ({"validation_fraction": -0.1}, "validation_fraction"),
 ])
-def test_a_bad_value_names_its_key(tmp_path, values, key):
+def test_a_bad_value_names_its_key(values, key):
     with pytest.raises(ConfigError, match=f"^{key} must be"):
         build_config(None, values, {})
 

@@ -17,6 +17,7 @@ import pytest
 
 from coordinator.run_folder import RunFolder
 from edge_sdk import wire
+from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, topic_matches
 from edge_sdk.protocol import Envelope, Kind, Topics
@@ -654,7 +655,7 @@ def sealed_test_split(data):
     return SealedTest(data.train_x, data.train_y, data.test_x, data.test_y, data.task, data.domain)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg_ft", "repper"])
+@pytest.mark.parametrize("algorithm", ALGORITHM_IDS)
 def test_a_validation_run_trains_and_scores_on_the_training_split_only(federation, algorithm):
     # Prepare: devices whose test split cannot be read; a fifth of each training split held out
     from edge_sdk.data import load_client_data
