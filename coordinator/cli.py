@@ -81,7 +81,8 @@ def _summary(report: dict[str, Any], out: str) -> str:
         *(f"participation          {line}" for line in shortfalls[:MAX_PARTICIPATION_LINES]),
         *([f"participation          ... and {len(shortfalls) - MAX_PARTICIPATION_LINES} more rounds short of "
            "their selection (metrics.jsonl)"] if len(shortfalls) > MAX_PARTICIPATION_LINES else []),
-        f"final evaluation       over {evaluated} of {registered} devices",
+        f"final evaluation       over {evaluated} of {registered} devices"
+        + (", on their validation split (test split unread)" if report.get("evaluated_on") == "validation" else ""),
         f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}",
         f"best round mean        {fmt(final.get('best_round_mean'))} (trainers, over the rounds' evaluations)",
         f"global-model accuracy  {fmt(report['final']['global_accuracy'])}",

@@ -102,6 +102,10 @@ class RunConfig:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which "
                               "releases no representation: the weak devices would have nothing to personalize; set release "
                               "(--release) or lite_fraction 0")
+        if self.lite_devices and self.training.validation_fraction:
+            raise ConfigError(f"validation_fraction {self.training.validation_fraction} with lite_fraction "
+                              f"{simulation.lite_fraction}: weak devices take no training settings and would score "
+                              "their test split; set one of them to 0")
 
     @classmethod
     def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,
@@ -151,11 +155,13 @@ class RunConfig:
         return default_model_for(self.task()) if model == "auto" else model
 
     def welcome_settings(self) -> dict[str, Any]:
-        """The training section as devices receive it in WELCOME: the model resolved, and
-        `grad_clip_norm` only when set (devices older than it accept the message unchanged)."""
+        """The training section as devices receive it in WELCOME: the model resolved, and the
+        settings added later (`DEFINES_IF_SET`: `grad_clip_norm`, `optimizer`, ...) only when not at
+        their default (devices older than them accept the message unchanged)."""
         settings = dataclasses.asdict(dataclasses.replace(self.training, model=self.model_name))
-        if not settings["grad_clip_norm"]:
-            del settings["grad_clip_norm"]
+        for item in settings_of(TrainSettings):
+            if item.info.defines == DEFINES_IF_SET and settings[item.name] == item.field.default:
+                del settings[item.name]
         return settings
 
     def attack_of(self, index: int) -> str | None:
@@ -219,13 +225,13 @@ class RunConfig:
 
         The settings declared with `defines` enter by their flat key (`rounds` is left out so a
         finished run can be extended; so are paths, timeouts and how the run is executed); those
-        declared `DEFINES_IF_SET` only when set, so runs made before they existed keep their
-        fingerprint.
+        declared `DEFINES_IF_SET` only when not at their default, so runs made before they existed
+        keep their fingerprint.
         """
         defining: dict[str, Any] = {}
         for section, item in all_settings():
             value = getattr(getattr(self, section), item.name)
-            if item.info.defines == DEFINES or (item.info.defines == DEFINES_IF_SET and value):
+            if item.info.defines == DEFINES or (item.info.defines == DEFINES_IF_SET and value != item.field.default):
                 defining[item.key] = value
         defining["hyper"] = self.hyper
         defining["model"] = self.model_name

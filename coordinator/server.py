@@ -853,6 +853,7 @@ class Coordinator:
             "model": self.config.model_name,
             "clients": self.config.run.clients,
             "fraction": self.config.round.fraction,
+            "evaluated_on": "validation" if self.config.training.validation_fraction else "test",
             "rounds_completed": self.completed,
             "rounds_aggregated": sum(1 for r in rounds if r["outcome"] != "aborted"),
             "late_updates": {"policy": self.config.round.late_updates,

@@ -115,7 +115,8 @@ class EdgeClient(DeviceSession):
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
         self._check_model(welcome, settings)
         seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
-        self.algorithm = algorithm_cls(hyper, settings, self.data, self.device, seed,
+        data = self.data.holding_out(settings.validation_fraction, seed) if settings.validation_fraction else self.data
+        self.algorithm = algorithm_cls(hyper, settings, data, self.device, seed,
                                        welcome.config.get("assignment", {}), **self.training_overrides)
         self.algorithm_id = algorithm_id
         saved = self.store.restore(welcome.run_id, algorithm_id)
@@ -154,7 +155,7 @@ class EdgeClient(DeviceSession):
             with self._compute_lock:
                 statistics = self.algorithm.body_statistics(task)
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
-                      metrics={"num_examples": self.data.num_train})
+                      metrics={"num_examples": self.algorithm.data.num_train})
             return
         with self._compute_lock:
             metrics = self.algorithm.evaluate(task)

@@ -33,8 +33,10 @@ ALL_COMMANDS = RUN_COMMANDS + DEVICE_COMMANDS
 
 DEFINES = "always"
 DEFINES_IF_SET = "if_set"
-"""A setting added after runs were cached: it defines a run only when set (truthy), so runs made
-before it existed keep their fingerprint."""
+"""A setting added after runs were cached: it defines a run only when not at its default, so runs
+made before it existed keep their fingerprint."""
+OPTIMIZERS = ("paper", "sgd")
+"""`optimizer`: each algorithm's own local optimizer, or one common SGD for every algorithm."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class TrainSettings:
     local_epochs: int = setting(2, defines=DEFINES, help="local epochs per round")
     batch_size: int = setting(32, defines=DEFINES, help="local batch size")
     lr: float = setting(0.05, defines=DEFINES,
-                        help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise)")
+                        help="local learning rate (SGD, momentum 0.9, unless the algorithm says otherwise; every "
+                                 "local phase's with optimizer=sgd)")
     seed: int = setting(0, defines=DEFINES, commands=ALL_COMMANDS,
                         help="the run's seed (selection, partition, initialization)")
     upload_codec: str = setting("fp32", defines=DEFINES,
@@ -144,6 +147,17 @@ class TrainSettings:
     grad_clip_norm: float = setting(0.0, defines=DEFINES_IF_SET,
                                     help="devices scale each local step's gradients to at most this L2 norm "
                                          "(0: off); announced in WELCOME, so every trainer clips alike")
+    optimizer: str = setting("paper", defines=DEFINES_IF_SET,
+                             help="paper | sgd: every local training phase uses its algorithm's own optimizer (as its "
+                                  "paper prescribes), or, for every algorithm alike, SGD with --lr, --sgd-momentum and "
+                                  "--sgd-weight-decay (a fair comparison of methods)")
+    sgd_momentum: float = setting(0.9, defines=DEFINES_IF_SET, help="momentum of the common SGD (optimizer=sgd)")
+    sgd_weight_decay: float = setting(0.0, defines=DEFINES_IF_SET,
+                                      help="weight decay of the common SGD (optimizer=sgd)")
+    validation_fraction: float = setting(0.0, defines=DEFINES_IF_SET,
+                                         help="each device holds out this seeded share of its training data, trains "
+                                              "on the rest and is evaluated on it instead of its test split (0: off; "
+                                              "to choose hyperparameters without looking at test data)")
 
     def __post_init__(self) -> None:
         check_model_spec(self.model)
@@ -154,6 +168,17 @@ class TrainSettings:
         check(self.seed >= 0, "seed", "zero or more", self.seed)
         check(math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm",
               "zero (off) or a positive finite norm", self.grad_clip_norm)
+        check(self.optimizer in OPTIMIZERS, "optimizer", "paper or sgd", self.optimizer)
+        check(math.isfinite(self.sgd_momentum) and 0 <= self.sgd_momentum < 1, "sgd_momentum", "in [0, 1)",
+              self.sgd_momentum)
+        check(math.isfinite(self.sgd_weight_decay) and self.sgd_weight_decay >= 0, "sgd_weight_decay",
+              "zero or a positive finite number", self.sgd_weight_decay)
+        if self.optimizer == "paper":
+            for key in ("sgd_momentum", "sgd_weight_decay"):
+                default = TrainSettings.__dataclass_fields__[key].default
+                check(getattr(self, key) == default, key, f"{default} unless optimizer is sgd (the algorithms' own "
+                      f"optimizers take no run-level {key})", getattr(self, key))
+        check(0 <= self.validation_fraction < 1, "validation_fraction", "in [0, 1)", self.validation_fraction)
 
 
 MQTT_PROTOCOLS = ("auto", "5", "3.1.1")

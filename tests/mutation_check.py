@@ -48,8 +48,15 @@ FEDIOS_PY, DUALFED_PY = "edge_sdk/algorithms/fedios.py", "edge_sdk/algorithms/du
 REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
 DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
 CD2_SERVER_PY = "coordinator/algorithms/cd2_pfed.py"
-SIMULATE_PY, CONFIG_PY = "coordinator/simulate.py", "coordinator/config.py"
+SIMULATE_PY = "coordinator/simulate.py"
 SIMULATE_SHARDS = "tests/integration/test_simulate_shards.py"
+COMMON_OPTIMIZER = ("tests/unit/test_common_optimizer.py",)
+FAIR_SETTINGS = ("tests/unit/test_fair_settings.py",)
+VALIDATION_RUN = ("tests/unit/test_loopback_federation.py::"
+                  "test_a_validation_run_trains_and_scores_on_the_training_split_only",)
+TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
+CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
+SERVER_PY, CONFIG_PY = "coordinator/server.py", "coordinator/config.py"
 
 MUTATIONS = (
     # FediOS: Eq. (9)-(12)
@@ -186,6 +193,34 @@ MUTATIONS = (
     Mutation("local_aggregators: a dead aggregator not reported", SIMULATE_PY,
              (("        aggregators.watch(done)\n", ""),),
              (f"{SIMULATE_SHARDS}::test_a_local_aggregator_that_dies_is_logged_and_its_shard_lost",)),
+    # the fair protocol's switches: the common optimizer and the validation split
+    Mutation("fair: optimizer=sgd ignored", TORCH_DEVICE_PY,
+             (('if settings.optimizer == "sgd":', "if False:"),), COMMON_OPTIMIZER),
+    Mutation("fair: common SGD without the run's momentum", TORCH_DEVICE_PY,
+             (("momentum=settings.sgd_momentum,", "momentum=0.9,"),), COMMON_OPTIMIZER),
+    Mutation("fair: common SGD without the run's weight decay", TORCH_DEVICE_PY,
+             (("weight_decay=settings.sgd_weight_decay)", ")"),), COMMON_OPTIMIZER),
+    Mutation("fair: the FedAvg family's SGD bypasses the common optimizer", PART_SHARING_PY,
+             (("return self.local_optimizer(params, lambda own: torch.optim.SGD(",
+               "return (lambda own: torch.optim.SGD("),
+              ("momentum=momentum))", "momentum=momentum))(list(params))")), COMMON_OPTIMIZER),
+    Mutation("fair: RepPer's head bypasses the common optimizer", REPPER_PY,
+             (("make_optimizer = sgd_head_optimizer(lr) if optimizer is None else optimizer",
+               "make_optimizer = sgd_head_optimizer(lr)"),), COMMON_OPTIMIZER),
+    Mutation("fair: the validation split ignored by the device", CLIENT_PY,
+             (("data = self.data.holding_out(settings.validation_fraction, seed) if settings.validation_fraction "
+               "else self.data", "data = self.data"),), VALIDATION_RUN),
+    Mutation("fair: the held-out split is the training data", CLIENT_DATA_PY,
+             (("self.train_x[held_idx],", "self.train_x[train_idx],"),), FAIR_SETTINGS),
+    Mutation("fair: the held-out split ignores its seed", CLIENT_DATA_PY,
+             (("stratified_split(self.train_y, fraction, seed=seed)",
+               "stratified_split(self.train_y, fraction, seed=0)"),),
+             FAIR_SETTINGS),
+    Mutation("fair: a validation run reported as scored on test", SERVER_PY,
+             (('"validation" if self.config.training.validation_fraction else "test"', '"test"'),), VALIDATION_RUN),
+    Mutation("fair: a later setting defines every run, default or not", CONFIG_PY,
+             (("(item.info.defines == DEFINES_IF_SET and value != item.field.default)",
+               "(item.info.defines == DEFINES_IF_SET and bool(value))"),), ("tests/unit/test_settings.py",)),
 )
 
 

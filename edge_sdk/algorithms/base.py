@@ -75,6 +75,9 @@ class DeviceAlgorithm(ABC):
         if (optimizer is not None or loss is not None) and not self.accepts_training_step:
             raise TrainingStepRefused(f"{self.id} has its own local objective and optimizer: it takes no user "
                                       f"optimizer or loss (the FedAvg family does)")
+        if optimizer is not None and settings.optimizer == "sgd":
+            raise TrainingStepRefused("the run's optimizer = \"sgd\" gives every device one common optimizer: "
+                                      "a trainer's own optimizer would break that; leave one of them out")
         self.hyper = hyper
         self.settings = settings
         self.data = data

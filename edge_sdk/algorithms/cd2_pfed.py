@@ -258,9 +258,11 @@ class CD2PFedDevice(TorchDevice):
 
     # -- local work ------------------------------------------------------------------------
     def optimizer(self, params=None) -> torch.optim.Optimizer:
+        """Sec. 4.2: SGD, Nesterov momentum, weight decay (or the run's common optimizer)."""
         params = self.model.parameters() if params is None else params
-        return torch.optim.SGD(params, lr=self.settings.lr, momentum=self.hyper.momentum,
-                               nesterov=self.hyper.momentum > 0, weight_decay=self.hyper.weight_decay)
+        return self.local_optimizer(params, lambda own: torch.optim.SGD(
+            own, lr=self.settings.lr, momentum=self.hyper.momentum, nesterov=self.hyper.momentum > 0,
+            weight_decay=self.hyper.weight_decay))
 
     def local_loss(self, task: Task) -> LossFn:
         """Eq. (5): CE of the full network + lambda * L_CD of g_wi and g_w0 (the Decision's form)."""

@@ -192,7 +192,8 @@ class DcPflDevice(TorchDevice):
         generator = self.generator(task.round)
         return run_epochs(
             self.local_loss(self.global_means(task)),
-            torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=0.9),
+            self.local_optimizer(self.model.parameters(),
+                                 lambda own: torch.optim.SGD(own, lr=self.settings.lr, momentum=0.9)),
             self.train_x,
             self.train_y,
             epochs=self.settings.local_epochs,

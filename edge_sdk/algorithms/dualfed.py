@@ -124,8 +124,9 @@ class DualFedDevice(TorchDevice):
 
     # -- local training --------------------------------------------------------------------
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """SGD at `lr` (default the run's) and `momentum` (or the run's common optimizer)."""
         lr = self.settings.lr if self.hyper.lr is None else self.hyper.lr
-        return torch.optim.SGD(params, lr=lr, momentum=self.hyper.momentum)
+        return self.local_optimizer(params, lambda own: torch.optim.SGD(own, lr=lr, momentum=self.hyper.momentum))
 
     def main_branch_loss(self, generator: torch.Generator, *, with_global_head: bool = False) -> LossFn:
         """Eq. (8): CE(head(u)) + lam * SupCon_out(u) over two augmented views of the batch; with

@@ -218,7 +218,8 @@ class FediOSDevice(TorchDevice):
         """Alg. 1 lines 6-16: load the global body and head, minimize Eq. (12) with SGD, send them up."""
         self.load_shared(task)
         self.model.train()
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=self.settings.lr, momentum=self.hyper.momentum)
+        optimizer = self.local_optimizer(self.model.parameters(), lambda own: torch.optim.SGD(
+            own, lr=self.settings.lr, momentum=self.hyper.momentum))
         loss = run_epochs(self.local_loss(), optimizer, self.train_x, self.train_y,
                           epochs=self.settings.local_epochs, batch_size=self.settings.batch_size,
                           generator=self.generator(task.round))

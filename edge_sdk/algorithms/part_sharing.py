@@ -32,11 +32,13 @@ class PartSharingDevice(TorchDevice):
     def optimizer(self, params=None, *, lr: float | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
         """SGD over `params` (default: the whole model) at `lr` (default: the run's); subclasses with
         their own lr or momentum hyperparameters pass them here. A trainer's own optimizer
-        factory, when given, replaces it."""
+        factory, when given, replaces it; the run's common optimizer (`local_optimizer`) replaces
+        SGD with these lr and momentum."""
         params = self.model.parameters() if params is None else params
         if self.user_optimizer is not None:
             return self.user_optimizer(list(params), self.settings)
-        return torch.optim.SGD(params, lr=self.settings.lr if lr is None else lr, momentum=momentum)
+        return self.local_optimizer(params, lambda own: torch.optim.SGD(
+            own, lr=self.settings.lr if lr is None else lr, momentum=momentum))
 
     def objective(self, module: torch.nn.Module) -> LossFn:
         """The loss of `module`'s outputs: cross-entropy, or the trainer's own loss when given."""

@@ -109,8 +109,14 @@ def _torch_head(kind: str, dim: int, classes: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, classes))
 
 
+def sgd_head_optimizer(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """The head's own optimizer: SGD at `lr`, momentum 0.9."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
 def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, classes: int, *, hidden: int,
-                   epochs: int, batch_size: int, lr: float, seed: int) -> nn.Module:
+                   epochs: int, batch_size: int, lr: float, seed: int,
+                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None) -> nn.Module:
     """Eq. (6)/(9): a `linear` or `mlp` head trained with cross-entropy on frozen features.
 
     It learns on standardized features (each dimension's mean and standard deviation over the
@@ -119,14 +125,16 @@ def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, clas
     as the numpy heads do (`edge_sdk.lite.heads`). The body's raw features differ in scale by
     orders of magnitude (RepPer's is sparse), and SGD on them was ill-conditioned: on the final
     body of a Fashion-MNIST Dir 0.5 run the linear head scored 87.1% raw and 89.5% standardized,
-    a logistic regression 89.7% (benchmarks/README.md); thirty raw epochs gave 87.8%."""
+    a logistic regression 89.7% (benchmarks/README.md); thirty raw epochs gave 87.8%.
+    `optimizer` builds the head's optimizer from its parameters (default `sgd_head_optimizer(lr)`)."""
     mean = features.mean(0)
     scale = features.std(0)
     inverse_scale = torch.where(scale > CONSTANT_FEATURE_STD, scale, torch.inf).reciprocal()  # 0 where constant
     with seeded_init(seed):
         head = _torch_head(kind, features.shape[1], classes, hidden).to(features.device)
     head.train()
-    run_epochs(cross_entropy_loss(head), torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9),
+    make_optimizer = sgd_head_optimizer(lr) if optimizer is None else optimizer
+    run_epochs(cross_entropy_loss(head), make_optimizer(list(head.parameters())),
                (features - mean) * inverse_scale, labels, epochs=epochs, batch_size=batch_size,
                generator=torch.Generator().manual_seed(seed))
     first = head if isinstance(head, nn.Linear) else head[0]
@@ -181,7 +189,8 @@ class RepPerDevice(TorchDevice):
         self.load_shared(task)
         self.model.train()
         generator = self.generator(task.round)
-        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.hyper.lr, weight_decay=self.hyper.weight_decay)
+        optimizer = self.local_optimizer(self.model.parameters(), lambda own: torch.optim.Adam(
+            own, lr=self.hyper.lr, weight_decay=self.hyper.weight_decay))
         loss = run_epochs(self.contrastive_loss(generator), optimizer, self.train_x, self.train_y,
                           epochs=self.settings.local_epochs, batch_size=self.settings.batch_size, generator=generator)
         return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
@@ -199,7 +208,9 @@ class RepPerDevice(TorchDevice):
         if hyper.head in ("linear", "mlp"):
             head = fit_torch_head(hyper.head, features, self.train_y, self.data.task.num_classes,
                                   hidden=hyper.head_hidden, epochs=hyper.head_epochs,
-                                  batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed)
+                                  batch_size=self.settings.batch_size, lr=self.settings.lr, seed=seed,
+                                  optimizer=lambda params: self.local_optimizer(params,
+                                                                                sgd_head_optimizer(self.settings.lr)))
             self.head = head
             return lambda f: predict(head, f).argmax(dim=1)
         lite_head = fit_lite_head(hyper.head, features.cpu().numpy(), self.data.train_y, self.data.task.num_classes,

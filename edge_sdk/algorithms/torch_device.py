@@ -11,7 +11,7 @@ mathematics: what it trains, on which loss, and what goes up.
 from __future__ import annotations
 
 import copy
-from typing import ClassVar
+from typing import Callable, ClassVar, Iterable
 
 import torch
 
@@ -65,6 +65,20 @@ class TorchDevice(DeviceAlgorithm):
         its top-level children are the parts `shared_parts` names. By default `base` as it
         is; algorithms that add or replace parts override this."""
         return base
+
+    # -- the local optimizer ---------------------------------------------------------------
+    def local_optimizer(self, params: Iterable[torch.nn.Parameter],
+                        own: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """The optimizer of one local training phase over `params`, the one place that decides:
+        with the run's `optimizer = "sgd"`, SGD at the run's `lr`, `sgd_momentum` and
+        `sgd_weight_decay` for every algorithm and phase alike (methods compared under one
+        optimizer); otherwise `own(params)`, the algorithm's own (its paper's) optimizer."""
+        params = list(params)
+        settings = self.settings
+        if settings.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=settings.lr, momentum=settings.sgd_momentum,
+                                   weight_decay=settings.sgd_weight_decay)
+        return own(params)
 
     # -- what travels ----------------------------------------------------------------------
     def load_shared(self, task: Task) -> None:

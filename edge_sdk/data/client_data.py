@@ -52,6 +52,14 @@ class ClientData:
         """Training examples per class, length `task.num_classes` (the client's label skew)."""
         return np.bincount(self.train_y, minlength=self.task.num_classes)
 
+    def holding_out(self, fraction: float, seed: int) -> ClientData:
+        """This device's data for choosing hyperparameters: `fraction` of the training split held
+        out (stratified by class, seeded by `seed`) as the evaluation split, the rest to train on.
+        The test split is not carried over, so nothing trained or scored on the result reads it."""
+        train_idx, held_idx = stratified_split(self.train_y, fraction, seed=seed)
+        return ClientData(self.train_x[train_idx], self.train_y[train_idx], self.train_x[held_idx],
+                          self.train_y[held_idx], self.task, self.domain)
+
     @classmethod
     def from_arrays(cls, x: np.ndarray, y: np.ndarray, task: TaskSpec | None = None, seed: int = 0, *,
                     kind: str | None = None, class_names: Sequence[str] | None = None,

@@ -17,6 +17,7 @@ import pytest
 
 from coordinator.run_folder import RunFolder
 from edge_sdk import wire
+from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, topic_matches
 from edge_sdk.protocol import Envelope, Kind, Topics
@@ -367,13 +368,16 @@ class Federation:
     def state_dir(self, client_id: str) -> Path:
         return self.folder.device_state(client_id)
 
-    def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None) -> str:
+    def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None,
+                     wrap=None) -> str:
+        """Device `index` of `clients` on its digits partition (`wrap(data)` when given)."""
         from edge_sdk.client import EdgeClient
         from edge_sdk.data import load_client_data
 
         client_id = f"dev{index:03d}"
         will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
         data = load_client_data("digits", num_clients=clients, index=index, seed=0)
+        data = data if wrap is None else wrap(data)
         client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
                             device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
                             transport=self.broker.transport(client_id, will=will))
@@ -621,6 +625,58 @@ def test_gradient_clipping_announced_in_welcome_keeps_a_too_large_lr_finite(fede
     assert [r["outcome"] for r in report["rounds"]] == ["complete"] * 2
     assert report["rejections"] == {} and "training diverged" not in caplog.text
     assert all(0.0 <= c["accuracy"] <= 1.0 for c in report["final"]["per_client"].values())
+
+
+def sealed_test_split(data):
+    """`data` whose test split fails any read (its size stays known, for HELLO)."""
+    from edge_sdk.data import ClientData
+
+    class SealedTest(ClientData):
+        @property
+        def test_x(self):
+            raise AssertionError("the test split was read")
+
+        @test_x.setter
+        def test_x(self, value):
+            self._test_x = value
+
+        @property
+        def test_y(self):
+            raise AssertionError("the test split was read")
+
+        @test_y.setter
+        def test_y(self, value):
+            self._test_y = value
+
+        @property
+        def num_test(self) -> int:
+            return len(self._test_y)
+
+    return SealedTest(data.train_x, data.train_y, data.test_x, data.test_y, data.task, data.domain)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHM_IDS)
+def test_a_validation_run_trains_and_scores_on_the_training_split_only(federation, algorithm):
+    # Prepare: devices whose test split cannot be read; a fifth of each training split held out
+    from edge_sdk.data import load_client_data
+
+    config = federation.config(algorithm=algorithm, validation_fraction=0.2)
+    coordinator = federation.coordinator(config)
+    devices = [federation.start_device(i, 3, wrap=sealed_test_split) for i in range(3)]
+    with pytest.raises(AssertionError, match="test split was read"):
+        sealed_test_split(load_client_data("digits", num_clients=3, index=0, seed=0)).test_x
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: every device trained and was scored every round, on a fifth of its training data
+    assert report["evaluated_on"] == "validation"
+    assert [r["participants"] for r in report["rounds"]] == [3, 3]
+    assert sorted(report["final"]["per_client"]) == devices
+    for index, device in enumerate(devices):
+        train = load_client_data("digits", num_clients=3, index=index, seed=0).num_train
+        scored = report["final"]["per_client"][device]
+        assert 0.15 * train <= scored["num_test"] <= 0.25 * train and 0.0 <= scored["accuracy"] <= 1.0
 
 
 def test_a_run_whose_only_device_dies_still_finishes(federation):

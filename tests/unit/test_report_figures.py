@@ -63,3 +63,15 @@ def test_the_summary_reports_participation_evaluation_and_both_download_figures(
     assert "3.00 MB down published (12.00 MB delivered)" in text
     assert "best round mean        0.9380 (trainers" in text
     assert "discard: 0 folded into the next round, 3 discarded" in text
+
+
+def test_the_summary_says_when_the_run_was_scored_on_the_validation_split():
+    # Prepare
+    report = _report([_round(1, 4, 4, "complete")], devices_evaluated=20, devices_registered=20)
+
+    # Execute
+    on_test, on_validation = _summary(report, "runs/x"), _summary({**report, "evaluated_on": "validation"}, "runs/x")
+
+    # Assert
+    assert "validation" not in on_test
+    assert "over 20 of 20 devices, on their validation split (test split unread)" in on_validation

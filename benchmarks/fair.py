@@ -1,0 +1,252 @@
+"""The fair protocol of issue 23: every method under one common optimizer, its lr chosen on held-out
+training data, beside every method under its own paper's optimizer; two tables, never mixed.
+
+For each setting and method:
+1. lr search, common optimizer: one run per lr of `--grid` with `optimizer = "sgd"` (momentum
+   `--sgd-momentum`, weight decay `--sgd-weight-decay`) and `validation_fraction`
+   (`--validation-fraction` of each device's training data held out, trained on the rest, scored
+   on it: the test split is never read). The lr with the best validation accuracy (final-round
+   mean over devices, mean over seeds) wins; ties go to the smaller lr.
+2. The common-optimizer table: the chosen lr, `optimizer = "sgd"`, the full training data, scored
+   on the test split.
+3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as README.md's
+   algorithm table states it) at the run lr `--lr`, full training data, test split.
+
+The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
+Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. Runs are cached
+by their settings' fingerprint (benchmarks/_runs.py), in the cache accuracy.py and ablations.py use.
+
+    python benchmarks/fair.py --seeds 0 --cache /work/runs/cache
+    python benchmarks/fair.py --cached-only --cache /work/runs/cache   # tables from what is cached
+
+Quick smoke run (digits, 6 devices, 2 rounds x 1 epoch, FedAvg and FedRep, lrs 0.01 and 0.1, dir0.5@1):
+
+    python benchmarks/fair.py --quick --out /tmp/fair
+
+Writes fair-<dataset>-<rounds>rounds.{json,md} (or `--name`) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
+
+from _machine import machine_info  # noqa: E402
+from _runs import (  # noqa: E402  (the script's own folder)
+    DEFAULT_CACHE,
+    NAMES,
+    RunCache,
+    Setting,
+    bench_config,
+    mean_std,
+    pct,
+    setup_logging,
+    write_outputs,
+)
+
+log = logging.getLogger("benchmarks")
+
+METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "fedavg", "fedavg_ft", "fedrep")
+SETTINGS = ("dir0.1@0.2", "domains@0.2")
+PAPER_OPTIMIZERS = {
+    "repper": "Adam, lr 1e-3, weight decay 1e-4 (stage 1); head: SGD, run lr, momentum 0.9",
+    "dualfed": "SGD, lr 0.01, momentum 0.5",
+    "dc_pfl": "SGD, run lr, momentum 0.9",
+    "cd2_pfed": "SGD, run lr, Nesterov momentum 0.9, weight decay 5e-4",
+    "fedios": "SGD, run lr, momentum 0.9",
+    "fedavg": "SGD, run lr, momentum 0.9",
+    "fedavg_ft": "SGD, run lr, momentum 0.9",
+    "fedrep": "SGD, run lr, momentum 0.5",
+    "fedper": "SGD, run lr, momentum 0.9",
+    "fedprox": "SGD, run lr, momentum 0.9",
+    "lg_fedavg": "SGD, run lr, momentum 0.9",
+    "local": "SGD, run lr, momentum 0.9",
+}
+"""Each method's own local optimizer at its defaults (`optimizer = "paper"`; tests/unit/test_common_optimizer.py)."""
+
+
+# -- arguments -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="digits, 6 devices, 2 rounds x 1 epoch, fedavg and fedrep, lrs 0.01 and 0.1, dir0.5@1, "
+                             "one worker, seed 0 (a smoke test)")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", help="output file stem (default fair-<dataset>-<rounds>rounds)")
+    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="train nothing: tables from the runs finished in the cache, other cells '-'")
+    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--dataset", default="fmnist")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05, help="the run lr of the paper table")
+    parser.add_argument("--grid", default="0.01,0.03,0.1", help="the common optimizer's lrs, searched on validation")
+    parser.add_argument("--sgd-momentum", type=float, default=0.9)
+    parser.add_argument("--sgd-weight-decay", type=float, default=0.0)
+    parser.add_argument("--validation-fraction", type=float, default=0.2,
+                        help="share of each device's training data held out for the lr search")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 6, 2, 1
+        args.methods, args.settings, args.seeds, args.grid = "fedavg,fedrep", "dir0.5@1", "0", "0.01,0.1"
+        args.workers = 1  # eight small runs: a second worker process costs more than it saves
+    args.methods = listed(args.methods)
+    unknown = [m for m in args.methods if m not in PAPER_OPTIMIZERS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(PAPER_OPTIMIZERS)}")
+    try:
+        args.settings = [Setting.parse(s) for s in listed(args.settings)]
+        args.grid = sorted(float(lr) for lr in listed(args.grid))
+    except ValueError as exc:
+        raise SystemExit(f"--settings/--grid: {exc}") from None
+    if not args.grid or any(lr <= 0 for lr in args.grid):
+        raise SystemExit(f"--grid: one or more positive lrs, got {args.grid}")
+    if not 0 < args.validation_fraction < 1:
+        raise SystemExit(f"--validation-fraction must be in (0, 1), got {args.validation_fraction}")
+    args.seeds = [int(s) for s in listed(args.seeds)]
+    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.name = args.name or f"fair-{args.dataset}-{args.rounds}rounds"
+    return args
+
+
+def listed(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: int, *, lr: float,
+               common: bool, validation: bool):
+    """One run: the common optimizer (`common`) or the paper's, on the validation split or the test split."""
+    optimizer = {"optimizer": "sgd", "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay}
+    return bench_config(algorithm=method, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
+                        rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=lr,
+                        seed=seed, workers=args.workers,
+                        validation_fraction=args.validation_fraction if validation else 0.0,
+                        **(optimizer if common else {}), **setting.fields())
+
+
+# -- runs -------------------------------------------------------------------------------------
+def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: Setting, *, lr: float, common: bool,
+               validation: bool) -> dict[str, Any]:
+    """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent)."""
+    seeds: dict[int, float] = {}
+    runs: dict[int, str] = {}
+    for seed in args.seeds:
+        view = cache.run(run_config(args, method, setting, seed, lr=lr, common=common, validation=validation))
+        if view is None:
+            continue
+        expected = "validation" if validation else "test"
+        if view.report.get("evaluated_on", "test") != expected:
+            raise RuntimeError(f"{view.out.name} was scored on {view.report.get('evaluated_on')}, not {expected}")
+        seeds[seed], runs[seed] = view.personalized()["mean"], view.out.name
+        log.info("%s %s %s lr %g seed %d (%s): %.4f", setting.name, method, "sgd" if common else "paper", lr, seed,
+                 expected, seeds[seed])
+    return {"lr": lr, "seeds": seeds, "runs": runs, "accuracy": mean_std(list(seeds.values()))}
+
+
+def choose_lr(search: list[dict[str, Any]]) -> float | None:
+    """The lr of the best mean validation accuracy; ties to the smaller lr (`search` sorted by lr)."""
+    scored = [(entry["accuracy"]["mean"], -entry["lr"]) for entry in search if entry["accuracy"]["mean"] is not None]
+    return -max(scored)[1] if scored else None
+
+
+def run_setting(args: argparse.Namespace, cache: RunCache, setting: Setting) -> dict[str, Any]:
+    """The lr search, the common-optimizer test runs and the paper runs of every method in `setting`."""
+    methods = {}
+    for method in args.methods:
+        search = [accuracies(args, cache, method, setting, lr=lr, common=True, validation=True) for lr in args.grid]
+        chosen = choose_lr(search)
+        common = (accuracies(args, cache, method, setting, lr=chosen, common=True, validation=False)
+                  if chosen is not None else None)
+        paper = accuracies(args, cache, method, setting, lr=args.lr, common=False, validation=False)
+        methods[method] = {"search": search, "chosen_lr": chosen, "common": common, "paper": paper}
+    return methods
+
+
+# -- outputs ------------------------------------------------------------------------------------
+def markdown(document: dict[str, Any]) -> str:
+    config, settings = document["config"], document["settings"]
+    labels = {name: Setting.parse(name).label for name in settings}
+    header = "| method | " + " | ".join(labels.values()) + " |"
+    rule = "|---|" + "---|" * len(labels)
+    lines = ["## Fair protocol (issue 23)", "",
+             f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds x "
+             f"{config['local_epochs']} local epoch(s)**, batch {config['batch_size']}; mean personalized accuracy "
+             "over devices at the last round on the test split (%), mean ± std over seeds "
+             f"{', '.join(map(str, config['seeds']))}. Over MQTT. "
+             "The two tables are separate experiments: do not compare a cell of one with a cell of the other as a "
+             "ranking of methods.", "",
+             f"### Common optimizer: SGD, momentum {config['sgd_momentum']}, weight decay "
+             f"{config['sgd_weight_decay']}, lr chosen per method on validation", "",
+             "Every local phase of every method (head phases included) trains with this SGD; the lr is each method's "
+             f"best of {', '.join(f'{lr:g}' for lr in config['grid'])} by validation accuracy "
+             f"({config['validation_fraction']:g} of each device's training data held out; the test split unread), "
+             "then the run is repeated on the full training data and scored on the test split.", "",
+             header, rule]
+    for method in config["methods"]:
+        cells = []
+        for name in settings:
+            entry = settings[name][method]
+            cells.append("-" if entry["common"] is None else f"{pct(entry['common']['accuracy'])} "
+                         f"(lr {entry['chosen_lr']:g})")
+        lines.append(f"| {NAMES[method]} | " + " | ".join(cells) + " |")
+    lines += ["", "### Each paper's optimizer", "",
+              f"Each method's own local optimizer (`optimizer = \"paper\"`) at the run lr {config['lr']:g} where it "
+              "takes the run's.", "", "| method | optimizer | " + " | ".join(labels.values()) + " |",
+              "|---|---|" + "---|" * len(labels)]
+    for method in config["methods"]:
+        cells = [pct(settings[name][method]["paper"]["accuracy"]) for name in settings]
+        lines.append(f"| {NAMES[method]} | {PAPER_OPTIMIZERS[method]} | " + " | ".join(cells) + " |")
+    lines += ["", "### The lr search (validation accuracy, %)", "",
+              "| setting | method | " + " | ".join(f"lr {lr:g}" for lr in config["grid"]) + " | chosen |",
+              "|---|---|" + "---|" * (len(config["grid"]) + 1)]
+    for name in settings:
+        for method in config["methods"]:
+            entry = settings[name][method]
+            cells = [pct(search["accuracy"]) for search in entry["search"]]
+            chosen = "-" if entry["chosen_lr"] is None else f"{entry['chosen_lr']:g}"
+            lines.append(f"| {labels[name]} | {NAMES[method]} | " + " | ".join(cells) + f" | {chosen} |")
+    machine = document["machine"]
+    lines += ["", f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
+              f"Command: `{machine['command']}`", ""]
+    if document["failures"]:
+        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging()
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
+    machine = machine_info()
+    settings = {setting.name: run_setting(args, cache, setting) for setting in args.settings}
+    config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "grid": args.grid,
+              "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay,
+              "validation_fraction": args.validation_fraction, "seeds": args.seeds, "methods": args.methods,
+              "settings": [s.name for s in args.settings], "workers": args.workers,
+              "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
+    document = {"benchmark": "fair", "machine": machine, "config": config, "settings": settings,
+                "failures": cache.failures, "missing": cache.missing}
+    write_outputs(Path(args.out), args.name, document, markdown(document))
+    log.info("wrote %s", Path(args.out) / f"{args.name}.md")
+    if cache.failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
