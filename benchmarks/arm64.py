@@ -85,9 +85,10 @@ def ensure_rootfs(rootfs: Path) -> None:
 
 
 def mounted(rootfs: Path) -> list[Path]:
-    """/proc and /dev bound into the chroot; returns what to unmount."""
+    """/proc, /sys and /dev bound into the chroot (onnxruntime and torch read the CPU list from
+    /sys); returns what to unmount."""
     points = []
-    for name in ("proc", "dev"):
+    for name in ("proc", "sys", "dev"):
         point = rootfs / name
         if subprocess.run(["mountpoint", "-q", str(point)]).returncode != 0:
             run(["mount", "--bind", f"/{name}", str(point)], 60)
