@@ -209,13 +209,14 @@ class RunConfig:
 
         The settings declared with `defines` enter by their flat key (`rounds` is left out so a
         finished run can be extended; so are paths, timeouts and how the run is executed); those
-        declared `DEFINES_IF_SET` only when set, so runs made before they existed keep their
-        fingerprint.
+        declared `DEFINES_IF_SET` only when they differ from their default, so runs made before
+        they existed keep their fingerprint.
         """
         defining: dict[str, Any] = {}
         for section, item in all_settings():
             value = getattr(getattr(self, section), item.name)
-            if item.info.defines == DEFINES or (item.info.defines == DEFINES_IF_SET and value):
+            if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default
+            if item.info.defines == DEFINES or if_set:
                 defining[item.key] = value
         defining["hyper"] = self.hyper
         defining["model"] = self.model_name
