@@ -14,7 +14,8 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   coordinator rejects (a device whose training diverged uploads NaN) is that device's answer:
   the round aggregates the others' updates.
 - `RunCache`: runs a `RunConfig` through `coordinator.simulate.run_simulation` in a folder named
-  by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out). A run
+  by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out, except for
+  CD2-pFed, whose schedule spans the round budget: its runs are neither cut nor extended). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run. With

@@ -42,7 +42,8 @@ class AggregationSettings:
                                help="clip each update's change to this L2 norm before aggregating (0: off)")
     dtype: str = setting("float32", key="aggregation_dtype", defines=DEFINES_IF_SET,
                          help="float32 | float64: what the mean sums updates in (float64: one more model of memory; "
-                              "runs then repeat bit for bit whatever order updates arrive in)")
+                              "runs then repeat bit for bit whatever order updates arrive in, and are other runs "
+                              "than float32 ones: a resume needs the same)")
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATIONS:
