@@ -92,3 +92,21 @@ def test_a_benchmark_run_twice_gives_the_same_models_and_figures(bench_runs, tmp
     assert first is not None and second is not None, "a benchmark run failed"
     assert final_figures(second.report) == final_figures(first.report)
     assert_same_state(load(first.out / "checkpoint.msgpack").state, load(second.out / "checkpoint.msgpack").state)
+
+
+def test_a_benchmark_run_extended_by_a_round_is_the_run_made_at_once(bench_runs, tmp_path):
+    # Prepare: DualFed recalibrates its personal BatchNorm statistics when it evaluates; stage (b)
+    # then trains the global head on features computed with them
+    config = bench_runs.bench_config(algorithm="dualfed", dataset="digits", partition="dirichlet", alpha=0.1,
+                                     clients=4, rounds=2, local_epochs=1, seed=0)
+    extended = bench_runs.RunCache(tmp_path / "extended")
+    assert extended.run(config.replace(rounds=1)) is not None
+
+    # Execute: the cache extends the 1-round run (devices restart from their saved state); a 2-round run at once
+    longer = extended.run(config)
+    at_once = bench_runs.RunCache(tmp_path / "at_once").run(config)
+
+    # Assert
+    assert longer is not None and at_once is not None and not longer.cached
+    assert final_figures(longer.report) == final_figures(at_once.report)
+    assert_same_state(load(longer.out / "checkpoint.msgpack").state, load(at_once.out / "checkpoint.msgpack").state)
