@@ -2,10 +2,10 @@
 
 The device learns the run's algorithm and settings from WELCOME, trains when a broadcast TRAIN
 selects it, and evaluates its deployed model on EVALUATE. Its personal state is saved
-atomically after every round, and after an evaluation that changed it (DualFed recalibrates
-its BatchNorm statistics), and reloaded after a restart, so a restarted device goes on as if it
-had not stopped; it never goes upstream. The
-protocol itself (registration, status, repeated requests) is `DeviceSession`'s.
+atomically after every round and after an evaluation that changed it (DualFed recalibrates its
+BatchNorm statistics), and reloaded after a restart, so a restarted device goes on as if it had
+not stopped; it never goes upstream. The protocol itself (registration, status, repeated
+requests) is `DeviceSession`'s.
 
 Before the coordinator releases the body of an algorithm that keeps BatchNorm statistics
 personal, it asks the trainers for the global body's statistics on their training data (an
