@@ -8,11 +8,14 @@ imported as `_runs` from the script's own folder; nothing in the package imports
 - `bench_config(...)`: a `RunConfig` with what every benchmark run needs on top of the defaults:
   every selected device must answer before a round is aggregated (a quorum grace as long as
   the `round_timeout`, an hour), because the CLI's quorum defaults (1 reply + 10 s grace) close
-  heavy rounds early and would silently drop slow devices from the numbers. An update the
+  heavy rounds early and would silently drop slow devices from the numbers. Updates are summed
+  in float64 (`aggregation_dtype`, part of the fingerprint), so a rerun repeats bit for bit:
+  ablation rows differ by their switch, not by the order updates arrived in. An update the
   coordinator rejects (a device whose training diverged uploads NaN) is that device's answer:
   the round aggregates the others' updates.
 - `RunCache`: runs a `RunConfig` through `coordinator.simulate.run_simulation` in a folder named
-  by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out). A run
+  by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out, except for
+  CD2-pFed, whose schedule spans the round budget: its runs are neither cut nor extended). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run. With
@@ -114,11 +117,13 @@ class Setting:
 
 def bench_config(**fields: Any) -> RunConfig:
     """A RunConfig for a benchmark run: all selected devices must answer, rounds never time out
-    in practice, two device workers, and a test for every `RunConfig` field asked for."""
+    in practice, two device workers, float64 aggregation (so a rerun of the same settings gives
+    the same models and figures), and a test for every `RunConfig` field asked for."""
     missing = sorted(set(fields) - set(KEYS) - {"hyper"})
     if missing:
         raise ValueError(f"this checkout's RunConfig has no field {', '.join(missing)}")
-    defaults = {"workers": 2, "round_timeout": 3600.0, "min_clients": 1, "registration_timeout": 600.0}
+    defaults = {"workers": 2, "round_timeout": 3600.0, "min_clients": 1, "registration_timeout": 600.0,
+                "aggregation_dtype": "float64"}
     merged = {**defaults, **fields}
     merged.setdefault("quorum_grace", merged["round_timeout"])
     return RunConfig.of(**merged)

@@ -178,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
+                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
+                             "before benchmarks summed in float64")
     args = parser.parse_args(argv)
     args.settings = dict(SETTINGS)
     if args.quick:
@@ -229,7 +232,7 @@ def run_config(args: argparse.Namespace, row: Row, seed: int):
     return bench_config(algorithm=row.algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=row.local_epochs or args.local_epochs,
                         batch_size=args.batch_size, lr=args.lr, seed=seed, workers=args.workers,
-                        hyper=dict(row.overrides), **setting.fields())
+                        aggregation_dtype=args.aggregation_dtype, hyper=dict(row.overrides), **setting.fields())
 
 
 # -- runs -------------------------------------------------------------------------------------
@@ -363,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
               "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers,
+              "aggregation_dtype": args.aggregation_dtype,
               "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
     document = {"benchmark": "ablations", "machine": machine, "config": config, "rows": results,
                 "claims": claim_rows(results), "failures": cache.failures}

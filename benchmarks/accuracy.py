@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="devices clip each local step's gradients to this L2 norm (0: off; such runs are "
                              "cached apart)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
+                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
+                             "before benchmarks summed in float64")
     parser.add_argument("--eval-every", type=int, default=1,
                         help="evaluate every N rounds and after the last (runs with N > 1 are cached apart and "
                              "are not shared with communication.py, which needs every round)")
@@ -175,6 +178,7 @@ def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed:
     return bench_config(algorithm=algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                         grad_clip_norm=args.grad_clip_norm, seed=seed, workers=args.workers, eval_every=args.eval_every,
+                        aggregation_dtype=args.aggregation_dtype,
                         hyper=dict(args.hyper.get(algorithm, {})), **setting.fields(), **extra)
 
 
@@ -683,7 +687,8 @@ def main(argv: list[str] | None = None) -> None:
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr,
               "grad_clip_norm": args.grad_clip_norm, "model": model,
               "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
-              "eval_every": args.eval_every, "hyper": args.hyper, "workers": args.workers, "broker": args.broker or "embedded amqtt",
+              "eval_every": args.eval_every, "hyper": args.hyper, "workers": args.workers,
+              "aggregation_dtype": args.aggregation_dtype, "broker": args.broker or "embedded amqtt",
               "cache": args.cache, "quick": args.quick}
     earlier = {path: load_earlier(path, config) for path in args.merge}  # before hours of training, not after
 

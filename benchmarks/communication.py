@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
+                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
+                             "before benchmarks summed in float64")
     parser.add_argument("--target", type=float, default=0.90, help="mean personalized accuracy to reach")
     parser.add_argument("--digits-rounds", type=int, default=2, help="rounds of the short digits runs of part 1")
     parser.add_argument("--codec-algorithms", default="fedavg,repper,dualfed")
@@ -117,7 +120,8 @@ def config_for(args, algorithm: str, *, dataset: str | None = None, clients: int
     return bench_config(algorithm=algorithm, dataset=dataset or args.dataset, data_dir=args.data_dir,
                         clients=clients or args.clients, rounds=rounds or args.rounds, local_epochs=args.local_epochs,
                         batch_size=args.batch_size, lr=args.lr, seed=args.seed, workers=args.workers,
-                        **Setting.parse(setting or args.setting).fields(), **extra)
+                        aggregation_dtype=args.aggregation_dtype, **Setting.parse(setting or args.setting).fields(),
+                        **extra)
 
 
 def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from edge_sdk.algorithms.hyper import hyper_class
 from edge_sdk.config import ConfigError, coerce, load_toml
 from edge_sdk.settings import DEFINES, DEFINES_IF_SET, BrokerSettings, Setting, TrainSettings, settings_of
 
@@ -224,16 +225,20 @@ class RunConfig:
         (so `edgepfl workers` can check that it hosts devices of this very run).
 
         The settings declared with `defines` enter by their flat key (`rounds` is left out so a
-        finished run can be extended; so are paths, timeouts and how the run is executed); those
-        declared `DEFINES_IF_SET` only when not at their default, so runs made before they existed
-        keep their fingerprint.
+        finished run can be extended, unless the algorithm's schedule spans the round budget, its
+        Hyper's `spans_rounds`; paths, timeouts and how the run is executed are left out); those
+        declared `DEFINES_IF_SET` only when they differ from their default, so runs made before
+        they existed keep their fingerprint.
         """
         defining: dict[str, Any] = {}
         for section, item in all_settings():
             value = getattr(getattr(self, section), item.name)
-            if item.info.defines == DEFINES or (item.info.defines == DEFINES_IF_SET and value != item.field.default):
+            if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default
+            if item.info.defines == DEFINES or if_set:
                 defining[item.key] = value
         defining["hyper"] = self.hyper
+        if getattr(hyper_class(self.run.algorithm), "spans_rounds", False):
+            defining["rounds"] = self.training.rounds
         defining["model"] = self.model_name
         if self.declared_task is not None:
             defining["declared_task"] = self.declared_task

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_sdk.params import blocks, flat
 from edge_sdk.protocol import ArrayGroup
-from edge_sdk.settings import DEFINES, setting
+from edge_sdk.settings import DEFINES, DEFINES_IF_SET, setting
 
 from .aggregate import WeightedMean, aligned_reference, squared_distance
 
@@ -40,9 +40,10 @@ class AggregationSettings:
                                    help="share of the largest and of the smallest values dropped by trimmed_mean")
     clip_norm: float = setting(0.0, defines=DEFINES,
                                help="clip each update's change to this L2 norm before aggregating (0: off)")
-    dtype: str = setting("float32", key="aggregation_dtype",
+    dtype: str = setting("float32", key="aggregation_dtype", defines=DEFINES_IF_SET,
                          help="float32 | float64: what the mean sums updates in (float64: one more model of memory; "
-                              "runs then repeat bit for bit whatever order updates arrive in)")
+                              "runs then repeat bit for bit whatever order updates arrive in, and are other runs "
+                              "than float32 ones: a resume needs the same)")
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATIONS:

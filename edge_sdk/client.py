@@ -2,8 +2,10 @@
 
 The device learns the run's algorithm and settings from WELCOME, trains when a broadcast TRAIN
 selects it, and evaluates its deployed model on EVALUATE. Its personal state is saved
-atomically after every round and reloaded after a restart; it never goes upstream. The
-protocol itself (registration, status, repeated requests) is `DeviceSession`'s.
+atomically after every round and after an evaluation that changed it (DualFed recalibrates its
+BatchNorm statistics), and reloaded after a restart, so a restarted device goes on as if it had
+not stopped; it never goes upstream. The protocol itself (registration, status, repeated
+requests) is `DeviceSession`'s.
 
 Before the coordinator releases the body of an algorithm that keeps BatchNorm statistics
 personal, it asks the trainers for the global body's statistics on their training data (an
@@ -158,5 +160,17 @@ class EdgeClient(DeviceSession):
                       metrics={"num_examples": self.algorithm.data.num_train})
             return
         with self._compute_lock:
+            before = self.algorithm.personal_state()
             metrics = self.algorithm.evaluate(task)
+            personal = self.algorithm.personal_state()
+        if _changed(before, personal) and floats_finite(personal):
+            # e.g. DualFed's recalibrated BatchNorm statistics: the next round trains from them, so a
+            # restarted device must too, or a resumed run is not the run made at once
+            self.store.save(PersonalState(self.client_id, self.run_id, self.algorithm_id, self.rounds_trained,
+                                          personal))
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
+
+
+def _changed(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> bool:
+    """Whether a personal state differs from an earlier copy (names, shapes or values)."""
+    return before.keys() != after.keys() or any(not np.array_equal(before[k], after[k]) for k in after)

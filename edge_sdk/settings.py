@@ -33,8 +33,8 @@ ALL_COMMANDS = RUN_COMMANDS + DEVICE_COMMANDS
 
 DEFINES = "always"
 DEFINES_IF_SET = "if_set"
-"""A setting added after runs were cached: it defines a run only when not at its default, so runs
-made before it existed keep their fingerprint."""
+"""A setting added after runs were cached: it defines a run only when set to other than its
+default, so runs made before it existed (or that keep the default) keep their fingerprint."""
 OPTIMIZERS = ("paper", "sgd")
 """`optimizer`: each algorithm's own local optimizer, or one common SGD for every algorithm."""
 

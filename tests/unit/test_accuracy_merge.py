@@ -105,6 +105,18 @@ def test_clipped_runs_are_cached_apart_and_a_bad_norm_is_refused(accuracy):
         accuracy.parse_args(["--grad-clip-norm", "-1"])
 
 
+def test_runs_sum_in_float64_and_float32_finds_the_runs_cached_before(accuracy, tmp_path):
+    setting, cache = accuracy.Setting.parse("dir0.1@0.2"), accuracy.RunCache(tmp_path)
+
+    default, float32 = (accuracy.run_config(accuracy.parse_args([*flags, "--holdout", "0"]), "fedavg", setting, 0)
+                        for flags in ([], ["--aggregation-dtype", "float32"]))
+
+    assert default.aggregation.dtype == "float64" and float32.aggregation.dtype == "float32"
+    # the folder of FedAvg's seed-0 run in the 15-round table, made with float32 sums
+    assert cache.folder(float32).name == "fedavg-fmnist-dir0.1-f0.2-s0-ae9cc4825c8b1a61"
+    assert cache.folder(default) != cache.folder(float32)
+
+
 def test_set_gives_one_algorithm_its_hyperparameters_and_a_run_folder_of_its_own(accuracy):
     args = accuracy.parse_args(["--set", "fedrep.momentum=0.5", "--set", "fedrep.lr=0.01", "--holdout", "0"])
     setting = accuracy.Setting.parse("dir0.1@1")

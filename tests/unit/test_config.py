@@ -242,6 +242,21 @@ def test_fingerprint_ignores_rounds_paths_and_broker_but_not_lr():
     assert len({c.fingerprint() for c in different} | {base.fingerprint()}) == 5
 
 
+def test_the_aggregation_dtype_defines_a_run_only_when_not_the_default():
+    # float64 sums give other bits than float32 ones; float32 runs cached before the key entered keep their fingerprint
+    base = RunConfig()
+    assert base.replace(aggregation_dtype="float32").fingerprint() == base.fingerprint()
+    assert base.replace(aggregation_dtype="float64").fingerprint() != base.fingerprint()
+    assert base.replace(aggregation_dtype="float64").defining()["aggregation_dtype"] == "float64"
+
+
+def test_the_round_budget_defines_a_run_only_of_an_algorithm_whose_schedule_spans_it():
+    # CD2-pFed's p_t = p t / T: a 3-round run cut at round 2 is not the 2-round run, nor may it be extended
+    cd2, fedavg = RunConfig.of(algorithm="cd2_pfed", rounds=2), RunConfig.of(algorithm="fedavg", rounds=2)
+    assert cd2.replace(rounds=3).fingerprint() != cd2.fingerprint()
+    assert fedavg.replace(rounds=3).fingerprint() == fedavg.fingerprint()
+
+
 def test_fingerprint_resolves_the_auto_model():
     # "auto" and the model it stands for are the same run
     auto = RunConfig.of(dataset="digits", model="auto")

@@ -74,3 +74,18 @@ def test_a_device_missing_from_a_round_is_a_failed_run_unless_its_training_diver
     else:
         assert view is None and not cache.folder(config).exists()
         assert len(list(tmp_path.glob(f"{cache.folder(config).name}.failed-*"))) == 1
+
+
+def test_benchmark_runs_sum_in_float64_and_are_cached_apart_from_float32_runs(runs, tmp_path):
+    # Prepare: the same settings as a benchmark run and as a run cached before benchmarks summed in float64
+    bench = runs.bench_config(algorithm="dc_pfl", dataset="digits", clients=6, rounds=2, seed=0, fraction=0.5)
+    float32 = runs.bench_config(algorithm="dc_pfl", dataset="digits", clients=6, rounds=2, seed=0, fraction=0.5,
+                                aggregation_dtype="float32")
+
+    # Execute
+    cache = runs.RunCache(tmp_path)
+
+    # Assert: float64 sums (runs repeat bit for bit), and another folder than the float32 run's
+    assert bench.aggregation.dtype == "float64"
+    assert bench.fingerprint() != float32.fingerprint()
+    assert cache.folder(bench) != cache.folder(float32)

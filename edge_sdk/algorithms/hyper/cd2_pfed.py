@@ -4,7 +4,7 @@ configuration is checked before the algorithm's module is imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 DISTILLATIONS = ("cyclic+inplace", "inplace", "cyclic")
 """L_CD's forms (edge_sdk.algorithms.cd2_pfed's Decision): Eq. (4) plus in-place distillation, the
@@ -13,6 +13,10 @@ in-place term alone, Eq. (4) alone."""
 
 @dataclass(frozen=True)
 class Hyper:
+    spans_rounds: ClassVar[bool] = True
+    """p_t (Eq. 3) and the EMA ramp (Eq. 7) are fractions of the round budget T: a 20-round run
+    cut at round 15 is not the 15-round run, so `rounds` defines CD2-pFed's runs (fingerprint)."""
+
     p: float = 0.5  # maximum personal fraction (Eq. 3)
     ramp: bool = True  # Eq. (3)'s linear increase p_t = p t / T; false: p_t = p from round 1 (Table 5's w/o LI)
     lam: float = 1.0  # weight of the cyclic distillation loss (Eq. 5)
