@@ -160,7 +160,9 @@ def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], 
     """One FedAvg round of one `edgepfl client` (`runner` + MEASURED, CPU, cnn8) on the digits
     .npz (`data`: its host path for the coordinator, its path as the client sees it) against an
     `edgepfl coordinator` on the host: exit status, the device's peak RSS, the round's wall time
-    and the final accuracy the coordinator recorded."""
+    and the final accuracy the coordinator recorded. Both sides use the same client id: a device's
+    seed, and so its batch order, derives from it (with ids of their own the two sides' one-round
+    accuracies differed by 17 points from the order alone)."""
     host_data, client_data = data
     federation, out = f"arm64-train-{side}", work / f"train-{side}"
     shutil.rmtree(out, ignore_errors=True)
@@ -174,7 +176,7 @@ def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], 
     started = time.perf_counter()
     try:
         with open(work / f"train-{side}.log", "w") as log:
-            status = subprocess.run([*runner, "-c", MEASURED, "client", "--client-id", f"trainer-{side}", "--device",
+            status = subprocess.run([*runner, "-c", MEASURED, "client", "--client-id", "trainer", "--device",
                                      "cpu", "--data", client_data, "--broker", url, "--federation", federation,
                                      "--state-dir", f"{Path(client_data).parent}/trainer-{side}"],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, timeout=DEVICE_TIMEOUT,
