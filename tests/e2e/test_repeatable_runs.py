@@ -5,7 +5,6 @@ float64, two workers, part of the devices per round), which the ablation tables 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,9 +17,10 @@ import pytest
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 
+from benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 
 RUNS = {
     # FediOS hands out projection blocks in registration order (the issue's command)
@@ -69,12 +69,7 @@ def test_the_same_command_twice_gives_the_same_models_and_figures(tmp_path, algo
 @pytest.fixture(scope="module")
 def bench_runs():
     """benchmarks/_runs.py, as the benchmark scripts import it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its own imports (_machine)
-    spec = importlib.util.spec_from_file_location("_runs", ROOT / "benchmarks" / "_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_runs", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("_runs")
 
 
 # DC-PFL: its server steps phi per report and calibrates on sampled features; FedAvg: the mean

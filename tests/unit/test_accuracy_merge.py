@@ -3,21 +3,17 @@ the health measure of a final body; the target compared on the seeds both rows r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def accuracy():
-    spec = importlib.util.spec_from_file_location("accuracy_benchmark", ROOT / "benchmarks" / "accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("accuracy")
 
 
 CONFIG = {"dataset": "fmnist", "clients": 20, "rounds": 15, "local_epochs": 1, "batch_size": 32, "lr": 0.05,

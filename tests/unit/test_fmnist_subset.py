@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -10,14 +9,11 @@ import numpy as np
 from edge_sdk.data.datasets import FMNIST_FILES, _load_fmnist
 from edge_sdk.data.idx import read_idx
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("fmnist_subset", ROOT / "benchmarks" / "fmnist_subset.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fmnist_subset")
 
 
 def test_written_idx_files_read_back_and_load_as_fashion_mnist(tmp_path: Path) -> None:

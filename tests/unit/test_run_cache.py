@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from coordinator.run_folder import RunFolder
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def runs():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its own imports (_machine)
-    spec = importlib.util.spec_from_file_location("_runs", ROOT / "benchmarks" / "_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_runs", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("_runs")
 
 
 def finished_report(rounds: int, participants: int = 2, rejections: dict | None = None) -> dict:
