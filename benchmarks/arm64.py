@@ -85,10 +85,11 @@ def ensure_rootfs(rootfs: Path) -> None:
 
 
 def mounted(rootfs: Path) -> list[Path]:
-    """/proc, /sys and /dev bound into the chroot (onnxruntime and torch read the CPU list from
-    /sys); returns what to unmount."""
+    """/proc and /dev bound into the chroot; returns what to unmount. Not /sys: there onnxruntime's
+    cpuinfo finds the host's x86-64 CPUs and the arm64 lite-client died of a segmentation fault
+    (without it, cpuinfo warns that it cannot read the CPU list and goes on)."""
     points = []
-    for name in ("proc", "sys", "dev"):
+    for name in ("proc", "dev"):
         point = rootfs / name
         if subprocess.run(["mountpoint", "-q", str(point)]).returncode != 0:
             run(["mount", "--bind", f"/{name}", str(point)], 60)
