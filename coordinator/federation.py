@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edge_sdk.config import ConfigError
 from edge_sdk.data import TaskSpec
 from edge_sdk.data.resolve import TASK_FIELDS
 from edge_sdk.models import ModelSpec, model_name
@@ -79,6 +80,11 @@ class Federation:
 
     def run(self) -> dict[str, Any]:
         """Train and evaluate; returns the report (also written to the run folder)."""
+        if self.config.local_shards:
+            raise ConfigError(
+                f"local_aggregators: a Federation hosts no shard aggregators, so with shards={self.config.round.shards} "
+                "set local_aggregators='none', broker and federation, and start `edgepfl aggregator --shard k/K` "
+                "beside it (or run `edgepfl simulate --shards K`, which hosts them)")
         if self.arrays is not None:
             self.folder.path.mkdir(parents=True, exist_ok=True)
             x, y = self.arrays
