@@ -21,11 +21,7 @@ Decisions:
 - `mlp`: one hidden layer of 128 ReLU units, softmax output, mean cross-entropy +
   alpha ||W||^2 / (2 batch) with alpha 1e-3, Adam (lr 1e-3), minibatches of 200, Glorot-uniform
   initialization from `seed`; at most 300 epochs, stopped when the training loss has not
-  improved by 1e-4 for 10 epochs (scikit-learn MLPClassifier's schedule). Trained in float64
-  (stored in float32 like the others): its hundreds of Adam steps amplify the last bits of
-  each matrix product, which differ between BLAS kernels, so in float32 the same data gave
-  heads on arm64 and x86-64 whose probabilities differed by up to 3.0e-5 (benchmarks/arm64.py);
-  the other heads already solve in float64.
+  improved by 1e-4 for 10 epochs (scikit-learn MLPClassifier's schedule).
 - These three are fitted on standardized features (per-feature mean and standard deviation of
   the device's training split; constant features, such as dead ReLU units, are left out and
   get zero weights), and the standardization is then folded into the first layer
@@ -327,15 +323,16 @@ def _lbfgs(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x: np.ndarray)
 # -- mlp: one hidden ReLU layer, softmax, Adam ----------------------------------------------
 def _fit_mlp(x: np.ndarray, targets: np.ndarray, k: int, hidden: int, seed: int) -> list[Layer]:
     rng = np.random.default_rng(seed)
-    x = x.astype(np.float64)
+    x = x.astype(np.float32)
     n, d = x.shape
     params = []
     for fan_in, fan_out in ((d, hidden), (hidden, k)):
         bound = np.sqrt(6.0 / (fan_in + fan_out))  # Glorot uniform
-        params += [rng.uniform(-bound, bound, (fan_in, fan_out)), rng.uniform(-bound, bound, fan_out)]
+        params += [rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32),
+                   rng.uniform(-bound, bound, fan_out).astype(np.float32)]
     moments = [np.zeros_like(p) for p in params]
     squares = [np.zeros_like(p) for p in params]
-    onehot = np.eye(k)[targets]
+    onehot = np.eye(k, dtype=np.float32)[targets]
     best, stale, steps = np.inf, 0, 0
     for _ in range(MLP_MAX_EPOCHS):
         total = 0.0
