@@ -13,8 +13,9 @@ Needs root and Debian's package tools (it installs what it needs):
    chroot (it shares the host's loopback) against `footprint.ReleaseStandIn`, writing its
    personalized model and its peak RSS (VmHWM, under emulation: qemu's own memory counts too);
 5. the same personalization on x86-64 (a host lite-client), and both personalized models run by
-   the host's onnxruntime on the device's test split: predictions equal, probabilities within
-   1e-5;
+   the host's onnxruntime on the device's test split (`parity`: the whole pipeline); and the
+   arm64 model run by arm64's onnxruntime in the chroot and by the host's on the same samples
+   (`inference_parity`: the deployed model); predictions equal, probabilities within 1e-5;
 6. with `--trainer`: `pip install ".[train]"` with torch pinned (`TRAIN_PINS`) into a second venv in
    the chroot, and one FedAvg round of `edgepfl client` (cnn8, the same digits) there and on
    x86-64, each against an `edgepfl coordinator` on the host: install size, peak RSS, accuracy.
@@ -194,7 +195,10 @@ def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], 
 
 
 def parity(arm_model: Path, x86_model: Path, samples: np.ndarray) -> dict[str, Any]:
-    """Both personalized models on the host's onnxruntime: label agreement, largest probability gap."""
+    """Both personalized models on the host's onnxruntime: label agreement, largest probability gap.
+    The two sides personalize independently, so this compares the whole pipeline (embedding, head
+    fit, composition): an iteratively fitted head (mlp) carries every last-bit difference of its
+    hundreds of steps into its weights."""
     import onnxruntime as ort
 
     outputs = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
@@ -202,6 +206,32 @@ def parity(arm_model: Path, x86_model: Path, samples: np.ndarray) -> dict[str, A
     (arm_labels, arm_probabilities), (x86_labels, x86_probabilities) = outputs
     return {"labels_equal": bool(np.array_equal(arm_labels, x86_labels)),
             "max_probability_difference": float(np.abs(arm_probabilities - x86_probabilities).max())}
+
+
+INFER = """
+import sys, numpy as np, onnxruntime as ort
+model, samples, out = sys.argv[1:]
+labels, probabilities = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(
+    ["label", "probabilities"], {"input": np.load(samples)})
+np.savez(out, labels=labels, probabilities=probabilities)
+"""
+"""Runs a model on samples with the chroot's own (aarch64) onnxruntime."""
+
+
+def inference_parity(rootfs: Path, arm_model: Path, samples: np.ndarray, work: Path) -> dict[str, Any]:
+    """The arm64 device's model run by arm64's onnxruntime (in the chroot) and by the host's, on
+    the same samples: the deployed model computes the same on both architectures."""
+    import onnxruntime as ort
+
+    np.save(work / "samples.npy", samples)
+    paths = [arm_model, work / "samples.npy", work / "arm-inference.npz"]
+    chroot(rootfs, ["/opt/edgepfl-venv/bin/python", "-c", INFER, *("/" + str(p.relative_to(rootfs)) for p in paths)],
+           600)
+    arm = np.load(work / "arm-inference.npz")
+    labels, probabilities = ort.InferenceSession(str(arm_model), providers=["CPUExecutionProvider"]).run(
+        ["label", "probabilities"], {"input": samples})
+    return {"labels_equal": bool(np.array_equal(arm["labels"], labels)),
+            "max_probability_difference": float(np.abs(arm["probabilities"] - probabilities).max())}
 
 
 def main() -> None:
@@ -248,7 +278,9 @@ def main() -> None:
                 if all(model.exists() for model in models):
                     from edge_sdk.data import load_folder_data
 
-                    row["parity"] = parity(*models, load_folder_data(str(data)).test_x)
+                    samples = load_folder_data(str(data)).test_x
+                    row["parity"] = parity(*models, samples)
+                    row["inference_parity"] = inference_parity(rootfs, models[0], samples, work)
                 document["runs"].append(row)
                 (out / "arm64.json").write_text(json.dumps(document, indent=2))
             if args.trainer:
