@@ -17,7 +17,7 @@ Needs root and Debian's package tools (it installs what it needs):
    arm64 model run by arm64's onnxruntime in the chroot and by the host's on the same samples
    (`inference_parity`: the deployed model); predictions equal, probabilities within 1e-5;
 6. with `--trainer`: `pip install ".[train]"` with torch pinned (`TRAIN_PINS`) into a second venv in
-   the chroot, and one FedAvg round of `edgepfl client` (cnn8, the same digits) there and on
+   the chroot, and one FedAvg round (2 local epochs) of `edgepfl client` (cnn8, the same digits) there and on
    x86-64, each against an `edgepfl coordinator` on the host: install size, peak RSS, accuracy.
 Emulated times are not device times; the JSON records them only as how long the run took.
 Writes arm64.json and arm64.md to --out:
@@ -159,7 +159,7 @@ def personalize(url: str, body: Path, head: str, side: str, arguments: list[str]
 
 def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], work: Path,
                 env: dict[str, str]) -> dict[str, Any]:
-    """One FedAvg round of one `edgepfl client` (`runner` + MEASURED, CPU, cnn8) on the digits
+    """One FedAvg round (2 local epochs: with 1 its accuracy hung on the batch order, 19-88%) of one `edgepfl client` (`runner` + MEASURED, CPU, cnn8) on the digits
     .npz (`data`: its host path for the coordinator, its path as the client sees it) against an
     `edgepfl coordinator` on the host: exit status, the device's peak RSS, the round's wall time
     and the final accuracy the coordinator recorded. Both sides use the same client id: a device's
@@ -171,7 +171,7 @@ def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], 
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "coordinator", "--data", str(host_data), "--broker", url,
          "--federation", federation, "--clients", "1", "--model", "cnn8", "--algorithm", "fedavg", "--rounds", "1",
-         "--local-epochs", "1", "--registration-timeout", str(DEVICE_TIMEOUT), "--round-timeout", str(DEVICE_TIMEOUT),
+         "--local-epochs", "2", "--registration-timeout", str(DEVICE_TIMEOUT), "--round-timeout", str(DEVICE_TIMEOUT),
          "--out", str(out)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     peak_file = work / f"train-{side}.peak"
