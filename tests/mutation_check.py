@@ -219,8 +219,8 @@ MUTATIONS = (
     Mutation("fair: a validation run reported as scored on test", SERVER_PY,
              (('"validation" if self.config.training.validation_fraction else "test"', '"test"'),), VALIDATION_RUN),
     Mutation("fair: a later setting defines every run, default or not", CONFIG_PY,
-             (("(item.info.defines == DEFINES_IF_SET and value != item.field.default)",
-               "(item.info.defines == DEFINES_IF_SET and bool(value))"),), ("tests/unit/test_settings.py",)),
+             (("if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default",
+               "if_set = item.info.defines == DEFINES_IF_SET and bool(value)"),), ("tests/unit/test_settings.py",)),
 )
 
 
