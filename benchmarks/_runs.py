@@ -340,6 +340,11 @@ class RunCache:
 
 
 # -- formatting -----------------------------------------------------------
+def listed(text: str) -> list[str]:
+    """The items of a comma-separated command-line value, blanks dropped."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def mean_std(values: list[float | None]) -> dict[str, Any]:
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:

@@ -58,6 +58,7 @@ from _runs import (  # noqa: E402  (the script's own folder)
     Setting,
     bench_config,
     line_style,
+    listed,
     mean_std,
     pct,
     setup_logging,
@@ -168,10 +169,6 @@ def parse_assignments(assignments: list[str]) -> dict[str, dict[str, str]]:
         except ValueError as exc:
             raise SystemExit(f"--set: {exc}") from None
     return hyper
-
-
-def listed(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed: int, **extra: Any):

@@ -51,8 +51,9 @@ from _runs import (  # noqa: E402
     RunView,
     Setting,
     bench_config,
-    line_style,
     has_field,
+    line_style,
+    listed,
     mean_std,
     setup_logging,
     write_outputs,
@@ -109,10 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.codec_algorithms, args.codecs, args.dc_modes = "fedavg", "fp32,int8", "full/fp32,lowrank:4/fp16"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     return args
-
-
-def listed(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def config_for(args, algorithm: str, *, dataset: str | None = None, clients: int | None = None,

@@ -44,6 +44,7 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunCache,
     Setting,
     bench_config,
+    listed,
     mean_std,
     pct,
     setup_logging,
@@ -121,10 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     args.name = args.name or f"fair-{args.dataset}-{args.rounds}rounds"
     return args
-
-
-def listed(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: int, *, lr: float,
