@@ -197,7 +197,7 @@ def test_last_will_of_a_killed_device_on_node2_reaches_the_coordinator_on_node1(
 @pytest.mark.parametrize("back_to", ["another node", "the same node restarted"])
 def test_persistent_session_gets_what_was_published_while_its_node_was_down(cluster, back_to):
     hosts, nodes = cluster
-    topic = Topics(FED).down("dev-persist", Kind.TRAIN)
+    topic = Topics(FED).down(f"dev-persist-{back_to.split()[1]}", Kind.TRAIN)  # apart from the other case's
     client_id = f"nc.persist-{back_to.split()[1]}"
     device = Probe(hosts, 2, nodes.urls[1], client_id, clean=False)
     assert device.connect() is False
