@@ -132,11 +132,14 @@ def test_workers_for_a_federation_that_never_starts_time_out_clearly(mosquitto) 
 
 
 def test_ctrl_c_stops_the_workers_and_their_processes(tmp_path, mosquitto) -> None:
-    # Prepare: workers whose devices joined a coordinator that hosts none
+    # Prepare: workers whose devices joined a coordinator that hosts none, in a run of 20 rounds (far
+    # from its end when Ctrl-C comes, even on a busy machine)
     broker = ["--broker", mosquitto.url, "--federation", "interrupted"]
-    simulate = start(edgepfl("simulate", *RUN, *broker, "--local-devices", "none", "--out", str(tmp_path / "run"),
+    rounds = RUN.index("--rounds") + 1
+    run = [*RUN[:rounds], "20", *RUN[rounds + 1:]]
+    simulate = start(edgepfl("simulate", *run, *broker, "--local-devices", "none", "--out", str(tmp_path / "run"),
                              "--quiet"))
-    workers = start(edgepfl("workers", *RUN, *broker, "--devices", "0-3", "--start-timeout", "120",
+    workers = start(edgepfl("workers", *run, *broker, "--devices", "0-3", "--start-timeout", "120",
                             "--out", str(tmp_path / "workers")))
     try:
         joined = workers.stdout.readline()  # the footprint line, once the devices joined
