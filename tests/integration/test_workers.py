@@ -87,6 +87,17 @@ def test_two_devices_on_another_host_give_the_run_of_one_host(tmp_path, mosquitt
     assert hosted.device_state("dev002").exists() and not hosted.device_state("dev000").exists()
 
 
+def stop(simulate: subprocess.Popen) -> None:
+    """Cleanup: Ctrl-C the coordinator, killed if it is still there after a minute. (In two full-suite
+    runs a coordinator waiting for registration outlived the SIGINT; not understood yet: the notes.)"""
+    simulate.send_signal(signal.SIGINT)
+    try:
+        simulate.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        simulate.kill()
+        simulate.communicate()
+
+
 def test_workers_with_other_settings_than_the_coordinator_are_refused_naming_them(tmp_path, mosquitto) -> None:
     # Prepare: a coordinator registering devices, none of them on its own host
     broker = ["--broker", mosquitto.url, "--federation", "other"]
@@ -97,8 +108,7 @@ def test_workers_with_other_settings_than_the_coordinator_are_refused_naming_the
         workers = run(edgepfl("workers", *RUN, *broker, "--devices", "2-3", "--lr", "0.1", "--partition", "iid",
                               "--start-timeout", "120", "--out", str(tmp_path / "workers")), timeout=180)
     finally:
-        simulate.send_signal(signal.SIGINT)
-        simulate.communicate(timeout=60)
+        stop(simulate)
 
     # Assert
     assert workers.returncode == 2, workers.stderr
