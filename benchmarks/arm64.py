@@ -43,7 +43,7 @@ import numpy as np
 
 from _brokers import Mosquitto
 from _machine import machine_info
-from footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, write_body, write_images
+from footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, measured_peak_mb, write_body, write_images
 
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"
@@ -152,7 +152,7 @@ def personalize(url: str, body: Path, head: str, side: str, arguments: list[str]
                                 stderr=subprocess.STDOUT, env=env, timeout=DEVICE_TIMEOUT, cwd="/").returncode
     thread.join(timeout=60)
     stand_in.close()
-    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+    peak = measured_peak_mb(peak_file)
     return {"exit_status": status, "peak_rss_mb": peak and round(peak, 1), "accuracy": reply.get("accuracy"),
             "seconds": round(time.perf_counter() - started, 1)}
 
@@ -189,7 +189,7 @@ def train_round(url: str, side: str, runner: list[str], data: tuple[Path, str], 
         coordinator.wait()
     report = out / "report.json"
     final = json.loads(report.read_text())["final"] if report.exists() else None
-    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+    peak = measured_peak_mb(peak_file)
     return {"exit_status": status, "peak_rss_mb": peak and round(peak, 1),
             "accuracy": final and final["personalized_accuracy"], "seconds": round(time.perf_counter() - started, 1)}
 

@@ -128,6 +128,11 @@ The kernel's high-water mark of this process alone: `ru_maxrss` from wait4 would
 the pages the child shared with this (torch-laden) script between fork and exec."""
 
 
+def measured_peak_mb(peak_file: Path) -> float | None:
+    """The peak RSS in MB that MEASURED wrote to `peak_file` (kB), None when the process did not exit by itself."""
+    return int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+
+
 def run_measured(arguments: list[str], log_path: Path, procs: Path | None, timeout: float) -> tuple[int, float | None]:
     """Run `edgepfl ARGUMENTS` (inside the cgroup whose `cgroup.procs` is `procs`, if any) with its
     output in `log_path`; returns (exit status, peak RSS in MB, None when it did not exit by
@@ -147,7 +152,7 @@ def run_measured(arguments: list[str], log_path: Path, procs: Path | None, timeo
     except subprocess.TimeoutExpired:
         process.kill()
         status = process.wait()
-    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+    peak = measured_peak_mb(peak_file)
     return status, peak
 
 
