@@ -5,24 +5,43 @@ Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments 
 needs. Every failure the user can act on ends in one line naming its cause and fix, with exit
 code 2 for usage errors (a bad flag, a missing file, an `--out` holding another run) and 1 for
 runtime failures (the broker unreachable or refusing, every device gone); Ctrl-C ends with one
-line and 130. `-vv` logs the traceback of a failure too.
+line and 130, SIGTERM (`systemctl stop`, `docker stop`, Kubernetes) the same way with 143: both
+unwind the command, so `simulate` stops its worker processes and embedded broker instead of
+leaving them behind. `-vv` logs the traceback of a failure too.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from typing import Any
 
 from .flags import add_setting_flags, given, section_from
 
 log = logging.getLogger(__name__)
-USAGE_ERROR, RUNTIME_FAILURE, INTERRUPTED = 2, 1, 130
+USAGE_ERROR, RUNTIME_FAILURE, INTERRUPTED, TERMINATED = 2, 1, 130, 143
 
 
 class CommandFailed(RuntimeError):
     """A run that could not go on, for a reason the message states (exit code 1)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread like KeyboardInterrupt (and, like it, not an
+    Exception, so no `except Exception` on the way swallows it) to unwind the command."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _unwind_on_sigterm() -> None:
+    """SIGTERM raises `Terminated` in the main thread, unless it is ignored (a supervisor's choice)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, command: str, leave_out: tuple[str, ...] = ()) -> None:
@@ -442,16 +461,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
 
+    _unwind_on_sigterm()
     try:
         return args.handler(args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
         return _fail(args.command, exc, USAGE_ERROR)
     except (TransportError, CommandFailed) as exc:
         return _fail(args.command, exc, RUNTIME_FAILURE)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
+        how, code = ("interrupted", INTERRUPTED) if isinstance(stop, KeyboardInterrupt) else ("terminated", TERMINATED)
         resume = " (rerun the same command to resume)" if args.command in ("simulate", "coordinator") else ""
-        print(f"edgepfl {args.command}: interrupted{resume}", file=sys.stderr)
-        return INTERRUPTED
+        print(f"edgepfl {args.command}: {how}{resume}", file=sys.stderr)
+        return code
 
 
 def _fail(command: str, exc: BaseException, code: int) -> int:
