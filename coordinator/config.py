@@ -103,10 +103,6 @@ class RunConfig:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which "
                               "releases no representation: the weak devices would have nothing to personalize; set release "
                               "(--release) or lite_fraction 0")
-        if self.lite_devices and self.training.validation_fraction:
-            raise ConfigError(f"validation_fraction {self.training.validation_fraction} with lite_fraction "
-                              f"{simulation.lite_fraction}: weak devices take no training settings and would score "
-                              "their test split; set one of them to 0")
 
     @classmethod
     def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,

@@ -117,7 +117,7 @@ class EdgeClient(DeviceSession):
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
         self._check_model(welcome, settings)
         seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
-        data = self.data.holding_out(settings.validation_fraction, seed) if settings.validation_fraction else self.data
+        data = self.data.for_run(settings.validation_fraction, settings.seed, self.client_id)
         self.algorithm = algorithm_cls(hyper, settings, data, self.device, seed,
                                        welcome.config.get("assignment", {}), **self.training_overrides)
         self.algorithm_id = algorithm_id

@@ -57,6 +57,9 @@ VALIDATION_RUN = ("tests/unit/test_loopback_federation.py::"
 TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
 CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
 SERVER_PY, CONFIG_PY = "coordinator/server.py", "coordinator/config.py"
+LITE_CLIENT_PY, CLI_PY = "edge_sdk/lite/client.py", "coordinator/cli.py"
+LITE_VALIDATION_RUN = ("tests/unit/test_loopback_federation.py::"
+                       "test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split_only",)
 
 MUTATIONS = (
     # FediOS: Eq. (9)-(12)
@@ -208,8 +211,11 @@ MUTATIONS = (
              (("make_optimizer = sgd_head_optimizer(lr) if optimizer is None else optimizer",
                "make_optimizer = sgd_head_optimizer(lr)"),), COMMON_OPTIMIZER),
     Mutation("fair: the validation split ignored by the device", CLIENT_PY,
-             (("data = self.data.holding_out(settings.validation_fraction, seed) if settings.validation_fraction "
-               "else self.data", "data = self.data"),), VALIDATION_RUN),
+             (("data = self.data.for_run(settings.validation_fraction, settings.seed, self.client_id)",
+               "data = self.data"),), VALIDATION_RUN),
+    Mutation("fair: the validation split ignored by a weak device", LITE_CLIENT_PY,
+             (("self.data = self.own_data.for_run(settings.validation_fraction, settings.seed, self.client_id)",
+               "self.data = self.own_data"),), LITE_VALIDATION_RUN),
     Mutation("fair: the held-out split is the training data", CLIENT_DATA_PY,
              (("self.train_x[held_idx],", "self.train_x[train_idx],"),), FAIR_SETTINGS),
     Mutation("fair: the held-out split ignores its seed", CLIENT_DATA_PY,
@@ -221,6 +227,11 @@ MUTATIONS = (
     Mutation("fair: a later setting defines every run, default or not", CONFIG_PY,
              (("if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default",
                "if_set = item.info.defines == DEFINES_IF_SET and bool(value)"),), ("tests/unit/test_settings.py",)),
+    # stopping a command: SIGTERM unwinds it like Ctrl-C, so simulate stops its processes
+    Mutation("cli: SIGTERM kills the command without unwinding", CLI_PY,
+             (("    _unwind_on_sigterm()\n    try:", "    try:"),),
+             ("tests/integration/test_cli_failures.py::"
+              "test_a_stopped_simulate_prints_one_line_leaves_nothing_running_and_the_run_resumes[sigterm]",)),
 )
 
 

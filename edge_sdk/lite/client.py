@@ -8,8 +8,10 @@ splits, fits its personal head (the global prototypes an EVALUATE may carry help
 head), writes the
 personalized model (body + head, one ONNX file; `<state_dir>/personalized-<device id>.onnx`
 unless given, so devices may share a state folder) atomically and reports its test accuracy, with
-its class means when it shares prototypes. Nothing in its import chain imports torch,
-scikit-learn or scipy.
+its class means when it shares prototypes. In a run with a validation split
+(`validation_fraction`, announced in WELCOME) it fits on the rest of its training data and is
+scored on the held-out share, as trainer devices are; its test split is not read. Nothing in its
+import chain imports torch, scikit-learn or scipy.
 
 A retained manifest may belong to another run, or arrive before WELCOME: the latest is kept
 and used once the device has joined the run it names.
@@ -31,9 +33,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from ..config import from_mapping
 from ..data import ClientData
 from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..session import DeviceSession
+from ..settings import TrainSettings
 from ..store import write_atomic
 from .features import FeatureExtractor
 from .heads import HEADS, Head, Prototypes, class_statistics, fit_head
@@ -98,7 +102,8 @@ class LiteClient(DeviceSession):
         super().__init__(client_id, **session)
         if head not in HEADS:
             raise ValueError(f"unknown head {head!r}; known heads: {', '.join(HEADS)}")
-        self.data = data
+        self.own_data = data
+        self.data = data  # what the joined run fits and scores on (`ClientData.for_run`)
         self.head_kind = head
         self.providers = providers
         self.share_prototypes = share_prototypes
@@ -139,9 +144,9 @@ class LiteClient(DeviceSession):
 
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
-        metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
+        metrics = {"num_examples": self.own_data.num_train, "num_test": self.own_data.num_test}
         config = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
-                  "onnxruntime": ort.__version__, "task": self.data.task.name}
+                  "onnxruntime": ort.__version__, "task": self.own_data.task.name}
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
@@ -150,7 +155,9 @@ class LiteClient(DeviceSession):
     def join(self, welcome: Envelope) -> None:
         # the session records the run after `join` returns; a FETCH sent from here needs it now
         self.run_id = welcome.run_id
-        self.release, self.prototypes, self._waiting = None, None, None
+        settings = from_mapping(TrainSettings, welcome.config.get("settings", {}), where="settings")
+        self.data = self.own_data.for_run(settings.validation_fraction, settings.seed, self.client_id)
+        self.release, self.prototypes, self._waiting, self._features = None, None, None, None
         early, self._unjoined = self._unjoined, None
         if early is not None and early.run_id == welcome.run_id:
             self._activate(Release.from_envelope(early))

@@ -83,11 +83,6 @@ def test_a_bad_value_names_its_key(values, key):
         build_config(None, values, {})
 
 
-def test_weak_devices_are_refused_with_a_validation_split():
-    with pytest.raises(ConfigError, match="validation_fraction 0.2 with lite_fraction"):
-        RunConfig.of(algorithm="repper", clients=4, lite_fraction=0.25, validation_fraction=0.2)
-
-
 @pytest.mark.parametrize("changes", [{"optimizer": "sgd"}, {"optimizer": "sgd", "sgd_momentum": 0.0},
                                      {"optimizer": "sgd", "sgd_weight_decay": 1e-4}, {"validation_fraction": 0.2}])
 def test_the_fair_settings_define_a_run_and_go_in_welcome_only_when_not_at_their_default(changes):
