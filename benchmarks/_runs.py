@@ -20,21 +20,28 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run. With
   `cached_only` nothing is trained: a run not finished in the cache is listed in `missing`.
+  Each run it trains records where it ran in `machine.json` beside its report.
+- `RunPool`: runs of one cache side by side, a process each, highest priority first (a
+  benchmark's `--jobs`); the tables are then read from the cache.
 - `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
 """
 
 from __future__ import annotations
 
 import fcntl
+import heapq
 import json
 import logging
 import math
+import multiprocessing
 import shutil
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable, Iterator
 
+from _machine import machine_info
 from coordinator.config import KEYS, RunConfig
 from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
@@ -181,6 +188,15 @@ class RunView:
             return self.report["final"]["global_accuracy"]
         return self.records[-1].get("global_accuracy")
 
+    def machine(self) -> str:
+        """Where the run was trained, in one line (`unrecorded` for runs older than machine.json)."""
+        path = self.out / MACHINE_FILE
+        if not path.exists():
+            return "unrecorded"
+        info = json.loads(path.read_text())
+        return f"{info['cpu_model']}, {info['cores']} cores" + (f", {info['gpu']}" if info.get("gpu") else "") + (
+            f", torch {info['torch']}")
+
     def holdout(self) -> dict[str, Any] | None:
         return self.report["final"].get("holdout_accuracy") if self.exact else None
 
@@ -237,6 +253,19 @@ class RunView:
 
 
 # -- the cache --------------------------------------------------------------------------------
+MACHINE_FILE = "machine.json"
+"""Beside a cached run's report: `machine_info()` of the machine that trained it."""
+
+
+def trainer_machine(config: RunConfig) -> dict[str, Any]:
+    """The machine about to train `config`, with the accelerator its devices will take."""
+    import torch  # noqa: F401  (imported first, so that machine_info names the GPU)
+
+    from edge_sdk.training import pick_device
+
+    return {**machine_info(), "device": str(pick_device(config.simulation.device))}
+
+
 def run_folder_name(config: RunConfig) -> str:
     setting = Setting(config.run.partition, config.run.alpha, config.run.classes_per_client, config.round.fraction)
     evaluation = "" if config.round.eval_every == 1 else f"-e{config.round.eval_every}"  # not in the fingerprint
@@ -302,6 +331,7 @@ class RunCache:
             log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.training.rounds)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_config.json").write_text(json.dumps(config.to_flat(), indent=2, default=str))
+        (out / MACHINE_FILE).write_text(json.dumps(trainer_machine(config), indent=2))
         started = time.monotonic()
         try:
             report = run_simulation(config)
@@ -316,6 +346,12 @@ class RunCache:
             self._failed.add(out)
             return None
         return self._checked(RunView(config, report, out, config.training.rounds, cached=False, seconds=seconds))
+
+    def adopt_failures(self, failures: list[dict[str, Any]]) -> None:
+        """Failures another process met on this cache (a `RunPool` run): reported with this
+        cache's, and those runs are not tried again in this invocation."""
+        self.failures.extend(failures)
+        self._failed.update(self.root / failure["run"] for failure in failures)
 
     def _checked(self, view: RunView) -> RunView | None:
         """The view, or None when the run is not a clean measurement (a device missing from a
@@ -337,6 +373,71 @@ class RunCache:
         self.failures.append({"run": view.out.name, "error": "; ".join(problems[:3]), "moved_to": aside.name})
         self._failed.add(view.out)
         return None
+
+
+# -- runs side by side ---------------------------------------------------------------------------
+def _run_in_child(root: str, broker: str | None, config: RunConfig) -> list[dict[str, Any]]:
+    """A `RunPool` process: one run through a RunCache of its own; returns its failures."""
+    setup_logging()
+    cache = RunCache(root, broker=broker)
+    cache.run(config)
+    return cache.failures
+
+
+class RunPool:
+    """Trains runs of `cache` up to `jobs` at a time, each in a process started afresh (spawn: no
+    state of the parent's torch or broker threads is inherited), the highest priority first (ties
+    in submission order). Runs finished in the cache return at once; a run's failure is adopted
+    by `cache`, so the benchmark's sequential pass that follows reports it and does not retry it.
+
+    Runs on a GPU share it: each device worker process holds a CUDA context of its own."""
+
+    def __init__(self, cache: RunCache, jobs: int):
+        if jobs < 1:
+            raise ValueError(f"jobs must be at least 1, got {jobs}")
+        self.cache = cache
+        self.jobs = jobs
+        self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        self._queue: list[tuple[float, int, RunConfig, Hashable]] = []
+        self._running: dict[Future, tuple[RunConfig, Hashable]] = {}
+        self._submitted = 0
+
+    def submit(self, config: RunConfig, tag: Hashable = None, *, priority: float = 0.0) -> None:
+        """Queue `config`; `completed()` yields `tag` once it ended."""
+        heapq.heappush(self._queue, (-priority, self._submitted, config, tag))
+        self._submitted += 1
+
+    def run_all(self) -> None:
+        """Train everything submitted, up to `jobs` at a time."""
+        for _ in self.completed():
+            pass
+
+    def completed(self) -> Iterator[Hashable]:
+        """The tags of the runs as they end (runs may be submitted meanwhile); shuts the pool
+        down once nothing is queued or running."""
+        with self._executor:
+            self._fill()
+            while self._running:
+                done, _ = wait(self._running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    config, tag = self._running.pop(future)
+                    self._collect(future, config)
+                    yield tag
+                self._fill()
+
+    def _fill(self) -> None:
+        while self._queue and len(self._running) < self.jobs:
+            _, _, config, tag = heapq.heappop(self._queue)
+            future = self._executor.submit(_run_in_child, str(self.cache.root), self.cache.broker, config)
+            self._running[future] = (config, tag)
+
+    def _collect(self, future: Future, config: RunConfig) -> None:
+        try:
+            failures = future.result()
+        except Exception as exc:  # noqa: BLE001  (the process itself died: that run failed, the others go on)
+            failures = [{"run": run_folder_name(config), "error": f"{type(exc).__name__}: {exc}"}]
+            log.error("run %s: its process failed: %s", failures[0]["run"], failures[0]["error"])
+        self.cache.adopt_failures(failures)
 
 
 # -- formatting -----------------------------------------------------------
@@ -361,6 +462,14 @@ def pct(cell: dict[str, Any] | None, *, with_std: bool = True) -> str:
     if with_std and cell.get("n", 0) > 1:
         return f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}"
     return f"{100 * cell['mean']:.2f}"
+
+
+def trained_on(machines: list[str]) -> str:
+    """`Runs trained on: <machine> (n runs); ...`: where the runs of a table were trained (RunView.machine)."""
+    counts: dict[str, int] = {}
+    for machine in machines:
+        counts[machine] = counts.get(machine, 0) + 1
+    return "Runs trained on: " + ("; ".join(f"{machine} ({n} runs)" for machine, n in counts.items()) or "-") + "."
 
 
 def setup_logging() -> None:

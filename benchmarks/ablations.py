@@ -43,11 +43,13 @@ from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
     NAMES,
     RunCache,
+    RunPool,
     Setting,
     bench_config,
     listed,
     mean_std,
     setup_logging,
+    trained_on,
     write_outputs,
 )
 
@@ -178,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-epochs", type=int, default=1, help="of every row without its own")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="device worker processes per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, a process each")
     parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
                         help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
                              "before benchmarks summed in float64")
@@ -200,6 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.papers if p not in PAPERS]
     if unknown:
         raise SystemExit(f"--papers: unknown {', '.join(unknown)}; known: {', '.join(PAPERS)}")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
     args.seeds = [int(s) for s in listed(args.seeds)]
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     args.name = args.name or f"ablations-{args.dataset}-{args.rounds}rounds"
@@ -240,7 +245,7 @@ def run_rows(args: argparse.Namespace, cache: RunCache, rows: list[Row]) -> list
         result = {"paper": row.paper, "id": row.id, "label": row.label, "algorithm": row.algorithm,
                   "overrides": row.overrides, "local_epochs": row.local_epochs or args.local_epochs,
                   "setting": args.settings[row.paper], "missing": row.missing, "seeds": {}, "global_accuracy": {},
-                  "runs": {}}
+                  "runs": {}, "machines": {}}
         for seed in [] if row.missing else args.seeds:
             view = cache.run(run_config(args, row, seed))
             if view is None:
@@ -250,6 +255,7 @@ def run_rows(args: argparse.Namespace, cache: RunCache, rows: list[Row]) -> list
             result["seeds"][seed] = view.personalized()["mean"]
             result["global_accuracy"][seed] = view.global_accuracy()
             result["runs"][seed] = view.out.name
+            result["machines"][seed] = view.machine()
             log.info("[%d/%d] %s %s seed %d: %.4f%s", number, len(rows), row.paper, row.id, seed,
                      result["seeds"][seed], " (cached)" if view.cached else f" ({view.seconds:.0f} s)")
         result["accuracy"] = mean_std(list(result["seeds"].values()))
@@ -345,7 +351,8 @@ def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
         lines.append(f"| {NAMES[claim['paper']]} | {claim['claim']} | {claim['source']} | {claim['measured']} | "
                      f"{claim['reproduced']} |")
     machine = document["machine"]
-    lines += ["", f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+    lines += ["", trained_on([where for row in results for where in row.get("machines", {}).values()]), "",
+              f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
               f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
               f"Command: `{machine['command']}`", ""]
     if document["failures"]:
@@ -359,10 +366,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = selected_rows(args)
     cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
     machine = machine_info()
+    if args.jobs > 1 and not args.cached_only:  # side by side first; run_rows then reads them from the cache
+        pool = RunPool(cache, args.jobs)
+        for row in rows:
+            for seed in [] if row.missing else args.seeds:
+                pool.submit(run_config(args, row, seed))
+        pool.run_all()
     results = run_rows(args, cache, rows)
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
-              "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers,
+              "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers, "jobs": args.jobs,
               "aggregation_dtype": args.aggregation_dtype,
               "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
     document = {"benchmark": "ablations", "machine": machine, "config": config, "rows": results,

@@ -13,10 +13,16 @@ For each setting and method:
    algorithm table states it) at the run lr `--lr`, full training data, test split.
 
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
-Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. Runs are cached
-by their settings' fingerprint (benchmarks/_runs.py), in the cache accuracy.py and ablations.py use.
+Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. Devices are
+evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
+round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
+each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
+accuracy.py and ablations.py use; each records the machine that trained it, and the tables name
+the machines. `--jobs N` trains N runs side by side (a machine with many cores or a GPU); a
+method's common-optimizer test runs start as soon as its lr search has ended.
 
     python benchmarks/fair.py --seeds 0 --cache /work/runs/cache
+    python benchmarks/fair.py --seeds 0 --jobs 12 --settings domains@0.2   # on a big machine
     python benchmarks/fair.py --cached-only --cache /work/runs/cache   # tables from what is cached
 
 Quick smoke run (digits, 6 devices, 2 rounds x 1 epoch, FedAvg and FedRep, lrs 0.01 and 0.1, dir0.5@1):
@@ -42,12 +48,14 @@ from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
     NAMES,
     RunCache,
+    RunPool,
     Setting,
     bench_config,
     listed,
     mean_std,
     pct,
     setup_logging,
+    trained_on,
     write_outputs,
 )
 
@@ -99,12 +107,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sgd-weight-decay", type=float, default=0.0)
     parser.add_argument("--validation-fraction", type=float, default=0.2,
                         help="share of each device's training data held out for the lr search")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="evaluate every N rounds and after the last (the tables read the last)")
+    parser.add_argument("--workers", type=int, default=2, help="device worker processes per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, a process each")
     args = parser.parse_args(argv)
     if args.quick:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 6, 2, 1
         args.methods, args.settings, args.seeds, args.grid = "fedavg,fedrep", "dir0.5@1", "0", "0.01,0.1"
-        args.workers = 1  # eight small runs: a second worker process costs more than it saves
+        args.workers, args.eval_every = 1, 1  # eight small runs: a second worker process costs more than it saves
     args.methods = listed(args.methods)
     unknown = [m for m in args.methods if m not in PAPER_OPTIMIZERS]
     if unknown:
@@ -116,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--settings/--grid: {exc}") from None
     if not args.grid or any(lr <= 0 for lr in args.grid):
         raise SystemExit(f"--grid: one or more positive lrs, got {args.grid}")
+    if args.jobs < 1 or args.eval_every < 1:
+        raise SystemExit(f"--jobs and --eval-every must be at least 1, got {args.jobs} and {args.eval_every}")
     if not 0 < args.validation_fraction < 1:
         raise SystemExit(f"--validation-fraction must be in (0, 1), got {args.validation_fraction}")
     args.seeds = [int(s) for s in listed(args.seeds)]
@@ -130,7 +143,7 @@ def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: in
     optimizer = {"optimizer": "sgd", "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay}
     return bench_config(algorithm=method, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=lr,
-                        seed=seed, workers=args.workers,
+                        seed=seed, workers=args.workers, eval_every=args.eval_every,
                         validation_fraction=args.validation_fraction if validation else 0.0,
                         **(optimizer if common else {}), **setting.fields())
 
@@ -141,6 +154,7 @@ def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: 
     """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent)."""
     seeds: dict[int, float] = {}
     runs: dict[int, str] = {}
+    machines: dict[int, str] = {}
     for seed in args.seeds:
         view = cache.run(run_config(args, method, setting, seed, lr=lr, common=common, validation=validation))
         if view is None:
@@ -148,16 +162,46 @@ def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: 
         expected = "validation" if validation else "test"
         if view.report.get("evaluated_on", "test") != expected:
             raise RuntimeError(f"{view.out.name} was scored on {view.report.get('evaluated_on')}, not {expected}")
-        seeds[seed], runs[seed] = view.personalized()["mean"], view.out.name
+        seeds[seed], runs[seed], machines[seed] = view.personalized()["mean"], view.out.name, view.machine()
         log.info("%s %s %s lr %g seed %d (%s): %.4f", setting.name, method, "sgd" if common else "paper", lr, seed,
                  expected, seeds[seed])
-    return {"lr": lr, "seeds": seeds, "runs": runs, "accuracy": mean_std(list(seeds.values()))}
+    return {"lr": lr, "seeds": seeds, "runs": runs, "machines": machines, "accuracy": mean_std(list(seeds.values()))}
 
 
 def choose_lr(search: list[dict[str, Any]]) -> float | None:
     """The lr of the best mean validation accuracy; ties to the smaller lr (`search` sorted by lr)."""
     scored = [(entry["accuracy"]["mean"], -entry["lr"]) for entry in search if entry["accuracy"]["mean"] is not None]
     return -max(scored)[1] if scored else None
+
+
+def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
+    """`--jobs`: every run of the protocol, `args.jobs` at a time. The lr searches and the paper runs
+    are queued in the order of the settings and methods asked for; a method's common-optimizer test
+    runs go first in the queue once its search has ended (so that, cut short, the tables hold
+    whole methods). The tables are then read from the cache by the sequential pass."""
+    pool = RunPool(cache, args.jobs)
+    finished = RunCache(args.cache, cached_only=True)  # reads the searches' results; trains nothing
+    searches_left: dict[tuple[Setting, str], int] = {}
+    for setting in args.settings:
+        for method in args.methods:
+            searches_left[(setting, method)] = len(args.grid) * len(args.seeds)
+            for lr in args.grid:
+                for seed in args.seeds:
+                    pool.submit(run_config(args, method, setting, seed, lr=lr, common=True, validation=True),
+                                (setting, method))
+            for seed in args.seeds:
+                pool.submit(run_config(args, method, setting, seed, lr=args.lr, common=False, validation=False))
+    for tag in pool.completed():
+        if tag is None:
+            continue
+        searches_left[tag] -= 1
+        if searches_left[tag]:
+            continue
+        setting, method = tag
+        chosen = choose_lr([accuracies(args, finished, method, setting, lr=lr, common=True, validation=True)
+                            for lr in args.grid])
+        for seed in args.seeds if chosen is not None else ():
+            pool.submit(run_config(args, method, setting, seed, lr=chosen, common=True, validation=False), priority=1)
 
 
 def run_setting(args: argparse.Namespace, cache: RunCache, setting: Setting) -> dict[str, Any]:
@@ -216,8 +260,11 @@ def markdown(document: dict[str, Any]) -> str:
             cells = [pct(search["accuracy"]) for search in entry["search"]]
             chosen = "-" if entry["chosen_lr"] is None else f"{entry['chosen_lr']:g}"
             lines.append(f"| {labels[name]} | {NAMES[method]} | " + " | ".join(cells) + f" | {chosen} |")
+    machines = [where for methods in settings.values() for entry in methods.values()
+                for cell in [*entry["search"], entry["common"], entry["paper"]]
+                for where in (cell or {}).get("machines", {}).values()]
     machine = document["machine"]
-    lines += ["", f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+    lines += ["", trained_on(machines), "", f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
               f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
               f"Command: `{machine['command']}`", ""]
     if document["failures"]:
@@ -230,12 +277,15 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
     machine = machine_info()
+    if args.jobs > 1 and not args.cached_only:
+        train_side_by_side(args, cache)
     settings = {setting.name: run_setting(args, cache, setting) for setting in args.settings}
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "grid": args.grid,
               "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay,
               "validation_fraction": args.validation_fraction, "seeds": args.seeds, "methods": args.methods,
-              "settings": [s.name for s in args.settings], "workers": args.workers,
+              "settings": [s.name for s in args.settings], "workers": args.workers, "eval_every": args.eval_every,
+              "jobs": args.jobs,
               "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
     document = {"benchmark": "fair", "machine": machine, "config": config, "settings": settings,
                 "failures": cache.failures, "missing": cache.missing}

@@ -1,12 +1,13 @@
 """The CUDA paths on a GPU machine: every algorithm end to end on `--device cuda`, with and without
 AMP, and one device's local training speed and peak GPU memory beside the CPU's.
 
-    python benchmarks/cuda.py --out benchmarks/results          # needs a CUDA device
+    python benchmarks/gpu.py --out benchmarks/results          # needs a CUDA device
+    python benchmarks/gpu.py --quick --out /tmp/gpu             # FedAvg alone, batch 32 alone
 
 1. `throughput`: FedAvg's local training of one device in this process (Fashion-MNIST, the
    default cnn28, device 0 of 20 IID: 2,624 images, 2 local epochs; a first fit warms the
-   kernels up and is not timed): images per second and `torch.cuda.max_memory_allocated`, at batch 32 and 256, on the
-   CPU (`--cpu-threads` threads), on CUDA in fp32 and on CUDA with AMP.
+   kernels up and is not timed): images per second and `torch.cuda.max_memory_allocated`, at
+   batch 32 and 256, on the CPU (`--cpu-threads` threads), on CUDA in fp32 and with AMP.
 2. `paths`: `python -m coordinator.cli simulate --device cuda [--amp]` for each of the twelve
    algorithms (Fashion-MNIST, 20 devices, C=0.2, 2 rounds x 1 local epoch, every device evaluated
    after the last, the embedded broker, one worker process), `--jobs` runs at a time: exit status,
@@ -14,7 +15,7 @@ AMP, and one device's local training speed and peak GPU memory beside the CPU's.
    run; an fp16 overflow that AMP's gradient scaler does not catch shows as a rejected
    (non-finite) update or a NaN accuracy.
 
-Writes cuda.{json,md} to --out.
+Writes gpu.{json,md} to --out.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="FedAvg alone, batch 32 alone (a smoke test)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--jobs", type=int, default=12, help="simulate runs side by side in part 2")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads of the CPU row of part 1")
     parser.add_argument("--algorithms", default=",".join(NAMES))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.batch_sizes = (32,) if args.quick else (32, 256)
+    if args.quick:
+        args.algorithms = "fedavg"
+    return args
 
 
 # -- 1. one device's local training ----------------------------------------------------------------
@@ -85,10 +91,10 @@ def local_training(device: str, amp: bool, batch_size: int) -> dict[str, Any]:
             "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 1e6, 1) if device == "cuda" else None}
 
 
-def throughput(cpu_threads: int) -> list[dict[str, Any]]:
+def throughput(cpu_threads: int, batch_sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     torch.set_num_threads(cpu_threads)
     rows = []
-    for batch_size in (32, 256):
+    for batch_size in batch_sizes:
         for device, amp in (("cpu", False), ("cuda", False), ("cuda", True)):
             rows.append(local_training(device, amp, batch_size))
             log.info("local training %s", rows[-1])
@@ -129,7 +135,7 @@ def paths(algorithms: list[str], jobs: int) -> Iterator[dict[str, Any]]:
 # -- outputs -------------------------------------------------------------------------------------
 def markdown(document: dict[str, Any]) -> str:
     machine = document["machine"]
-    lines = ["## CUDA paths (`cuda.py`)", "",
+    lines = ["## GPU paths (`gpu.py`)", "",
              f"{machine['gpu']}; {machine['cores']} cores, {machine['cpu_model']}; torch {machine['torch']}.", "",
              "### One device's local training (FedAvg, Fashion-MNIST, 2,624 images x 2 epochs)", "",
              "| device | AMP | batch | images/s | peak GPU memory (MB) | last-epoch loss |",
@@ -160,15 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     if not torch.cuda.is_available():
-        raise SystemExit("cuda.py needs a CUDA device; torch sees none")
+        raise SystemExit("gpu.py needs a CUDA device; torch sees none")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    document = {"benchmark": "cuda", "machine": machine_info(), "algorithms": algorithms, "paths": []}
-    document["throughput"] = throughput(args.cpu_threads)
-    write_outputs(Path(args.out), "cuda", document, markdown(document))
+    document = {"benchmark": "gpu", "machine": machine_info(), "algorithms": algorithms, "paths": []}
+    document["throughput"] = throughput(args.cpu_threads, args.batch_sizes)
+    write_outputs(Path(args.out), "gpu", document, markdown(document))
     for row in paths(algorithms, args.jobs):  # written after each run: a run cut short keeps what ended
         document["paths"].append(row)
-        write_outputs(Path(args.out), "cuda", document, markdown(document))
-    log.info("wrote %s", Path(args.out) / "cuda.md")
+        write_outputs(Path(args.out), "gpu", document, markdown(document))
+    log.info("wrote %s", Path(args.out) / "gpu.md")
     failed = [row for row in document["paths"] if row["exit"] or row.get("personalized_accuracy") is None]
     if failed:
         sys.exit(f"{len(failed)} runs failed on CUDA: " + ", ".join(f"{r['algorithm']}{'+amp' if r['amp'] else ''}"

@@ -1,4 +1,5 @@
-"""benchmarks/fair.py --quick: the lr search on validation, the common-optimizer and paper tables, end to end."""
+"""benchmarks/fair.py --quick: the lr search on validation, the common-optimizer and paper tables, end to end,
+with its runs side by side (`--jobs`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def run_files(cache: Path, name: str) -> tuple[dict, dict]:
 
 
 def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path):
-    command = [sys.executable, "benchmarks/fair.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "benchmarks/fair.py", "--quick", "--jobs", "2", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -54,10 +55,14 @@ def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path
         assert (settings["optimizer"], settings["lr"], report["evaluated_on"]) == ("paper", 0.05, "test")
         names |= {entry["common"]["runs"]["0"], entry["paper"]["runs"]["0"]}
     assert len(names) == 8  # every run is one of its own, cached apart
+    # each run records the machine that trained it, and the tables name it
+    machines = {json.loads((tmp_path / "runs" / name / "machine.json").read_text())["cpu_model"] for name in names}
+    assert len(machines) == 1
     markdown = (tmp_path / "fair-digits-2rounds.md").read_text()
     assert "### Common optimizer: SGD, momentum 0.9" in markdown and "### Each paper's optimizer" in markdown
     assert f"(lr {methods['fedrep']['chosen_lr']:g}) |" in markdown
     assert "| FedRep | SGD, run lr, momentum 0.5 |" in markdown
+    assert f"Runs trained on: {machines.pop()}, " in markdown and "(8 runs)." in markdown
 
     again = subprocess.run([*command, "--cached-only"], check=False, cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,6 +1,12 @@
-"""GPU smoke test: a trainer device's local round on CUDA with AMP, where CUDA exists."""
+"""GPU smoke tests, where CUDA exists: a trainer device's local round on CUDA with AMP, and
+benchmarks/gpu.py --quick (a simulation over MQTT on `--device cuda`, with and without AMP)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,3 +39,15 @@ def test_fedavg_round_on_cuda_with_amp_returns_host_arrays():
     assert np.isfinite(result.metrics["loss"])
     assert all(isinstance(a, np.ndarray) and np.isfinite(a).all() for a in result.groups["shared"].values())
     assert 0.0 <= metrics["accuracy"] <= 1.0
+
+
+def test_the_cuda_benchmark_runs_fedavg_end_to_end_with_and_without_amp(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "benchmarks/gpu.py", "--quick", "--out", str(tmp_path)], cwd=root,
+                            capture_output=True, text=True, timeout=900, check=False)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads((tmp_path / "gpu.json").read_text())
+    assert [(row["algorithm"], row["amp"], row["exit"]) for row in sorted(document["paths"], key=lambda r: r["amp"])] \
+        == [("fedavg", False, 0), ("fedavg", True, 0)]
+    assert all(row["peak_gpu_mb"] > 0 for row in document["throughput"] if row["device"] == "cuda")
