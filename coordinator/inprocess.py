@@ -71,7 +71,7 @@ class InProcessRound:
 
     def finish(self) -> None:
         """Aggregate: the algorithm's `end_round`."""
-        self.server.end_round(self.round)
+        self.server.close_round(self.round)
 
 
 @dataclass

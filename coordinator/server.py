@@ -625,7 +625,7 @@ class Coordinator:
             aggregating = self.clock()
             for update in late:
                 self.algorithm.accumulate(update.sender, update.groups, update.metrics, update.weight)
-            self.algorithm.end_round(round_)
+            self.algorithm.close_round(round_)
             self.events.emit(RoundAggregated(round_, len(collector.replied) + len(late), self.clock() - aggregating))
         else:
             log.warning("round %d: %d of %d replies, below the quorum of %d; nothing aggregated, global state "

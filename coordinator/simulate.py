@@ -172,10 +172,12 @@ def _host_devices(spec: WorkerSpec, hosting: multiprocessing.connection.Connecti
     """Run the worker's devices, one thread each, until they end; returns the errors of those that
     failed. Each device starts once the one before it has joined the run (or ended)."""
     import torch
+    from threadpoolctl import threadpool_limits
 
     from edge_sdk.client import EdgeClient  # noqa: F401 - imported before the RSS is taken: shared by every device
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the workers use the cores; one thread also keeps the float reductions in one
+    threadpool_limits(1)  # order, as numpy's BLAS does with one, so a device's results repeat on any machine
     lock = threading.Lock()
     threads, failures, joined = [], [], 0
     before = resident_bytes()

@@ -227,6 +227,10 @@ MUTATIONS = (
     Mutation("fair: a later setting defines every run, default or not", CONFIG_PY,
              (("if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default",
                "if_set = item.info.defines == DEFINES_IF_SET and bool(value)"),), ("tests/unit/test_settings.py",)),
+    # repeatable runs: the coordinator's round step on one thread, whatever the machine
+    Mutation("repeat: end_round on the default threads", "coordinator/algorithms/base.py",
+             (("        with one_thread():\n            self.end_round(round_)", "        self.end_round(round_)"),),
+             ("tests/unit/test_server_threads.py",)),
     # stopping a command: SIGTERM unwinds it like Ctrl-C, so simulate stops its processes
     Mutation("cli: SIGTERM kills the command without unwinding", CLI_PY,
              (("    _unwind_on_sigterm()\n    try:", "    try:"),),
