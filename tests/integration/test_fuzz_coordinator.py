@@ -34,6 +34,7 @@ import psutil
 import pytest
 
 from coordinator.config import RunConfig
+from coordinator.events import RegistrationOpened
 from coordinator.server import Coordinator
 from edge_sdk import wire
 from test_doubles import CoordinatorThread
@@ -91,7 +92,10 @@ def wait_until(condition, timeout: float, what: str) -> None:
         pause.wait(0.05)
 
 
-def start_coordinator(url: str, out, *, clients: int, finish: threading.Event | None = None):
+def start_coordinator(url: str, out, *, clients: int, finish: threading.Event | None = None,
+                      registering: threading.Event | None = None):
+    """A coordinator thread waiting for `clients` devices; `registering` is set once it has
+    subscribed to the devices' topics (a message published before that reaches nobody)."""
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=clients, rounds=1, out=str(out),
                           federation=FEDERATION, round_timeout=30, registration_timeout=120, local_epochs=1,
                           min_clients=clients)
@@ -101,6 +105,8 @@ def start_coordinator(url: str, out, *, clients: int, finish: threading.Event | 
     # `finish` fast-forwards the coordinator's clock, ending its registration wait at once
     clock = (lambda: time.monotonic() + (1e6 if finish.is_set() else 0.0)) if finish else time.monotonic
     coordinator = Coordinator(config, Channel(transport, TOPICS, chunk_size=config.broker.chunk_size), clock=clock)
+    if registering is not None:
+        coordinator.subscribe(lambda event: registering.set(), RegistrationOpened)
     thread = CoordinatorThread(coordinator)
     thread.start()
     return coordinator, thread, transport, counter
@@ -385,8 +391,10 @@ POISON = {
 @pytest.mark.parametrize("name", sorted(POISON))
 def test_one_crafted_message_does_not_stop_the_coordinator(mosquitto, tmp_path, name):
     # Prepare: a coordinator waiting for its only device
-    finish = threading.Event()
-    coordinator, thread, transport, _ = start_coordinator(mosquitto.url, tmp_path / "run", clients=1, finish=finish)
+    finish, registering = threading.Event(), threading.Event()
+    coordinator, thread, transport, _ = start_coordinator(mosquitto.url, tmp_path / "run", clients=1, finish=finish,
+                                                          registering=registering)
+    wait_until(lambda: registering.is_set() and transport.subscriptions_active(), 60, "the coordinator's subscription")
     marker = "zz-after-poison"
     watcher = MarkerWatcher(marker)
     logging.getLogger("edge_sdk.channel").addHandler(watcher)
