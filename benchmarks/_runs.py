@@ -36,6 +36,7 @@ import math
 import multiprocessing
 import shutil
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -466,9 +467,7 @@ def pct(cell: dict[str, Any] | None, *, with_std: bool = True) -> str:
 
 def trained_on(machines: list[str]) -> str:
     """`Runs trained on: <machine> (n runs); ...`: where the runs of a table were trained (RunView.machine)."""
-    counts: dict[str, int] = {}
-    for machine in machines:
-        counts[machine] = counts.get(machine, 0) + 1
+    counts = Counter(machines)
     return "Runs trained on: " + ("; ".join(f"{machine} ({n} runs)" for machine, n in counts.items()) or "-") + "."
 
 

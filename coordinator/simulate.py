@@ -120,7 +120,10 @@ def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
-        failures = _host_devices(spec, hosting)
+        from edge_sdk.training import one_thread
+
+        with one_thread():  # the workers use the cores; one thread also makes a device's results repeat anywhere
+            failures = _host_devices(spec, hosting)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the parent reports it in one line
         failures = [_one_line(exc)] * len(spec.indices)
         log.debug("worker failed", exc_info=True)
@@ -171,13 +174,8 @@ class Hosting:
 def _host_devices(spec: WorkerSpec, hosting: multiprocessing.connection.Connection) -> list[str]:
     """Run the worker's devices, one thread each, until they end; returns the errors of those that
     failed. Each device starts once the one before it has joined the run (or ended)."""
-    import torch
-    from threadpoolctl import threadpool_limits
-
     from edge_sdk.client import EdgeClient  # noqa: F401 - imported before the RSS is taken: shared by every device
 
-    torch.set_num_threads(1)  # the workers use the cores; one thread also keeps the float reductions in one
-    threadpool_limits(1)  # order, as numpy's BLAS does with one, so a device's results repeat on any machine
     lock = threading.Lock()
     threads, failures, joined = [], [], 0
     before = resident_bytes()

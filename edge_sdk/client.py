@@ -26,7 +26,7 @@ from . import algorithms, codecs
 from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task
 from .attacks import corrupt
 from .config import from_mapping
-from .data import ClientData
+from .data import ClientData, device_seed
 from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
                      signature_from_plain, signature_to_plain)
 from .params import floats_finite
@@ -116,8 +116,8 @@ class EdgeClient(DeviceSession):
         hyper = from_mapping(algorithm_cls.Hyper, welcome.config.get("hyper", {}), where=f"algorithm.{algorithm_id}")
         settings = from_mapping(TrainSettings, welcome.config["settings"], where="settings")
         self._check_model(welcome, settings)
-        seed = settings.seed * 1_000_003 + sum(self.client_id.encode())
-        data = self.data.for_run(settings.validation_fraction, settings.seed, self.client_id)
+        seed = device_seed(settings.seed, self.client_id)
+        data = self.data.for_run(settings.validation_fraction, seed)
         self.algorithm = algorithm_cls(hyper, settings, data, self.device, seed,
                                        welcome.config.get("assignment", {}), **self.training_overrides)
         self.algorithm_id = algorithm_id

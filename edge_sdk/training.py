@@ -118,6 +118,21 @@ _AMP: contextvars.ContextVar[bool] = contextvars.ContextVar("edgepfl_amp", defau
 
 
 @contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block torch and numpy's BLAS compute on one thread: float reductions then run in
+    one order whatever the machine's cores or OMP_NUM_THREADS, so results repeat bit for bit."""
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(1):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def mixed_precision(enabled: bool):
     """Within the block, `run_epochs` on CUDA uses automatic mixed precision (a device-local
     choice: the same run may have AMP on a GPU device and full precision elsewhere)."""

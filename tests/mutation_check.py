@@ -211,10 +211,11 @@ MUTATIONS = (
              (("make_optimizer = sgd_head_optimizer(lr) if optimizer is None else optimizer",
                "make_optimizer = sgd_head_optimizer(lr)"),), COMMON_OPTIMIZER),
     Mutation("fair: the validation split ignored by the device", CLIENT_PY,
-             (("data = self.data.for_run(settings.validation_fraction, settings.seed, self.client_id)",
+             (("data = self.data.for_run(settings.validation_fraction, seed)",
                "data = self.data"),), VALIDATION_RUN),
     Mutation("fair: the validation split ignored by a weak device", LITE_CLIENT_PY,
-             (("self.data = self.own_data.for_run(settings.validation_fraction, settings.seed, self.client_id)",
+             (("self.data = self.own_data.for_run(settings.validation_fraction, device_seed(settings.seed, "
+               "self.client_id))",
                "self.data = self.own_data"),), LITE_VALIDATION_RUN),
     Mutation("fair: the held-out split is the training data", CLIENT_DATA_PY,
              (("self.train_x[held_idx],", "self.train_x[train_idx],"),), FAIR_SETTINGS),

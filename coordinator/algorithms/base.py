@@ -7,10 +7,9 @@ aggregated. The server never holds a device's personal state.
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import NoHyper
@@ -21,24 +20,6 @@ from edge_sdk.protocol import ArrayGroup
 
 from ..aggregate import PartialSum
 from ..robust import AggregationSettings, Aggregator, make_aggregator
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Within the block torch and numpy's BLAS compute on one thread. A server step's float
-    reductions then run in one order whatever the machine's cores or OMP_NUM_THREADS, and a run
-    repeats bit for bit: DC-PFL's calibration (Fashion-MNIST, Dir 0.1, 15 rounds) ended at 83.32%
-    with the coordinator's two default threads and 85.35% with one, the run otherwise the same."""
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with threadpool_limits(1):
-            yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -127,7 +108,12 @@ class ServerAlgorithm(ABC):
         """Turn the accumulators into the next global state."""
 
     def close_round(self, round_: int) -> None:
-        """`end_round` as the round loop calls it: on one thread (see `one_thread`)."""
+        """`end_round` as the round loop calls it: on one thread (`edge_sdk.training.one_thread`), so
+        its float reductions run in one order whatever the machine's cores or OMP_NUM_THREADS:
+        DC-PFL's calibration (Fashion-MNIST, Dir 0.1, 15 rounds) ended at 83.32% with the
+        coordinator's two default threads and 85.35% with one, the run otherwise the same."""
+        from edge_sdk.training import one_thread
+
         with one_thread():
             self.end_round(round_)
 

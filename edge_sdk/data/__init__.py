@@ -1,6 +1,6 @@
 """Tasks, datasets, federated partitions and per-device train/test data, loadable with numpy only."""
 
-from edge_sdk.data.client_data import ClientData, load_client_data, load_folder_data, partition_client_data
+from edge_sdk.data.client_data import ClientData, device_seed, load_client_data, load_folder_data, partition_client_data
 from edge_sdk.data.datasets import BUILTIN_TASKS, Dataset, DatasetNotFoundError, load_dataset
 from edge_sdk.data.domains import DOMAIN_TRANSFORMS, apply_domain
 from edge_sdk.data.partition import PARTITIONS, partition_indices, stratified_split
@@ -21,6 +21,7 @@ __all__ = [
     "apply_domain",
     "dataset_from_arrays",
     "infer_task",
+    "device_seed",
     "load_client_data",
     "load_dataset",
     "load_folder_data",

@@ -60,13 +60,11 @@ class ClientData:
         return ClientData(self.train_x[train_idx], self.train_y[train_idx], self.train_x[held_idx],
                           self.train_y[held_idx], self.task, self.domain)
 
-    def for_run(self, validation_fraction: float, run_seed: int, client_id: str) -> ClientData:
-        """What device `client_id` trains and is scored on in a run: all of this data, or, with a
-        validation fraction, its held-out view (`holding_out`) seeded by the run's seed and the
-        device's id, so that trainer and weak devices hold out alike and a rerun the same examples."""
-        if not validation_fraction:
-            return self
-        return self.holding_out(validation_fraction, run_seed * 1_000_003 + sum(client_id.encode()))
+    def for_run(self, validation_fraction: float, seed: int) -> ClientData:
+        """What a device trains and is scored on in a run: all of this data, or, with a validation
+        fraction, its held-out view (`holding_out`) seeded by the device's seed (`device_seed`), so
+        that trainer and weak devices hold out alike and a rerun the same examples."""
+        return self.holding_out(validation_fraction, seed) if validation_fraction else self
 
     @classmethod
     def from_arrays(cls, x: np.ndarray, y: np.ndarray, task: TaskSpec | None = None, seed: int = 0, *,
@@ -79,6 +77,11 @@ class ClientData:
         """
         pool = dataset_from_arrays(x, y, task, kind=kind, class_names=class_names, name=name)
         return _split(pool.x, pool.y, pool.task, seed, None)
+
+
+def device_seed(run_seed: int, client_id: str) -> int:
+    """A device's own seed in a run: its batches, augmentations and held-out split draw from it."""
+    return run_seed * 1_000_003 + sum(client_id.encode())
 
 
 def _split_seed(seed: int, index: int) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..config import from_mapping
-from ..data import ClientData
+from ..data import ClientData, device_seed
 from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..session import DeviceSession
 from ..settings import TrainSettings
@@ -156,7 +156,7 @@ class LiteClient(DeviceSession):
         # the session records the run after `join` returns; a FETCH sent from here needs it now
         self.run_id = welcome.run_id
         settings = from_mapping(TrainSettings, welcome.config.get("settings", {}), where="settings")
-        self.data = self.own_data.for_run(settings.validation_fraction, settings.seed, self.client_id)
+        self.data = self.own_data.for_run(settings.validation_fraction, device_seed(settings.seed, self.client_id))
         self.release, self.prototypes, self._waiting, self._features = None, None, None, None
         early, self._unjoined = self._unjoined, None
         if early is not None and early.run_id == welcome.run_id:

@@ -18,7 +18,7 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from coordinator.inprocess import play_round
-from edge_sdk import wire
+from edge_sdk import training, wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import DeviceAlgorithm, Task
@@ -49,10 +49,8 @@ SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Single-threaded torch: these tiny models only lose time to threading."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with training.one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -804,7 +804,7 @@ def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federa
 
 def test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split_only(federation):
     # Prepare: RepPer with a fifth of each training split held out; dev002 is a weak device; no test split is readable
-    from edge_sdk.data import load_client_data
+    from edge_sdk.data import device_seed, load_client_data
     from edge_sdk.lite import LiteClient
 
     coordinator = federation.coordinator(federation.config(algorithm="repper", rounds=1, validation_fraction=0.2))
@@ -823,7 +823,7 @@ def test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split
     assert federation.devices_exit()
 
     # Assert: the weak device was scored on the same held-out fifth a trainer with its id would hold out
-    held_out = own.for_run(0.2, 0, "dev002")
+    held_out = own.for_run(0.2, device_seed(0, "dev002"))
     scored = report["final"]["per_client"]["dev002"]
     assert report["evaluated_on"] == "validation" and lite.evaluation is not None
     assert scored["num_test"] == held_out.num_test == len(lite.data.test_y)

@@ -12,7 +12,7 @@ from sklearn.datasets import load_digits, load_wine
 import user_models
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from edge_sdk import wire
+from edge_sdk import training, wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
@@ -28,10 +28,8 @@ SETTINGS = TrainSettings(model="tests.user_models:unused", rounds=2, local_epoch
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with training.one_thread():
+        yield
 
 
 def split_clients(x: np.ndarray, y: np.ndarray, task: TaskSpec, clients: int) -> list[ClientData]:
