@@ -20,7 +20,9 @@ imported as `_runs` from the script's own folder; nothing in the package imports
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run. With
   `cached_only` nothing is trained: a run not finished in the cache is listed in `missing`.
-  Each run it trains records where it ran in `machine.json` beside its report.
+  Each run it trains records where it ran in `machine.json` beside its report. With a `ledger`
+  (`_ledger.RunLedger`, committed), every clean run it returns is recorded there, and a run whose
+  folder is absent is read from there: the tables outlive the machine that trained the runs.
 - `RunPool`: runs of one cache side by side, a process each, highest priority first (a
   benchmark's `--jobs`); the tables are then read from the cache.
 - `RunView`: a report cut at the rounds asked for: accuracy, bytes, rounds to a target.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable, Iterator
 
+from _ledger import DEFAULT_LEDGER, RunLedger
 from _machine import machine_info
 from coordinator.config import KEYS, RunConfig
 from coordinator.run_folder import RunFolder
@@ -157,6 +160,7 @@ class RunView:
     rounds: int
     cached: bool
     seconds: float  # this call's wall time (0 when reused)
+    trainer: dict[str, Any] | None = None  # machine_info() of the machine that trained it (None: unrecorded)
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -191,10 +195,9 @@ class RunView:
 
     def machine(self) -> str:
         """Where the run was trained, in one line (`unrecorded` for runs older than machine.json)."""
-        path = self.out / MACHINE_FILE
-        if not path.exists():
+        info = self.trainer
+        if info is None:
             return "unrecorded"
-        info = json.loads(path.read_text())
         return f"{info['cpu_model']}, {info['cores']} cores" + (f", {info['gpu']}" if info.get("gpu") else "") + (
             f", torch {info['torch']}")
 
@@ -267,6 +270,16 @@ def trainer_machine(config: RunConfig) -> dict[str, Any]:
     return {**machine_info(), "device": str(pick_device(config.simulation.device))}
 
 
+def recorded_machine(out: Path) -> dict[str, Any] | None:
+    """The machine.json of run folder `out` (None for runs older than it)."""
+    path = out / MACHINE_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+LOCAL_KEYS = ("out", "broker")
+"""Settings of where a run was trained, not of what it is: left out of its ledger record."""
+
+
 def run_folder_name(config: RunConfig) -> str:
     setting = Setting(config.run.partition, config.run.alpha, config.run.classes_per_client, config.round.fraction)
     evaluation = "" if config.round.eval_every == 1 else f"-e{config.round.eval_every}"  # not in the fingerprint
@@ -279,11 +292,12 @@ class RunCache:
     """Finished runs under `root`, one folder per fingerprint; see the module docstring."""
 
     def __init__(self, root: str | Path, *, broker: str | None = None, fresh: bool = False,
-                 cached_only: bool = False):
+                 cached_only: bool = False, ledger: str | Path | None = None):
         if fresh and cached_only:
             raise ValueError("fresh (recompute) and cached_only (train nothing) exclude each other")
         self.root = Path(root)
         self.broker = broker
+        self.ledger = RunLedger(ledger) if ledger is not None else None
         self.fresh = fresh
         self.cached_only = cached_only
         self.failures: list[dict[str, Any]] = []
@@ -324,7 +338,11 @@ class RunCache:
         if report_path.exists():
             report = json.loads(report_path.read_text())
             if report["rounds_completed"] >= config.training.rounds:
-                return self._checked(RunView(config, report, out, config.training.rounds, cached=True, seconds=0.0))
+                return self._recorded(self._checked(RunView(config, report, out, config.training.rounds, cached=True,
+                                                            seconds=0.0, trainer=recorded_machine(out))))
+        recorded = self._from_ledger(config, out)
+        if recorded is not None:
+            return recorded
         if self.cached_only:
             self.missing.append(out.name)
             return None
@@ -346,7 +364,27 @@ class RunCache:
             self.failures.append({"run": out.name, "error": f"stopped after {report['rounds_completed']} rounds"})
             self._failed.add(out)
             return None
-        return self._checked(RunView(config, report, out, config.training.rounds, cached=False, seconds=seconds))
+        return self._recorded(self._checked(RunView(config, report, out, config.training.rounds, cached=False,
+                                                    seconds=seconds, trainer=recorded_machine(out))))
+
+    def _from_ledger(self, config: RunConfig, out: Path) -> RunView | None:
+        """The ledger's record of this run when it ran at least the rounds asked for (not with
+        `fresh`: a recomputed run replaces its record)."""
+        if self.ledger is None or self.fresh:
+            return None
+        entry = self.ledger.get(out.name)
+        if entry is None or entry["report"]["rounds_completed"] < config.training.rounds:
+            return None
+        log.info("%s: read from the ledger (%s)", out.name, self.ledger.root)
+        return RunView(config, entry["report"], out, config.training.rounds, cached=True, seconds=0.0,
+                       trainer=entry["machine"])
+
+    def _recorded(self, view: RunView | None) -> RunView | None:
+        """`view`, after its run is recorded in the ledger (a clean run only: `_checked` passed)."""
+        if view is not None and self.ledger is not None:
+            settings = {key: value for key, value in view.config.to_flat().items() if key not in LOCAL_KEYS}
+            self.ledger.record(view.out.name, settings, view.trainer, view.report)
+        return view
 
     def adopt_failures(self, failures: list[dict[str, Any]]) -> None:
         """Failures another process met on this cache (a `RunPool` run): reported with this
@@ -377,10 +415,10 @@ class RunCache:
 
 
 # -- runs side by side ---------------------------------------------------------------------------
-def _run_in_child(root: str, broker: str | None, config: RunConfig) -> list[dict[str, Any]]:
+def _run_in_child(root: str, broker: str | None, ledger: str | None, config: RunConfig) -> list[dict[str, Any]]:
     """A `RunPool` process: one run through a RunCache of its own; returns its failures."""
     setup_logging()
-    cache = RunCache(root, broker=broker)
+    cache = RunCache(root, broker=broker, ledger=ledger)
     cache.run(config)
     return cache.failures
 
@@ -429,7 +467,8 @@ class RunPool:
     def _fill(self) -> None:
         while self._queue and len(self._running) < self.jobs:
             _, _, config, tag = heapq.heappop(self._queue)
-            future = self._executor.submit(_run_in_child, str(self.cache.root), self.cache.broker, config)
+            ledger = str(self.cache.ledger.root) if self.cache.ledger is not None else None
+            future = self._executor.submit(_run_in_child, str(self.cache.root), self.cache.broker, ledger, config)
             self._running[future] = (config, tag)
 
     def _collect(self, future: Future, config: RunConfig) -> None:
@@ -439,6 +478,21 @@ class RunPool:
             failures = [{"run": run_folder_name(config), "error": f"{type(exc).__name__}: {exc}"}]
             log.error("run %s: its process failed: %s", failures[0]["run"], failures[0]["error"])
         self.cache.adopt_failures(failures)
+
+
+# -- arguments ------------------------------------------------------------
+def add_ledger_argument(parser: Any) -> None:
+    """`--ledger`, as every benchmark that trains through a RunCache takes it."""
+    parser.add_argument("--ledger", help=f"folder of the finished runs' records, committed (default {DEFAULT_LEDGER}; "
+                        "none with --quick; 'none': none)")
+
+
+def ledger_folder(ledger: str | None, quick: bool) -> str | None:
+    """The ledger a benchmark invocation reads and writes: `--ledger`, else the committed one
+    (none for a quick smoke run, which must not write into the repository)."""
+    if ledger == "none":
+        return None
+    return ledger or (None if quick else DEFAULT_LEDGER)
 
 
 # -- formatting -----------------------------------------------------------

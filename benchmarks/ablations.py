@@ -45,7 +45,9 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunCache,
     RunPool,
     Setting,
+    add_ledger_argument,
     bench_config,
+    ledger_folder,
     listed,
     mean_std,
     setup_logging,
@@ -165,6 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", help="output file stem (default ablations-<dataset>-<rounds>rounds)")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    add_ledger_argument(parser)
     parser.add_argument("--cached-only", action="store_true",
                         help="train nothing: tables from the runs finished in the cache, other rows 'not run'")
     parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
@@ -207,6 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
     args.seeds = [int(s) for s in listed(args.seeds)]
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.ledger = ledger_folder(args.ledger, args.quick)
     args.name = args.name or f"ablations-{args.dataset}-{args.rounds}rounds"
     return args
 
@@ -364,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     rows = selected_rows(args)
-    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only,
+                     ledger=args.ledger)
     machine = machine_info()
     if args.jobs > 1 and not args.cached_only:  # side by side first; run_rows then reads them from the cache
         pool = RunPool(cache, args.jobs)
@@ -377,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
               "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers, "jobs": args.jobs,
               "aggregation_dtype": args.aggregation_dtype,
-              "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
+              "broker": args.broker or "embedded amqtt", "cache": args.cache,
+              "ledger": args.ledger, "quick": args.quick}
     document = {"benchmark": "ablations", "machine": machine, "config": config, "rows": results,
                 "claims": claim_rows(results), "failures": cache.failures}
     write_outputs(Path(args.out), args.name, document, markdown(args, document))

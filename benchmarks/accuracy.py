@@ -56,7 +56,9 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunCache,
     RunView,
     Setting,
+    add_ledger_argument,
     bench_config,
+    ledger_folder,
     line_style,
     listed,
     mean_std,
@@ -100,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="digits, fedavg and repper, dir0.5@1, seed 0, 2 rounds, holdout 2 (a smoke test)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    add_ledger_argument(parser)
     parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
     parser.add_argument("--cached-only", action="store_true",
                         help="train nothing: tables from the runs finished in the cache, other cells left empty")
@@ -143,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.ledger = ledger_folder(args.ledger, args.quick)
     args.hyper = parse_assignments(args.assignments)
     if not (math.isfinite(args.grad_clip_norm) and args.grad_clip_norm >= 0):
         raise SystemExit(f"--grad-clip-norm {args.grad_clip_norm}: zero (off) or a positive finite norm")
@@ -676,7 +680,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = [Setting.parse(s) for s in listed(args.settings)]
     seeds = [int(s) for s in listed(args.seeds)]
     out = Path(args.out)
-    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only,
+                     ledger=args.ledger)
     machine = machine_info()
 
     model = run_config(args, algorithms[0], settings[0], seeds[0]).model_name
@@ -686,7 +691,8 @@ def main(argv: list[str] | None = None) -> None:
               "seeds": seeds, "settings": [s.name for s in settings], "algorithms": algorithms,
               "eval_every": args.eval_every, "hyper": args.hyper, "workers": args.workers,
               "aggregation_dtype": args.aggregation_dtype, "broker": args.broker or "embedded amqtt",
-              "cache": args.cache, "quick": args.quick}
+              "cache": args.cache,
+              "ledger": args.ledger, "quick": args.quick}
     earlier = {path: load_earlier(path, config) for path in args.merge}  # before hours of training, not after
 
     rows, views = run_grid(args, cache, algorithms, settings, seeds)

@@ -50,7 +50,9 @@ from _runs import (  # noqa: E402
     RunCache,
     RunView,
     Setting,
+    add_ledger_argument,
     bench_config,
+    ledger_folder,
     has_field,
     line_style,
     listed,
@@ -77,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="digits only, fedavg and repper, 2 rounds (a smoke test)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    add_ledger_argument(parser)
     parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
     parser.add_argument("--cached-only", action="store_true",
                         help="train nothing: tables from the runs finished in the cache, other rows left out")
@@ -109,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.algorithms, args.target, args.digits_rounds = "fedavg,repper", 0.5, 2
         args.codec_algorithms, args.codecs, args.dc_modes = "fedavg", "fp32,int8", "full/fp32,lowrank:4/fp16"
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.ledger = ledger_folder(args.ledger, args.quick)
     return args
 
 
@@ -430,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown codec(s) {', '.join(bad_codecs)}; known: {', '.join(CODECS)}")
     over_seeds = to_target_over_seeds(args, Path(args.over_seeds)) if args.over_seeds else None  # before training
     out = Path(args.out)
-    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only)
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only,
+                     ledger=args.ledger)
     machine = machine_info()
 
     main_views: dict[str, RunView] = {}
@@ -446,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {"dataset": args.dataset, "clients": args.clients, "setting": args.setting, "seed": args.seed,
                    "rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
                    "lr": args.lr, "target": args.target, "algorithms": algorithms, "workers": args.workers,
-                   "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick},
+                   "broker": args.broker or "embedded amqtt", "cache": args.cache,
+                   "ledger": args.ledger, "quick": args.quick},
         "per_round": per_round(args, cache, algorithms, main_views),
         "to_target": to_target(args, main_views),
         "codecs": codecs(args, cache, main_views),

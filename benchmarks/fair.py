@@ -50,7 +50,9 @@ from _runs import (  # noqa: E402  (the script's own folder)
     RunCache,
     RunPool,
     Setting,
+    add_ledger_argument,
     bench_config,
+    ledger_folder,
     listed,
     mean_std,
     pct,
@@ -89,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", help="output file stem (default fair-<dataset>-<rounds>rounds)")
     parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
+    add_ledger_argument(parser)
     parser.add_argument("--cached-only", action="store_true",
                         help="train nothing: tables from the runs finished in the cache, other cells '-'")
     parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
@@ -133,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--validation-fraction must be in (0, 1), got {args.validation_fraction}")
     args.seeds = [int(s) for s in listed(args.seeds)]
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
+    args.ledger = ledger_folder(args.ledger, args.quick)
     args.name = args.name or f"fair-{args.dataset}-{args.rounds}rounds"
     return args
 
@@ -180,7 +184,7 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
     runs go first in the queue once its search has ended (so that, cut short, the tables hold
     whole methods). The tables are then read from the cache by the sequential pass."""
     pool = RunPool(cache, args.jobs)
-    finished = RunCache(args.cache, cached_only=True)  # reads the searches' results; trains nothing
+    finished = RunCache(args.cache, cached_only=True, ledger=args.ledger)  # reads the searches' results; trains nothing
     searches_left: dict[tuple[Setting, str], int] = {}
     for setting in args.settings:
         for method in args.methods:
@@ -275,7 +279,8 @@ def markdown(document: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only)
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only,
+                     ledger=args.ledger)
     machine = machine_info()
     if args.jobs > 1 and not args.cached_only:
         train_side_by_side(args, cache)
@@ -286,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
               "validation_fraction": args.validation_fraction, "seeds": args.seeds, "methods": args.methods,
               "settings": [s.name for s in args.settings], "workers": args.workers, "eval_every": args.eval_every,
               "jobs": args.jobs,
-              "broker": args.broker or "embedded amqtt", "cache": args.cache, "quick": args.quick}
+              "broker": args.broker or "embedded amqtt", "cache": args.cache,
+              "ledger": args.ledger, "quick": args.quick}
     document = {"benchmark": "fair", "machine": machine, "config": config, "settings": settings,
                 "failures": cache.failures, "missing": cache.missing}
     write_outputs(Path(args.out), args.name, document, markdown(document))

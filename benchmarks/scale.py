@@ -502,7 +502,8 @@ def markdown(result: dict) -> str:
     storage = "in memory" if s.get("nats_consumer_memory") else "on disk"
     cluster_note = (f" ({s['shards']} shard aggregators; the JetStream consumer of each QoS 1 subscription: "
                     f"{replicas} replicas, {storage})") if s.get("cluster") else ""
-    lines = [f"fedavg, model {s['model']} ({result['runs'][0]['model_params'] if result['runs'] else '?'} parameters), "
+    completed = [run for run in result["runs"] if "error" not in run]  # a failed run has only its error
+    lines = [f"fedavg, model {s['model']} ({completed[0]['model_params'] if completed else '?'} parameters), "
              f"{s['rounds']} rounds, broadcast chunk size {s['chunk_size']} bytes, upload chunk size "
              f"{s['upload_chunk_size']} bytes, flow control {s['flow_control_bytes']} bytes, broker {s['broker']}"
              + cluster_note + "; "

@@ -106,7 +106,7 @@ class Federation:
             try:
                 coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=self.on_round,
                                           model=None if isinstance(self.model, str) else self.model,
-                                          roster=[client_id_for(index) for index in range(config.run.clients)])
+                                          expected_devices=[client_id_for(i) for i in range(config.run.clients)])
                 report = coordinator.run()
             finally:
                 transport.close()

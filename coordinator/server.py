@@ -114,10 +114,11 @@ class Coordinator:
     """Runs one federated training over a `Channel`; `run()` returns the report. Observers
     `subscribe` to its events (coordinator/events.py); `on_round` receives each round's record.
 
-    `roster` names devices the run expects (a simulation's: dev000, dev001, ...): what the
-    algorithm hands out in order of registration (FediOS's projection blocks, DC-PFL's body
-    models) is handed out to them in the roster's order before registration opens, so it does
-    not depend on the order their HELLOs arrive in (devices on several hosts)."""
+    `expected_devices` names devices the run expects (a simulation's: dev000, dev001, ...): what
+    the algorithm hands out in order of registration (FediOS's projection blocks, DC-PFL's body
+    models) is handed out to them in that order before registration opens, so it does not depend
+    on the order their HELLOs arrive in (devices on several hosts). Not the ROSTER message, which
+    tells a shard aggregator a round's devices."""
 
     def __init__(
         self,
@@ -127,10 +128,10 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         model: ModelSpec | None = None,
-        roster: Sequence[str] = (),
+        expected_devices: Sequence[str] = (),
     ):
         self.config = config
-        self.roster = tuple(roster)
+        self.expected_devices = tuple(expected_devices)
         self.model: ModelSpec = model if model is not None else config.model_name
         self.channel = channel
         self.topics = channel.topics
@@ -167,7 +168,7 @@ class Coordinator:
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
         self._started = time.time()
         self.ledger = Ledger(channel, self._resume())
-        for client_id in self.roster:  # before any HELLO: assignments in the roster's order
+        for client_id in self.expected_devices:  # before any HELLO: assignments in their order
             self.algorithm.assignment(client_id)
 
     def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:

@@ -548,7 +548,8 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
         try:
             channel = config.coordinator_channel(transport)
             coordinator = Coordinator(config, WatchedChannel(channel, watch) if not remote else channel,
-                                      on_round=on_round, roster=[client_id_for(i) for i in all_devices(config)])
+                                      on_round=on_round,
+                                      expected_devices=[client_id_for(i) for i in all_devices(config)])
             if on_event is not None:
                 coordinator.subscribe(on_event)
             report = coordinator.run()

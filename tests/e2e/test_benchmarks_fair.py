@@ -1,10 +1,11 @@
 """benchmarks/fair.py --quick: the lr search on validation, the common-optimizer and paper tables, end to end,
-with its runs side by side (`--jobs`)."""
+with its runs side by side (`--jobs`), and the same tables rebuilt from the run ledger alone."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ def run_files(cache: Path, name: str) -> tuple[dict, dict]:
 
 
 def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path):
-    command = [sys.executable, "benchmarks/fair.py", "--quick", "--jobs", "2", "--out", str(tmp_path)]
+    command = [sys.executable, "benchmarks/fair.py", "--quick", "--jobs", "2", "--out", str(tmp_path),
+               "--ledger", str(tmp_path / "ledger")]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -64,8 +66,19 @@ def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path
     assert "| FedRep | SGD, run lr, momentum 0.5 |" in markdown
     assert f"Runs trained on: {machines.pop()}, " in markdown and "(8 runs)." in markdown
 
+    # the ledger: a record per run, named like its cache folder, with its settings, machine and report only
+    ledger = {path.stem: json.loads(path.read_text()) for path in (tmp_path / "ledger").glob("*.json")}
+    assert set(ledger) == names
+    for name, entry in ledger.items():
+        assert set(entry) == {"run", "config", "machine", "report"} and entry["run"] == name
+        assert entry["report"] == json.loads((tmp_path / "runs" / name / "report.json").read_text())
+        assert "out" not in entry["config"] and entry["machine"]["cpu_model"] in markdown
+
+    shutil.rmtree(tmp_path / "runs")  # another machine, a fresh checkout: only the ledger is left
     again = subprocess.run([*command, "--cached-only"], check=False, cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((tmp_path / "fair-digits-2rounds.json").read_text())["settings"] == document["settings"]
+    assert (tmp_path / "fair-digits-2rounds.md").read_text().split("Tables made on")[0] == markdown.split(
+        "Tables made on")[0]

@@ -1,6 +1,6 @@
 """What the coordinator hands out in order of registration (FediOS's projection blocks) goes to
-the devices of its roster in the roster's order, whatever order their HELLOs arrive in: devices
-on several hosts register in no particular order, and the run must not depend on it."""
+the devices it expects (`expected_devices`) in that order, whatever order their HELLOs arrive in:
+devices on several hosts register in no particular order, and the run must not depend on it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DEVICES = ["dev000", "dev001", "dev002", "dev003"]
 def blocks_when_registering(order: list[str], roster: list[str], out) -> dict[str, int]:
     """FediOS's block of each device when their registrations arrive in `order`."""
     config = RunConfig.of(algorithm="fedios", dataset="digits", clients=len(DEVICES), out=str(out))
-    coordinator = Coordinator(config, Channel(Wire("coordinator"), Topics("roster")), roster=roster)
+    coordinator = Coordinator(config, Channel(Wire("coordinator"), Topics("roster")), expected_devices=roster)
     return {client_id: coordinator.welcome(client_id).config["assignment"]["block"] for client_id in order}
 
 
@@ -42,7 +42,7 @@ def test_dc_pfl_body_models_follow_the_roster_whatever_order_the_devices_registe
     # Prepare: two body architectures, handed out round robin
     config = RunConfig.of(algorithm="dc_pfl", dataset="fmnist", model="cnn28", clients=len(DEVICES),
                           hyper={"body_models": "cnn28,resnet18", "covariance": "diag"}, out=str(tmp_path))
-    coordinator = Coordinator(config, Channel(Wire("coordinator"), Topics("roster")), roster=DEVICES)
+    coordinator = Coordinator(config, Channel(Wire("coordinator"), Topics("roster")), expected_devices=DEVICES)
 
     # Execute: registrations in reverse order
     models = {client_id: coordinator.welcome(client_id).config["assignment"]["model"] for client_id in DEVICES[::-1]}

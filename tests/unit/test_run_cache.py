@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,87 @@ def test_benchmark_runs_sum_in_float64_and_are_cached_apart_from_float32_runs(ru
     assert bench.aggregation.dtype == "float64"
     assert bench.fingerprint() != float32.fingerprint()
     assert cache.folder(bench) != cache.folder(float32)
+
+
+# -- the run ledger ------------------------------------------------------------------------------
+MACHINE = {"cpu_model": "Test CPU", "cores": 2, "torch": "2.x"}
+
+
+def finished_folder(runs, cache, config, participants: int = 2) -> None:
+    """A finished 3-round run of `config` in `cache`'s folder, with the machine that trained it."""
+    folder = cache.folder(config)
+    folder.mkdir(parents=True)
+    RunFolder(folder).report.write_text(json.dumps(finished_report(3, participants)))
+    (folder / runs.MACHINE_FILE).write_text(json.dumps(MACHINE))
+
+
+def test_a_clean_run_is_recorded_in_the_ledger_and_read_from_it_once_its_folder_is_gone(runs, tmp_path):
+    # Prepare: a finished run in a cache with a ledger
+    ledger = tmp_path / "ledger"
+    config = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
+    cache = runs.RunCache(tmp_path / "cache", cached_only=True, ledger=ledger)
+    finished_folder(runs, cache, config)
+
+    # Execute: read it, then lose the cache (another machine) and ask again, for 3 and for 5 rounds
+    first = cache.run(config)
+    shutil.rmtree(tmp_path / "cache")
+    elsewhere = runs.RunCache(tmp_path / "cache", cached_only=True, ledger=ledger)
+    again = elsewhere.run(config)
+    longer = elsewhere.run(config.replace(rounds=5))
+
+    # Assert: the record holds the run's settings (not where it ran), machine and report; the
+    # ledger's view is the same run; a longer run is missing (a record cannot be extended)
+    entry = json.loads((ledger / f"{cache.folder(config).name}.json").read_text())
+    assert entry["report"] == finished_report(3) and entry["machine"] == MACHINE
+    assert entry["config"]["algorithm"] == "fedavg" and "out" not in entry["config"] and "broker" not in entry["config"]
+    assert again is not None and again.cached and again.personalized() == first.personalized()
+    assert again.machine() == first.machine() == "Test CPU, 2 cores, torch 2.x"
+    assert longer is None and elsewhere.missing == [cache.folder(config).name]
+
+
+def test_a_run_that_is_not_a_clean_measurement_is_not_recorded(runs, tmp_path):
+    config = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
+    cache = runs.RunCache(tmp_path / "cache", cached_only=True, ledger=tmp_path / "ledger")
+    finished_folder(runs, cache, config, participants=1)
+
+    assert cache.run(config) is None
+    assert not (tmp_path / "ledger").exists() or not list((tmp_path / "ledger").iterdir())
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "a run record is a JSON object"),
+    (json.dumps({"run": "x", "config": {}, "machine": None}), "lacks report"),
+    (json.dumps({"run": "another-run", "config": {}, "machine": None, "report": finished_report(3)}),
+     "records run 'another-run'"),
+    (json.dumps({"run": "RUN", "config": {}, "machine": None, "report": {"rounds_completed": "3"}}),
+     "report.rounds_completed"),
+])
+def test_a_malformed_ledger_record_is_refused_naming_its_file(runs, tmp_path, text, reason):
+    config = runs.bench_config(algorithm="fedavg", dataset="digits", clients=2, rounds=3, seed=0)
+    cache = runs.RunCache(tmp_path / "cache", cached_only=True, ledger=tmp_path / "ledger")
+    name = cache.folder(config).name
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / f"{name}.json").write_text(text.replace('"RUN"', json.dumps(name)))
+
+    with pytest.raises(ValueError, match=reason) as refused:
+        cache.run(config)
+    assert f"{name}.json" in str(refused.value)
+
+
+def test_a_record_is_not_replaced_by_a_shorter_run_of_the_same_settings(runs, tmp_path):
+    ledger = runs.RunLedger(tmp_path)
+
+    wrote_long = ledger.record("run", {}, MACHINE, finished_report(5))
+    wrote_short = ledger.record("run", {}, MACHINE, finished_report(3))
+    wrote_same = ledger.record("run", {}, MACHINE, finished_report(5))
+
+    assert (wrote_long, wrote_short, wrote_same) == (True, False, False)
+    assert ledger.get("run")["report"]["rounds_completed"] == 5
+
+
+def test_quick_runs_keep_no_ledger_and_the_others_the_committed_one(runs):
+    assert runs.ledger_folder(None, quick=True) is None
+    assert runs.ledger_folder(None, quick=False) == runs.DEFAULT_LEDGER == "benchmarks/results/ledger"
+    assert runs.ledger_folder("none", quick=False) is None
+    assert runs.ledger_folder("/elsewhere", quick=True) == "/elsewhere"
