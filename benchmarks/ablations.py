@@ -8,7 +8,8 @@ skew; `domains` feature skew for DualFed, CD2-pFed and FediOS, whose papers clai
 there; C=0.2; `--setting PAPER=SETTING` changes one). The protocol is accuracy.py's: Fashion-MNIST,
 20 devices, 15 rounds x 1 local epoch, batch 32, lr 0.05, over MQTT; runs are cached by their
 settings' fingerprint in the same cache, so accuracy.py's runs of the same settings are reused
-(pass `--cache` to share another folder).
+(pass `--cache` to share another folder), and recorded in the committed run ledger (`--ledger`),
+which serves the tables where the cache is absent.
 
 A row that no hyperparameter expresses yet carries `missing` (why) and is never run. `CLAIMS`
 lists each ordering a paper states ("with CD > without CD"); the claim table compares the two

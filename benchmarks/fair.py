@@ -18,7 +18,9 @@ evaluated every `--eval-every` rounds (default 10) and after the last: the table
 round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
 each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
 accuracy.py and ablations.py use; each records the machine that trained it, and the tables name
-the machines. `--jobs N` trains N runs side by side (a machine with many cores or a GPU); a
+the machines. Every finished run is also recorded in the committed run ledger (`--ledger`,
+benchmarks/_ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
+adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many cores or a GPU); a
 method's common-optimizer test runs start as soon as its lr search has ended.
 
     python benchmarks/fair.py --seeds 0 --cache /work/runs/cache
