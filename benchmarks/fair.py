@@ -5,8 +5,10 @@ For each setting and method:
 1. lr search, common optimizer: one run per lr of `--grid` with `optimizer = "sgd"` (momentum
    `--sgd-momentum`, weight decay `--sgd-weight-decay`) and `validation_fraction`
    (`--validation-fraction` of each device's training data held out, trained on the rest, scored
-   on it: the test split is never read). The lr with the best validation accuracy (final-round
-   mean over devices, mean over seeds) wins; ties go to the smaller lr.
+   on it: the test split is never read), for each seed of `--search-seeds` (default: the first of
+   `--seeds`: an lr is searched once, then every seed runs with it). The lr with the best
+   validation accuracy (final-round mean over devices, mean over the search seeds) wins; ties go
+   to the smaller lr.
 2. The common-optimizer table: the chosen lr, `optimizer = "sgd"`, the full training data, scored
    on the test split.
 3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as README.md's
@@ -102,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", default="fmnist")
     parser.add_argument("--data-dir")
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--search-seeds", help="seeds of the lr search (default: the first of --seeds)")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--local-epochs", type=int, default=2)
@@ -136,7 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--jobs and --eval-every must be at least 1, got {args.jobs} and {args.eval_every}")
     if not 0 < args.validation_fraction < 1:
         raise SystemExit(f"--validation-fraction must be in (0, 1), got {args.validation_fraction}")
-    args.seeds = [int(s) for s in listed(args.seeds)]
+    try:
+        args.seeds = [int(s) for s in listed(args.seeds)]
+        args.search_seeds = [int(s) for s in listed(args.search_seeds)] if args.search_seeds else args.seeds[:1]
+    except ValueError as exc:
+        raise SystemExit(f"--seeds/--search-seeds: {exc}") from None
+    if not args.seeds or not args.search_seeds:
+        raise SystemExit("--seeds and --search-seeds: one seed at least")
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     args.ledger = ledger_folder(args.ledger, args.quick)
     args.name = args.name or f"fair-{args.dataset}-{args.rounds}rounds"
@@ -157,11 +166,12 @@ def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: in
 # -- runs -------------------------------------------------------------------------------------
 def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: Setting, *, lr: float, common: bool,
                validation: bool) -> dict[str, Any]:
-    """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent)."""
+    """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent):
+    the search seeds on the validation split, the seeds on the test split."""
     seeds: dict[int, float] = {}
     runs: dict[int, str] = {}
     machines: dict[int, str] = {}
-    for seed in args.seeds:
+    for seed in args.search_seeds if validation else args.seeds:
         view = cache.run(run_config(args, method, setting, seed, lr=lr, common=common, validation=validation))
         if view is None:
             continue
@@ -190,9 +200,9 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
     searches_left: dict[tuple[Setting, str], int] = {}
     for setting in args.settings:
         for method in args.methods:
-            searches_left[(setting, method)] = len(args.grid) * len(args.seeds)
+            searches_left[(setting, method)] = len(args.grid) * len(args.search_seeds)
             for lr in args.grid:
-                for seed in args.seeds:
+                for seed in args.search_seeds:
                     pool.submit(run_config(args, method, setting, seed, lr=lr, common=True, validation=True),
                                 (setting, method))
             for seed in args.seeds:
@@ -240,7 +250,8 @@ def markdown(document: dict[str, Any]) -> str:
              f"{config['sgd_weight_decay']}, lr chosen per method on validation", "",
              "Every local phase of every method (head phases included) trains with this SGD; the lr is each method's "
              f"best of {', '.join(f'{lr:g}' for lr in config['grid'])} by validation accuracy "
-             f"({config['validation_fraction']:g} of each device's training data held out; the test split unread), "
+             f"({config['validation_fraction']:g} of each device's training data held out; the test split unread; "
+             f"seeds {', '.join(map(str, config['search_seeds']))}), "
              "then the run is repeated on the full training data and scored on the test split.", "",
              header, rule]
     for method in config["methods"]:
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "grid": args.grid,
               "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay,
-              "validation_fraction": args.validation_fraction, "seeds": args.seeds, "methods": args.methods,
+              "validation_fraction": args.validation_fraction, "seeds": args.seeds,
+              "search_seeds": args.search_seeds, "methods": args.methods,
               "settings": [s.name for s in args.settings], "workers": args.workers, "eval_every": args.eval_every,
               "jobs": args.jobs,
               "broker": args.broker or "embedded amqtt", "cache": args.cache,
