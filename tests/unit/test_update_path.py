@@ -16,7 +16,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from coordinator.aggregate import WeightedMean, aligned_reference, squared_change_above, squared_distance
+from coordinator.aggregate import (
+    SQUARED_CHANGE_MARGIN,
+    WeightedMean,
+    aligned_reference,
+    squared_change_above,
+    squared_distance,
+)
 from coordinator.validation import UpdateLimits, check_update, delta_norm, norm_over
 from edge_sdk import codecs
 from edge_sdk.params import BLOCK, all_finite, blocks, flat, spec_of
@@ -295,8 +301,9 @@ def test_squared_change_above_bounds_the_exact_sum_from_above_and_closely():
         # Execute
         upper = squared_change_above(value, reference, scratch)
 
-        # Assert
-        assert exact <= upper <= exact * (1 + 2**-7) + value.size * 2.0**-148
+        # Assert: above the exact sum, and by no more than the margin and float32's own rounding of
+        # the sum (either way, by the CPU's sdot kernel: 2**-25 above it on an AMD EPYC with AVX-512)
+        assert exact <= upper <= exact * SQUARED_CHANGE_MARGIN * (1 + 2**-12) + value.size * 2.0**-148
 
 
 def test_other_dtypes_and_sliced_references_use_the_float64_norm():
