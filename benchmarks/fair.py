@@ -15,7 +15,9 @@ For each setting and method:
    algorithm table states it) at the run lr `--lr`, full training data, test split.
 
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
-Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. Devices are
+Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
+carry hyperparameters (`repper:variant=in`, several joined by `+`), so that a variant, such as
+RepPer's L_in against its default L_out (issue 23, defect 3), gets the same protocol. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
 round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
 each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
@@ -67,7 +69,7 @@ from _runs import (  # noqa: E402  (the script's own folder)
 
 log = logging.getLogger("benchmarks")
 
-METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "fedavg", "fedavg_ft", "fedrep")
+METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "fedavg", "fedavg_ft", "fedrep", "repper:variant=in")
 SETTINGS = ("dir0.1@0.2", "domains@0.2")
 PAPER_OPTIMIZERS = {
     "repper": "Adam, lr 1e-3, weight decay 1e-4 (stage 1); head: SGD, run lr, momentum 0.9",
@@ -84,6 +86,40 @@ PAPER_OPTIMIZERS = {
     "local": "SGD, run lr, momentum 0.9",
 }
 """Each method's own local optimizer at its defaults (`optimizer = "paper"`; tests/unit/test_common_optimizer.py)."""
+
+
+# -- methods ---------------------------------------------------------------------------------
+def method_parts(method: str) -> tuple[str, dict[str, str]]:
+    """`repper:variant=in+tau=0.5` -> ("repper", {"variant": "in", "tau": "0.5"}); a plain id has none."""
+    algorithm, _, tail = method.partition(":")
+    overrides = {}
+    for item in filter(None, tail.split("+")):
+        key, equals, value = item.partition("=")
+        if not equals or not key or not value:
+            raise ValueError(f"{method!r}: a hyperparameter is KEY=VALUE, got {item!r}")
+        overrides[key] = value
+    return algorithm, overrides
+
+
+def method_name(method: str) -> str:
+    """How the tables name a method: `RepPer (variant=in)`."""
+    algorithm, overrides = method_parts(method)
+    return NAMES[algorithm] + (f" ({', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else "")
+
+
+def checked_methods(methods: list[str]) -> list[str]:
+    """`methods` when each names a known algorithm with hyperparameters it has (else SystemExit naming it)."""
+    from coordinator.algorithms import hyperparameters
+
+    for method in methods:
+        try:
+            algorithm, overrides = method_parts(method)
+            if algorithm not in PAPER_OPTIMIZERS:
+                raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(PAPER_OPTIMIZERS)}")
+            hyperparameters(algorithm, overrides)
+        except ValueError as exc:  # the registry's ConfigError is one too: each names the key
+            raise SystemExit(f"--methods: {method}: {exc}") from None
+    return methods
 
 
 # -- arguments -------------------------------------------------------------------------------
@@ -124,10 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 6, 2, 1
         args.methods, args.settings, args.seeds, args.grid = "fedavg,fedrep", "dir0.5@1", "0", "0.01,0.1"
         args.workers, args.eval_every = 1, 1  # eight small runs: a second worker process costs more than it saves
-    args.methods = listed(args.methods)
-    unknown = [m for m in args.methods if m not in PAPER_OPTIMIZERS]
-    if unknown:
-        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(PAPER_OPTIMIZERS)}")
+    args.methods = checked_methods(listed(args.methods))
     try:
         args.settings = [Setting.parse(s) for s in listed(args.settings)]
         args.grid = sorted(float(lr) for lr in listed(args.grid))
@@ -156,7 +189,8 @@ def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: in
                common: bool, validation: bool):
     """One run: the common optimizer (`common`) or the paper's, on the validation split or the test split."""
     optimizer = {"optimizer": "sgd", "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay}
-    return bench_config(algorithm=method, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
+    algorithm, overrides = method_parts(method)
+    return bench_config(algorithm=algorithm, hyper=overrides, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=lr,
                         seed=seed, workers=args.workers, eval_every=args.eval_every,
                         validation_fraction=args.validation_fraction if validation else 0.0,
@@ -260,14 +294,15 @@ def markdown(document: dict[str, Any]) -> str:
             entry = settings[name][method]
             cells.append("-" if entry["common"] is None else f"{pct(entry['common']['accuracy'])} "
                          f"(lr {entry['chosen_lr']:g})")
-        lines.append(f"| {NAMES[method]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method_name(method)} | " + " | ".join(cells) + " |")
     lines += ["", "### Each paper's optimizer", "",
               f"Each method's own local optimizer (`optimizer = \"paper\"`) at the run lr {config['lr']:g} where it "
               "takes the run's.", "", "| method | optimizer | " + " | ".join(labels.values()) + " |",
               "|---|---|" + "---|" * len(labels)]
     for method in config["methods"]:
         cells = [pct(settings[name][method]["paper"]["accuracy"]) for name in settings]
-        lines.append(f"| {NAMES[method]} | {PAPER_OPTIMIZERS[method]} | " + " | ".join(cells) + " |")
+        optimizer = PAPER_OPTIMIZERS[method_parts(method)[0]]
+        lines.append(f"| {method_name(method)} | {optimizer} | " + " | ".join(cells) + " |")
     lines += ["", "### The lr search (validation accuracy, %)", "",
               "| setting | method | " + " | ".join(f"lr {lr:g}" for lr in config["grid"]) + " | chosen |",
               "|---|---|" + "---|" * (len(config["grid"]) + 1)]
@@ -276,7 +311,7 @@ def markdown(document: dict[str, Any]) -> str:
             entry = settings[name][method]
             cells = [pct(search["accuracy"]) for search in entry["search"]]
             chosen = "-" if entry["chosen_lr"] is None else f"{entry['chosen_lr']:g}"
-            lines.append(f"| {labels[name]} | {NAMES[method]} | " + " | ".join(cells) + f" | {chosen} |")
+            lines.append(f"| {labels[name]} | {method_name(method)} | " + " | ".join(cells) + f" | {chosen} |")
     machines = [where for methods in settings.values() for entry in methods.values()
                 for cell in [*entry["search"], entry["common"], entry["paper"]]
                 for where in (cell or {}).get("machines", {}).values()]

@@ -1,0 +1,77 @@
+"""benchmarks/fair.py's choice of runs: the lr search on the search seeds (default: the first of
+--seeds), the test-split runs on every seed (tuned once, reported over several); a method may be
+an algorithm with hyperparameters (`repper:variant=in`), checked before anything trains."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def fair():
+    return load_benchmark("fair")
+
+
+def requested(fair, tmp_path, *flags: str) -> tuple[set[str], set[str]]:
+    """(validation runs, test runs) that fair.py asks its cache for, on an empty cache that trains nothing."""
+    args = fair.parse_args(["--methods", "fedavg", "--settings", "dir0.1@0.2", "--cached-only",
+                            "--cache", str(tmp_path), "--ledger", "none", *flags])
+    cache = fair.RunCache(args.cache, cached_only=True)
+    fair.run_setting(args, cache, args.settings[0])
+    names = set(cache.missing)
+    validation = {cache.folder(fair.run_config(args, "fedavg", args.settings[0], seed, lr=lr, common=True,
+                                               validation=True)).name
+                  for seed in range(3) for lr in args.grid}
+    return names & validation, names - validation
+
+
+def name_of(fair, tmp_path, seed: int, **kind) -> str:
+    args = fair.parse_args(["--cache", str(tmp_path), "--ledger", "none"])
+    return fair.RunCache(tmp_path).folder(fair.run_config(args, "fedavg", fair.Setting.parse("dir0.1@0.2"), seed,
+                                                          **kind)).name
+
+
+def test_the_lr_is_searched_on_the_first_seed_and_the_paper_runs_cover_every_seed(fair, tmp_path):
+    validation, test = requested(fair, tmp_path, "--seeds", "0,1,2")
+
+    assert validation == {name_of(fair, tmp_path, 0, lr=lr, common=True, validation=True) for lr in (0.01, 0.03, 0.1)}
+    assert test == {name_of(fair, tmp_path, seed, lr=0.05, common=False, validation=False) for seed in (0, 1, 2)}
+
+
+def test_search_seeds_widen_the_search(fair, tmp_path):
+    validation, _ = requested(fair, tmp_path, "--seeds", "0,1,2", "--search-seeds", "0,1")
+
+    assert validation == {name_of(fair, tmp_path, seed, lr=lr, common=True, validation=True)
+                          for seed in (0, 1) for lr in (0.01, 0.03, 0.1)}
+
+
+@pytest.mark.parametrize("flags", [["--search-seeds", "x"], ["--seeds", ","]])
+def test_bad_seeds_are_refused_naming_the_flag(fair, flags):
+    with pytest.raises(SystemExit, match="--seeds"):
+        fair.parse_args(flags)
+
+
+def test_a_method_with_hyperparameters_is_run_and_named_as_that_variant(fair, tmp_path):
+    args = fair.parse_args(["--methods", "repper,repper:variant=in", "--cache", str(tmp_path), "--ledger", "none"])
+    setting = fair.Setting.parse("dir0.1@0.2")
+
+    default, variant = (fair.run_config(args, method, setting, 0, lr=0.05, common=False, validation=False)
+                        for method in args.methods)
+
+    assert (variant.run.algorithm, variant.hyper) == ("repper", {"variant": "in"})
+    assert (default.run.algorithm, default.hyper) == ("repper", {}) and default.fingerprint() != variant.fingerprint()
+    assert fair.method_name("repper:variant=in") == "RepPer (variant=in)"
+
+
+@pytest.mark.parametrize("method, reason", [
+    ("repper:variant", "KEY=VALUE"),
+    ("nope", "unknown algorithm 'nope'"),
+    ("repper:variant=zz", "variant must be one of"),
+    ("repper:bogus=1", "unknown key 'bogus'"),
+])
+def test_a_bad_method_is_refused_naming_it(fair, method, reason):
+    with pytest.raises(SystemExit, match=reason) as refused:
+        fair.parse_args(["--methods", f"fedavg,{method}"])
+    assert f"--methods: {method}:" in str(refused.value)
