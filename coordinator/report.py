@@ -17,12 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def summarize(values: Iterable[float]) -> dict[str, float] | None:
-    """Mean, std and min over devices (None when there are none)."""
+    """Mean, std and min over devices (None when there are none). The sums are exactly rounded
+    (fsum), so the figures do not depend on the order the devices' results arrived in."""
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:
         return None
-    mean = sum(xs) / len(xs)
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    mean = math.fsum(xs) / len(xs)
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / len(xs))
     return {"mean": mean, "std": std, "min": min(xs), "count": len(xs)}
 
 

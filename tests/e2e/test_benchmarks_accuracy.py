@@ -68,7 +68,8 @@ def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
     merged_out = tmp_path / "merged"
     fedavg_only = [sys.executable, "benchmarks/accuracy.py", "--dataset", "digits", "--clients", "10", "--rounds", "2",
                    "--algorithms", "fedavg", "--settings", "dir0.5@1", "--seeds", "0", "--holdout", "0",
-                   "--cache", str(tmp_path / "runs"), "--merge", str(first), "--out", str(merged_out)]
+                   "--cache", str(tmp_path / "runs"), "--ledger", "none", "--merge", str(first),
+                   "--out", str(merged_out)]
 
     merging = subprocess.run(fedavg_only, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})

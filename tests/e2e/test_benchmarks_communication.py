@@ -73,8 +73,8 @@ def test_over_seeds_reads_rounds_and_mb_to_target_off_accuracy_curves(tmp_path):
     source = tmp_path / "accuracy.json"
     source.write_text(json.dumps(accuracy))
     command = [sys.executable, "benchmarks/communication.py", "--cached-only", "--algorithms", "", "--codec-algorithms",
-               "", "--dc-modes", "", "--rounds", "3", "--cache", str(tmp_path / "runs"), "--over-seeds", str(source),
-               "--out", str(tmp_path / "out")]
+               "", "--dc-modes", "", "--rounds", "3", "--cache", str(tmp_path / "runs"), "--ledger", "none",
+               "--over-seeds", str(source), "--out", str(tmp_path / "out")]
 
     # Execute
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -100,7 +100,7 @@ def test_over_seeds_without_runs_of_the_setting_fails_before_training(tmp_path):
     source = tmp_path / "accuracy.json"
     source.write_text(json.dumps({"machine": {}, "config": {"clients": 4}, "runs": []}))
     command = [sys.executable, "benchmarks/communication.py", "--algorithms", "fedavg", "--over-seeds", str(source),
-               "--cache", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+               "--cache", str(tmp_path / "runs"), "--ledger", "none", "--out", str(tmp_path / "out")]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
