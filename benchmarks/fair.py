@@ -24,8 +24,8 @@ each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in 
 accuracy.py and ablations.py use; each records the machine that trained it, and the tables name
 the machines. Every finished run is also recorded in the committed run ledger (`--ledger`,
 benchmarks/_ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
-adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many cores or a GPU); a
-method's common-optimizer test runs start as soon as its lr search has ended.
+adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many
+cores or a GPU); a method's common-optimizer test runs start as soon as its lr search has ended.
 
     python benchmarks/fair.py --seeds 0 --cache /work/runs/cache
     python benchmarks/fair.py --seeds 0 --jobs 12 --settings domains@0.2   # on a big machine
@@ -190,9 +190,9 @@ def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: in
     """One run: the common optimizer (`common`) or the paper's, on the validation split or the test split."""
     optimizer = {"optimizer": "sgd", "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay}
     algorithm, overrides = method_parts(method)
-    return bench_config(algorithm=algorithm, hyper=overrides, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
-                        rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=lr,
-                        seed=seed, workers=args.workers, eval_every=args.eval_every,
+    return bench_config(algorithm=algorithm, hyper=overrides, dataset=args.dataset, data_dir=args.data_dir,
+                        clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
+                        batch_size=args.batch_size, lr=lr, seed=seed, workers=args.workers, eval_every=args.eval_every,
                         validation_fraction=args.validation_fraction if validation else 0.0,
                         **(optimizer if common else {}), **setting.fields())
 
@@ -230,7 +230,7 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
     runs go first in the queue once its search has ended (so that, cut short, the tables hold
     whole methods). The tables are then read from the cache by the sequential pass."""
     pool = RunPool(cache, args.jobs)
-    finished = RunCache(args.cache, cached_only=True, ledger=args.ledger)  # reads the searches' results; trains nothing
+    finished = RunCache(args.cache, cached_only=True, ledger=args.ledger)  # reads the searches' results only
     searches_left: dict[tuple[Setting, str], int] = {}
     for setting in args.settings:
         for method in args.methods:
