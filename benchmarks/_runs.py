@@ -350,7 +350,8 @@ class RunCache:
             log.info("extending %s from %d to %d rounds", out.name, report["rounds_completed"], config.training.rounds)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_config.json").write_text(json.dumps(config.to_flat(), indent=2, default=str))
-        (out / MACHINE_FILE).write_text(json.dumps(trainer_machine(config), indent=2))
+        trainer = trainer_machine(config)
+        (out / MACHINE_FILE).write_text(json.dumps(trainer, indent=2))
         started = time.monotonic()
         try:
             report = run_simulation(config)
@@ -365,7 +366,7 @@ class RunCache:
             self._failed.add(out)
             return None
         return self._recorded(self._checked(RunView(config, report, out, config.training.rounds, cached=False,
-                                                    seconds=seconds, trainer=recorded_machine(out))))
+                                                    seconds=seconds, trainer=trainer)))
 
     def _from_ledger(self, config: RunConfig, out: Path) -> RunView | None:
         """The ledger's record of this run when it ran at least the rounds asked for (not with

@@ -369,8 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     rows = selected_rows(args)
-    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only,
-                     ledger=args.ledger)
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only, ledger=args.ledger)
     machine = machine_info()
     if args.jobs > 1 and not args.cached_only:  # side by side first; run_rows then reads them from the cache
         pool = RunPool(cache, args.jobs)

@@ -327,8 +327,7 @@ def markdown(document: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only,
-                     ledger=args.ledger)
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only, ledger=args.ledger)
     machine = machine_info()
     if args.jobs > 1 and not args.cached_only:
         train_side_by_side(args, cache)

@@ -120,13 +120,11 @@ class NatsNode:
             try:
                 with socket.create_connection((self.address, MQTT_PORT), timeout=2) as connection:
                     connection.sendall(bytes([0x10, len(body)]) + body)
-                    answer = b""
-                    while len(answer) < 4 and (chunk := connection.recv(4 - len(answer))):
-                        answer += chunk
-                    if len(answer) == 4 and answer[0] == CONNACK:
+                    answered = connection.makefile("rb").read(4)  # CONNACK is 4 bytes; b"" if the node hung up
+                    connack = len(answered) == 4 and answered[0] == CONNACK
+                    if connack:
                         connection.sendall(b"\xe0\x00")  # DISCONNECT
-                        return True
-                    return False
+                    return connack
             except OSError:
                 return False
 
