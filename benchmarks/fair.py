@@ -267,7 +267,31 @@ def run_setting(args: argparse.Namespace, cache: RunCache, setting: Setting) -> 
     return methods
 
 
+def progress(config: dict[str, Any], settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """How many runs of the protocol each kind has (search, common, paper: {"done", "planned"}), counted
+    from the tables: a protocol that sessions add up over time says how far it has come."""
+    per_method = {"search": len(config["grid"]) * len(config["search_seeds"]), "common": len(config["seeds"]),
+                  "paper": len(config["seeds"])}
+    counts = {kind: {"done": 0, "planned": planned * len(config["methods"]) * len(settings)}
+              for kind, planned in per_method.items()}
+    for methods in settings.values():
+        for entry in methods.values():
+            counts["search"]["done"] += sum(len(search["seeds"]) for search in entry["search"])
+            counts["common"]["done"] += len(entry["common"]["seeds"]) if entry["common"] else 0
+            counts["paper"]["done"] += len(entry["paper"]["seeds"])
+    return counts
+
+
 # -- outputs ------------------------------------------------------------------------------------
+def progress_line(counts: dict[str, dict[str, int]]) -> str:
+    """`progress` as the sentence that heads the tables."""
+    done, planned = (sum(kind[key] for kind in counts.values()) for key in ("done", "planned"))
+    return (f"**Runs done: {done} of {planned}** (lr search {counts['search']['done']} of "
+            f"{counts['search']['planned']}, common-optimizer test runs {counts['common']['done']} of "
+            f"{counts['common']['planned']}, paper-optimizer runs {counts['paper']['done']} of "
+            f"{counts['paper']['planned']}); a cell without a run reads -.")
+
+
 def markdown(document: dict[str, Any]) -> str:
     config, settings = document["config"], document["settings"]
     labels = {name: Setting.parse(name).label for name in settings}
@@ -279,7 +303,7 @@ def markdown(document: dict[str, Any]) -> str:
              "over devices at the last round on the test split (%), mean ± std over seeds "
              f"{', '.join(map(str, config['seeds']))}. Over MQTT. "
              "The two tables are separate experiments: do not compare a cell of one with a cell of the other as a "
-             "ranking of methods.", "",
+             "ranking of methods.", "", progress_line(document["progress"]), "",
              f"### Common optimizer: SGD, momentum {config['sgd_momentum']}, weight decay "
              f"{config['sgd_weight_decay']}, lr chosen per method on validation", "",
              "Every local phase of every method (head phases included) trains with this SGD; the lr is each method's "
@@ -342,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
               "broker": args.broker or "embedded amqtt", "cache": args.cache,
               "ledger": args.ledger, "quick": args.quick}
     document = {"benchmark": "fair", "machine": machine, "config": config, "settings": settings,
-                "failures": cache.failures, "missing": cache.missing}
+                "progress": progress(config, settings), "failures": cache.failures, "missing": cache.missing}
     write_outputs(Path(args.out), args.name, document, markdown(document))
     log.info("wrote %s", Path(args.out) / f"{args.name}.md")
     if cache.failures:

@@ -65,6 +65,9 @@ def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path
     assert f"(lr {methods['fedrep']['chosen_lr']:g}) |" in markdown
     assert "| FedRep | SGD, run lr, momentum 0.5 |" in markdown
     assert f"Runs trained on: {machines.pop()}, " in markdown and "(8 runs)." in markdown
+    assert document["progress"] == {kind: {"done": n, "planned": n} for kind, n in
+                                    (("search", 4), ("common", 2), ("paper", 2))}
+    assert "**Runs done: 8 of 8** (lr search 4 of 4, common-optimizer test runs 2 of 2" in markdown
 
     # the ledger: a record per run, named like its cache folder, with its settings, machine and report only
     ledger = {path.stem: json.loads(path.read_text()) for path in (tmp_path / "ledger").glob("*.json")}

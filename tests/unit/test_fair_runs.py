@@ -75,3 +75,19 @@ def test_a_bad_method_is_refused_naming_it(fair, method, reason):
     with pytest.raises(SystemExit, match=reason) as refused:
         fair.parse_args(["--methods", f"fedavg,{method}"])
     assert f"--methods: {method}:" in str(refused.value)
+
+
+def test_progress_counts_the_runs_each_kind_has_of_those_planned(fair, tmp_path):
+    args = fair.parse_args(["--methods", "fedavg,fedrep", "--settings", "dir0.1@0.2", "--seeds", "0,1,2",
+                            "--search-seeds", "0,1", "--cached-only", "--cache", str(tmp_path), "--ledger", "none"])
+    config = {"grid": args.grid, "seeds": args.seeds, "search_seeds": args.search_seeds, "methods": args.methods}
+    empty = fair.run_setting(args, fair.RunCache(args.cache, cached_only=True), args.settings[0])
+    searched = {lr: {"lr": lr, "seeds": {0: 0.5, 1: 0.6}} for lr in args.grid}
+    partial = {**empty, "fedrep": {"search": list(searched.values()), "chosen_lr": 0.01,
+                                   "common": {"seeds": {0: 0.7}}, "paper": {"seeds": {0: 0.4, 2: 0.5}}}}
+
+    assert fair.progress(config, {"dir0.1@0.2": empty}) == {
+        "search": {"done": 0, "planned": 12}, "common": {"done": 0, "planned": 6}, "paper": {"done": 0, "planned": 6}}
+    assert fair.progress(config, {"dir0.1@0.2": partial}) == {
+        "search": {"done": 6, "planned": 12}, "common": {"done": 1, "planned": 6}, "paper": {"done": 2, "planned": 6}}
+    assert fair.progress_line(fair.progress(config, {"dir0.1@0.2": partial})).startswith("**Runs done: 9 of 24**")
