@@ -82,8 +82,8 @@ def test_progress_counts_the_runs_each_kind_has_of_those_planned(fair, tmp_path)
                             "--search-seeds", "0,1", "--cached-only", "--cache", str(tmp_path), "--ledger", "none"])
     config = {"grid": args.grid, "seeds": args.seeds, "search_seeds": args.search_seeds, "methods": args.methods}
     empty = fair.run_setting(args, fair.RunCache(args.cache, cached_only=True), args.settings[0])
-    searched = {lr: {"lr": lr, "seeds": {0: 0.5, 1: 0.6}} for lr in args.grid}
-    partial = {**empty, "fedrep": {"search": list(searched.values()), "chosen_lr": 0.01,
+    searched = [{"lr": lr, "seeds": {0: 0.5, 1: 0.6}} for lr in args.grid]
+    partial = {**empty, "fedrep": {"search": searched, "chosen_lr": 0.01,
                                    "common": {"seeds": {0: 0.7}}, "paper": {"seeds": {0: 0.4, 2: 0.5}}}}
 
     assert fair.progress(config, {"dir0.1@0.2": empty}) == {
