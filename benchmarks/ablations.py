@@ -9,7 +9,11 @@ there; C=0.2; `--setting PAPER=SETTING` changes one). The protocol is accuracy.p
 20 devices, 15 rounds x 1 local epoch, batch 32, lr 0.05, over MQTT; runs are cached by their
 settings' fingerprint in the same cache, so accuracy.py's runs of the same settings are reused
 (pass `--cache` to share another folder), and recorded in the committed run ledger (`--ledger`),
-which serves the tables where the cache is absent.
+which serves the tables where the cache is absent. Devices are evaluated every round unless
+`--eval-every N` says otherwise (the tables read the last round; every N rounds makes the FedAvg+FT
+references, which fine-tune every device at each evaluation, several times cheaper; a run's
+evaluation period is in its cache name, so the ledger's runs, evaluated every round, are read only
+with the default).
 
 A row that no hyperparameter expresses yet carries `missing` (why) and is never run. `CLAIMS`
 lists each ordering a paper states ("with CD > without CD"); the claim table compares the two
@@ -184,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-epochs", type=int, default=1, help="of every row without its own")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--eval-every", type=int, default=1,
+                        help="evaluate every N rounds and after the last (the tables read the last; default 1, the "
+                             "runs already in the ledger)")
     parser.add_argument("--workers", type=int, default=2, help="device worker processes per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, a process each")
     parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
@@ -209,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--papers: unknown {', '.join(unknown)}; known: {', '.join(PAPERS)}")
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+    if args.eval_every < 1:
+        raise SystemExit(f"--eval-every must be at least 1, got {args.eval_every}")
     args.seeds = [int(s) for s in listed(args.seeds)]
     args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
     args.ledger = ledger_folder(args.ledger, args.quick)
@@ -239,7 +248,8 @@ def run_config(args: argparse.Namespace, row: Row, seed: int):
     return bench_config(algorithm=row.algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
                         rounds=args.rounds, local_epochs=row.local_epochs or args.local_epochs,
                         batch_size=args.batch_size, lr=args.lr, seed=seed, workers=args.workers,
-                        aggregation_dtype=args.aggregation_dtype, hyper=dict(row.overrides), **setting.fields())
+                        eval_every=args.eval_every, aggregation_dtype=args.aggregation_dtype,
+                        hyper=dict(row.overrides), **setting.fields())
 
 
 # -- runs -------------------------------------------------------------------------------------
@@ -322,13 +332,18 @@ def override_text(result: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in result["overrides"].items()) or "defaults"
 
 
+def evaluation_text(eval_every: int) -> str:
+    """The header's note on how often devices were evaluated: nothing for every round (the default)."""
+    return "" if eval_every == 1 else f"Devices evaluated every {eval_every} rounds and after the last. "
+
+
 def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
     config, results = document["config"], document["rows"]
     lines = ["## Ablations of the five seed papers (issue 23)", "",
              f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds**, batch "
              f"{config['batch_size']}, lr {config['lr']}, each paper in its setting; mean personalized accuracy over "
              "devices at the last round (%), mean ± std over the seeds named; 'vs full': points over the paper's full "
-             "method on the seeds both ran. Over MQTT.", ""]
+             f"method on the seeds both ran. {evaluation_text(config['eval_every'])}Over MQTT.", ""]
     for paper in config["papers"]:
         rows = [r for r in results if r["paper"] == paper]
         full = next((r for r in rows if r["id"] == FULL), None)
@@ -380,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
     results = run_rows(args, cache, rows)
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
               "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
-              "settings": {p: args.settings[p] for p in args.papers}, "workers": args.workers, "jobs": args.jobs,
+              "settings": {p: args.settings[p] for p in args.papers}, "eval_every": args.eval_every,
+              "workers": args.workers, "jobs": args.jobs,
               "aggregation_dtype": args.aggregation_dtype,
               "broker": args.broker or "embedded amqtt", "cache": args.cache,
               "ledger": args.ledger, "quick": args.quick}
