@@ -43,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
+from _claims import compare  # noqa: E402
 from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
@@ -290,35 +291,15 @@ def claim_rows(results: list[dict[str, Any]], claims: list[Claim] = CLAIMS) -> l
         entry = {"paper": claim.paper, "claim": claim.text, "source": claim.source, "better": claim.better,
                  "worse": claim.worse, "seeds": [], "differences": [], "measured": "not measured",
                  "reproduced": "not measured"}
-        seeds = sorted(set(better["seeds"] if better else {}) & set(worse["seeds"] if worse else {}))
-        if seeds:
-            differences = [better["seeds"][s] - worse["seeds"][s] for s in seeds]
-            spread = mean_std(differences)
-            entry.update(seeds=seeds, differences=differences, measured=measured_text(better, worse, seeds, spread),
-                         reproduced=verdict(spread))
+        comparison = compare(better["seeds"] if better else {}, worse["seeds"] if worse else {})
+        if comparison:
+            entry.update(comparison)
         else:
             absent = [row for row in (better, worse) if row is None or not row["seeds"]]
             why = "; ".join(row["missing"] for row in absent if row and row["missing"])
             entry["measured"] = f"not measured ({why})" if why else "not measured"
         table.append(entry)
     return table
-
-
-def measured_text(better: dict, worse: dict, seeds: list[int], spread: dict[str, Any]) -> str:
-    """'93.10 vs 91.20: +1.90 (seed 0)', or with the std of the per-seed difference over several seeds."""
-    mean_of = lambda row: 100 * sum(row["seeds"][s] for s in seeds) / len(seeds)  # noqa: E731
-    text = f"{mean_of(better):.2f} vs {mean_of(worse):.2f}: {100 * spread['mean']:+.2f}"
-    if spread["n"] > 1:
-        text += f" ± {100 * spread['std']:.2f}"
-    return text + f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
-
-
-def verdict(spread: dict[str, Any]) -> str:
-    """'yes' / 'no' by the sign of the mean difference; 'within seed spread' when it is no larger than its std."""
-    answer = "yes" if spread["mean"] > 0 else "no"
-    if spread["n"] > 1 and abs(spread["mean"]) <= spread["std"]:
-        return f"{answer}, within seed spread"
-    return answer + (" (1 seed)" if spread["n"] == 1 else "")
 
 
 # -- outputs ------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ For each setting and method:
    on the test split.
 3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as README.md's
    algorithm table states it) at the run lr `--lr`, full training data, test split.
+4. The claim table: each ordering of two of the protocol's methods that a paper states (`CLAIMS`:
+   "DualFed > FedRep"), and whether each seed method beats FedAvg+FT, in each setting and under
+   each optimizer, on the seeds both methods ran (benchmarks/_claims.py, as ablations.py's).
 
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
@@ -43,12 +46,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
+from _claims import compare  # noqa: E402
 from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
@@ -86,6 +91,37 @@ PAPER_OPTIMIZERS = {
     "local": "SGD, run lr, momentum 0.9",
 }
 """Each method's own local optimizer at its defaults (`optimizer = "paper"`; tests/unit/test_common_optimizer.py)."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A stated ordering of two methods of the protocol: `better` beats `worse` (ids as `--methods` names them)."""
+
+    text: str
+    better: str
+    worse: str
+    source: str
+
+
+UNCLAIMED = "not claimed; the strongest baseline here"
+CLAIMS: list[Claim] = [
+    Claim("RepPer > FedAvg", "repper", "fedavg", "RepPer, Table 2"),
+    Claim("RepPer > FedAvg+FT", "repper", "fedavg_ft", "RepPer, Table 2"),
+    Claim("RepPer > FedRep", "repper", "fedrep", "RepPer, Table 2"),
+    Claim("RepPer: L_out > L_in", "repper", "repper:variant=in",
+          "none (Eq. 5 is L_in); the default's reason (defect 3)"),
+    Claim("DualFed > FedAvg", "dualfed", "fedavg", "DualFed, Tables 1-3"),
+    Claim("DualFed > FedRep", "dualfed", "fedrep", "DualFed, Tables 1-3"),
+    Claim("DualFed > FedAvg+FT", "dualfed", "fedavg_ft", UNCLAIMED),
+    Claim("DC-PFL > FedAvg", "dc_pfl", "fedavg", "DC-PFL, Table 1"),
+    Claim("DC-PFL > FedAvg+FT", "dc_pfl", "fedavg_ft", UNCLAIMED),
+    Claim("CD2-pFed > FedAvg", "cd2_pfed", "fedavg", "CD2-pFed, Tables 1-3"),
+    Claim("CD2-pFed > FedAvg+FT", "cd2_pfed", "fedavg_ft", UNCLAIMED),
+    Claim("FediOS > FedAvg", "fedios", "fedavg", "FediOS, Tables 1, 3 and 4"),
+    Claim("FediOS > FedAvg+FT", "fedios", "fedavg_ft", UNCLAIMED),
+]
+"""The papers' orderings that the protocol's methods can check (each paper's baselines that run here),
+with the question a user asks of every seed method: does it beat FedAvg+FT?"""
 
 
 # -- methods ---------------------------------------------------------------------------------
@@ -282,6 +318,25 @@ def progress(config: dict[str, Any], settings: dict[str, dict[str, Any]]) -> dic
     return counts
 
 
+def claim_rows(methods: list[str], settings: dict[str, dict[str, Any]],
+               claims: list[Claim] = CLAIMS) -> list[dict[str, Any]]:
+    """Each claim whose two methods were asked for, in each setting, under each optimizer ("common",
+    "paper"): measured on the seeds both ran, or "not measured"."""
+    table = []
+    for claim in claims:
+        if claim.better not in methods or claim.worse not in methods:
+            continue
+        for name, results in settings.items():
+            entry = {"claim": claim.text, "source": claim.source, "better": claim.better, "worse": claim.worse,
+                     "setting": name}
+            for kind in ("common", "paper"):
+                better, worse = (results[method][kind] or {"seeds": {}} for method in (claim.better, claim.worse))
+                entry[kind] = (compare(better["seeds"], worse["seeds"])
+                               or {"measured": "not measured", "reproduced": "not measured"})
+            table.append(entry)
+    return table
+
+
 # -- outputs ------------------------------------------------------------------------------------
 def progress_line(counts: dict[str, dict[str, int]]) -> str:
     """`progress` as the sentence that heads the tables."""
@@ -336,6 +391,16 @@ def markdown(document: dict[str, Any]) -> str:
             cells = [pct(search["accuracy"]) for search in entry["search"]]
             chosen = "-" if entry["chosen_lr"] is None else f"{entry['chosen_lr']:g}"
             lines.append(f"| {labels[name]} | {method_name(method)} | " + " | ".join(cells) + f" | {chosen} |")
+    lines += ["", "### The papers' claims under this protocol", "",
+              "Each ordering of two methods above, in each setting and under each optimizer, on the seeds both ran "
+              "(difference in points, ± its std over seeds; 'within seed spread': no larger than its std). The "
+              "ablations' claim table (benchmarks/README.md) checks each paper's own ablations.", "",
+              "| claim | source | setting | common SGD: measured | reproduced? | paper optimizer: measured | "
+              "reproduced? |", "|---|---|---|---|---|---|---|"]
+    for claim in document["claims"]:
+        common, paper = claim["common"], claim["paper"]
+        lines.append(f"| {claim['claim']} | {claim['source']} | {labels[claim['setting']]} | {common['measured']} | "
+                     f"{common['reproduced']} | {paper['measured']} | {paper['reproduced']} |")
     machines = [where for methods in settings.values() for entry in methods.values()
                 for cell in [*entry["search"], entry["common"], entry["paper"]]
                 for where in (cell or {}).get("machines", {}).values()]
@@ -366,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
               "broker": args.broker or "embedded amqtt", "cache": args.cache,
               "ledger": args.ledger, "quick": args.quick}
     document = {"benchmark": "fair", "machine": machine, "config": config, "settings": settings,
-                "progress": progress(config, settings), "failures": cache.failures, "missing": cache.missing}
+                "progress": progress(config, settings), "claims": claim_rows(args.methods, settings),
+                "failures": cache.failures, "missing": cache.missing}
     write_outputs(Path(args.out), args.name, document, markdown(document))
     log.info("wrote %s", Path(args.out) / f"{args.name}.md")
     if cache.failures:

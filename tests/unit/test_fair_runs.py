@@ -91,3 +91,26 @@ def test_progress_counts_the_runs_each_kind_has_of_those_planned(fair, tmp_path)
     assert fair.progress(config, {"dir0.1@0.2": partial}) == {
         "search": {"done": 6, "planned": 12}, "common": {"done": 1, "planned": 6}, "paper": {"done": 2, "planned": 6}}
     assert fair.progress_line(fair.progress(config, {"dir0.1@0.2": partial})).startswith("**Runs done: 9 of 24**")
+
+
+def test_a_claim_is_measured_per_setting_and_optimizer_on_the_seeds_both_methods_ran(fair):
+    claims = [fair.Claim("DC-PFL > FedAvg", "dc_pfl", "fedavg", "Table 1")]
+    ran = {"dc_pfl": {"common": {"seeds": {0: 0.85, 1: 0.80}}, "paper": {"seeds": {0: 0.82}}},
+           "fedavg": {"common": {"seeds": {0: 0.83}}, "paper": {"seeds": {1: 0.81}}}}
+    not_searched = {"dc_pfl": {"common": None, "paper": {"seeds": {}}}, "fedavg": {"common": None, "paper": {"seeds": {}}}}
+
+    rows = fair.claim_rows(["dc_pfl", "fedavg"], {"domains@0.2": ran, "dir0.1@0.2": not_searched}, claims)
+
+    domains, dirichlet = rows
+    assert domains["setting"] == "domains@0.2" and domains["claim"] == "DC-PFL > FedAvg"
+    assert domains["common"]["measured"] == "85.00 vs 83.00: +2.00 (seed 0)"
+    assert domains["common"]["reproduced"] == "yes (1 seed)"
+    assert domains["paper"]["reproduced"] == "not measured"  # no seed in common
+    assert dirichlet["common"] == dirichlet["paper"] == {"measured": "not measured", "reproduced": "not measured"}
+    assert fair.claim_rows(["dc_pfl"], {"domains@0.2": ran}, claims) == []  # FedAvg not asked for
+
+
+def test_every_claim_names_methods_the_protocol_runs_by_default(fair):
+    for claim in fair.CLAIMS:
+        assert {claim.better, claim.worse} <= set(fair.METHODS), claim
+        assert claim.better != claim.worse
