@@ -8,6 +8,9 @@ from typing import Any
 
 from _runs import mean_std
 
+NOT_MEASURED = {"measured": "not measured", "reproduced": "not measured"}
+"""What a claim reads where its two sides have no seed in common."""
+
 
 def compare(better: dict[Any, float], worse: dict[Any, float]) -> dict[str, Any] | None:
     """`better` against `worse` (seed -> accuracy, a fraction), on the seeds both hold: {"seeds",

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _claims import compare  # noqa: E402
+from _claims import NOT_MEASURED, compare  # noqa: E402
 from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
@@ -289,8 +289,7 @@ def claim_rows(results: list[dict[str, Any]], claims: list[Claim] = CLAIMS) -> l
         if better is None and worse is None:
             continue
         entry = {"paper": claim.paper, "claim": claim.text, "source": claim.source, "better": claim.better,
-                 "worse": claim.worse, "seeds": [], "differences": [], "measured": "not measured",
-                 "reproduced": "not measured"}
+                 "worse": claim.worse, "seeds": [], "differences": [], **NOT_MEASURED}
         comparison = compare(better["seeds"] if better else {}, worse["seeds"] if worse else {})
         if comparison:
             entry.update(comparison)

@@ -53,7 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _claims import compare  # noqa: E402
+from _claims import NOT_MEASURED, compare  # noqa: E402
 from _machine import machine_info  # noqa: E402
 from _runs import (  # noqa: E402  (the script's own folder)
     DEFAULT_CACHE,
@@ -331,8 +331,7 @@ def claim_rows(methods: list[str], settings: dict[str, dict[str, Any]],
                      "setting": name}
             for kind in ("common", "paper"):
                 better, worse = (results[method][kind] or {"seeds": {}} for method in (claim.better, claim.worse))
-                entry[kind] = (compare(better["seeds"], worse["seeds"])
-                               or {"measured": "not measured", "reproduced": "not measured"})
+                entry[kind] = compare(better["seeds"], worse["seeds"]) or dict(NOT_MEASURED)
             table.append(entry)
     return table
 
