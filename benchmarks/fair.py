@@ -8,7 +8,7 @@ For each setting and method:
    on it: the test split is never read), for each seed of `--search-seeds` (default: the first of
    `--seeds`: an lr is searched once, then every seed runs with it). The lr with the best
    validation accuracy (final-round mean over devices, mean over the search seeds) wins; ties go
-   to the smaller lr.
+   to the smaller lr. No lr is chosen (and no common-optimizer run made) until every lr has a result.
 2. The common-optimizer table: the chosen lr, `optimizer = "sgd"`, the full training data, scored
    on the test split.
 3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as README.md's
@@ -255,9 +255,11 @@ def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: 
 
 
 def choose_lr(search: list[dict[str, Any]]) -> float | None:
-    """The lr of the best mean validation accuracy; ties to the smaller lr (`search` sorted by lr)."""
-    scored = [(entry["accuracy"]["mean"], -entry["lr"]) for entry in search if entry["accuracy"]["mean"] is not None]
-    return -max(scored)[1] if scored else None
+    """The lr of the best mean validation accuracy; ties to the smaller lr (`search` sorted by lr). None
+    until every lr of the grid has a result: the best of a partial search is no choice."""
+    if not search or any(entry["accuracy"]["mean"] is None for entry in search):
+        return None
+    return -max((entry["accuracy"]["mean"], -entry["lr"]) for entry in search)[1]
 
 
 def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:

@@ -77,6 +77,16 @@ def test_a_bad_method_is_refused_naming_it(fair, method, reason):
     assert f"--methods: {method}:" in str(refused.value)
 
 
+def test_the_lr_is_chosen_only_from_a_whole_search_ties_to_the_smaller(fair):
+    def search(*means):
+        return [{"lr": lr, "accuracy": {"mean": mean}} for lr, mean in zip((0.01, 0.03, 0.1), means)]
+
+    assert fair.choose_lr(search(0.80, 0.85, 0.85)) == 0.03
+    assert fair.choose_lr(search(0.90, 0.85, 0.70)) == 0.01
+    assert fair.choose_lr(search(0.96, None, None)) is None
+    assert fair.choose_lr([]) is None
+
+
 def test_progress_counts_the_runs_each_kind_has_of_those_planned(fair, tmp_path):
     args = fair.parse_args(["--methods", "fedavg,fedrep", "--settings", "dir0.1@0.2", "--seeds", "0,1,2",
                             "--search-seeds", "0,1", "--cached-only", "--cache", str(tmp_path), "--ledger", "none"])
