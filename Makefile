@@ -1,12 +1,15 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
-#   make test   installs the test tools (and Mosquitto through apt-get when root), checks that targeted
-#               breaks of the seed methods' objectives fail their tests, and runs all tests
+#   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
+#               on edge_sdk, coordinator and export, checks that targeted breaks of the seed methods' objectives fail their tests, and runs all tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 APT_PACKAGES := mosquitto nats-server iproute2 dataset-fashion-mnist
+# Test processes at once (pytest-xdist workers, a file's tests together; mutation check jobs): the
+# integration tests wait on brokers and subprocesses much of the time, so 2 keep a 2-core machine busy.
+TEST_JOBS ?= 2
 
 .PHONY: demo test install system-deps clean
 
@@ -38,8 +41,10 @@ demo: install
 	$(BIN)/edgepfl simulate --algorithm fedavg --dataset digits --clients 10 --rounds 5 --out runs/demo
 
 test: install system-deps
-	$(BIN)/python tests/mutation_check.py --jobs 2
-	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check edge_sdk coordinator export
+	$(BIN)/mypy
+	$(BIN)/python tests/mutation_check.py --jobs $(TEST_JOBS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
 """Shared helpers of the systems benchmarks (transport, scale, overhead): brokers and machine info.
 
-Not a benchmark itself. The scripts run as `python benchmarks/<name>.py`, so this module is
-imported as `_brokers` from the script's own folder; nothing in the package imports it.
+Not a benchmark itself: a module of the benchmarks package (the scripts run as
+`python -m benchmarks.<name>`); nothing in edge_sdk, coordinator or export imports it.
 
 - `Mosquitto`: a Mosquitto process on a free loopback port with a config written here (the
   lines every benchmark needs plus any `extra` ones), as a context manager.
@@ -18,9 +18,10 @@ import resource
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
+from collections.abc import Iterator
 
-import _machine
+from . import _machine
 from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
 
 
@@ -61,7 +62,7 @@ class Mosquitto:
     def config_path(self) -> Path:
         return self.workdir / "mosquitto.conf"
 
-    def start(self) -> "Mosquitto":
+    def start(self) -> Mosquitto:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
@@ -84,7 +85,7 @@ class Mosquitto:
                 self.process.wait(timeout=10)
             self.process = None
 
-    def __enter__(self) -> "Mosquitto":
+    def __enter__(self) -> Mosquitto:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

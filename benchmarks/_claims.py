@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from _runs import mean_std
+from ._runs import mean_std
 
 NOT_MEASURED = {"measured": "not measured", "reproduced": "not measured"}
 """What a claim reads where its two sides have no seed in common."""
+
+TIE = "tie"
+"""The verdict on a difference no larger than its std over seeds: neither side is ahead."""
+
+VERDICTS = ("yes: the stated order holds; no: the reverse holds; tie: the mean difference is no larger than "
+            "its std over seeds, so the seeds do not order the two; (1 seed): one seed only, no spread known")
+"""The verdicts, as the tables explain them."""
 
 
 def compare(better: dict[Any, float], worse: dict[Any, float]) -> dict[str, Any] | None:
@@ -29,8 +36,9 @@ def compare(better: dict[Any, float], worse: dict[Any, float]) -> dict[str, Any]
 
 
 def verdict(spread: dict[str, Any]) -> str:
-    """'yes' / 'no' by the sign of the mean difference; 'within seed spread' when it is no larger than its std."""
-    answer = "yes" if spread["mean"] > 0 else "no"
+    """'tie' when, over several seeds, the mean difference is no larger than its std; otherwise
+    'yes' / 'no' by the sign of the mean difference, '(1 seed)' added when one seed is all there is."""
     if spread["n"] > 1 and abs(spread["mean"]) <= spread["std"]:
-        return f"{answer}, within seed spread"
+        return TIE
+    answer = "yes" if spread["mean"] > 0 else "no"
     return answer + (" (1 seed)" if spread["n"] == 1 else "")

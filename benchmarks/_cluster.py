@@ -8,19 +8,37 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from types import ModuleType
+from collections.abc import Iterator
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPOSITORY / "tests"))
 
-from hosts import Hosts, HostsUnavailable, stop_process  # noqa: E402
-from nats_cluster import NatsCluster, node_config  # noqa: E402
+
+def _test_helper(name: str) -> ModuleType:
+    """tests/NAME.py loaded from its file as the module NAME, the name the tests import it by (and
+    by which nats_cluster.py imports hosts.py); the one already imported (under pytest) is reused.
+    Nothing is added to sys.path: only these two files come from tests/."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPOSITORY / "tests" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_hosts = _test_helper("hosts")  # first: nats_cluster.py imports it
+_nats_cluster = _test_helper("nats_cluster")
+Hosts, HostsUnavailable, stop_process = _hosts.Hosts, _hosts.HostsUnavailable, _hosts.stop_process
+NatsCluster, node_config = _nats_cluster.NatsCluster, _nats_cluster.node_config
 
 HOSTS = 3
 CLONE_NEWNET = 0x40000000

@@ -1,6 +1,6 @@
 """What every benchmark result records about where and how it ran; no hostname.
 
-Not a benchmark itself: the scripts import it as `_machine` from their own folder. The CPU line
+Not a benchmark itself: a module of the benchmarks package the scripts share. The CPU line
 names the family and the vector extensions, because the same model name ("AMD EPYC") has
 covered machines 2-3x apart in speed, and int8 kernels behave differently with and without
 VNNI (benchmarks/README.md, edge path).
@@ -75,6 +75,14 @@ def gpu_name() -> str | None:
         return None
 
 
+def command_line() -> str:
+    """How this process was started, as one would type it again: `python -m benchmarks.NAME ...` for
+    a script run as a module of the package (its argv[0] is then the file's full path)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = ["-m", main_spec.name] if main_spec is not None and main_spec.name else sys.argv[:1]
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *script, *sys.argv[1:]])
+
+
 def machine_info(packages: tuple[str, ...] = ("torch", "onnxruntime", "numpy")) -> dict[str, Any]:
     """Date, hardware, the versions of `packages`, load, the command line and the code's commit."""
     try:
@@ -91,6 +99,6 @@ def machine_info(packages: tuple[str, ...] = ("torch", "onnxruntime", "numpy")) 
         "python": platform.python_version(),
         **{name.replace("-", "_"): package_version(name) for name in packages},
         "load_average_at_start": load,
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "code": code_version(),
     }

@@ -1,7 +1,7 @@
 """Shared helpers of the learning benchmarks (accuracy, communication): cached federated runs.
 
-Not a benchmark itself. The scripts run as `python benchmarks/<name>.py`, so this module is
-imported as `_runs` from the script's own folder; nothing in the package imports it.
+Not a benchmark itself: a module of the benchmarks package (the scripts run as
+`python -m benchmarks.<name>`); nothing in edge_sdk, coordinator or export imports it.
 
 - `Setting`: a data setting by name: `dir0.1` (Dirichlet alpha 0.1), `shards2` (2 classes per
   device), `domains`, `iid`; with `@<fraction>` for the participation (`dir0.1@0.2`).
@@ -42,10 +42,11 @@ from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable, Iterator
+from typing import Any
+from collections.abc import Hashable, Iterator
 
-from _ledger import DEFAULT_LEDGER, RunLedger
-from _machine import machine_info
+from ._ledger import DEFAULT_LEDGER, RunLedger
+from ._machine import machine_info
 from coordinator.config import KEYS, RunConfig
 from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
@@ -87,7 +88,7 @@ class Setting:
     fraction: float = 1.0
 
     @classmethod
-    def parse(cls, text: str) -> "Setting":
+    def parse(cls, text: str) -> Setting:
         name, _, fraction = text.partition("@")
         fraction_value = float(fraction) if fraction else 1.0
         if name.startswith("dir"):
@@ -482,12 +483,6 @@ class RunPool:
 
 
 # -- arguments ------------------------------------------------------------
-def add_ledger_argument(parser: Any) -> None:
-    """`--ledger`, as every benchmark that trains through a RunCache takes it."""
-    parser.add_argument("--ledger", help=f"folder of the finished runs' records, committed (default {DEFAULT_LEDGER}; "
-                        "none with --quick; 'none': none)")
-
-
 def ledger_folder(ledger: str | None, quick: bool) -> str | None:
     """The ledger a benchmark invocation reads and writes: `--ledger`, else the committed one
     (none for a quick smoke run, which must not write into the repository)."""

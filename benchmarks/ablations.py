@@ -1,8 +1,8 @@
 """The five seed papers' main ablations on the accuracy protocol, and a table of the papers' claims (issue 23).
 
 Each paper's ablation is a list of rows (`ROWS`): the full method, its ablated variants as
-hyperparameter overrides (`--set` values; the switches are documented in README.md's algorithm
-table) or another number of local epochs, and FedAvg and FedAvg+FT as references, all in that
+hyperparameter overrides (`--set` values; the switches are documented in docs/ALGORITHMS.md's
+ablation table) or another number of local epochs, and FedAvg and FedAvg+FT as references, all in that
 paper's data setting (`SETTINGS`: Dirichlet 0.1 for RepPer and DC-PFL, whose papers use label
 skew; `domains` feature skew for DualFed, CD2-pFed and FediOS, whose papers claim their gains
 there; C=0.2; `--setting PAPER=SETTING` changes one). The protocol is accuracy.py's: Fashion-MNIST,
@@ -17,16 +17,16 @@ with the default).
 
 A row that no hyperparameter expresses yet carries `missing` (why) and is never run. `CLAIMS`
 lists each ordering a paper states ("with CD > without CD"); the claim table compares the two
-rows' mean personalized accuracy on the seeds both ran: "yes" when the stated order holds,
-"no" otherwise, "within seed spread" when the difference is no larger than its std over seeds,
-and "not measured" when a row has no run.
+rows' mean personalized accuracy on the seeds both ran: "tie" when the mean difference is no larger
+than its std over seeds (the seeds do not order the two rows), else "yes" when the stated order
+holds and "no" otherwise, and "not measured" when a row has no run.
 
-    python benchmarks/ablations.py --papers repper,dualfed,dc_pfl --seeds 0 --cache /work/runs/cache
-    python benchmarks/ablations.py --cached-only --cache /work/runs/cache   # tables from what is cached
+    python -m benchmarks.ablations --papers repper,dualfed,dc_pfl --seeds 0 --cache /work/runs/cache
+    python -m benchmarks.ablations --cached-only --cache /work/runs/cache   # tables from what is cached
 
 Quick smoke run (digits, 2 rounds, 6 devices, DualFed's rows and FedAvg, one setting, seed 0):
 
-    python benchmarks/ablations.py --quick --out /tmp/abl
+    python -m benchmarks.ablations --quick --out /tmp/abl
 
 Writes ablations-<dataset>-<rounds>rounds.{json,md} (or `--name`) to --out.
 """
@@ -40,26 +40,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _claims import NOT_MEASURED, compare  # noqa: E402
-from _machine import machine_info  # noqa: E402
-from _runs import (  # noqa: E402  (the script's own folder)
-    DEFAULT_CACHE,
-    NAMES,
-    RunCache,
-    RunPool,
-    Setting,
-    add_ledger_argument,
-    bench_config,
-    ledger_folder,
-    listed,
-    mean_std,
-    setup_logging,
-    trained_on,
-    write_outputs,
+from ._claims import NOT_MEASURED, VERDICTS, compare
+from ._flags import (
+    PROTOCOL,
+    RUN_SETTINGS,
+    add_cache_flags,
+    add_output_flags,
+    add_run_flags,
+    add_seeds_flag,
+    finish_cache_flags,
+    run_settings,
 )
+from ._machine import machine_info
+from ._runs import (NAMES, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging, trained_on,
+                    write_outputs)
 
 log = logging.getLogger("benchmarks")
 
@@ -69,6 +64,8 @@ SETTINGS = {"repper": "dir0.1@0.2", "dc_pfl": "dir0.1@0.2", "dualfed": "domains@
 """Each paper's data setting: label skew where the paper evaluates label skew, feature skew where it claims it."""
 FULL = "full"
 """The id of each paper's full method (its defaults)."""
+RUN_FLAGS = (*RUN_SETTINGS, "eval_every")
+"""The run settings this script takes as flags (`edgepfl simulate`'s)."""
 
 
 @dataclass(frozen=True)
@@ -167,36 +164,15 @@ CLAIMS: list[Claim] = [
 # -- arguments -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="digits, 6 devices, 2 rounds, DualFed's full/simultaneous/no-projector rows and FedAvg, "
-                             "dir0.5@1, seed 0 (a smoke test)")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", help="output file stem (default ablations-<dataset>-<rounds>rounds)")
-    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
-    add_ledger_argument(parser)
-    parser.add_argument("--cached-only", action="store_true",
-                        help="train nothing: tables from the runs finished in the cache, other rows 'not run'")
-    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    add_output_flags(parser, "digits, 6 devices, 2 rounds, DualFed's full/simultaneous/no-projector rows and FedAvg, "
+                             "dir0.5@1, seed 0", name="ablations-<dataset>-<rounds>rounds")
+    add_cache_flags(parser, "other rows 'not run'", jobs=True)
     parser.add_argument("--papers", default=",".join(PAPERS))
     parser.add_argument("--rows", help="only these row ids (e.g. full,l_in,fedavg), in every paper asked for")
     parser.add_argument("--setting", action="append", default=[], metavar="PAPER=SETTING",
                         help="a paper's data setting, e.g. dualfed=dir0.1@0.2 (repeatable)")
-    parser.add_argument("--dataset", default="fmnist")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--seeds", default="0")
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--local-epochs", type=int, default=1, help="of every row without its own")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--eval-every", type=int, default=1,
-                        help="evaluate every N rounds and after the last (the tables read the last; default 1, the "
-                             "runs already in the ledger)")
-    parser.add_argument("--workers", type=int, default=2, help="device worker processes per run")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, a process each")
-    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
-                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
-                             "before benchmarks summed in float64")
+    add_seeds_flag(parser, "0")
+    add_run_flags(parser, RUN_FLAGS, {**PROTOCOL, "rounds": 15})
     args = parser.parse_args(argv)
     args.settings = dict(SETTINGS)
     if args.quick:
@@ -220,8 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.eval_every < 1:
         raise SystemExit(f"--eval-every must be at least 1, got {args.eval_every}")
     args.seeds = [int(s) for s in listed(args.seeds)]
-    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
-    args.ledger = ledger_folder(args.ledger, args.quick)
+    finish_cache_flags(args)
+    run_settings(args, RUN_FLAGS)  # a value the run configuration refuses exits here, naming its key
     args.name = args.name or f"ablations-{args.dataset}-{args.rounds}rounds"
     return args
 
@@ -246,11 +222,8 @@ def selected_rows(args: argparse.Namespace) -> list[Row]:
 
 def run_config(args: argparse.Namespace, row: Row, seed: int):
     setting = Setting.parse(args.settings[row.paper])
-    return bench_config(algorithm=row.algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
-                        rounds=args.rounds, local_epochs=row.local_epochs or args.local_epochs,
-                        batch_size=args.batch_size, lr=args.lr, seed=seed, workers=args.workers,
-                        eval_every=args.eval_every, aggregation_dtype=args.aggregation_dtype,
-                        hyper=dict(row.overrides), **setting.fields())
+    fields = {**run_settings(args, RUN_FLAGS), "local_epochs": row.local_epochs or args.local_epochs}
+    return bench_config(algorithm=row.algorithm, seed=seed, hyper=dict(row.overrides), **fields, **setting.fields())
 
 
 # -- runs -------------------------------------------------------------------------------------
@@ -345,7 +318,7 @@ def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
         lines.append("")
     lines += ["### The papers' claims", "",
               "Each ordering a paper states, measured on the seeds both rows ran (difference in points, ± its std "
-              "over seeds). 'within seed spread': the difference is no larger than its std.", "",
+              f"over seeds). Verdicts: {VERDICTS}.", "",
               "| paper | claim | source | measured here | reproduced? |", "|---|---|---|---|---|"]
     for claim in document["claims"]:
         lines.append(f"| {NAMES[claim['paper']]} | {claim['claim']} | {claim['source']} | {claim['measured']} | "

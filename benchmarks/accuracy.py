@@ -25,11 +25,11 @@ Runs are cached in --cache by their settings' fingerprint: re-running resumes or
 and asking for more rounds extends finished runs. The full run (on a quiet 2-core machine about
 a day; subsets with --algorithms/--settings/--seeds share the cache):
 
-    python benchmarks/accuracy.py --rounds 20 --local-epochs 1 --seeds 0,1,2 --out benchmarks/results
+    python -m benchmarks.accuracy --rounds 20 --local-epochs 1 --seeds 0,1,2 --out benchmarks/results
 
 Quick smoke run (digits, fedavg and repper, one setting, one seed, 2 rounds):
 
-    python benchmarks/accuracy.py --quick --out /tmp/acc
+    python -m benchmarks.accuracy --quick --out /tmp/acc
 
 Writes accuracy.json, accuracy.md and accuracy_curves.png to --out.
 """
@@ -39,26 +39,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _machine import machine_info  # noqa: E402
-from _runs import (  # noqa: E402  (the script's own folder)
-    DEFAULT_CACHE,
+from edge_sdk.algorithms import ALGORITHM_IDS
+
+from ._flags import (
+    PROTOCOL,
+    RUN_SETTINGS,
+    add_cache_flags,
+    add_output_flags,
+    add_run_flags,
+    add_seeds_flag,
+    finish_cache_flags,
+    run_settings,
+)
+from ._machine import machine_info
+from ._runs import (
     NAMES,
     RunCache,
     RunView,
     Setting,
-    add_ledger_argument,
     bench_config,
-    ledger_folder,
     line_style,
     listed,
     mean_std,
@@ -67,10 +73,11 @@ from _runs import (  # noqa: E402  (the script's own folder)
     write_outputs,
 )
 
-from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
-
 log = logging.getLogger("benchmarks")
 
+RUN_FLAGS = (*RUN_SETTINGS, "grad_clip_norm", "eval_every")
+"""The run settings this script takes as flags (`edgepfl simulate`'s; runs with other values than the defaults
+are cached apart, and --eval-every N > 1 runs are not shared with communication.py, which needs every round)."""
 FULL_SETTINGS = "dir0.1@0.2,dir0.1@1,dir0.5@0.2,dir0.5@1,shards2@0.2,shards2@1,domains@0.2,domains@1"
 HEAD_ALGORITHMS = ("fedavg", "lg_fedavg", "fedrep", "repper")
 HEAD_KINDS = {"MLP": "mlp_sklearn", "SVM": "svm", "LR": "lr"}
@@ -98,36 +105,13 @@ PAPERS_NOTE = (
 # -- arguments -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="digits, fedavg and repper, dir0.5@1, seed 0, 2 rounds, holdout 2 (a smoke test)")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
-    add_ledger_argument(parser)
-    parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
-    parser.add_argument("--cached-only", action="store_true",
-                        help="train nothing: tables from the runs finished in the cache, other cells left empty")
-    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
-    parser.add_argument("--dataset", default="fmnist")
-    parser.add_argument("--data-dir")
+    add_output_flags(parser, "digits, fedavg and repper, dir0.5@1, seed 0, 2 rounds, holdout 2")
+    add_cache_flags(parser, "other cells left empty", fresh=True)
     parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
     parser.add_argument("--settings", default=FULL_SETTINGS,
                         help="comma-separated dir<alpha>|shards<k>|domains|iid, each @<fraction>")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--grad-clip-norm", type=float, default=0.0,
-                        help="devices clip each local step's gradients to this L2 norm (0: off; such runs are "
-                             "cached apart)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
-                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
-                             "before benchmarks summed in float64")
-    parser.add_argument("--eval-every", type=int, default=1,
-                        help="evaluate every N rounds and after the last (runs with N > 1 are cached apart and "
-                             "are not shared with communication.py, which needs every round)")
+    add_seeds_flag(parser, "0,1,2")
+    add_run_flags(parser, RUN_FLAGS, {**PROTOCOL, "rounds": 20})
     parser.add_argument("--no-heads", action="store_true", help="skip the heads table")
     parser.add_argument("--head-settings", help="settings of the heads table (default: every setting run)")
     parser.add_argument("--holdout", type=int, default=5, help="new-client devices (0: skip the experiment)")
@@ -145,11 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 10, 2, 1
         args.algorithms, args.settings, args.seeds = "fedavg,repper", "dir0.5@1", "0"
         args.holdout, args.holdout_setting, args.holdout_algorithms = 2, "dir0.5@1", "repper,fedavg"
-    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
-    args.ledger = ledger_folder(args.ledger, args.quick)
+    finish_cache_flags(args)
+    run_settings(args, RUN_FLAGS)  # a value the run configuration refuses exits here, naming its key
     args.hyper = parse_assignments(args.assignments)
-    if not (math.isfinite(args.grad_clip_norm) and args.grad_clip_norm >= 0):
-        raise SystemExit(f"--grad-clip-norm {args.grad_clip_norm}: zero (off) or a positive finite norm")
     return args
 
 
@@ -176,11 +158,8 @@ def parse_assignments(assignments: list[str]) -> dict[str, dict[str, str]]:
 
 
 def run_config(args: argparse.Namespace, algorithm: str, setting: Setting, seed: int, **extra: Any):
-    return bench_config(algorithm=algorithm, dataset=args.dataset, data_dir=args.data_dir, clients=args.clients,
-                        rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-                        grad_clip_norm=args.grad_clip_norm, seed=seed, workers=args.workers, eval_every=args.eval_every,
-                        aggregation_dtype=args.aggregation_dtype,
-                        hyper=dict(args.hyper.get(algorithm, {})), **setting.fields(), **extra)
+    return bench_config(algorithm=algorithm, seed=seed, hyper=dict(args.hyper.get(algorithm, {})),
+                        **run_settings(args, RUN_FLAGS), **setting.fields(), **extra)
 
 
 # -- heads on the final body -------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Full run (3-6 minutes on 2 cores):
 
-    python benchmarks/aggregation.py --out benchmarks/results
+    python -m benchmarks.aggregation --out benchmarks/results
 
-Quick (a smoke test, seconds): `python benchmarks/aggregation.py --quick --out DIR`. The same
+Quick (a smoke test, seconds): `python -m benchmarks.aggregation --quick --out DIR`. The same
 script measures another checkout's library (e.g. main's, "before"): run it with
 `PYTHONPATH=/path/to/checkout` and `--name aggregation-before`; it calls only public functions
 that both have, and records which library it measured (`library`: its folder and commit).
@@ -57,7 +57,8 @@ import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -70,7 +71,7 @@ from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, Reassembler, chunk_frames, chunk
 from edge_sdk.params import check_arrays, spec_of
 from edge_sdk.protocol import Envelope, Kind
 
-from _machine import machine_info
+from ._machine import machine_info
 
 MB = 1_000_000
 GROUP = "shared"

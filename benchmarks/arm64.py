@@ -22,7 +22,7 @@ Needs root and Debian's package tools (it installs what it needs):
 Emulated times are not device times; the JSON records them only as how long the run took.
 Writes arm64.json to --out (benchmarks/README.md tabulates it):
 
-    sudo python benchmarks/arm64.py --out benchmarks/results --trainer
+    sudo python -m benchmarks.arm64 --out benchmarks/results --trainer
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from _brokers import Mosquitto
-from _machine import machine_info
-from footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, measured_peak_mb, write_body, write_images
+from ._brokers import Mosquitto
+from ._machine import machine_info
+from .footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, measured_peak_mb, write_body, write_images
 
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"

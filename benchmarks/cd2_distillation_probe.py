@@ -8,7 +8,7 @@ test split (ln 10 = 2.30 is uniform). Forms: the module's `distillation` values 
 (`cyclic+inplace:1`, `inplace:1`, `cyclic:1`, `cyclic:0` = no distillation) and `labels:LAM`, a
 candidate not adopted: Eq. (4) plus the label loss on both sub-networks.
 
-    python benchmarks/cd2_distillation_probe.py --rounds 10 --examples 2000 cyclic:1 cyclic:0 inplace:1 \\
+    python -m benchmarks.cd2_distillation_probe --rounds 10 --examples 2000 cyclic:1 cyclic:0 inplace:1 \\
         cyclic+inplace:1 labels:1 labels:0
 """
 
@@ -18,38 +18,36 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
-
-from edge_sdk.algorithms.base import Task  # noqa: E402
-from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, Hyper, cyclic_distillation  # noqa: E402
-from edge_sdk.data import load_client_data  # noqa: E402
-from edge_sdk.settings import TrainSettings  # noqa: E402
-from edge_sdk.training import LossFn, eval_mode  # noqa: E402
+from edge_sdk.algorithms.base import Task
+from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, Hyper, cyclic_distillation
+from edge_sdk.data import load_client_data
+from edge_sdk.settings import TrainSettings
+from edge_sdk.training import LossFn, eval_mode
 
 
-def labels_loss(device: CD2PFedDevice, lam: float):
-    """The `labels` candidate: CE of the full network and of both sub-networks + lam * Eq. (4)."""
+class LabelsCandidate(CD2PFedDevice):
+    """The `labels` candidate: CD2-pFed whose local objective is the CE of the full network and
+    of both sub-networks + lam * Eq. (4). A subclass overriding `local_loss`, the objective hook
+    every algorithm defines: the rest (masks, schedule, EMA, evaluation) is CD2-pFed's own."""
 
-    def local_loss(task: Task) -> LossFn:
-        masks = device.masks(task.round)
+    def local_loss(self, task: Task) -> LossFn:
+        masks = self.masks(task.round)
         keep_shared = {k: (~m).to(torch.float32) for k, m in masks.items()}
         keep_personal = {k: m.to(torch.float32) for k, m in masks.items()}
-        scratch = {k: v.clone() for k, v in device.gw0_stats.items()}
+        scratch = {k: v.clone() for k, v in self.gw0_stats.items()}
+        lam = self.hyper.lam
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            logits_global = device.subnet_logits(xb, keep_shared, device.gw0_stats)
-            logits_local = device.subnet_logits(xb, keep_personal, scratch)
-            ce = sum(F.cross_entropy(logits, yb) for logits in (device.model(xb), logits_global, logits_local))
+            logits_global = self.subnet_logits(xb, keep_shared, self.gw0_stats)
+            logits_local = self.subnet_logits(xb, keep_personal, scratch)
+            ce = sum(F.cross_entropy(logits, yb) for logits in (self.model(xb), logits_global, logits_local))
             return ce + lam * cyclic_distillation(logits_local, logits_global)
 
         return loss
-
-    return local_loss
 
 
 def probe(form: str, lam: float, args: argparse.Namespace) -> dict:
@@ -58,9 +56,8 @@ def probe(form: str, lam: float, args: argparse.Namespace) -> dict:
     data.train_x, data.train_y = data.train_x[:args.examples], data.train_y[:args.examples]
     settings = TrainSettings("auto", args.rounds, local_epochs=1, batch_size=32, lr=0.05, seed=0)
     hyper = Hyper(lam=lam) if form == "labels" else Hyper(lam=lam, distillation=form)
-    device = CD2PFedDevice(hyper, settings, data, "cpu", client_seed=100 + args.index)
-    if form == "labels":
-        device.local_loss = labels_loss(device, lam)
+    device_class = LabelsCandidate if form == "labels" else CD2PFedDevice
+    device = device_class(hyper, settings, data, "cpu", client_seed=100 + args.index)
     started = time.monotonic()
     for round_ in range(1, args.rounds + 1):
         device.train_locally(Task(round_, {}, {}))

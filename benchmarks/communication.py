@@ -21,12 +21,12 @@ Runs are cached by fingerprint in --cache (shared with accuracy.py: with the sam
 epochs, part 2 reuses accuracy.py's dir0.1@1 runs of --seed). The run of benchmarks/README.md
 (107 minutes on a quiet 2-core machine; --algorithms and friends run subsets against the same cache):
 
-    python benchmarks/communication.py --rounds 15 --local-epochs 1 --codec-algorithms fedavg \
+    python -m benchmarks.communication --rounds 15 --local-epochs 1 --codec-algorithms fedavg \
         --dc-modes full/fp32,diag/fp16,lowrank:8/fp16 --over-seeds benchmarks/results/accuracy-fmnist-15rounds.json
 
 Quick smoke run (digits, fedavg and repper, 2 rounds, int8 uploads, two DC-PFL modes):
 
-    python benchmarks/communication.py --quick --out /tmp/comm
+    python -m benchmarks.communication --quick --out /tmp/comm
 
 Writes communication.json, communication.md and communication_curves.png to --out.
 """
@@ -40,19 +40,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _machine import machine_info  # noqa: E402
-from _runs import (  # noqa: E402
-    DEFAULT_CACHE,
+from edge_sdk.algorithms import ALGORITHM_IDS
+
+from ._flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
+                     run_settings)
+from ._machine import machine_info
+from ._runs import (
     NAMES,
     RunCache,
     RunView,
     Setting,
-    add_ledger_argument,
     bench_config,
-    ledger_folder,
     has_field,
     line_style,
     listed,
@@ -60,8 +59,6 @@ from _runs import (  # noqa: E402
     setup_logging,
     write_outputs,
 )
-
-from edge_sdk.algorithms import ALGORITHM_IDS  # noqa: E402
 
 log = logging.getLogger("benchmarks")
 
@@ -74,30 +71,18 @@ DUALFED_TABLE8 = ("DualFed paper Table 8 (MB to a target accuracy; PACS 85%, Dom
                   "DualFed 611.21/873.27/1225.59.")
 
 
+RUN_FLAGS = (*RUN_SETTINGS, "seed")
+"""The run settings this script takes as flags (`edgepfl simulate`'s); --dataset, --clients and --rounds are
+those of parts 2-4 (part 1's digits runs have their own)."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="digits only, fedavg and repper, 2 rounds (a smoke test)")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
-    add_ledger_argument(parser)
-    parser.add_argument("--fresh", action="store_true", help="recompute the runs this invocation needs")
-    parser.add_argument("--cached-only", action="store_true",
-                        help="train nothing: tables from the runs finished in the cache, other rows left out")
-    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    add_output_flags(parser, "digits only, fedavg and repper, 2 rounds")
+    add_cache_flags(parser, "other rows left out", fresh=True)
     parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
-    parser.add_argument("--dataset", default="fmnist", help="dataset of parts 2-4")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--setting", default="dir0.1@1", help="data setting of parts 2-4")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=20, help="round budget of parts 2-4")
-    parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--aggregation-dtype", choices=("float64", "float32"), default="float64",
-                        help="float64 (default): runs repeat bit for bit; float32 reads and extends the runs cached "
-                             "before benchmarks summed in float64")
+    add_run_flags(parser, RUN_FLAGS, {**PROTOCOL, "rounds": 20})
     parser.add_argument("--target", type=float, default=0.90, help="mean personalized accuracy to reach")
     parser.add_argument("--digits-rounds", type=int, default=2, help="rounds of the short digits runs of part 1")
     parser.add_argument("--codec-algorithms", default="fedavg,repper,dualfed")
@@ -111,18 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dataset, args.clients, args.setting, args.rounds, args.local_epochs = "digits", 10, "dir0.5@1", 2, 1
         args.algorithms, args.target, args.digits_rounds = "fedavg,repper", 0.5, 2
         args.codec_algorithms, args.codecs, args.dc_modes = "fedavg", "fp32,int8", "full/fp32,lowrank:4/fp16"
-    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
-    args.ledger = ledger_folder(args.ledger, args.quick)
+    finish_cache_flags(args)
+    run_settings(args, RUN_FLAGS)  # a value the run configuration refuses exits here, naming its key
     return args
 
 
 def config_for(args, algorithm: str, *, dataset: str | None = None, clients: int | None = None,
                setting: str | None = None, rounds: int | None = None, **extra: Any):
-    return bench_config(algorithm=algorithm, dataset=dataset or args.dataset, data_dir=args.data_dir,
-                        clients=clients or args.clients, rounds=rounds or args.rounds, local_epochs=args.local_epochs,
-                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, workers=args.workers,
-                        aggregation_dtype=args.aggregation_dtype, **Setting.parse(setting or args.setting).fields(),
-                        **extra)
+    fields = {**run_settings(args, RUN_FLAGS), "dataset": dataset or args.dataset, "clients": clients or args.clients,
+              "rounds": rounds or args.rounds}
+    return bench_config(algorithm=algorithm, **fields, **Setting.parse(setting or args.setting).fields(), **extra)
 
 
 def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""All algorithms on digits (10 devices, Dirichlet 0.5, 15 rounds, seed 0) over MQTT: the README table.
+"""All algorithms on digits (10 devices, Dirichlet 0.5, 15 rounds, seed 0) over MQTT: docs/ALGORITHMS.md's table.
 
 Each row is one `edgepfl simulate` command, run as a separate process so wall time includes
 everything a user waits for. Writes digits_table.json and digits_table.md to --out.
 
-    python benchmarks/digits_table.py [--quick] [--broker mqtt://127.0.0.1:1883] [--out DIR]
+    python -m benchmarks.digits_table [--quick] [--broker mqtt://127.0.0.1:1883] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 
 from coordinator.run_folder import RunFolder
 from edge_sdk.algorithms import ALGORITHM_IDS
+
+from ._flags import add_output_flags, add_run_flags
 
 PAPERS = {
     "local": "-", "fedavg": "McMahan et al. 2017", "fedavg_ft": "-", "fedprox": "Li et al. 2020",
@@ -66,10 +68,9 @@ def markdown(rows: list[dict], rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds, for a smoke test")
-    parser.add_argument("--broker", help="mqtt://host:port (default: the embedded amqtt broker)")
+    add_output_flags(parser, "2 rounds")
     parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
-    parser.add_argument("--out", default="benchmarks/results")
+    add_run_flags(parser, (), {})
     args = parser.parse_args()
     rounds = 2 if args.quick else 15
     out = Path(args.out)

@@ -16,7 +16,7 @@ For cnn28 and mobilenet_v3_small on Fashion-MNIST (28x28x1):
    `edge_sdk.lite.heads.fit_head`.
 Writes edge.json and edge.md to --out. Full run (about 10 minutes on 2 cores):
 
-    python benchmarks/edge.py --out benchmarks/results
+    python -m benchmarks.edge --out benchmarks/results
 
 `--quick` uses 8x8 digits and cnn8 only, fewer images and repeats.
 """
@@ -36,7 +36,7 @@ import torch
 from threadpoolctl import threadpool_limits
 from torch import nn
 
-from _machine import machine_info
+from ._machine import machine_info
 from edge_sdk.data import load_dataset
 from edge_sdk.lite.heads import HEADS, fit_head
 from edge_sdk.models import build_model

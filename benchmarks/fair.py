@@ -11,8 +11,8 @@ For each setting and method:
    to the smaller lr. No lr is chosen (and no common-optimizer run made) until every lr has a result.
 2. The common-optimizer table: the chosen lr, `optimizer = "sgd"`, the full training data, scored
    on the test split.
-3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as README.md's
-   algorithm table states it) at the run lr `--lr`, full training data, test split.
+3. The paper table: `optimizer = "paper"` (each method's own local optimizer, as docs/ALGORITHMS.md's
+   table states it) at the run lr `--lr`, full training data, test split.
 4. The claim table: each ordering of two of the protocol's methods that a paper states (`CLAIMS`:
    "DualFed > FedRep"), and whether each seed method beats FedAvg+FT, in each setting and under
    each optimizer, on the seeds both methods ran (benchmarks/_claims.py, as ablations.py's).
@@ -30,13 +30,13 @@ benchmarks/_ledger.py), from which the tables are rebuilt where the cache is abs
 adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many
 cores or a GPU); a method's common-optimizer test runs start as soon as its lr search has ended.
 
-    python benchmarks/fair.py --seeds 0 --cache /work/runs/cache
-    python benchmarks/fair.py --seeds 0 --jobs 12 --settings domains@0.2   # on a big machine
-    python benchmarks/fair.py --cached-only --cache /work/runs/cache   # tables from what is cached
+    python -m benchmarks.fair --seeds 0 --cache /work/runs/cache
+    python -m benchmarks.fair --seeds 0 --jobs 12 --settings domains@0.2   # on a big machine
+    python -m benchmarks.fair --cached-only --cache /work/runs/cache   # tables from what is cached
 
 Quick smoke run (digits, 6 devices, 2 rounds x 1 epoch, FedAvg and FedRep, lrs 0.01 and 0.1, dir0.5@1):
 
-    python benchmarks/fair.py --quick --out /tmp/fair
+    python -m benchmarks.fair --quick --out /tmp/fair
 
 Writes fair-<dataset>-<rounds>rounds.{json,md} (or `--name`) to --out.
 """
@@ -50,20 +50,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _runs, _machine
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-from _claims import NOT_MEASURED, compare  # noqa: E402
-from _machine import machine_info  # noqa: E402
-from _runs import (  # noqa: E402  (the script's own folder)
-    DEFAULT_CACHE,
+from ._claims import NOT_MEASURED, VERDICTS, compare
+from ._flags import (
+    PROTOCOL,
+    RUN_SETTINGS,
+    add_cache_flags,
+    add_output_flags,
+    add_run_flags,
+    add_seeds_flag,
+    finish_cache_flags,
+    run_settings,
+)
+from ._machine import machine_info
+from ._runs import (
     NAMES,
     RunCache,
     RunPool,
     Setting,
-    add_ledger_argument,
     bench_config,
-    ledger_folder,
     listed,
     mean_std,
     pct,
@@ -74,6 +79,9 @@ from _runs import (  # noqa: E402  (the script's own folder)
 
 log = logging.getLogger("benchmarks")
 
+RUN_FLAGS = (*RUN_SETTINGS, "eval_every")
+"""The run settings every run of the protocol takes from the flags (`edgepfl simulate`'s); the lr, the
+optimizer and the validation split are each run's own."""
 METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "fedavg", "fedavg_ft", "fedrep", "repper:variant=in")
 SETTINGS = ("dir0.1@0.2", "domains@0.2")
 PAPER_OPTIMIZERS = {
@@ -161,36 +169,16 @@ def checked_methods(methods: list[str]) -> list[str]:
 # -- arguments -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="digits, 6 devices, 2 rounds x 1 epoch, fedavg and fedrep, lrs 0.01 and 0.1, dir0.5@1, "
-                             "one worker, seed 0 (a smoke test)")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", help="output file stem (default fair-<dataset>-<rounds>rounds)")
-    parser.add_argument("--cache", help=f"folder of cached runs (default {DEFAULT_CACHE}; with --quick: OUT/runs)")
-    add_ledger_argument(parser)
-    parser.add_argument("--cached-only", action="store_true",
-                        help="train nothing: tables from the runs finished in the cache, other cells '-'")
-    parser.add_argument("--broker", help="mqtt://host:port (default: an embedded amqtt broker per run)")
+    add_output_flags(parser, "digits, 6 devices, 2 rounds x 1 epoch, fedavg and fedrep, lrs 0.01 and 0.1, dir0.5@1, "
+                             "one worker, seed 0", name="fair-<dataset>-<rounds>rounds")
+    add_cache_flags(parser, "other cells '-'", jobs=True)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--dataset", default="fmnist")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--seeds", default="0")
+    add_seeds_flag(parser, "0")
     parser.add_argument("--search-seeds", help="seeds of the lr search (default: the first of --seeds)")
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=50)
-    parser.add_argument("--local-epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05, help="the run lr of the paper table")
     parser.add_argument("--grid", default="0.01,0.03,0.1", help="the common optimizer's lrs, searched on validation")
-    parser.add_argument("--sgd-momentum", type=float, default=0.9)
-    parser.add_argument("--sgd-weight-decay", type=float, default=0.0)
-    parser.add_argument("--validation-fraction", type=float, default=0.2,
-                        help="share of each device's training data held out for the lr search")
-    parser.add_argument("--eval-every", type=int, default=10,
-                        help="evaluate every N rounds and after the last (the tables read the last)")
-    parser.add_argument("--workers", type=int, default=2, help="device worker processes per run")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, a process each")
+    add_run_flags(parser, (*RUN_FLAGS, "sgd_momentum", "sgd_weight_decay", "validation_fraction"),
+                  {**PROTOCOL, "rounds": 50, "local_epochs": 2, "eval_every": 10, "validation_fraction": 0.2})
     args = parser.parse_args(argv)
     if args.quick:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 6, 2, 1
@@ -215,8 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--seeds/--search-seeds: {exc}") from None
     if not args.seeds or not args.search_seeds:
         raise SystemExit("--seeds and --search-seeds: one seed at least")
-    args.cache = args.cache or (str(Path(args.out) / "runs") if args.quick else DEFAULT_CACHE)
-    args.ledger = ledger_folder(args.ledger, args.quick)
+    finish_cache_flags(args)
+    run_settings(args, RUN_FLAGS)  # a value the run configuration refuses exits here, naming its key
     args.name = args.name or f"fair-{args.dataset}-{args.rounds}rounds"
     return args
 
@@ -226,11 +214,10 @@ def run_config(args: argparse.Namespace, method: str, setting: Setting, seed: in
     """One run: the common optimizer (`common`) or the paper's, on the validation split or the test split."""
     optimizer = {"optimizer": "sgd", "sgd_momentum": args.sgd_momentum, "sgd_weight_decay": args.sgd_weight_decay}
     algorithm, overrides = method_parts(method)
-    return bench_config(algorithm=algorithm, hyper=overrides, dataset=args.dataset, data_dir=args.data_dir,
-                        clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
-                        batch_size=args.batch_size, lr=lr, seed=seed, workers=args.workers, eval_every=args.eval_every,
-                        validation_fraction=args.validation_fraction if validation else 0.0,
-                        **(optimizer if common else {}), **setting.fields())
+    fields = {**run_settings(args, RUN_FLAGS), "lr": lr,
+              "validation_fraction": args.validation_fraction if validation else 0.0}
+    return bench_config(algorithm=algorithm, hyper=overrides, seed=seed, **fields, **(optimizer if common else {}),
+                        **setting.fields())
 
 
 # -- runs -------------------------------------------------------------------------------------
@@ -394,7 +381,7 @@ def markdown(document: dict[str, Any]) -> str:
             lines.append(f"| {labels[name]} | {method_name(method)} | " + " | ".join(cells) + f" | {chosen} |")
     lines += ["", "### The papers' claims under this protocol", "",
               "Each ordering of two methods above, in each setting and under each optimizer, on the seeds both ran "
-              "(difference in points, ± its std over seeds; 'within seed spread': no larger than its std). The "
+              f"(difference in points, ± its std over seeds). Verdicts: {VERDICTS}. The "
               "ablations' claim table (benchmarks/README.md) checks each paper's own ablations.", "",
               "| claim | source | setting | common SGD: measured | reproduced? | paper optimizer: measured | "
               "reproduced? |", "|---|---|---|---|---|---|---|"]

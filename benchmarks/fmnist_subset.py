@@ -4,7 +4,7 @@
 partitions (e.g. `domains`), so that a federation probe of a loss term fits a shared 2-core
 machine: issue 23's probes of CD2-pFed's distillation and FediOS's L_re (benchmarks/README.md).
 
-    python benchmarks/fmnist_subset.py --train 6000 --test 2000 --out /tmp/fmnist-8k
+    python -m benchmarks.fmnist_subset --train 6000 --test 2000 --out /tmp/fmnist-8k
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
-
-from edge_sdk.data.datasets import FMNIST_FILES, SYSTEM_FMNIST_DIRS, _fmnist_dirs, _idx_file  # noqa: E402
-from edge_sdk.data.idx import read_idx  # noqa: E402
+from edge_sdk.data.datasets import FMNIST_FILES, SYSTEM_FMNIST_DIRS, fmnist_idx_files
+from edge_sdk.data.idx import read_idx
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -35,14 +33,14 @@ def main() -> int:
     parser.add_argument("--data-dir", default=None, help=f"where the full idx files are (default: {SYSTEM_FMNIST_DIRS})")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    source = next((d for d in _fmnist_dirs(args.data_dir) if all(_idx_file(d, f) for f in FMNIST_FILES)), None)
-    if source is None:
+    files = fmnist_idx_files(args.data_dir)
+    if files is None:
         print("Fashion-MNIST idx files not found (apt-get install dataset-fashion-mnist, or --data-dir)")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, keep in zip(FMNIST_FILES, (args.train, args.train, args.test, args.test)):
-        write_idx(args.out / name, read_idx(_idx_file(source, name))[:keep])
-    print(f"{args.train} + {args.test} images from {source} in {args.out}")
+    for name, source, keep in zip(FMNIST_FILES, files, (args.train, args.train, args.test, args.test)):
+        write_idx(args.out / name, read_idx(source)[:keep])
+    print(f"{args.train} + {args.test} images from {files[0].parent} in {args.out}")
     return 0
 
 

@@ -18,7 +18,7 @@ memory), which it writes as it exits (`MEASURED`). With `--limit-mb` each weak d
 is killed, and the run fails. Where no memory cgroup can be created the limit is recorded as
 "none" and only the peak is measured. Writes footprint.json and footprint.md to --out:
 
-    python benchmarks/footprint.py --limit-mb 256 --out benchmarks/results
+    python -m benchmarks.footprint --limit-mb 256 --out benchmarks/results
 
 `--quick`: the Fashion-MNIST-shaped weak device only (cnn28, 2,000 seeded random images, `svm`
 head), no trainer, no install: what the test suite runs under a 256 MB limit.
@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,13 @@ import threading
 import time
 import venv
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Iterator
 
 import numpy as np
 
-from _brokers import Mosquitto
-from _machine import machine_info
+from ._brokers import Mosquitto
+from ._machine import machine_info
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport

@@ -1,8 +1,8 @@
 """The CUDA paths on a GPU machine: every algorithm end to end on `--device cuda`, with and without
 AMP, and one device's local training speed and peak GPU memory beside the CPU's.
 
-    python benchmarks/gpu.py --out benchmarks/results          # needs a CUDA device
-    python benchmarks/gpu.py --quick --out /tmp/gpu             # FedAvg alone, batch 32 alone
+    python -m benchmarks.gpu --out benchmarks/results          # needs a CUDA device
+    python -m benchmarks.gpu --quick --out /tmp/gpu             # FedAvg alone, batch 32 alone
 
 1. `throughput`: FedAvg's local training of one device in this process (Fashion-MNIST, the
    default cnn28, device 0 of 20 IID: 2,624 images, 2 local epochs; a first fit warms the
@@ -29,23 +29,22 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _machine, _runs
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
-import torch  # noqa: E402
+import torch
 
-from _machine import machine_info  # noqa: E402
-from _runs import NAMES, setup_logging, write_outputs  # noqa: E402
-from coordinator.algorithms import load as load_server  # noqa: E402
-from coordinator.algorithms.base import ServerContext  # noqa: E402
-from edge_sdk.algorithms.base import NoHyper, Task  # noqa: E402
-from edge_sdk.algorithms.fedavg import FedAvgDevice  # noqa: E402
-from edge_sdk.data import ClientData, load_client_data  # noqa: E402
-from edge_sdk.models import default_model_for  # noqa: E402
-from edge_sdk.settings import TrainSettings  # noqa: E402
-from edge_sdk.training import mixed_precision  # noqa: E402
+from ._machine import machine_info
+from ._runs import NAMES, setup_logging, write_outputs
+from coordinator.algorithms import load as load_server
+from coordinator.algorithms.base import ServerContext
+from edge_sdk.algorithms.base import NoHyper, Task
+from edge_sdk.algorithms.fedavg import FedAvgDevice
+from edge_sdk.data import ClientData, load_client_data
+from edge_sdk.models import default_model_for
+from edge_sdk.settings import TrainSettings
+from edge_sdk.training import mixed_precision
 
 log = logging.getLogger("benchmarks")
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,9 +3,9 @@
 Full run (about 8 minutes on 2 cores; Mosquitto installed, and Fashion-MNIST in
 /usr/share/datasets/fashion-mnist or --data-dir):
 
-    python benchmarks/overhead.py --out benchmarks/results
+    python -m benchmarks.overhead --out benchmarks/results
 
-Quick (a smoke test, well under a minute): `python benchmarks/overhead.py --quick --out DIR`
+Quick (a smoke test, well under a minute): `python -m benchmarks.overhead --quick --out DIR`
 (digits, 3 devices, 2 rounds). `--broker mqtt://host:port` replaces the two broker variants by
 that broker.
 
@@ -18,8 +18,10 @@ The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 de
   own MQTT connection, through the embedded amqtt broker or a Mosquitto started here.
 - `inprocess`: the baseline, a plain loop with the same computation and the same process layout:
   the same worker processes host the same devices (`EdgeClient`s, built from the WELCOME the real
-  `Coordinator` writes, training through their own TRAIN and EVALUATE handlers; only `send` is
-  replaced, so their replies are handed back as Python objects instead of being published); this
+  `Coordinator` writes, handed each envelope through `DeviceSession.handle`, the public entry
+  `run` uses on receipt, so they train and evaluate through their own handlers; only `send`, the
+  one way out of a device, is overridden, so their replies come back as Python objects instead of
+  being published); this
   process runs the same server algorithm object (selection, `check_update`, `accumulate`,
   `end_round`, the checkpoint every round) and hands tasks and replies to the workers over
   multiprocessing pipes. No encoding, chunking, broker or MQTT client anywhere. Why this and not
@@ -61,7 +63,8 @@ from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 
-from _brokers import broker, machine_info
+from ._brokers import broker, machine_info
+from ._flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 
@@ -150,7 +153,8 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
     from edge_sdk.protocol import Envelope
 
     class DirectClient(EdgeClient):
-        """An EdgeClient whose replies are kept as Python objects instead of being published."""
+        """An EdgeClient whose replies are kept as Python objects instead of being published: its
+        `send` (the one way out of a device) appends to `outbox`; envelopes come in by `handle`."""
 
         outbox: list
 
@@ -169,7 +173,6 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
         client.outbox = []
         clients.append(client)
     conn.send([(c.client_id, *c.hello()) for c in clients])
-    handlers = {"welcome": lambda c: c._on_welcome, "train": lambda c: c._on_train, "evaluate": lambda c: c._on_evaluate}
     while True:
         command, payload = conn.recv()
         if command == "stop":
@@ -178,7 +181,7 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
         for client in clients:
             envelope = payload[client.client_id] if command == "welcome" else payload
             client.outbox.clear()
-            handlers[command](client)(envelope)
+            client.handle(envelope)  # WELCOME, TRAIN or EVALUATE, as `run` would on receiving it
             replies += client.outbox
         conn.send(replies)
 
@@ -347,19 +350,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="digits, 3 devices, 2 rounds: a smoke test")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--broker", help="mqtt://host:port: the only MQTT variant (default: amqtt and Mosquitto)")
+    add_output_flags(parser, "digits, 3 devices, 2 rounds")
     parser.add_argument("--variants", default="amqtt,mosquitto,inprocess",
-                        help="comma-separated: amqtt, mosquitto, inprocess, loopback")
-    parser.add_argument("--dataset", help="default fmnist (quick: digits)")
-    parser.add_argument("--data-dir")
-    parser.add_argument("--clients", type=int, help="default 10 (quick: 3)")
-    parser.add_argument("--rounds", type=int, help="default 5 (quick: 2)")
-    parser.add_argument("--local-epochs", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=0, help="device worker processes (default: one per core)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="comma-separated: amqtt, mosquitto, inprocess, loopback (a --broker replaces amqtt and "
+                             "mosquitto)")
+    add_run_flags(parser, ("dataset", "data_dir", "clients", "rounds", "local_epochs", "workers", "device", "seed"),
+                  {"dataset": None, "clients": None, "rounds": None, "device": "cpu"})
+    parser.epilog = (parser.epilog or "") + (" Without --quick: --dataset fmnist, --clients 10, --rounds 5; with it: "
+                                             "digits, 3 and 2.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

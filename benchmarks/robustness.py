@@ -4,7 +4,7 @@ digits, 15 devices (3 adversaries with `--attack mixed`), FedAvg, 5 rounds, seed
 the plain mean with and without adversaries, then coordinate-wise median and trimmed mean
 (and clipping) with them. Writes robustness.json and robustness.md to --out.
 
-    python benchmarks/robustness.py [--quick] [--broker mqtt://127.0.0.1:1883] [--out DIR]
+    python -m benchmarks.robustness [--quick] [--broker mqtt://127.0.0.1:1883] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 
 from coordinator.config import RunConfig
 from coordinator.simulate import run_simulation
+
+from ._flags import add_output_flags, add_run_flags
 
 SETTINGS = [
     ("mean, no adversaries", {}),
@@ -27,9 +29,8 @@ SETTINGS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds")
-    parser.add_argument("--broker", help="mqtt://host:port (default: the embedded amqtt broker)")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_output_flags(parser, "2 rounds")
+    add_run_flags(parser, (), {})
     args = parser.parse_args()
     out = Path(args.out)
     rows = []

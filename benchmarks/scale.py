@@ -3,9 +3,9 @@
 Full run (Mosquitto installed; about 8 GB of free memory; 5 to 20 minutes on 2 cores; a round
 that loses an update lasts until --round-timeout, 180 s):
 
-    python benchmarks/scale.py --out benchmarks/results
+    python -m benchmarks.scale --out benchmarks/results
 
-Quick (a smoke test, well under a minute): `python benchmarks/scale.py --quick --out DIR` (20 and
+Quick (a smoke test, well under a minute): `python -m benchmarks.scale --quick --out DIR` (20 and
 50 devices, 2 rounds, the 0.15M-parameter cnn8). `--broker mqtt://host:port` uses an existing
 broker instead of starting Mosquitto with the config written here.
 
@@ -81,7 +81,8 @@ from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.session import DeviceSession
 from edge_sdk.transport import MqttSettings
 
-from _brokers import broker, machine_info, raise_fd_limit
+from ._brokers import broker, machine_info, raise_fd_limit
+from ._flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 EXAMPLES = 100
@@ -148,7 +149,7 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
     of network namespace `namespace` when given), started `connect_interval` seconds apart (a
     fleet that comes online at a set rate rather than all in the same instant)."""
     if namespace is not None:
-        from _cluster import enter_namespace
+        from ._cluster import enter_namespace
 
         enter_namespace(namespace)
     raise_fd_limit()
@@ -206,7 +207,7 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
     """The coordinator process: set up as `edgepfl coordinator` does; its events time the rounds
     and mark when to read its memory. On the host of network namespace `namespace` when given."""
     if namespace is not None:
-        from _cluster import enter_namespace
+        from ._cluster import enter_namespace
 
         enter_namespace(namespace)
     from coordinator.config import RunConfig
@@ -332,7 +333,7 @@ def run_scale(devices: int, running, args, workdir: Path, cluster=None) -> dict:
     dropped_before = broker_dropped(url, protocol) if cluster is None else None
     pids = {"broker": broker_pid}
     if cluster is not None:
-        from _cluster import host_of_process
+        from ._cluster import host_of_process
 
         (workdir / federation).mkdir(parents=True, exist_ok=True)
         cluster.start_aggregators(shards, federation, workdir / federation)
@@ -576,7 +577,7 @@ def plot(result: dict, path: Path) -> None:
 def run_on_cluster(devices: int, args, workdir: Path) -> dict:
     """One device count on a fresh cluster (hosts, NATS nodes with empty JetStream stores), so
     that the nodes' memory is this count's."""
-    from _cluster import cluster, mqtt_options
+    from ._cluster import cluster, mqtt_options
 
     extra = mqtt_options(args.nats_consumer_replicas, args.nats_consumer_memory)
     with cluster(workdir / f"cluster{devices}", mqtt_extra=extra) as running:
@@ -585,31 +586,17 @@ def run_on_cluster(devices: int, args, workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20 and 50 devices, 2 rounds, cnn8: a smoke test")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_output_flags(parser, "20 and 50 devices, 2 rounds, cnn8")
     parser.add_argument("--broker", help="mqtt://host:port (default: start Mosquitto with the config written here)")
     parser.add_argument("--devices", help="comma-separated device counts (default 100,500,1000; quick 20,50)")
-    parser.add_argument("--rounds", type=int, help="rounds per device count (default 2)")
-    parser.add_argument("--dataset", help="the dataset whose shape sizes the model (default cifar100, quick digits)")
-    parser.add_argument("--model", help="default cnn32 (0.92M parameters on cifar100), quick cnn8")
     parser.add_argument("--processes", type=int, default=0, help="device processes (default: one per 125 devices)")
-    parser.add_argument("--chunk-size", type=int,
-                        help="largest broadcast the coordinator publishes whole (default: the library's, 1 MiB)")
-    parser.add_argument("--upload-chunk-size", type=int,
-                        help="largest upload a device publishes whole (default: the library's, 64 MiB)")
-    parser.add_argument("--flow-control-bytes", type=int,
-                        help="received bytes the coordinator holds before it stops reading (default: the library's, "
-                             "1 MiB; 0: off)")
     parser.add_argument("--device-keepalive", type=int, default=300,
                         help="MQTT keepalive of the simulated devices in seconds (default 300, not the SDK's 30: "
                              "hundreds of devices share a few cores here, so a device's PINGRESP can wait behind "
                              "megabytes of broadcast its process has not read yet; a real device has its own CPU)")
-    parser.add_argument("--round-timeout", type=float, default=180.0,
-                        help="seconds a round waits for every update (a lost update shows as a round this long)")
     parser.add_argument("--mosquitto-max-queued", type=int, default=0,
                         help="Mosquitto's max_queued_messages per client (default 0, no limit, as `edgepfl "
                              "broker-config` writes it; Mosquitto's own default is 1000)")
-    parser.add_argument("--registration-timeout", type=float, default=300.0)
     parser.add_argument("--cluster", action="store_true",
                         help="three hosts (network namespaces, root) with a NATS node each, the coordinator on host 1 "
                              "with --shards, aggregators on hosts 2 and 3, the devices over all three (default "
@@ -623,9 +610,18 @@ def main() -> None:
                              "(default: the stream's, 3: every subscription is a 3-node Raft group)")
     parser.add_argument("--nats-consumer-memory", action="store_true",
                         help="--cluster: NATS keeps those consumers in memory, not on disk")
+    add_run_flags(parser, ("dataset", "model", "rounds", "round_timeout", "registration_timeout", "chunk_size",
+                           "upload_chunk_size", "flow_control_bytes"),
+                  {"dataset": None, "model": None, "rounds": None, "round_timeout": 180.0,
+                   "registration_timeout": 300.0, "chunk_size": None, "upload_chunk_size": None,
+                   "flow_control_bytes": None}, broker=False)
+    parser.epilog = (parser.epilog or "") + (
+        " --rounds: per device count, default 2 (--cluster 1); --dataset (it sizes the model): default cifar100, "
+        "--quick and --cluster digits; --model: default cnn32 (0.92M parameters on cifar100), --quick cnn8, "
+        "--cluster mlp; a lost update shows as a round --round-timeout long.")
     args = parser.parse_args()
     if args.cluster:
-        from _cluster import unavailable
+        from ._cluster import unavailable
 
         if (reason := unavailable()) is not None:
             print(f"skipped: {reason}")

@@ -12,7 +12,7 @@ difference). `--repeats N` plays the pair N times, alternating, and the ratios a
 medians (the wall times of a shared machine vary from run to run).
 Writes shards.json and shards.md to --out.
 
-    python benchmarks/shards.py [--quick] [--repeats N] [--broker mqtt://127.0.0.1:1883] [--out DIR]
+    python -m benchmarks.shards [--quick] [--repeats N] [--broker mqtt://127.0.0.1:1883] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from _brokers import broker, machine_info
-from _runs import setup_logging, write_outputs
+from ._brokers import broker, machine_info
+from ._flags import add_output_flags, add_run_flags
+from ._runs import setup_logging, write_outputs
 from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.events import DevicesRegistered
@@ -95,11 +96,10 @@ def markdown(document: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 devices, 2 rounds")
+    add_output_flags(parser, "6 devices, 2 rounds")
     parser.add_argument("--broker", default="mosquitto", help="mosquitto (started here) or mqtt://host:port")
-    parser.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating (default 1)")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_run_flags(parser, ("workers",), {"workers": 2}, broker=False)
     args = parser.parse_args()
     setup_logging()
     clients, rounds = (6, 2) if args.quick else (50, 5)

@@ -1,6 +1,6 @@
 """The cost of per-device message signing (HMAC-SHA256, `edge_sdk.signing`) for a 1M-parameter update.
 
-    python benchmarks/signing.py [--quick] [--out DIR]
+    python -m benchmarks.signing [--quick] [--out DIR]
 
 Measures, for an update of 1,000,000 float32 parameters (4 MB) in a model-like layout: a
 device sealing it (`Signer.seal` over the encoded pieces) and the coordinator verifying it
@@ -27,7 +27,7 @@ from edge_sdk import wire
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.signing import KEY_BYTES, Signer, Verifier
 
-from _machine import machine_info
+from ._machine import machine_info
 
 PARAMETERS = 1_000_000
 SHAPES = [(1200, 784), (1200,), (10, 1200), (10,)]  # 952,010 parameters; the rest in one vector

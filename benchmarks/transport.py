@@ -2,9 +2,9 @@
 
 Full run (about a minute; Mosquitto installed):
 
-    python benchmarks/transport.py --out benchmarks/results
+    python -m benchmarks.transport --out benchmarks/results
 
-Quick (a smoke test, well under a minute): `python benchmarks/transport.py --quick --out DIR`.
+Quick (a smoke test, well under a minute): `python -m benchmarks.transport --quick --out DIR`.
 `--broker mqtt://host:port` measures an existing broker instead of starting Mosquitto and amqtt.
 
 What it measures (MB = 10^6 bytes of raw float32 tensor data; arrays in a ResNet-like layout of
@@ -51,7 +51,7 @@ from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, Reassembler, chu
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 
-from _brokers import broker, machine_info
+from ._brokers import broker, machine_info
 
 MB = 1_000_000
 FEDERATION = "bench"

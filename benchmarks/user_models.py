@@ -7,7 +7,7 @@ per image. Each of the 12 algorithms runs on each (10 devices, Dirichlet 0.5, 5 
 through `Federation`: the embedded broker and every device in this process, over MQTT), or is
 refused at start with the capability it misses; the table says which, with the accuracy.
 
-    python benchmarks/user_models.py [--quick] [--broker mqtt://127.0.0.1:1883] [--out benchmarks/results]
+    python -m benchmarks.user_models [--quick] [--broker mqtt://127.0.0.1:1883] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from _machine import machine_info
+from ._flags import add_output_flags, add_run_flags
+from ._machine import machine_info
 from coordinator.federation import Federation
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.models import ModelError, split
@@ -85,9 +86,8 @@ def markdown(results: dict[str, list[dict]], rounds: int, clients: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 devices, 1 round, repper only")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--broker", help="mqtt://host:port of a running broker (default: the embedded amqtt)")
+    add_output_flags(parser, "3 devices, 1 round, repper only")
+    add_run_flags(parser, (), {})
     args = parser.parse_args()
     rounds, clients = (1, 3) if args.quick else (5, 10)
     algorithms = ("repper",) if args.quick else ALGORITHM_IDS

@@ -1,6 +1,6 @@
 """Per-device memory of a virtual device hosted by `edgepfl workers`.
 
-    python benchmarks/workers.py [--quick] [--out DIR]
+    python -m benchmarks.workers [--quick] [--out DIR]
 
 For each setting (cnn8 on digits; Fashion-MNIST with its default model, cnn28) and each device
 count N: a Mosquitto, `edgepfl simulate --local-devices none` (the coordinator alone) and
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _brokers import Mosquitto, machine_info
+from ._brokers import Mosquitto, machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {

@@ -7,8 +7,8 @@ one model, not one model per device, and no full-size temporaries.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class WeightedMean:
         direct = flat_reference is not None and np.promote_types(flat_reference.dtype, total.dtype) == total.dtype
         for part in blocks(flat_total.size):
             step = scratch[: part.stop - part.start]
-            if direct:
+            if direct and flat_reference is not None:
                 np.subtract(flat_value[part], flat_reference[part], out=step, dtype=total.dtype)
             else:
                 step[...] = flat_value[part]
@@ -159,7 +159,7 @@ def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
     entries are of the previous round's), `base` itself for equal shapes, else None."""
     if base.shape == value.shape:
         return base
-    if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape)):
+    if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape, strict=True)):
         return base[tuple(slice(0, s) for s in value.shape)]
     return None
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from edge_sdk.config import ConfigError
 from edge_sdk.data.task import TaskSpec
@@ -166,12 +167,12 @@ class ShardAggregator(DeviceSession):
             log.warning("%s: round %d superseded by round %d before its partial was asked for", self.client_id,
                         self.open.round, train.round)
         devices = {str(c): int(n) for c, n in roster.config["devices"].items()}
-        self.open = OpenRound(request, train.round, train.groups, devices)
-        self.algorithm.begin_partial(train.round, train.groups)
+        round_ = self.open = OpenRound(request, train.round, train.groups, devices)
+        self._algorithm().begin_partial(train.round, train.groups)
         early = [e for e in self.early if e.config.get("in_reply_to") == request and e.run_id == self.run_id]
         self.early = [e for e in self.early if e.round > train.round]
         for update in early:
-            self._fold(update)
+            self._fold(round_, update)
         self._finish_if_complete()
 
     def _on_update(self, update: Envelope) -> None:
@@ -179,7 +180,7 @@ class ShardAggregator(DeviceSession):
             raise ProtocolError(Reason.WRONG_RUN, f"update from {update.sender} for run {update.run_id!r}")
         request = update.config.get("in_reply_to")
         if self.open is not None and request == self.open.request_id:
-            self._fold(update)
+            self._fold(self.open, update)
             self._finish_if_complete()
         elif self.open is None or update.round > self.open.round:
             if len(self.early) >= MAX_EARLY_UPDATES:
@@ -189,9 +190,15 @@ class ShardAggregator(DeviceSession):
             raise ProtocolError(Reason.STALE, f"update from {update.sender} for round {update.round} is not a reply "
                                               "to the open round")
 
-    def _fold(self, update: Envelope) -> None:
+    def _algorithm(self) -> ServerAlgorithm:
+        """The algorithm built at `join`; a round only opens after it (`_ours`)."""
+        if self.algorithm is None:
+            raise RuntimeError(f"{self.client_id}: a round opened before the WELCOME")
+        return self.algorithm
+
+    def _fold(self, round_: OpenRound, update: Envelope) -> None:
         """Check one update as the coordinator does, then fold it into the shard's sum."""
-        round_, sender = self.open, update.sender
+        sender = update.sender
         if sender not in round_.roster:
             self.channel.reject(Reason.NOT_SELECTED, f"update from {sender} in round {round_.round}")
             return
@@ -202,14 +209,14 @@ class ShardAggregator(DeviceSession):
             self.channel.reject(Reason.STALE, f"update from {sender} after the round {round_.round} partial left")
             return
         try:
-            groups, weight = checked_update(self.algorithm, round_.round, update, round_.sent, round_.roster[sender],
+            groups, weight = checked_update(self._algorithm(), round_.round, update, round_.sent, round_.roster[sender],
                                             self.limits, self.codec)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"update from {sender}: {err.detail}")
             round_.refused.add(sender)
             self._notes[1].append([sender, err.reason.value, err.detail[:200]])
         else:
-            self.algorithm.accumulate(sender, groups, update.metrics, weight)
+            self._algorithm().accumulate(sender, groups, update.metrics, weight)
             round_.folded.append(sender)
             self._notes[0].append(sender)
         if len(self._notes[0]) + len(self._notes[1]) >= MAX_NOTE_ENTRIES:
@@ -217,11 +224,11 @@ class ShardAggregator(DeviceSession):
 
     def _finish_if_complete(self) -> None:
         if self.open is not None and self.open.complete and not self.open.partial_sent:
-            self._send_partial()
+            self._send_partial(self.open)
 
     def _on_close(self, close: Envelope) -> None:
         if self.open is not None and close.config.get("request") == self.open.request_id and not self.open.partial_sent:
-            self._send_partial()
+            self._send_partial(self.open)
 
     # -- what goes up ----------------------------------------------------------------------
     def _send_note(self) -> None:
@@ -232,11 +239,10 @@ class ShardAggregator(DeviceSession):
         self.send(Kind.NOTE, self.open.round, config={"in_reply_to": self.open.request_id, "shard": self.shard,
                                                       "accepted": accepted, "refused": refused})
 
-    def _send_partial(self) -> None:
+    def _send_partial(self, round_: OpenRound) -> None:
         """The notes still pending, then the PARTIAL; the sums and the reference are let go."""
         self._send_note()
-        round_ = self.open
-        sums = self.algorithm.partial() if round_.folded else {}
+        sums = self._algorithm().partial() if round_.folded else {}
         fields = partial_envelope_fields(sums, round_.folded)
         fields["config"].update(in_reply_to=round_.request_id, shard=self.shard)
         self.send(Kind.PARTIAL, round_.round, **fields)

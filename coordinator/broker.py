@@ -1,7 +1,7 @@
 """The zero-setup default broker: amqtt (pure Python, MQTT 3.1.1) in a child process.
 
 Good for simulations and trying things out on one machine. Production fleets use Mosquitto or
-any MQTT 3.1.1/5 broker (see the README); everything else here works with either.
+any MQTT 3.1.1/5 broker (see docs/DEPLOYING.md); everything else here works with either.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+from multiprocessing.process import BaseProcess
 import socket
 import time
 
@@ -111,13 +112,13 @@ class EmbeddedBroker:
         self.port = port or free_port(host)
         self.port_given = port is not None
         self.start_timeout = start_timeout
-        self._process: multiprocessing.Process | None = None
+        self._process: BaseProcess | None = None
 
     @property
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
-    def start(self) -> "EmbeddedBroker":
+    def start(self) -> EmbeddedBroker:
         try:
             import amqtt  # noqa: F401
         except ImportError:
@@ -139,15 +140,15 @@ class EmbeddedBroker:
         """Start the broker process on self.port; None once it listens, else why not (it is then stopped)."""
         context = multiprocessing.get_context("spawn")
         receiver, sender = context.Pipe(duplex=False)
-        self._process = context.Process(target=_serve, args=(self.host, self.port, sender,
-                                                             logging.getLogger().getEffectiveLevel()),
-                                        daemon=True, name="edgepfl-broker")
-        self._process.start()
+        process = self._process = context.Process(target=_serve, args=(self.host, self.port, sender,
+                                                                       logging.getLogger().getEffectiveLevel()),
+                                                  daemon=True, name="edgepfl-broker")
+        process.start()
         sender.close()  # the child holds its own end: its exit ends the pipe
         with receiver:
-            if multiprocessing.connection.wait([receiver, self._process.sentinel], self.start_timeout):
+            if multiprocessing.connection.wait([receiver, process.sentinel], self.start_timeout):
                 try:
-                    error = receiver.recv() if receiver.poll() else f"it exited (code {self._process.exitcode})"
+                    error = receiver.recv() if receiver.poll() else f"it exited (code {process.exitcode})"
                 except EOFError:
                     error = "it exited before it listened"
             else:
@@ -162,7 +163,7 @@ class EmbeddedBroker:
             self._process.join(timeout=10)
             self._process = None
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -52,9 +52,9 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from edge_sdk.protocol import BROADCAST, COORDINATOR, Kind, Topics, aggregator_id, check_client_id, shard_of_aggregator
 from edge_sdk.signing import new_key
@@ -261,7 +261,7 @@ class OpensslCA:
         self.openssl, self.cert, self.key = openssl, cert, key
 
     @classmethod
-    def create(cls, openssl: str, directory: Path, common_name: str) -> "OpensslCA":
+    def create(cls, openssl: str, directory: Path, common_name: str) -> OpensslCA:
         cert, key = directory / "ca.crt", directory / "ca.key"
         extensions = ("basicConstraints = critical,CA:TRUE\nkeyUsage = critical,keyCertSign,cRLSign\n"
                       "subjectKeyIdentifier = hash\n")
@@ -318,7 +318,7 @@ class CryptographyCA:
         self.cert, self.key = cert, key
 
     @classmethod
-    def create(cls, directory: Path, common_name: str) -> "CryptographyCA":
+    def create(cls, directory: Path, common_name: str) -> CryptographyCA:
         from cryptography import x509
         from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -505,7 +505,7 @@ def generate(
         shutil.rmtree(device_dir)
     device_dir.mkdir(mode=0o700, exist_ok=True)
     device_files = [device_dir / f"{d}.json" for d in ids]
-    for device, path in zip(ids, device_files):
+    for device, path in zip(ids, device_files, strict=True):
         own = {"federation": federation, "url": url, "devices": {device: entry(accounts[device])}}
         _write_secret(path, json.dumps(own, indent=2) + "\n")
     if user != current:

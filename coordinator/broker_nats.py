@@ -9,7 +9,7 @@ QoS 1 messages in JetStream, replicated over the cluster. `generate_nats` writes
   block (routes to every other node, authenticated with a generated route password; left out for
   a single node), the `mqtt` block (the MQTT port; `stream_replicas` = min(nodes, 3), so a
   3-node cluster keeps the MQTT state on all three and survives the loss of one node) and
-  `max_payload` 8 MB (see README: NATS 2.9 does not apply it to MQTT publishes; newer servers
+  `max_payload` 8 MB (see docs/SCALING.md: NATS 2.9 does not apply it to MQTT publishes; newer servers
   may), then `include accounts.conf`.
 - `accounts.conf` (mode 0600): the account `EDGEPFL` with JetStream enabled, and its users
   `coordinator` and one per device (username = device id), bcrypt-hashed passwords where
@@ -38,14 +38,15 @@ import json
 import secrets
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from edge_sdk.protocol import COORDINATOR, Topics
 from edge_sdk.signing import new_key
 
-from .broker_config import Account, BrokerConfigError, _write_secret, accounts_with_aggregators, parse_devices, topic_rules
+from .broker_config import (Account, BrokerConfigError, _write_secret, accounts_with_aggregators, parse_devices,
+                            topic_rules)
 
 ACCOUNT = "EDGEPFL"
 CLIENT_PORT = 4222
@@ -218,7 +219,7 @@ def generate_nats(out: str | Path, federation: str, devices: str | Sequence[str]
                 "devices": {d: entry(accounts[d]) for d in ids}}
     _write_secret(credentials, json.dumps(document, indent=2) + "\n")
     device_files = [out / "devices" / f"{d}.json" for d in ids]
-    for device, path in zip(ids, device_files):
+    for device, path in zip(ids, device_files, strict=True):
         _write_secret(path, json.dumps({"federation": federation, "url": url,
                                         "devices": {device: entry(accounts[device])}}, indent=2) + "\n")
     files = [*node_configs, accounts_file, credentials, *device_files]

@@ -7,7 +7,12 @@ code 2 for usage errors (a bad flag, a missing file, an `--out` holding another 
 runtime failures (the broker unreachable or refusing, every device gone); Ctrl-C ends with one
 line and 130, SIGTERM (`systemctl stop`, `docker stop`, Kubernetes) the same way with 143: both
 unwind the command, so `simulate` stops its worker processes and embedded broker instead of
-leaving them behind. `-vv` logs the traceback of a failure too.
+leaving them behind, whether the signal reaches the command alone or its whole process group.
+A command started in the background by a non-interactive shell (`edgepfl simulate ... &` in a
+script) inherits SIGINT ignored, as POSIX has it, and keeps ignoring it: stop it with SIGTERM.
+A command run without its extra (PyTorch, scikit-learn for a built-in dataset, amqtt, ...) ends
+in one line naming what to install, exit code 2 (`coordinator.extras`).
+`-vv` logs the traceback of a failure too.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import threading
 from typing import Any
 
+from .conformance.command import add_conformance_parser
 from .flags import add_setting_flags, given, section_from
 
 log = logging.getLogger(__name__)
@@ -82,8 +88,8 @@ MAX_PARTICIPATION_LINES = 8
 
 
 def _summary(report: dict[str, Any], out: str) -> str:
-    """The figures a run ends with (README, "Report figures", defines each one)."""
-    from .report import participation_line
+    """The figures a run ends with (docs/CONFIGURATION.md, "Report figures", defines each one)."""
+    from .report import data_line, participation_line
 
     final = report["final"]["personalized_accuracy"]
     comm = report["communication"]
@@ -92,9 +98,11 @@ def _summary(report: dict[str, Any], out: str) -> str:
     shortfalls = [line for line in map(participation_line, report["rounds"]) if line is not None]
     evaluated = report["final"].get("devices_evaluated", len(report["final"]["per_client"]))
     registered = report["final"].get("devices_registered", report["clients"])
+    partition = f"{report['partition']}, " if report.get("partition") else ""  # known only when simulated or given
     lines = [
-        f"algorithm {report['algorithm']} on {report['dataset']} ({report['partition']}, {report['clients']} devices, "
+        f"algorithm {report['algorithm']} on {report['dataset']} ({partition}{report['clients']} devices, "
         f"model {report['model']})",
+        *([f"data                   {data_line(report['data'])}"] if "data" in report else []),
         f"rounds                 {played} played, {aggregated} aggregated"
         + (f", {played - aggregated} aggregated nothing" if played > aggregated else ""),
         *(f"participation          {line}" for line in shortfalls[:MAX_PARTICIPATION_LINES]),
@@ -209,13 +217,24 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     transport = config.coordinator_transport(config.broker.broker or DEFAULT_BROKER)
     transport.connect()
     try:
-        report = Coordinator(config, config.coordinator_channel(transport)).run()
+        channel = config.coordinator_channel(transport)
+        report = Coordinator(config, channel, partition=_given_partition(args, config)).run()
     except RegistrationTimeout as exc:
         raise CommandFailed(str(exc)) from None
     finally:
         transport.close()
     print(_summary(report, config.run.out))
     return 0
+
+
+def _given_partition(args: argparse.Namespace, config) -> str | None:
+    """The run's partition if the user stated it (`--partition`, or `partition` in `--config`):
+    devices that hold their own data follow none, so the coordinator assumes none."""
+    from edge_sdk.config import load_toml
+
+    document = load_toml(args.config) if args.config else {}
+    stated = args.partition is not None or "partition" in document or "partition" in document.get("run", {})
+    return config.run.partition if stated else None
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -234,7 +253,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
                         device=simulation.device, **upload,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    run_until_done(client)
+    run_until_done(client, say_waiting=True)
     return 0
 
 
@@ -280,12 +299,20 @@ def _device_data(args: argparse.Namespace):
     """A device's own data (--data) or its partition of a built-in dataset (--index)."""
     from edge_sdk.settings import TrainSettings
 
+    from .extras import missing_for_data
     from .settings import RunSettings
 
     if (args.index is None) == (args.data is None):
         raise SystemExit(f"edgepfl {args.command}: give either --index (a partition of --dataset) or --data "
                          "(your own data)")
-    return section_from(RunSettings, args).client_data(args.index, section_from(TrainSettings, args).seed)
+    run = section_from(RunSettings, args)
+    try:
+        return run.client_data(args.index, section_from(TrainSettings, args).seed)
+    except ModuleNotFoundError as exc:  # what the built-in dataset (or the --data format) needs
+        missing = missing_for_data(exc, args.command, run.dataset if args.data is None else None)
+        if missing is None:
+            raise
+        raise missing from exc
 
 
 def cmd_lite_client(args: argparse.Namespace) -> int:
@@ -304,7 +331,7 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
     client = LiteClient(args.client_id, data, head=head, providers=providers,
                         share_prototypes=not args.no_prototypes, broker=mqtt,
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
-    run_until_done(client)
+    run_until_done(client, say_waiting=True)
     if client.missing_model is not None:
         print(f"edgepfl lite-client: {client.missing_model}", file=sys.stderr)
         return 1
@@ -407,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     lite.add_argument("--no-prototypes", action="store_true", help="do not report class counts and means")
     lite.set_defaults(handler=cmd_lite_client)
 
+    add_conformance_parser(sub)
+
     export = sub.add_parser("export", help="export a run's frozen representation to ONNX (checked against PyTorch)")
     export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")
     export.add_argument("--out", required=True, help="the ONNX file to write, in the precision asked for (fp32, "
@@ -453,26 +482,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    command = None  # SIGTERM unwinds from here on: also while the command starts up (imports, checks)
+    _unwind_on_sigterm()
+    try:
+        args = build_parser().parse_args(argv)
+        command = args.command
+        return _run(args)
+    except (KeyboardInterrupt, Terminated) as stop:
+        how, code = ("interrupted", INTERRUPTED) if isinstance(stop, KeyboardInterrupt) else ("terminated", TERMINATED)
+        resume = " (rerun the same command to resume)" if command in ("simulate", "coordinator") else ""
+        print(f"edgepfl{f' {command}' if command else ''}: {how}{resume}", file=sys.stderr)
+        return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's handler, its failures turned into one line and an exit code."""
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from edge_sdk.config import ConfigError
     from edge_sdk.transport import TransportError
 
     from .checkpoint import CheckpointError
+    from .extras import MissingExtra, missing_extra
 
-    _unwind_on_sigterm()
     try:
         return args.handler(args)
+    except (MissingExtra, ModuleNotFoundError) as exc:
+        missing = exc if isinstance(exc, MissingExtra) else missing_extra(exc, args.command)
+        if missing is None:  # not an optional module that is absent: a bug or a broken install
+            raise
+        log.debug("the failure's traceback", exc_info=exc)
+        print(missing, file=sys.stderr)
+        return USAGE_ERROR
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
         return _fail(args.command, exc, USAGE_ERROR)
     except (TransportError, CommandFailed) as exc:
         return _fail(args.command, exc, RUNTIME_FAILURE)
-    except (KeyboardInterrupt, Terminated) as stop:
-        how, code = ("interrupted", INTERRUPTED) if isinstance(stop, KeyboardInterrupt) else ("terminated", TERMINATED)
-        resume = " (rerun the same command to resume)" if args.command in ("simulate", "coordinator") else ""
-        print(f"edgepfl {args.command}: {how}{resume}", file=sys.stderr)
-        return code
 
 
 def _fail(command: str, exc: BaseException, code: int) -> int:

@@ -16,8 +16,9 @@ import hashlib
 import json
 import os
 import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from edge_sdk.algorithms.hyper import hyper_class
 from edge_sdk.config import ConfigError, coerce, load_toml
@@ -101,8 +102,8 @@ class RunConfig:
                               f"{self.lite_devices} weak ones by lite_fraction), got {self.round.min_clients}")
         if self.lite_devices and not run.release and not _releases(run.algorithm):
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} with algorithm {run.algorithm}, which "
-                              "releases no representation: the weak devices would have nothing to personalize; set release "
-                              "(--release) or lite_fraction 0")
+                              "releases no representation: the weak devices would have nothing to personalize; "
+                              "set release (--release) or lite_fraction 0")
 
     @classmethod
     def of(cls, *, hyper: Mapping[str, Any] | None = None, declared_task: Mapping[str, Any] | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from edge_sdk.config import ConfigError
 
@@ -20,6 +20,11 @@ NONE = "none"
 """The empty share (`simulate --local-devices none`: every device on other hosts)."""
 ALL = "all"
 """Every shard (`simulate --local-aggregators all`, the default)."""
+
+
+def client_id_for(index: int) -> str:
+    """The id of device `index` of a simulated run: `dev000`, `dev001`, ..."""
+    return f"dev{index:03d}"
 
 
 def parse_devices(text: str, clients: int, flag: str, *, allow_none: bool = False) -> tuple[int, ...]:

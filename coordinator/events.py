@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from edge_sdk.channel import ChannelSnapshot
 
@@ -99,8 +99,8 @@ class RoundEnded:
     channel: ChannelSnapshot
 
 
-Event = Union[RunStarted, RegistrationOpened, DevicesRegistered, RoundStarted, UpdateAccepted, RoundAggregated,
-              RoundEvaluated, RoundEnded]
+Event = (RunStarted | RegistrationOpened | DevicesRegistered | RoundStarted | UpdateAccepted | RoundAggregated
+         | RoundEvaluated | RoundEnded)
 
 
 class EventBus:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 import threading
-import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,11 +26,11 @@ from edge_sdk.data import TaskSpec
 from edge_sdk.data.resolve import TASK_FIELDS
 from edge_sdk.models import ModelSpec, model_name
 
-from .broker import EmbeddedBroker
 from .config import RunConfig
+from .device_ranges import client_id_for
+from .lifecycle import LocalFederation
 from .run_folder import RunFolder
 from .server import Coordinator
-from .simulate import client_id_for
 
 ARRAYS_FILE = "data.npz"
 """Where the run folder keeps data given as arrays, so the run reads it as any data file."""
@@ -82,41 +82,21 @@ class Federation:
         """Train and evaluate; returns the report (also written to the run folder)."""
         if self.config.local_shards:
             raise ConfigError(
-                f"local_aggregators: a Federation hosts no shard aggregators, so with shards={self.config.round.shards} "
-                "set local_aggregators='none', broker and federation, and start `edgepfl aggregator --shard k/K` "
-                "beside it (or run `edgepfl simulate --shards K`, which hosts them)")
+                "local_aggregators: a Federation hosts no shard aggregators, so with "
+                f"shards={self.config.round.shards} set local_aggregators='none', broker and federation, and start "
+                "`edgepfl aggregator --shard k/K` beside it (or run `edgepfl simulate --shards K`, which hosts them)")
         if self.arrays is not None:
             self.folder.path.mkdir(parents=True, exist_ok=True)
             x, y = self.arrays
             np.savez(self.folder.path / ARRAYS_FILE, x=np.asarray(x), y=np.asarray(y))
-        config = self.config
-        if config.broker.federation == "default":  # a broker may serve other federations
-            config = config.replace(federation=f"py-{uuid.uuid4().hex[:8]}")
-        broker = EmbeddedBroker().start() if config.broker.broker is None else None
-        if broker is not None:
-            config = config.replace(broker=broker.url, mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
-        stop = threading.Event()
-        try:
-            threads = [threading.Thread(target=device.run, args=(stop,), name=device.client_id, daemon=True)
-                       for device in self._devices(config)]
-            for thread in threads:
-                thread.start()
-            transport = config.coordinator_transport(config.broker.broker)
-            transport.connect()
-            try:
-                coordinator = Coordinator(config, config.coordinator_channel(transport), on_round=self.on_round,
-                                          model=None if isinstance(self.model, str) else self.model,
-                                          expected_devices=[client_id_for(i) for i in range(config.run.clients)])
-                report = coordinator.run()
-            finally:
-                transport.close()
-            for thread in threads:
-                thread.join(timeout=30)
-            return report
-        finally:
-            stop.set()
-            if broker is not None:
-                broker.stop()
+        with LocalFederation(self.config, "py") as local:
+            config = local.config.replace(broker=local.url)  # the devices and the coordinator read it there
+            devices = self._devices(config)
+            local.host(lambda: DeviceThreads(devices))
+            return local.run_coordinator(lambda channel: Coordinator(
+                config, channel, on_round=self.on_round, model=None if isinstance(self.model, str) else self.model,
+                expected_devices=[client_id_for(i) for i in range(config.run.clients)],
+                partition=config.run.partition))
 
     def _devices(self, config: RunConfig) -> list:
         """The run's devices: trainers with the model and training step, the last
@@ -140,3 +120,21 @@ class Federation:
                                           model=self.model if not isinstance(self.model, str) else None,
                                           **self.training_step, **session))
         return devices
+
+
+class DeviceThreads:
+    """A Federation's devices, one thread each, started on creation; `stop` tells them to leave."""
+
+    def __init__(self, devices: list):
+        self.leave = threading.Event()
+        self.threads = [threading.Thread(target=device.run, args=(self.leave,), name=device.client_id, daemon=True)
+                        for device in devices]
+        for thread in self.threads:
+            thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+
+    def stop(self) -> None:
+        self.leave.set()

@@ -1,4 +1,4 @@
-"""Command-line flags generated from the settings declarations, and the README's table of them.
+"""Command-line flags generated from the settings declarations, and the table of them in docs/CONFIGURATION.md.
 
 Every declared setting that a command takes becomes one flag, `--` + its key dashed, with the
 setting's help and its default. A flag the user leaves out is None in the parsed namespace, so
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from edge_sdk.settings import ALL_COMMANDS, Setting, settings_of
 
@@ -65,7 +66,7 @@ def section_from(cls: type, args: argparse.Namespace) -> Any:
 
 
 def flag_table() -> str:
-    """The README's table of the settings: flag, TOML section, default, commands, meaning."""
+    """docs/CONFIGURATION.md's table of the settings: flag, TOML section, default, commands, meaning."""
     lines = ["| flag | TOML | default | commands | meaning |", "|---|---|---|---|---|"]
     for section, cls in SECTIONS.items():
         for item in settings_of(cls):

@@ -24,19 +24,18 @@ from __future__ import annotations
 import hashlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from edge_sdk.models import ModelSpec
 from edge_sdk.protocol import STATISTICS, ArrayGroup, Reason, ValidationError
 
-from .run_folder import RunFolder
-
 from .representation import representation, run_samples
+from .run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,8 @@ class PrototypePool(Pool):
         """Reject prototypes of the wrong shape, non-finite means or implausible counts."""
         counts, means = arrays.get("counts"), arrays.get("means")
         if set(arrays) != {"counts", "means"} or counts is None or means is None:
-            raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"prototypes must be counts and means, got {sorted(arrays)}")
+            raise ValidationError(Reason.UNEXPECTED_ARRAYS,
+                                  f"prototypes must be counts and means, got {sorted(arrays)}")
         if counts.dtype.kind not in "iu" or means.dtype.kind != "f":
             raise ValidationError(Reason.BAD_DTYPE, f"counts {counts.dtype}, means {means.dtype}: want int, float")
         if counts.shape != (self.num_classes,):
@@ -170,8 +170,8 @@ class StatisticsPool(Pool):
         """Reject statistics with other keys or shapes, non-finite values or negative variances."""
         if set(arrays) != set(self.shapes):
             raise ValidationError(Reason.UNEXPECTED_ARRAYS,
-                                  f"statistics must be the body's {len(self.shapes)} BatchNorm buffers, got {len(arrays)} "
-                                  f"arrays ({sorted(set(arrays) ^ set(self.shapes))[:3]} differ)")
+                                  f"statistics must be the body's {len(self.shapes)} BatchNorm buffers, "
+                                  f"got {len(arrays)} arrays ({sorted(set(arrays) ^ set(self.shapes))[:3]} differ)")
         for key, value in arrays.items():
             if value.shape != self.shapes[key]:
                 raise ValidationError(Reason.BAD_SHAPE, f"{key} {list(value.shape)}, want {list(self.shapes[key])}")

@@ -1,5 +1,7 @@
 """What a run leaves in `--out` besides its state: the metrics log (one line per round), the
-report and its curves (file names in `RunFolder`)."""
+report and its curves (file names in `RunFolder`), and what the report says of the devices'
+data: the example counts and label histograms they reported, not a partition the coordinator
+cannot know when devices hold their own data."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from edge_sdk.store import write_atomic
 
+from .devices import Device
 from .run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,80 @@ def participation_line(record: dict[str, Any]) -> str | None:
     return f"round {record['round']}: " + ", ".join(parts)
 
 
+def checked_label_counts(value: Any, examples: int, classes: int) -> tuple[list[int] | None, str | None]:
+    """A device's HELLO `label_counts` as (counts, None) when it is a list of `classes` ints >= 0
+    summing to the `examples` the device reported, (None, why) when it is not, (None, None) when
+    the device reported none."""
+    if value is None:
+        return None, None
+    if not isinstance(value, (list, tuple)) or len(value) != classes:
+        size = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
+        return None, f"label_counts must be a list of {classes} counts (the task's classes), got {size}"
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value):
+        return None, "label_counts must hold ints >= 0"
+    if sum(value) != examples:
+        return None, f"label_counts sum to {sum(value)}, not to the {examples} examples reported"
+    return [int(c) for c in value], None
+
+
+def label_skew(histograms: list[list[int]]) -> float | None:
+    """How far the devices' label distributions are from the pooled one: the mean over devices of
+    the total variation distance (half the L1 distance) between a device's label distribution and
+    the distribution of all their examples together; 0 when every device holds the same mix, 1 - 1/K
+    for K devices holding a class each (None without histograms)."""
+    histograms = [h for h in histograms if sum(h) > 0]
+    if not histograms:
+        return None
+    pooled = [math.fsum(column) for column in zip(*histograms, strict=True)]
+    total = math.fsum(pooled)
+    distances = [0.5 * math.fsum(abs(c / sum(h) - p / total) for c, p in zip(h, pooled, strict=True))
+                 for h in histograms]
+    return math.fsum(distances) / len(distances)
+
+
+def data_report(devices: Iterable[Device], classes: int) -> dict[str, Any]:
+    """What the coordinator knows of its devices' data: the example counts they reported in HELLO
+    and, from those that reported one, their label histograms (a malformed one is left out,
+    logged and counted). Shard aggregators hold no data and are not counted."""
+    per_device: dict[str, dict[str, Any]] = {}
+    histograms: list[list[int]] = []
+    for device in sorted((d for d in devices if d.kind != "aggregator"), key=lambda d: d.client_id):
+        counts, malformed = checked_label_counts((device.capabilities or {}).get("label_counts"),
+                                                 device.num_examples, classes)
+        entry: dict[str, Any] = {"kind": device.kind, "examples": device.num_examples, "labels": counts}
+        if malformed is not None:
+            log.warning("%s: label histogram ignored: %s", device.client_id, malformed)
+            entry["labels_malformed"] = malformed
+        if counts is not None:
+            histograms.append(counts)
+        per_device[device.client_id] = entry
+    examples = [entry["examples"] for entry in per_device.values()]
+    return {
+        "devices": len(per_device),
+        "examples": sum(examples),
+        "min_examples": min(examples, default=None),
+        "max_examples": max(examples, default=None),
+        "labels_reported": len(histograms),
+        "labels_malformed": sum("labels_malformed" in entry for entry in per_device.values()),
+        "label_counts": [sum(column) for column in zip(*histograms, strict=True)] if histograms else None,
+        "label_skew": label_skew(histograms),
+        "per_device": per_device,
+    }
+
+
+def data_line(data: dict[str, Any]) -> str:
+    """'4 devices, 1797 examples (min 310, max 560), labels reported by 4 (skew 0.12)'."""
+    if not data["devices"]:
+        return "no device registered"
+    line = (f"{data['devices']} devices, {data['examples']} examples (min {data['min_examples']}, "
+            f"max {data['max_examples']}), labels reported by {data['labels_reported']}")
+    if data["label_skew"] is not None:
+        line += f" (skew {data['label_skew']:.2f})"
+    if data["labels_malformed"]:
+        line += f", {data['labels_malformed']} malformed"
+    return line
+
+
 def plot_curves(path: Path, report: dict[str, Any]) -> None:
     """Accuracy and cumulative MB per round; skipped with a log line if matplotlib is absent.
     Rounds that did not aggregate every selected device are marked (aggregated/selected, red
@@ -117,7 +195,7 @@ def plot_curves(path: Path, report: dict[str, Any]) -> None:
     mb = cumulative_megabytes(report)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(xs, acc, marker="o")
-    for x, y, record in zip(xs, acc, rounds):
+    for x, y, record in zip(xs, acc, rounds, strict=True):
         if record["outcome"] == "aborted":
             left.axvline(x, color="tab:red", alpha=0.3)
             left.annotate("nothing aggregated", (x, 0.02), xycoords=("data", "axes fraction"), color="tab:red",

@@ -175,7 +175,7 @@ def representation(state: Mapping[str, ArrayGroup], config: Mapping[str, Any], *
 def save_body_statistics(folder: RunFolder, round_: int, arrays: Mapping[str, np.ndarray]) -> Path:
     """Write pooled body statistics (`body.*` keys) for the state of `round_` atomically."""
     buffer = io.BytesIO()
-    np.savez(buffer, round=np.int64(round_), **arrays)
+    np.savez(buffer, round=np.int64(round_), **arrays)  # type: ignore[arg-type]  # keys are body.*, no option
     path = folder.body_statistics
     write_atomic(path, buffer.getvalue())
     return path

@@ -2,7 +2,7 @@
 
 The plain example-weighted mean (`aggregate.WeightedMean`) streams and holds one model; the
 robust rules need every update of the round at once, so they hold one model per reply and are
-exempt from the coordinator's memory bound (about 2.5 models whatever the fleet, README).
+exempt from the coordinator's memory bound (about 2.5 models whatever the fleet, docs/DEPLOYING.md).
 Clipping wraps any rule: each update's change from the broadcast state is scaled down to
 `clip_norm`.
 """
@@ -10,8 +10,9 @@ Clipping wraps any rule: each update's change from the broadcast state is scaled
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import numpy as np
 

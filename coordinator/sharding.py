@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from edge_sdk.config import ConfigError
 from edge_sdk.params import ArraySpec, check_arrays
@@ -30,6 +31,9 @@ from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
 from .aggregate import PartialSum
 from .rounds import RoundCollector
+
+if TYPE_CHECKING:
+    from .algorithms.base import ServerAlgorithm
 
 AGGREGATOR = "aggregator"
 """The device type a shard aggregator registers with (HELLO `device_type`)."""
@@ -40,7 +44,7 @@ def shard_of(client_id: str, shards: int) -> int:
     return int.from_bytes(hashlib.sha256(client_id.encode()).digest()[:8], "big") % shards
 
 
-def check_shardable(algorithm: type, aggregation_rule: str, shards: int) -> None:
+def check_shardable(algorithm: type[ServerAlgorithm], aggregation_rule: str, shards: int) -> None:
     """Refuse, naming why, a run whose aggregation cannot be split over `shards` aggregators."""
     if not shards:
         return

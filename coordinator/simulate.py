@@ -23,8 +23,11 @@ registrations that cannot come. A worker some of whose devices failed sends thei
 same way and exits with 0 (`edgepfl workers` then fails; a simulation goes on without them).
 An aggregator process that dies is logged the same way, naming its shard; the coordinator
 loses that shard's updates from then on and says so in each round's `lost_shards`.
-Ctrl-C is the parent's alone: workers and aggregators ignore SIGINT and are stopped by the
-parent, with the embedded broker, before the KeyboardInterrupt goes on.
+Ctrl-C is the parent's alone: workers and aggregators start with SIGINT blocked, then ignore
+it, and are stopped by the parent, with the embedded broker, before the KeyboardInterrupt goes
+on (coordinator/lifecycle.py runs the broker, the processes and the coordinator in order). A
+child ended by a signal that stops the whole process group (SIGTERM, SIGHUP) is not reported as
+a death once the parent is stopping too.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from edge_sdk.config import ConfigError
 from edge_sdk.lifecycle import run_until_done
@@ -49,10 +52,10 @@ from edge_sdk.settings import BrokerSettings, TrainSettings
 from edge_sdk.transport import MqttSettings, TransportError
 
 from .algorithms import hyperparameters
-from .broker import EmbeddedBroker
 from .config import RunConfig
-from .device_ranges import describe_indices
+from .device_ranges import client_id_for, describe_indices
 from .events import Event
+from .lifecycle import LocalFederation, ignore_ctrl_c
 from .run_folder import RunFolder
 from .server import Coordinator
 from .settings import RunSettings, SimulationSettings
@@ -74,6 +77,13 @@ JOIN_POLL = 0.02
 DEVICES_GONE = "its devices are gone"
 SHARD_LOST = "its shard's updates are lost from now on (each round's lost_shards says so)"
 """What the run loses when a device worker, an aggregator process dies (`WorkerWatch`)."""
+
+
+STOP_SIGNALS = frozenset(-sig for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
+"""Exit codes of a child ended by a signal that stops a whole process group (`systemctl stop`,
+`kill -TERM -PGID`, a closed terminal): this process is being stopped too, unwinds and sets `done`."""
+STOPPING_GRACE = 5.0
+"""Seconds a `WorkerWatch` waits for `done` before it reports a child ended by one of `STOP_SIGNALS`."""
 
 
 class WorkersFailed(RuntimeError):
@@ -108,16 +118,12 @@ class WorkerSpec:
                    logging.getLogger().getEffectiveLevel())
 
 
-def client_id_for(index: int) -> str:
-    return f"dev{index:03d}"
-
-
 def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection,
                  hosting: multiprocessing.connection.Connection) -> None:
     """Entry point of a worker process: run its devices until the coordinator finishes. Once its
     devices have joined it sends its `Hosting` (JSON) through `hosting`. If any device failed it
     sends why (one line) through `errors`; if none of them could run it exits with `WORKER_FAILED`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
+    ignore_ctrl_c()  # Ctrl-C is the parent's: it stops this process
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
         from edge_sdk.training import one_thread
@@ -271,6 +277,8 @@ class WorkerWatch(threading.Thread):
                 alive.remove(process)
                 process.join()
                 code = process.exitcode  # None when the run's own join reaped it first (after `done`)
+                if code in STOP_SIGNALS and self.done.wait(STOPPING_GRACE):
+                    continue  # stopped with this process (a signal to the process group): no death to report
                 if not self.done.is_set() and code not in (0, None):
                     self._report(process, code)
         if not alive and not self.done.is_set():
@@ -411,6 +419,9 @@ def _stop(processes: Sequence[multiprocessing.Process], pipes: Sequence[multipro
         if process.is_alive():
             process.terminate()
             process.join(timeout=10)
+        if process.is_alive():  # stuck: nothing is left behind
+            process.kill()
+            process.join(timeout=10)
     for pipe in pipes:
         pipe.close()
 
@@ -432,7 +443,7 @@ class AggregatorSpec:
 def _aggregator_main(spec: AggregatorSpec, errors: multiprocessing.connection.Connection) -> None:
     """Entry point of an aggregator process: sum its shard's updates until the coordinator
     finishes. If it fails it sends why (one line) through `errors` and exits with `WORKER_FAILED`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
+    ignore_ctrl_c()  # Ctrl-C is the parent's: it stops this process
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
         from edge_sdk.signing import fleet_verifier
@@ -528,43 +539,18 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
                           f"with `edgepfl aggregator --shard k/{config.round.shards}`)")
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
-    if config.broker.federation == "default":
-        config = config.replace(federation=f"sim-{uuid.uuid4().hex[:8]}")
-    config = config.replace(connect_timeout=0)  # the broker is up already: no retries, fail fast
-    broker = EmbeddedBroker().start() if config.broker.broker is None else None
-    url = broker.url if broker else config.broker.broker
-    if broker is not None:
-        config = config.replace(mqtt_protocol="3.1.1")  # amqtt speaks MQTT 3.1.1 only
-    pool: WorkerPool | None = None
-    aggregators: AggregatorPool | None = None
-    done = threading.Event()
-    try:
-        aggregators = AggregatorPool(config, config.local_shards, url)
-        aggregators.watch(done)
-        pool = WorkerPool(config, local, url)
-        watch = pool.watch(done)
-        transport = config.coordinator_transport(url)
-        transport.connect()
-        try:
-            channel = config.coordinator_channel(transport)
-            coordinator = Coordinator(config, WatchedChannel(channel, watch) if not remote else channel,
-                                      on_round=on_round,
-                                      expected_devices=[client_id_for(i) for i in all_devices(config)])
-            if on_event is not None:
-                coordinator.subscribe(on_event)
-            report = coordinator.run()
-        finally:
-            transport.close()
-        done.set()  # the workers and aggregators now end on their own: not news for the watches
-        pool.join(timeout=30)
-        aggregators.join(timeout=30)
-        return report
-    finally:
-        done.set()
-        if pool is not None:
-            pool.stop()
-        if aggregators is not None:
-            aggregators.stop()
-        if broker is not None:
-            broker.stop()
+    with LocalFederation(config.replace(connect_timeout=0), "sim") as hosting:  # the broker is up: fail fast
+        config, url = hosting.config, hosting.url
+        aggregators = hosting.host(lambda: AggregatorPool(config, config.local_shards, url))
+        aggregators.watch(hosting.done)
+        watch = hosting.host(lambda: WorkerPool(config, local, url)).watch(hosting.done)
 
+        def coordinator(channel) -> Coordinator:
+            built = Coordinator(config, WatchedChannel(channel, watch) if not remote else channel, on_round=on_round,
+                                expected_devices=[client_id_for(i) for i in all_devices(config)],
+                                partition=config.run.partition)
+            if on_event is not None:
+                built.subscribe(on_event)
+            return built
+
+        return hosting.run_coordinator(coordinator)

@@ -24,7 +24,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from edge_sdk.channel import Channel
 from edge_sdk.config import ConfigError
@@ -32,8 +33,9 @@ from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttTransport
 
 from .config import RunConfig
-from .device_ranges import describe_indices
-from .simulate import Hosting, WorkerPool, client_id_for
+from .device_ranges import client_id_for, describe_indices
+from .lifecycle import sigint_blocked
+from .simulate import Hosting, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,8 @@ def host_devices(config: RunConfig, indices: Sequence[int], *, start_timeout: fl
     check_settings(config, announced_settings(config, url, client_id_for(indices[0]), start_timeout))
     log.info("hosting devices %s of run on federation %s", describe_indices(indices), config.broker.federation)
     done = threading.Event()
-    pool = WorkerPool(config, indices, url)
+    with sigint_blocked():  # the workers start deaf to Ctrl-C: stopping them is this process's job
+        pool = WorkerPool(config, indices, url)
     try:
         watch = pool.watch(done)
         reports = pool.hosted(start_timeout)

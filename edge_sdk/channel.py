@@ -373,9 +373,7 @@ class Channel:
         if not is_chunk_frame(obj):
             return payload, obj
         chunk = chunk_from_dict(obj)
-        if chunk.size > self.limits.for_kind(address.kind):
-            raise ProtocolError(Reason.TOO_LARGE, f"a chunked {address.kind.value} of {chunk.size} bytes")
-        blob = self._reassembler.add(topic, chunk)
+        blob = self._reassembler.add(topic, chunk, limit=self.limits.for_kind(address.kind))
         self._note_backlog()
         return None if blob is None else (blob, wire.unpack(blob, self.limits))
 

@@ -12,8 +12,9 @@ import math
 import re
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import msgpack
 
@@ -124,7 +125,14 @@ class Reassembler:
     `add` returns the whole payload once its last chunk arrives and its sha256 matches; it raises
     `ChunkError` for a chunk that must be rejected. Blobs that overflow memory or outlive
     `ttl_seconds` are dropped and reported through `on_drop(reason)`.
+
+    A bad blob is one rejected message, counted once however many of its chunks arrive: after
+    the first refusal of a (stream, blob id) (raised or reported), its later chunks that fail
+    too are dropped without a second report (the last `REMEMBERED` such blobs). A chunk that
+    would complete it is still taken: a whole, intact copy sent again is delivered.
     """
+
+    REMEMBERED = 1024
 
     def __init__(
         self,
@@ -144,8 +152,10 @@ class Reassembler:
         self._clock = clock
         self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
         self._pending_bytes = 0
-        self._done: deque[tuple[str, str]] = deque(maxlen=1024)
+        self._done: deque[tuple[str, str]] = deque(maxlen=self.REMEMBERED)
         self._done_set: set[tuple[str, str]] = set()
+        self._refused: deque[tuple[str, str]] = deque(maxlen=self.REMEMBERED)
+        self._refused_set: set[tuple[str, str]] = set()
 
     @property
     def pending_bytes(self) -> int:
@@ -156,11 +166,33 @@ class Reassembler:
         """Blobs partly received, waiting for their other chunks."""
         return len(self._pending)
 
-    def add(self, stream: str, chunk: Chunk) -> bytes | None:
+    def add(self, stream: str, chunk: Chunk, *, limit: int | None = None) -> bytes | None:
+        """The whole blob once `chunk` completes it, else None; `ChunkError` for the first refusal
+        of its blob (`too_large` when its declared size exceeds `limit`)."""
         self.expire()
         key = (stream, chunk.blob_id)
+        try:
+            return self._add(key, chunk, limit)
+        except ChunkError:
+            if self._first_refusal(key):
+                raise
+            return None  # this blob was refused, and counted, before
+
+    def _first_refusal(self, key: tuple[str, str]) -> bool:
+        """Remember that blob `key` was refused; False when it had been already."""
+        if key in self._refused_set:
+            return False
+        if len(self._refused) == self._refused.maxlen:
+            self._refused_set.discard(self._refused[0])
+        self._refused.append(key)
+        self._refused_set.add(key)
+        return True
+
+    def _add(self, key: tuple[str, str], chunk: Chunk, limit: int | None) -> bytes | None:
         if key in self._done_set:
             return None  # a late duplicate of a blob already delivered
+        if limit is not None and chunk.size > limit:
+            raise ChunkError(Reason.TOO_LARGE, f"a chunked message of {chunk.size} bytes, the limit is {limit}")
         if chunk.size > self.max_blob_bytes:
             raise ChunkError(Reason.CHUNK_OVERFLOW, f"blob of {chunk.size} bytes exceeds {self.max_blob_bytes}")
         pending = self._pending.get(key)
@@ -171,7 +203,7 @@ class Reassembler:
         if chunk.index in pending.parts:
             return None  # duplicate delivery (QoS 1)
         if pending.received + len(chunk.data) > pending.size:
-            self._drop(key, Reason.CHUNK_INVALID, notify=False)
+            self._drop(key, Reason.CHUNK_INVALID, notify=False)  # the caller's ChunkError reports it
             raise ChunkError(Reason.CHUNK_INVALID, f"blob {chunk.blob_id[:12]} received more bytes than declared")
         pending.parts[chunk.index] = chunk.data
         pending.received += len(chunk.data)
@@ -205,7 +237,7 @@ class Reassembler:
         """Forget a pending blob; `notify` reports it (not when the caller raises for it anyway)."""
         pending = self._pending.pop(key)
         self._pending_bytes -= pending.received
-        if notify:
+        if notify and self._first_refusal(key):
             self._on_drop(reason)
 
     def expire(self) -> None:

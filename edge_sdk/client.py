@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,8 @@ class EdgeClient(DeviceSession):
 
         metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
         config = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp, "torch": torch.__version__,
-                  "task": self.data.task.name, "algorithms": list(algorithms.ALGORITHM_IDS)}
+                  "task": self.data.task.name, "algorithms": list(algorithms.ALGORITHM_IDS),
+                  "label_counts": self.data.class_counts().tolist()}  # info: the coordinator reports it
         if self.model is not None:  # the coordinator checks a model of the device's own
             config["model"] = {"name": model_name(self.model),
                                "signature": signature_to_plain(self._signature(self.model))}
@@ -105,7 +107,8 @@ class EdgeClient(DeviceSession):
         expected = signature_from_plain(welcome.config["model_signature"])
         mismatch = first_mismatch(expected, self._signature(self.model if self.model is not None else settings.model))
         if mismatch is not None:
-            raise RegistrationRefused(f"{self.client_id}: this device's model differs from the coordinator's: {mismatch}")
+            raise RegistrationRefused(f"{self.client_id}: this device's model differs from the coordinator's: "
+                                      f"{mismatch}")
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
         return {Kind.TRAIN: self._on_train, Kind.EVALUATE: self._on_evaluate}

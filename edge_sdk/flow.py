@@ -25,7 +25,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict, deque
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 
 class IncomingQueue(queue.Queue):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import overload
 
 import numpy as np
 
@@ -40,7 +41,8 @@ def partition_by_parts(
 ) -> Partition:
     """Keys of `shared_parts` are shared, except running statistics; everything else is personal."""
     shared_parts, statistics = set(shared_parts), set(statistics)
-    shared, personal = [], []
+    shared: list[str] = []
+    personal: list[str] = []
     for key in keys:
         (shared if part_of(key) in shared_parts and key not in statistics else personal).append(key)
     return Partition(tuple(shared), tuple(personal))
@@ -74,6 +76,18 @@ BLOCK = 1 << 16
 def blocks(size: int, block: int = BLOCK) -> Iterator[slice]:
     """Consecutive slices that cover `range(size)`, `block` elements each (the last shorter)."""
     return (slice(start, min(start + block, size)) for start in range(0, size, block))
+
+
+@overload
+def flat(array: np.ndarray) -> np.ndarray: ...
+
+
+@overload
+def flat(array: None) -> None: ...
+
+
+@overload
+def flat(array: np.ndarray | None) -> np.ndarray | None: ...
 
 
 def flat(array: np.ndarray | None) -> np.ndarray | None:

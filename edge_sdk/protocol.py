@@ -49,14 +49,16 @@ class Kind(str, Enum):
     ARTIFACT = "artifact"  # down, per device: the released bytes (chunked), answering FETCH
     ROSTER = "roster"  # down, per aggregator: the round's selected devices of its shard and their examples
     CLOSE = "close"  # down, per aggregator: the round closed, send the partial now
+    NACK = "nack"  # down, per device: the coordinator refused one of the device's messages, and why
 
 
 UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH, Kind.NOTE, Kind.PARTIAL})
 DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT, Kind.ROSTER,
-                        Kind.CLOSE})
+                        Kind.CLOSE, Kind.NACK})
 SHARD_KINDS = frozenset({Kind.TRAIN_RES})
 """What travels on a shard topic (`edgepfl/<fed>/shard-<k>/<id>/<kind>`): a device's update, to its aggregator."""
-
+NACK_FIELDS = ("in_reply_to", "refused_kind", "reason")
+"""A NACK's config, every value a str: the refused message's msg_id, its kind and the reason code."""
 
 
 class Reason(str, Enum):

@@ -6,9 +6,14 @@ arrives right after subscribing, and each STATUS with a new coordinator incarnat
 epoch. It says HELLO again after a reconnection, and every `hello_interval` while no coordinator
 has answered (a broker that lost the retained STATUS). A device never says HELLO both on
 connecting and on the STATUS of the same coordinator: the coordinator would count one
-registration twice. It joins the run a WELCOME names,
+registration twice. A STATUS `finished` of a run the device is not in means nobody is there to
+answer: the device says no HELLO until a coordinator announces itself with another STATUS.
+While it has nobody to talk to it says so (INFO, on the `edge_sdk.session.waiting` logger,
+which `lifecycle.run_until_done` shows without -v): once, and again every `notice_interval`.
+It joins the run a WELCOME names,
 and answers requests. A repeated request (same message id) gets the cached reply, message id
-included, so work is neither redone nor applied twice. Subclasses say what the device is (`hello`), how it joins
+included, so work is neither redone nor applied twice. A NACK (the coordinator refused one of
+its messages) is logged as one warning. Subclasses say what the device is (`hello`), how it joins
 (`join`) and which downstream kinds it handles (`handlers`).
 
 Under sharded aggregation the WELCOME names the device's shard, and its updates (TRAIN_RES)
@@ -22,16 +27,19 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
-from .protocol import SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
+from .protocol import NACK_FIELDS, SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
 from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
 
 log = logging.getLogger(__name__)
+waiting_log = logging.getLogger(f"{__name__}.waiting")
+"""Where a device with nobody to talk to says so: a user needs to see it without -v."""
 
 MAX_CACHED_REPLIES = 16
 
@@ -54,15 +62,19 @@ class DeviceSession:
         chunk_size: int = DEFAULT_UPLOAD_CHUNK_SIZE,
         exit_on_finish: bool = True,
         hello_interval: float = 15.0,
+        notice_interval: float = 300.0,
         transport=None,
         max_pending_blobs: int = 64,
         verifier: Verifier | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.client_id = check_client_id(client_id)
         self.topics = Topics(federation)
         self.state_dir = Path(state_dir)
         self.exit_on_finish = exit_on_finish
         self.hello_interval = hello_interval
+        self.notice_interval = notice_interval
+        self.clock = clock
         settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
         signer = Signer(settings.signing_key) if settings.signing_key is not None else None
         will_pieces = wire.encode_pieces(Envelope(Kind.OFFLINE, client_id))
@@ -81,6 +93,9 @@ class DeviceSession:
         self._last_hello = float("-inf")
         self._connections_at_hello = 0
         self._finished = False
+        self._status: Envelope | None = None  # the latest STATUS seen, of any run
+        self._idle = False  # that STATUS said its run finished, and this device is in no live run: no HELLO
+        self._next_notice = float("inf")  # when to say next that this device is waiting for a coordinator
         self.upload_shard: int | None = None
         """The shard whose aggregator reads this device's updates (WELCOME `shard`); None: the coordinator."""
         self._replies: OrderedDict[str, Envelope] = OrderedDict()  # request msg_id -> our reply
@@ -114,12 +129,14 @@ class DeviceSession:
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         self.channel.transport.connect()
-        handlers = {Kind.STATUS: self._on_status, Kind.WELCOME: self._on_welcome, **self.handlers()}
+        handlers = {Kind.STATUS: self._on_status, Kind.WELCOME: self._on_welcome, Kind.NACK: self._on_nack,
+                    **self.handlers()}
         try:
             for topic_filter in self.subscriptions():
                 self.channel.transport.subscribe(topic_filter)
             # the first HELLO answers the coordinator's STATUS; without one, `hello_interval` from now
-            self._last_hello = time.monotonic()
+            self._last_hello = self.clock()
+            self._next_notice = min(self._next_notice, self._last_hello + self.hello_interval)
             self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
             while not stop.is_set() and not self._finished:
                 received = self.channel.receive(timeout=0.5)
@@ -127,6 +144,7 @@ class DeviceSession:
                     self._dispatch(received, handlers)
                 elif self._should_hello():
                     self._hello()
+                self._notice_if_waiting()
                 self.tick()
         finally:
             self.channel.transport.close()
@@ -143,6 +161,15 @@ class DeviceSession:
         except (ValueError, KeyError, TypeError) as exc:  # e.g. a WELCOME naming an unknown algorithm
             self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
 
+    def handle(self, envelope: Envelope) -> None:
+        """Act on one downstream envelope as `run` does on receiving it (STATUS, WELCOME, then
+        `handlers()`; other kinds are ignored), raising what its handler raises. For callers that
+        hand a device its envelopes themselves, without a broker (the in-process baseline of
+        benchmarks/overhead.py); replies still go out through `send`."""
+        handler = {Kind.STATUS: self._on_status, Kind.WELCOME: self._on_welcome, **self.handlers()}.get(envelope.kind)
+        if handler is not None:
+            handler(envelope)
+
     # -- registration ----------------------------------------------------------------------
     def _subscribed(self) -> bool:
         """The broker granted every subscription: a WELCOME, and the TRAIN after it, reach us. A
@@ -152,16 +179,17 @@ class DeviceSession:
     def _should_hello(self) -> bool:
         """Register (again) only once the broker granted our subscriptions (the WELCOME, and the
         round's TRAIN, must find us listening): after a reconnection (the coordinator saw our Last
-        Will), after a STATUS that arrived too early, or while no coordinator has answered yet."""
-        if not self._subscribed():
+        Will), after a STATUS that arrived too early, or while no coordinator has answered yet.
+        Never while the latest STATUS says its run finished: nobody would answer."""
+        if not self._subscribed() or self._idle:
             return False
         reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
-        unanswered = not self.joined and time.monotonic() - self._last_hello > self.hello_interval
+        unanswered = not self.joined and self.clock() - self._last_hello > self.hello_interval
         return reconnected or unanswered or self._hello_due
 
     def _hello(self) -> None:
-        self._hello_due = False
-        self._last_hello = time.monotonic()
+        self._hello_due = self._idle = False
+        self._last_hello = self.clock()
         self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
         metrics, config = self.hello()
         self.send(Kind.HELLO, metrics=metrics, config=config)
@@ -171,16 +199,51 @@ class DeviceSession:
         # a new coordinator process, or the coordinator back from a broker outage: register again
         announcement = (status.config.get("incarnation"), status.config.get("epoch"))
         if status.config.get("state") == "finished":
-            if status.run_id == self.run_id and self.exit_on_finish:
+            own = self.joined and status.run_id == self.run_id
+            if own and self.exit_on_finish:
                 log.info("%s: run %s finished", self.client_id, self.run_id)
                 self._finished = True
+            elif (own or not self.joined) and not self._idle:  # nobody left to answer a HELLO
+                self._status, self._idle, self._next_notice = status, True, self.clock()
             return
-        if announcement != self._announcement:
-            self._announcement = announcement
+        self._status = status
+        if announcement != self._announcement or self._idle:
+            self._announcement, self._idle = announcement, False
             if self._subscribed():
                 self._hello()
             else:
                 self._hello_due = True
+
+    def _notice_if_waiting(self) -> None:
+        """Say (INFO, shown without -v) that this device waits for a coordinator, and what it
+        saw last: once it has waited `hello_interval` or seen a finished run, then every
+        `notice_interval`, for as long as it is in no live run."""
+        if self.joined and not self._idle:
+            return
+        now = self.clock()
+        if now < self._next_notice:
+            return
+        self._next_notice = now + self.notice_interval
+        waiting_log.info("%s: waiting for a coordinator of federation %s; %s", self.client_id,
+                         self.topics.federation, self._last_seen())
+
+    def _last_seen(self) -> str:
+        status = self._status
+        if status is None:
+            return f"no coordinator status seen yet (HELLO every {self.hello_interval:g} s)"
+        state = status.config.get("state")
+        if state == "finished":
+            return (f"last seen: run {status.run_id} finished after {status.round} rounds (a new coordinator's "
+                    "status will be answered)")
+        return f"last seen: run {status.run_id} {state}, no WELCOME yet (HELLO every {self.hello_interval:g} s)"
+
+    def _on_nack(self, nack: Envelope) -> None:
+        """The coordinator refused one of this device's messages: say which, and why."""
+        in_reply_to, kind, reason = (nack.config.get(name) for name in NACK_FIELDS)
+        if not all(isinstance(value, str) for value in (in_reply_to, kind, reason)):
+            raise ProtocolError(Reason.MALFORMED, f"a NACK carries {', '.join(NACK_FIELDS)} as text")
+        log.warning("%s: the coordinator refused %s %s: %s (reason codes: docs/PROTOCOL.md section 11)",
+                    self.client_id, kind, in_reply_to, reason)
 
     def _on_welcome(self, welcome: Envelope) -> None:
         refusal = welcome.config.get("refused")
@@ -188,6 +251,7 @@ class DeviceSession:
             raise RegistrationRefused(f"{self.client_id}: the coordinator refused the registration: {refusal}")
         shard = welcome.config.get("shard")
         self.upload_shard = shard if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 0 else None
+        self._idle = False
         if self.joined and welcome.run_id == self.run_id:
             return  # a repeated registration within the same run
         self.join(welcome)

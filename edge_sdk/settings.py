@@ -3,7 +3,7 @@
 A section is a dataclass; each field is made with `setting(...)`, which records its help text,
 its key (the TOML key and, dashed, the command-line flag) when that differs from the field
 name, whether it defines a run's results (and so its fingerprint), and which `edgepfl`
-commands take it. The command line, the TOML reader, the README's flag table, WELCOME and the
+commands take it. The command line, the TOML reader, the flag table of docs/CONFIGURATION.md, WELCOME and the
 run fingerprint are all derived from these declarations.
 
 The two sections both sides of the wire need live here: `TrainSettings` (what the coordinator
@@ -18,9 +18,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_UPLOAD_CHUNK_SIZE, check_chunk_size
 from .config import ConfigError
@@ -86,7 +87,7 @@ class Setting:
 
     @property
     def shown_default(self) -> str:
-        """The default as `--help` and the README show it."""
+        """The default as `--help` and docs/CONFIGURATION.md show it."""
         if self.info.shown_default is not None:
             return self.info.shown_default
         default = self.field.default
@@ -237,9 +238,8 @@ class BrokerSettings:
         """How `account` ("coordinator" or a device id) connects to `url` (default: `broker`, else
         the local default): an explicit username with its password (`password`, else
         `password_file`, else $EDGEPFL_PASSWORD), else `account` in `credentials`."""
-        from .transport import MqttSettings
-
         from .signing import SigningKeyError, device_key
+        from .transport import MqttSettings
 
         username, password = self.username, self.given_password()
         if username is None and self.credentials:

@@ -24,8 +24,9 @@ import hmac
 import json
 import logging
 import secrets
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import msgpack
 

@@ -54,7 +54,7 @@ from .flow import IncomingQueue
 try:
     from paho.mqtt import _packet
 except ImportError:  # an older paho decodes PUBLISH inside the client (with its copies)
-    _packet = None
+    _packet = None  # type: ignore[assignment]  # checked for None before use
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class Incoming(NamedTuple):
     payload: bytes | memoryview  # read-only
 
 
-def decode_publish_in_place(header: int, packet: bytearray, protocol: MQTTProtocolVersion):
+def decode_publish_in_place(header: int, packet: bytes | bytearray,
+                            protocol: MQTTProtocolVersion) -> _packet.PublishPacket:
     """paho's `_packet.decode_publish` without copying the payload: the payload is a read-only
     view of `packet`, which paho replaces (never modifies) once the message is handled."""
     view = memoryview(packet).toreadonly()
@@ -108,7 +109,8 @@ def decode_publish_in_place(header: int, packet: bytearray, protocol: MQTTProtoc
         _, used = properties.unpack(bytes(view[position : position + width + length]))
         position += used
     return _packet.PublishPacket(dup=bool(header & 0x08), qos=qos, retain=bool(header & 0x01), topic=topic,
-                                 mid=mid, properties=properties, payload=view[position:])
+                                 mid=mid, properties=properties,
+                                 payload=view[position:])  # type: ignore[arg-type]  # a view: paho only reads it
 
 
 if _packet is not None and hasattr(_packet, "decode_publish"):
@@ -306,8 +308,9 @@ class MqttTransport:
 
     def _make_client(self, protocol: str) -> mqtt.Client:
         version = PROTOCOLS[protocol]
-        kwargs = {"clean_session": True} if version == mqtt.MQTTv311 else {}
-        client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=version, **kwargs)
+        clean_session = True if version == mqtt.MQTTv311 else None  # MQTT 5 has clean_start instead
+        client = _Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=version,
+                         clean_session=clean_session)
         client.max_inflight_messages_set(64)
         client.max_queued_messages_set(0)
         client.reconnect_delay_set(self.settings.reconnect_min_delay, self.settings.reconnect_max_delay)
@@ -359,7 +362,7 @@ class MqttTransport:
         network thread can read it before `subscribe` returns; never hold `_lock` across paho calls,
         whose callbacks take it)."""
         result, mid = client.subscribe(topic_filter, qos)
-        if result != mqtt.MQTT_ERR_SUCCESS:
+        if result != mqtt.MQTT_ERR_SUCCESS or mid is None:
             return
         with self._lock:
             early = self._early_subacks.pop(mid, None)

@@ -71,7 +71,7 @@ def encode_array(array: np.ndarray) -> dict[str, Any]:
     if name not in DTYPES:
         raise TypeError(f"dtype {array.dtype} cannot travel; allowed: {sorted(DTYPES)}")
     # a byte view, not a copy: msgpack copies it once into the message
-    data = memoryview(np.ascontiguousarray(array, dtype=DTYPES[name]).reshape(-1)).cast("B")
+    data = np.ascontiguousarray(array, dtype=DTYPES[name]).reshape(-1).data.cast("B")
     return {"dtype": name, "shape": list(array.shape), "data": data}
 
 
@@ -237,7 +237,8 @@ def _with_stand_ins(data: memoryview, large: list[tuple[int, int, int]]) -> byte
     """`data` with each large bin replaced by a 6-byte extension (fixext 4) holding its index:
     msgpack then decodes a small document, and the extension hook returns the view instead.
     Received documents cannot carry extensions (`prescan`), so every one here is a stand-in."""
-    pieces, last = [], 0
+    pieces: list[bytes | memoryview] = []
+    last = 0
     for index, (header, _, end) in enumerate(large):
         pieces += [data[last:header], bytes([0xD6, _VIEW]) + index.to_bytes(4, "big")]
         last = end

@@ -120,7 +120,8 @@ def torch_to_onnx(module: nn.Module, example: torch.Tensor, *, input_name: str, 
         warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx")
         torch.onnx.export(
-            module, (example,), buffer, dynamo=False, opset_version=opset, do_constant_folding=True,
+            module, (example,), buffer,  # type: ignore[arg-type]  # the TorchScript exporter writes to BytesIO
+            dynamo=False, opset_version=opset, do_constant_folding=True,
             input_names=[input_name], output_names=[output_name],
             dynamic_axes={input_name: {0: BATCH_AXIS}, output_name: {0: BATCH_AXIS}},
         )

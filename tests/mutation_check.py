@@ -5,7 +5,8 @@ Usage: `python tests/mutation_check.py [--jobs N] [name-substring ...]` from the
 folder once per job; each mutation (exact string replacements in one module) is applied to a
 free copy, only its tests run there (an algorithm's objective tests, a switch's own) (`pytest
 -x`, so a caught mutation stops at its first failing test), and the module is restored. The unmutated tests must pass
-first. Jobs default to the CPU count, at most 4. Exit status 0
+first (spread over the jobs with pytest-xdist). Mutations whose tests run the command over a broker go first, so
+the jobs end together. Jobs default to the CPU count, at most 4. Exit status 0
 when every mutation was caught, 1 when one survived (they are listed), 2 when the baseline fails
 or a mutation no longer applies (its text is not in the module exactly once).
 """
@@ -45,6 +46,7 @@ CD2 = ("tests/unit/test_cd2_pfed_objective.py",)
 CD2_SCHEDULE = ("tests/unit/test_cd2_pfed.py",)
 DC_PFL = ("tests/unit/test_dc_pfl_objective.py",)
 FEDIOS_PY, DUALFED_PY = "edge_sdk/algorithms/fedios.py", "edge_sdk/algorithms/dualfed.py"
+FEDIOS_HYPER_PY = "edge_sdk/algorithms/hyper/fedios.py"
 REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
 DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
 CD2_SERVER_PY = "coordinator/algorithms/cd2_pfed.py"
@@ -52,13 +54,13 @@ SIMULATE_PY = "coordinator/simulate.py"
 SIMULATE_SHARDS = "tests/integration/test_simulate_shards.py"
 COMMON_OPTIMIZER = ("tests/unit/test_common_optimizer.py",)
 FAIR_SETTINGS = ("tests/unit/test_fair_settings.py",)
-VALIDATION_RUN = ("tests/unit/test_loopback_federation.py::"
+VALIDATION_RUN = ("tests/unit/test_loopback_validation.py::"
                   "test_a_validation_run_trains_and_scores_on_the_training_split_only",)
 TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
 CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
 SERVER_PY, CONFIG_PY = "coordinator/server.py", "coordinator/config.py"
 LITE_CLIENT_PY, CLI_PY = "edge_sdk/lite/client.py", "coordinator/cli.py"
-LITE_VALIDATION_RUN = ("tests/unit/test_loopback_federation.py::"
+LITE_VALIDATION_RUN = ("tests/unit/test_loopback_weak_devices.py::"
                        "test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split_only",)
 
 MUTATIONS = (
@@ -79,16 +81,20 @@ MUTATIONS = (
     Mutation("fedios: global model on the fused features", FEDIOS_PY,
              (("return self.head(self.generic_features(x))", "return self(x)"),), FEDIOS),
     Mutation("fedios: no orthogonality term", FEDIOS_PY,
-             (("return ce + lam * orthogonality(generic, personal)", "return ce"),), FEDIOS),
-    Mutation("fedios: orthogonality on the projected features", FEDIOS_PY,
-             (("return ce + lam * orthogonality(generic, personal)", "return ce + lam * orthogonality(phi_g, phi_p)"),),
-             FEDIOS),
+             (("return ce + lam * orthogonality(*pair)", "return ce"),), FEDIOS),
+    Mutation("fedios: reconstructed L_re on the projected features", FEDIOS_PY,
+             (("pair = (generic, personal) if l_re == \"extractors\" else (phi_g, phi_p)",
+               "pair = (phi_g, phi_p)"),), FEDIOS),
+    Mutation("fedios: printed L_re computes the reconstruction", FEDIOS_PY,
+             (("pair = (generic, personal) if l_re == \"extractors\" else (phi_g, phi_p)",
+               "pair = (generic, personal)"),), FEDIOS),
+    Mutation("fedios: default L_re is the reconstruction", FEDIOS_HYPER_PY,
+             (("l_re: Literal[\"projected\", \"extractors\"] = \"projected\"",
+               "l_re: Literal[\"projected\", \"extractors\"] = \"extractors\""),), FEDIOS),
     Mutation("fedios: orthogonality without lambda", FEDIOS_PY,
-             (("return ce + lam * orthogonality(generic, personal)", "return ce + orthogonality(generic, personal)"),),
-             FEDIOS),
+             (("return ce + lam * orthogonality(*pair)", "return ce + orthogonality(*pair)"),), FEDIOS),
     Mutation("fedios: orthogonality detaches the personal extractor", FEDIOS_PY,
-             (("return ce + lam * orthogonality(generic, personal)",
-               "return ce + lam * orthogonality(generic, personal.detach())"),), FEDIOS),
+             (("pair = (generic, personal) if", "pair = (generic, personal.detach()) if"),), FEDIOS),
     Mutation("fedios: orthogonality without the absolute value", FEDIOS_PY,
              (("return (generic * personal).sum(dim=1).abs().mean()",
                "return (generic * personal).sum(dim=1).mean()"),), FEDIOS),
@@ -102,8 +108,12 @@ MUTATIONS = (
              (("return F.cross_entropy(model.head(phi_g), yb)", "return 2 * F.cross_entropy(model.head(phi_g), yb)"),),
              FEDIOS),
     Mutation("fedios: device loss ignores personal_extractor", FEDIOS_PY,
-             (("return fedios_loss(self.model, self.hyper.lam, self.hyper.personal_extractor)",
-               "return fedios_loss(self.model, self.hyper.lam)"),), FEDIOS),
+             (("return fedios_loss(self.model, self.hyper.lam, self.hyper.l_re, self.hyper.personal_extractor)",
+               "return fedios_loss(self.model, self.hyper.lam, self.hyper.l_re)"),), FEDIOS),
+    Mutation("fedios: device loss ignores l_re", FEDIOS_PY,
+             (("return fedios_loss(self.model, self.hyper.lam, self.hyper.l_re, self.hyper.personal_extractor)",
+               "return fedios_loss(self.model, self.hyper.lam, \"projected\", self.hyper.personal_extractor)"),),
+             FEDIOS),
     # DualFed: Eq. (5)-(10)
     Mutation("dualfed: no SupCon term", DUALFED_PY,
              (("return ce + self.hyper.lam * contrastive", "return ce"),), DUALFED),
@@ -235,15 +245,17 @@ MUTATIONS = (
     # stopping a command: SIGTERM unwinds it like Ctrl-C, so simulate stops its processes
     Mutation("cli: SIGTERM kills the command without unwinding", CLI_PY,
              (("    _unwind_on_sigterm()\n    try:", "    try:"),),
-             ("tests/integration/test_cli_failures.py::"
-              "test_a_stopped_simulate_prints_one_line_leaves_nothing_running_and_the_run_resumes[sigterm]",)),
+             ("tests/integration/test_stop_signals.py::test_a_signal_stops_simulate_with_its_code_and_one_line_"
+              "leaving_nothing_and_a_consistent_run[registration-sigterm-process]",)),
 )
 
 
-def run_tests(copy: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
-    """pytest on `tests` inside `copy`, importing the copy's code."""
+def run_tests(copy: Path, tests: tuple[str, ...], workers: int = 1) -> subprocess.CompletedProcess:
+    """pytest on `tests` inside `copy`, importing the copy's code, spread over `workers` processes
+    (pytest-xdist, a file's tests together) when more than one."""
     env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+    spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *spread, *tests],
                           cwd=copy, env=env, capture_output=True, text=True)
 
 
@@ -273,6 +285,8 @@ def check(mutation: Mutation, copies: queue.Queue) -> bool:
 
 def main(selected: list[str], jobs: int) -> int:
     mutations = [m for m in MUTATIONS if not selected or any(s in m.name for s in selected)]
+    # the slow ones (whole runs of the command, over a broker) first, so none is left alone at the end
+    mutations.sort(key=lambda m: not any(t.startswith(("tests/integration", "tests/e2e")) for t in m.tests))
     for mutation in mutations:  # every mutation still applies, before anything runs
         try:
             mutated((ROOT / mutation.module).read_text(), mutation)
@@ -286,7 +300,7 @@ def main(selected: list[str], jobs: int) -> int:
             copy = Path(folder) / f"repo{job}"
             shutil.copytree(ROOT, copy, ignore=IGNORED)
             copies.put(copy)
-        baseline = run_tests(copies.queue[0], tuple(sorted({t for m in mutations for t in m.tests})))
+        baseline = run_tests(copies.queue[0], tuple(sorted({t for m in mutations for t in m.tests})), jobs)
         if baseline.returncode != 0:
             print(f"the unmutated tests fail:\n{baseline.stdout[-3000:]}{baseline.stderr[-2000:]}")
             return 2

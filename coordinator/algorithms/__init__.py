@@ -12,9 +12,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
+
+if TYPE_CHECKING:
+    from .base import ServerAlgorithm
 
 
 def hyperparameters(algorithm_id: str, values: dict) -> object:
@@ -29,7 +33,7 @@ def hyperparameters(algorithm_id: str, values: dict) -> object:
 
 
 @functools.cache
-def load(algorithm_id: str) -> type:
+def load(algorithm_id: str) -> type[ServerAlgorithm]:
     """The server algorithm class for `algorithm_id` (one class per id for the process)."""
     if algorithm_id not in ALGORITHM_IDS:
         raise ValueError(f"unknown algorithm {algorithm_id!r}; known: {', '.join(ALGORITHM_IDS)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import NoHyper
@@ -20,6 +20,9 @@ from edge_sdk.protocol import ArrayGroup
 
 from ..aggregate import PartialSum
 from ..robust import AggregationSettings, Aggregator, make_aggregator
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class ServerAlgorithm(ABC):
     """One algorithm's coordinator side. `state` is the global state that is checkpointed."""
 
     id: ClassVar[str]
-    Hyper: ClassVar[type] = NoHyper
+    Hyper: ClassVar[type[DataclassInstance]] = NoHyper
     releases_representation: ClassVar[bool] = False
     """True when the algorithm's product is a frozen representation to release after training."""
     unshardable: ClassVar[str | None] = "its server step is not a sum of per-update terms"
@@ -91,16 +94,18 @@ class ServerAlgorithm(ABC):
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         """Group -> array names, shapes and dtypes a TRAIN_RES of `round_` must carry exactly."""
 
-    def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
+    def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],  # noqa: B027
                         registered_examples: int) -> None:
-        """Algorithm-specific sanity checks beyond shapes; raise `ValidationError` to reject."""
+        """Algorithm-specific sanity checks beyond shapes; raise `ValidationError` to reject.
+        An optional hook, not abstract: the default accepts every update."""
 
     @abstractmethod
     def begin_round(self, round_: int) -> None:
         """Reset the accumulators for a new round."""
 
     @abstractmethod
-    def accumulate(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float], weight: float) -> None:
+    def accumulate(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
+                   weight: float) -> None:
         """Fold one validated reply into the round's accumulators."""
 
     @abstractmethod

@@ -1,6 +1,6 @@
 """CD2-pFed (Shen et al., CVPR 2022), server side: FedAvg of the shared channel slices.
 
-Paper: papers/cd2_pfed.txt, Sec. 3.2-3.3 and Alg. 1. The global state holds only shared
+Paper: Sec. 3.2-3.3 and Alg. 1. The global state holds only shared
 entries: before round 1 the full parameters (p_0 = 0); after round t the example-weighted mean
 of the uploaded shared slices for p_t = p * t / T (Eq. 3; p from round 1 with `ramp=false`),
 entry by entry. Personal channels never reach the server. Round t broadcasts that state (the
@@ -12,6 +12,7 @@ slices of the last aggregated round) and expects from each device exactly the sl
 from __future__ import annotations
 
 from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, personal_fraction, upload_spec
+from edge_sdk.algorithms.hyper.cd2_pfed import Hyper as CD2PFedHyper
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.params import ArraySpec
 
@@ -21,10 +22,10 @@ from .part_sharing import PartSharingServer
 
 class CD2PFedServer(PartSharingServer):
     id = "cd2_pfed"
-    Hyper = CD2PFedDevice.Hyper
+    Hyper = CD2PFedHyper
     device = CD2PFedDevice
 
-    def __init__(self, hyper: CD2PFedDevice.Hyper, context: ServerContext):
+    def __init__(self, hyper: CD2PFedHyper, context: ServerContext):
         super().__init__(hyper, context)
         # Full parameter shapes, from the initial state (all entries shared before round 1).
         self.shapes = {key: tuple(value.shape) for key, value in self.state[SHARED].items()}

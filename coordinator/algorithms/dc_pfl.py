@@ -36,10 +36,10 @@ from edge_sdk.algorithms.dc_pfl import (
     GLOBAL_MEANS,
     STATS,
     DcPflDevice,
-    Hyper,
     decode_stats,
     stats_spec,
 )
+from edge_sdk.algorithms.hyper.dc_pfl import Hyper as DcPflHyper
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.models import build_body, build_model, check_capabilities, describe, seeded_init
 from edge_sdk.params import ArraySpec
@@ -109,11 +109,11 @@ class DcPflServer(ServerAlgorithm):
     """Holds phi and the global class means; learns phi from client statistics and virtual features."""
 
     id = "dc_pfl"
-    Hyper = Hyper
+    Hyper = DcPflHyper
     unshardable = ("its server keeps every device's class statistics of the round and fits the classifier on "
                    "features drawn from all of them at once")
 
-    def __init__(self, hyper: Hyper, context: ServerContext):
+    def __init__(self, hyper: DcPflHyper, context: ServerContext):
         task = context.task
         self.num_classes = task.num_classes
         self.dim = build_body(context.model, task)[1]

@@ -1,6 +1,6 @@
 """FediOS (Gao, Li, Lu and Wu), server side: FedAvg of `body` and `head`, and the projection blocks.
 
-Paper: papers/fedios.txt, Eq. (6) and Alg. 1. The server averages the generic extractor `body`
+Paper: Eq. (6) and Alg. 1 (docs/ALGORITHMS.md, "FediOS"). The server averages the generic extractor `body`
 and the classifier `head` (on R^D, D = (B + 1) d) weighted by n_k; it never sees a
 `personal_body`.
 

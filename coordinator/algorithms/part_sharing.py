@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from edge_sdk.algorithms.base import DeviceAlgorithm
 from edge_sdk.algorithms.torch_device import SHARED, TorchDevice, model_partition
 from edge_sdk.models import build_model
 from edge_sdk.params import ArraySpec, spec_of
@@ -35,7 +36,8 @@ class PartSharingServer(ServerAlgorithm):
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         model = build_model(self.context.model, self.context.task, seed=self.context.seed)
-        return {SHARED: state_arrays(model, model_partition(model, self.device.shared_parts, self.device.share_statistics).shared)}
+        partition = model_partition(model, self.device.shared_parts, self.device.share_statistics)
+        return {SHARED: state_arrays(model, partition.shared)}
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {SHARED: spec_of(self.state[SHARED])}
@@ -73,9 +75,12 @@ class PartSharingServer(ServerAlgorithm):
         return mean
 
 
-def server_for(device: type[TorchDevice]) -> type[PartSharingServer]:
+def server_for(device: type[DeviceAlgorithm]) -> type[PartSharingServer]:
     """The server of a pure part-sharing algorithm: the example-weighted mean of its device
     class's `shared_parts`, with the device's id and hyperparameters."""
+    if not issubclass(device, TorchDevice):
+        raise TypeError(f"{device.id}: no server module, and its device class {device.__name__} shares no parts")
     name = device.__name__.removesuffix("Device") + "Server"
     return type(name, (PartSharingServer,), {"id": device.id, "device": device, "Hyper": device.Hyper,
-                                             "__module__": __name__, "__doc__": f"{device.id}: {PartSharingServer.__doc__}"})
+                                             "__module__": __name__,
+                                             "__doc__": f"{device.id}: {PartSharingServer.__doc__}"})

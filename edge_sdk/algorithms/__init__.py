@@ -7,6 +7,10 @@ exposes its class as `DEVICE`. The coordinator's registry holds the same ids.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import DeviceAlgorithm
 
 ALGORITHM_IDS: tuple[str, ...] = (
     "local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg",
@@ -14,7 +18,7 @@ ALGORITHM_IDS: tuple[str, ...] = (
 )
 
 
-def load(algorithm_id: str) -> type:
+def load(algorithm_id: str) -> type[DeviceAlgorithm]:
     """The device algorithm class for `algorithm_id`."""
     if algorithm_id not in ALGORITHM_IDS:
         raise ValueError(f"unknown algorithm {algorithm_id!r}; known: {', '.join(ALGORITHM_IDS)}")

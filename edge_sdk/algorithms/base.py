@@ -8,8 +8,9 @@ returns is persisted on the device only and never leaves it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..data import ClientData
 from ..protocol import ArrayGroup
@@ -18,6 +19,7 @@ from .hyper import NoHyper
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: the registry loads without it
     import torch
+    from _typeshed import DataclassInstance
 
     from ..models import Capability, ModelSpec
 
@@ -55,8 +57,8 @@ class DeviceAlgorithm(ABC):
     step's where the algorithm allows it (`accepts_training_step`)."""
 
     id: ClassVar[str]
-    Hyper: ClassVar[type] = NoHyper
-    requires: ClassVar[tuple["Capability", ...]] = ()
+    Hyper: ClassVar[type[DataclassInstance]] = NoHyper
+    requires: ClassVar[tuple[Capability, ...]] = ()
     accepts_training_step: ClassVar[bool] = False
 
     def __init__(
@@ -68,7 +70,7 @@ class DeviceAlgorithm(ABC):
         client_seed: int,
         assignment: dict[str, Any] | None = None,
         *,
-        model: "ModelSpec | None" = None,
+        model: ModelSpec | None = None,
         optimizer: OptimizerFactory | None = None,
         loss: LossOverride | None = None,
     ):
@@ -84,7 +86,7 @@ class DeviceAlgorithm(ABC):
         self.device_name = device
         self.client_seed = client_seed
         self.assignment = assignment or {}
-        self.model_spec: "ModelSpec" = settings.model if model is None else model
+        self.model_spec: ModelSpec = settings.model if model is None else model
         self.user_optimizer = optimizer
         self.user_loss = loss
 

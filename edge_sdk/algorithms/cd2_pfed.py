@@ -1,14 +1,14 @@
 """CD2-pFed (Shen et al., CVPR 2022): channel-wise decoupling with cyclic distillation.
 
-Paper: papers/cd2_pfed.txt. Every layer's output channels are split into shared channels (w0,
+Paper: docs/ALGORITHMS.md, "References". Every layer's output channels are split into shared channels (w0,
 federated) and personal channels (w_i, never leave the device).
 
 - Eq. (3): the personal fraction grows linearly, p_t = p * t / T (t = round, T = rounds).
   Ablation `ramp=false` (Table 5's "w/o LI", linear increase): p_t = p from round 1, so every
   round, the first included, splits and uploads as the ramp's last round does.
-- Partition (ALGORITHMS.md Decision): in each hidden conv/linear layer the *last*
-  round(p_t * C_out) output channels are personal: those rows of the weight, the bias and the
-  BatchNorm affine parameters. For the classifier `head`, whose outputs are classes, the split is
+- Partition, Decision (the paper leaves the mechanics open): in each hidden conv/linear layer
+  the *last* round(p_t * C_out) output channels are personal: those rows of the weight, the bias
+  and the BatchNorm affine parameters. For the classifier `head`, whose outputs are classes, the split is
   along the *input* columns (the columns fed by personal features); its bias is shared. Every
   `body` parameter is split along dim 0 with round(p_t * size(0)) personal entries, so a BN layer
   splits exactly like the conv before it. round() rounds halves up. BN running statistics are
@@ -18,13 +18,14 @@ federated) and personal channels (w_i, never leave the device).
 - Eq. (4)-(5): L = CE(g_{wi,w0}(x), y) + lambda * L_CD, p_L = softmax(g_wi(x)),
   p_G = softmax(g_w0(x)), p_F = softmax(g_{wi,w0}(x)); in every KL term the first (target)
   distribution is detached, so KL(p_L || p_G) trains g_w0 and KL(p_G || p_L) trains g_wi.
-  Eq. (4) as written (`distillation = "cyclic"`): L_CD = 1/2 (KL(p_L || p_G) + KL(p_G || p_L)); the
-  1/2 is Eq. (4)'s (ALGORITHMS.md writes the sum without it).
-  Decision (issue 23, defect 1; departs from ALGORITHMS.md's loss): the default
-  `distillation = "cyclic+inplace"` adds the in-place distillation the paper cites as its model
-  (its ref. 43, Yu and Huang's universally slimmable networks: the full network's prediction,
-  detached, teaches the sub-networks):
+  Eq. (4) as written (`distillation = "cyclic"`): L_CD = 1/2 (KL(p_L || p_G) + KL(p_G || p_L)), the
+  1/2 included.
+  Decision (L_CD; departs from the printed Eq. 4-5): the default
+  `distillation = "cyclic+inplace"` adds the in-place distillation the paper cites only as the
+  motivation of its design (its ref. 43, Yu and Huang's universally slimmable networks: the full
+  network's prediction, detached, teaches the sub-networks):
   L_CD = 1/2 (KL(p_F || p_G) + KL(p_F || p_L)) + 1/2 (KL(p_L || p_G) + KL(p_G || p_L)).
+  The first half is not in the paper's printed equations; `distillation = "cyclic"` keeps them exactly.
   Why: only the full network sees labels, so with Eq. (4) alone nothing ties the masked
   sub-networks to the task and the cheapest agreement of two sub-networks is two near-uniform
   predictions (measured: the shared sub-network's entropy 2.29 of ln 10 = 2.30, its
@@ -52,7 +53,7 @@ own BatchNorm running statistics (kept on the device, updated by the g_w0 traini
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

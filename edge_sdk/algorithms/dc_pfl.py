@@ -44,7 +44,7 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from ..models import ModelSpec, describe
+from ..models import ModelSpec, PartedNet, describe
 from ..models.capabilities import COMMON, LINEAR_HEAD
 from ..params import ArraySpec, check_arrays
 from ..protocol import ArrayGroup
@@ -148,11 +148,13 @@ class DcPflDevice(TorchDevice):
     id = "dc_pfl"
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD)
+    model: PartedNet  # the factory's network: `build_network` is not overridden
     shared_parts = ("head",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         dim, classes = self.model.feature_dim, self.data.task.num_classes
+        assert dim is not None  # build_model measured it
         self.means_spec: ArraySpec = {"means": ((classes, dim), "float32"), "has_mean": ((classes,), "bool")}
         log.debug("dc_pfl device with body %s (d=%d)", describe(self.network_spec()), dim)
 

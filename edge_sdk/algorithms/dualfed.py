@@ -1,6 +1,6 @@
 """DualFed: dual representations through a personal projector ("DualFed: Enjoying both
 Generalization and Personalization in Federated Learning via Hierarchical Representations",
-papers/dualfed.txt).
+docs/ALGORITHMS.md, "DualFed").
 
 Model (Sec. 4.1): a shared encoder `body` gives the pre-projection representation z; a personal
 `projector` (Linear(d, h)-ReLU-BN-Linear(h, d)-BN, h = d/2 by default, Sec. 5.3) gives the
@@ -67,7 +67,8 @@ ALL_PARTS = (*MAIN_BRANCH, "global_head")
 def projector(dim: int, hidden: int) -> nn.Sequential:
     """Linear(d, h)-ReLU-BN-Linear(h, d)-BN (Sec. 5.3)."""
     return nn.Sequential(
-        nn.Linear(dim, hidden), nn.ReLU(inplace=True), nn.BatchNorm1d(hidden), nn.Linear(hidden, dim), nn.BatchNorm1d(dim)
+        nn.Linear(dim, hidden), nn.ReLU(inplace=True), nn.BatchNorm1d(hidden),
+        nn.Linear(hidden, dim), nn.BatchNorm1d(dim),
     )
 
 
@@ -116,6 +117,7 @@ class DualFedDevice(TorchDevice):
     requires = (*COMMON, PROJECTOR)
     Hyper = Hyper
     shared_parts = SHARED_PARTS
+    model: DualFedNet
 
     def build_network(self, base: nn.Module) -> DualFedNet:
         """The factory's body (built again, alone, so that a built-in body and the parts DualFed
@@ -186,8 +188,13 @@ class DualFedDevice(TorchDevice):
         model, mode = self.model, self.hyper.ensemble
         if self.hyper.recalibrate_bn:
             recalibrate_batchnorm(model, self.train_x)
+
+        def both_heads(x: torch.Tensor) -> torch.Tensor:
+            global_logits, personal_logits = model(x)
+            return ensemble(global_logits, personal_logits, mode)
+
         with eval_mode(model):
-            acc = accuracy(lambda x: ensemble(*model(x), mode), self.test_x, self.test_y)
+            acc = accuracy(both_heads, self.test_x, self.test_y)
             global_acc = accuracy(lambda x: model.global_head(model.body(x)), self.test_x, self.test_y)
         return {"accuracy": acc, "num_test": len(self.test_y), "global_accuracy": global_acc}
 

@@ -39,7 +39,7 @@ class FedProxDevice(PartSharingDevice):
         mu = self.hyper.mu
 
         def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+            proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
             return ce(xb, yb) + 0.5 * mu * proximal
 
         return loss

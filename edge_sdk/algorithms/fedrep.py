@@ -42,8 +42,11 @@ class FedRepDevice(PersonalHeadDevice):
     id = "fedrep"
     Hyper = FedRepHyper
 
-    def optimizer(self, params=None) -> torch.optim.Optimizer:
-        return super().optimizer(params, lr=self.hyper.lr, momentum=self.hyper.momentum)
+    def optimizer(self, params=None, *, lr: float | None = None,
+                  momentum: float | None = None) -> torch.optim.Optimizer:
+        """SGD at FedRep's own lr and momentum (unless given)."""
+        return super().optimizer(params, lr=self.hyper.lr if lr is None else lr,
+                                 momentum=self.hyper.momentum if momentum is None else momentum)
 
     def new_client_head_epochs(self) -> int:
         return self.hyper.head_epochs

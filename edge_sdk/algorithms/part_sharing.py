@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..models import PartedNet
 from ..params import part_of
 from ..training import LossFn, cross_entropy_loss, eval_mode, predict, recalibrate_batchnorm, run_epochs
 from .base import FitResult, Task
@@ -27,6 +28,7 @@ class PartSharingDevice(TorchDevice):
 
     accepts_training_step = True
     deploys_global_model: ClassVar[bool] = False
+    model: PartedNet  # the factory's network: `build_network` is not overridden
 
     # -- the training step -----------------------------------------------------------------
     def optimizer(self, params=None, *, lr: float | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
@@ -79,7 +81,7 @@ class PartSharingDevice(TorchDevice):
             for param in frozen:
                 param.requires_grad_(True)
 
-    def train_head_on_features(self, model: torch.nn.Module, epochs: int, generator: torch.Generator) -> float:
+    def train_head_on_features(self, model: PartedNet, epochs: int, generator: torch.Generator) -> float:
         """Minimize the objective over `model.head` for `epochs` on the features of the frozen
         `model.body`, the features the deployed model computes: the body's BatchNorm statistics
         are recomputed on the device's training split (they are personal, and the shared weights

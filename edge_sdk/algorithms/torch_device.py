@@ -11,7 +11,8 @@ mathematics: what it trains, on which loss, and what goes up.
 from __future__ import annotations
 
 import copy
-from typing import Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 
@@ -19,7 +20,8 @@ from ..models import ModelSpec, PartedNet, build_model, check_capabilities, stat
 from ..models.capabilities import COMMON
 from ..params import Partition, check_arrays, partition_by_parts, spec_of
 from ..protocol import ArrayGroup
-from ..training import accuracy, eval_mode, load_arrays, pick_device, place, recalibrate_batchnorm, state_arrays, to_device
+from ..training import (accuracy, eval_mode, load_arrays, pick_device, place, recalibrate_batchnorm, state_arrays,
+                        to_device)
 from .base import DeviceAlgorithm, Task
 
 SHARED = "shared"
@@ -48,7 +50,8 @@ class TorchDevice(DeviceAlgorithm):
         self.model = place(self.build_network(base), self.device)
         self.partition = model_partition(self.model, self.shared_parts, self.share_statistics)
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
-        self.train_x, self.train_y = to_device(self.data.train_x, self.device), to_device(self.data.train_y, self.device)
+        self.train_x = to_device(self.data.train_x, self.device)
+        self.train_y = to_device(self.data.train_y, self.device)
         self.test_x, self.test_y = to_device(self.data.test_x, self.device), to_device(self.data.test_y, self.device)
 
     def network_spec(self) -> ModelSpec:
@@ -96,7 +99,7 @@ class TorchDevice(DeviceAlgorithm):
         if "body" not in self.shared_parts:
             return {}
         self.load_shared(task)
-        body = copy.deepcopy(self.model.body)
+        body = copy.deepcopy(self.model.get_submodule("body"))
         recalibrate_batchnorm(body, self.train_x)
         return {f"body.{key}": value for key, value in state_arrays(body, sorted(statistics_keys(body))).items()}
 

@@ -176,17 +176,28 @@ def _fmnist_dirs(data_dir: str | None) -> list[Path]:
     return dirs + [Path(d) for d in SYSTEM_FMNIST_DIRS]
 
 
+def fmnist_idx_files(data_dir: str | None = None) -> list[Path] | None:
+    """The four Fashion-MNIST idx files (`FMNIST_FILES` order, each optionally .gz) from the first
+    directory that holds them all: `data_dir` (or its `fashion-mnist/` or `FashionMNIST/raw/`),
+    then `SYSTEM_FMNIST_DIRS`; None when none does. The loader reads them from there, and a tool
+    that writes a smaller copy (benchmarks/fmnist_subset.py) finds them the same way."""
+    for directory in _fmnist_dirs(data_dir):
+        files = [_idx_file(directory, base) for base in FMNIST_FILES]
+        if all(f is not None for f in files):
+            return [f for f in files if f is not None]
+    return None
+
+
 def _load_fmnist(data_dir: str | None) -> RawPool:
     task = BUILTIN_TASKS["fmnist"]
     dirs = _fmnist_dirs(data_dir)
-    for directory in dirs:
-        files = [_idx_file(directory, base) for base in FMNIST_FILES]
-        if all(f is not None for f in files):
-            logger.info("loading fmnist idx files from %s", directory)
-            train_x, train_y, test_x, test_y = (read_idx(f) for f in files)
-            raw = np.concatenate([train_x, test_x])
-            y = np.concatenate([train_y, test_y]).astype(np.int64)
-            return _unit_nchw(raw), y, task
+    files = fmnist_idx_files(data_dir)
+    if files is not None:
+        logger.info("loading fmnist idx files from %s", files[0].parent)
+        train_x, train_y, test_x, test_y = (read_idx(f) for f in files)
+        raw = np.concatenate([train_x, test_x])
+        y = np.concatenate([train_y, test_y]).astype(np.int64)
+        return _unit_nchw(raw), y, task
     root = _data_root(data_dir)
     try:
         raw, y, _ = _torchvision_pool("FashionMNIST", root, download=True)

@@ -49,7 +49,7 @@ def read_image_folder(
     for im in images:
         im = im.convert(_MODES[channels])
         if im.size != (width, height):
-            im = im.resize((width, height), Image.BILINEAR)
+            im = im.resize((width, height), Image.Resampling.BILINEAR)
         arrays.append(np.asarray(im, dtype=np.uint8).reshape(height, width, channels))
     x01 = np.stack(arrays).transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
     logger.info("read %d images of %dx%dx%d in %d classes from %s", len(files), channels, height, width,

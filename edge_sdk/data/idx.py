@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 # The third magic byte names the element type; multi-byte types are big-endian.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

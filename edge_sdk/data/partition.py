@@ -78,7 +78,7 @@ def _dirichlet(
             idx = rng.permutation(idx)
             proportions = rng.dirichlet(np.full(num_clients, alpha))
             cuts = np.floor(np.cumsum(proportions)[:-1] * idx.size).astype(np.int64)
-            for part, chunk in zip(parts, np.split(idx, cuts)):
+            for part, chunk in zip(parts, np.split(idx, cuts), strict=True):
                 part.append(chunk)
         merged = [np.concatenate(part) for part in parts]
         if min(m.size for m in merged) >= min_size:
@@ -128,7 +128,7 @@ def _shards(
     by_class = [rng.permutation(np.flatnonzero(inverse == c)) for c in class_order]
     if num_shards >= classes.size:
         alloc = _shards_per_class(counts[class_order], num_shards)
-        shards = [s for idx, n in zip(by_class, alloc) for s in np.array_split(idx, n)]
+        shards = [s for idx, n in zip(by_class, alloc, strict=True) for s in np.array_split(idx, n)]
     else:  # fewer shards than classes: shards must span class boundaries
         shards = np.array_split(np.concatenate(by_class), num_shards)
     owners = rng.permutation(num_clients)

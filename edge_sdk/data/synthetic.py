@@ -52,8 +52,8 @@ def vibration_windows(per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray
             window[0] += strength * np.sin(turn + phase[0])
             window[1] += strength * np.cos(turn + phase[0])
         elif name == "misalignment":
-            strength = rng.uniform(0.8, 1.3) * np.array([[0.5], [0.5], [1.0]])
-            window += strength * np.sin(2 * turn + phase[:, None])
+            strengths = rng.uniform(0.8, 1.3) * np.array([[0.5], [0.5], [1.0]])
+            window += strengths * np.sin(2 * turn + phase[:, None])
         elif name == "bearing_fault":
             bursts = _burst_train(t, rng.uniform(0.06, 0.1), rng.uniform(0.0, 10.0), rng.uniform(2.0, 4.0))
             window += rng.uniform(1.0, 1.8) * np.array([[1.0], [0.7], [0.3]]) * bursts

@@ -88,7 +88,7 @@ class TaskSpec:
                 "mean": list(self.mean), "std": list(self.std)}
 
     @classmethod
-    def from_plain(cls, value: dict) -> "TaskSpec":
+    def from_plain(cls, value: dict) -> TaskSpec:
         """The inverse of `to_plain`; raises ValueError for a malformed description."""
         try:
             return cls(str(value["name"]), str(value["kind"]), tuple(int(s) for s in value["input_shape"]),

@@ -147,6 +147,8 @@ class LiteClient(DeviceSession):
         metrics = {"num_examples": self.own_data.num_train, "num_test": self.own_data.num_test}
         config = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
                   "onnxruntime": ort.__version__, "task": self.own_data.task.name}
+        if self.share_prototypes:  # class counts, like the prototypes, only when the device shares them
+            config["label_counts"] = self.own_data.class_counts().tolist()
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:

@@ -77,7 +77,8 @@ class FeatureExtractor:
             )
         self.metadata: dict[str, Any] = decode_metadata(self.session.get_modelmeta().custom_metadata_map)
         self.providers: list[str] = self.session.get_providers()
-        log.info("representation loaded (providers %s, feature_dim %s)", self.providers, self.metadata.get("feature_dim"))
+        log.info("representation loaded (providers %s, feature_dim %s)", self.providers,
+                 self.metadata.get("feature_dim"))
 
     @property
     def input_shape(self) -> tuple[int, ...] | None:
@@ -118,4 +119,5 @@ class FeatureExtractor:
             if features is None:
                 features = np.empty((x.shape[0], *out.shape[1:]), dtype=np.float32)
             features[start:start + len(out)] = out
+        assert features is not None  # x holds at least one sample: the loop ran
         return features

@@ -304,7 +304,7 @@ def _lbfgs(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x: np.ndarray)
             direction = direction * (s @ g) / (g @ g)
         else:
             direction = direction / max(1.0, np.linalg.norm(direction))
-        for (s, g, rho), alpha in zip(history, reversed(alphas)):
+        for (s, g, rho), alpha in zip(history, reversed(alphas), strict=True):
             direction = direction + s * (alpha - rho * g @ direction)
         slope = gradient @ direction
         t = 1.0
@@ -353,7 +353,7 @@ def _fit_mlp(x: np.ndarray, targets: np.ndarray, k: int, hidden: int, seed: int)
                      hidden_out.T @ delta + MLP_ALPHA * w2 / len(batch), delta.sum(0)]
             steps += 1
             rate = MLP_LR * (1.0 - 0.999 ** steps) ** 0.5 / (1.0 - 0.9 ** steps)
-            for p, g, m, v in zip(params, grads, moments, squares):
+            for p, g, m, v in zip(params, grads, moments, squares, strict=True):
                 m *= 0.9
                 m += 0.1 * g
                 v *= 0.999
@@ -391,7 +391,8 @@ def _check(features: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[
     features = np.asarray(features, dtype=np.float32)
     labels = np.asarray(labels)
     if features.ndim != 2 or labels.shape != (features.shape[0],):
-        raise ValueError(f"features [N, d] and labels [N] expected, got {list(features.shape)} and {list(labels.shape)}")
+        raise ValueError(f"features [N, d] and labels [N] expected, "
+                         f"got {list(features.shape)} and {list(labels.shape)}")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"labels must be in 0..{num_classes - 1}")
     return features, labels.astype(np.int64)

@@ -119,6 +119,7 @@ def build_body(spec: ModelSpec, task: TaskSpec, *, seed: int | None = None) -> t
         with _seeded(seed):
             return factory.body(task)
     model = build_model(factory, task, seed=seed)
+    assert model.feature_dim is not None  # build_model measured it
     return model.body, model.feature_dim
 
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .parted import ModelError
+
+if TYPE_CHECKING:
+    from ..algorithms.base import DeviceAlgorithm
 
 CHANNEL_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, _BatchNorm, nn.GroupNorm, nn.LayerNorm,
                   nn.modules.instancenorm._InstanceNorm)
@@ -55,7 +59,7 @@ def _missing_linear_head(model: nn.Module) -> str | None:
 
 
 def _missing_channel_structure(model: nn.Module) -> str | None:
-    for name, module in model.body.named_modules():
+    for name, module in model.get_submodule("body").named_modules():
         if next(module.parameters(recurse=False), None) is not None and not isinstance(module, CHANNEL_LAYERS):
             return f"body.{name} is a {type(module).__name__}"
     return None
@@ -80,7 +84,7 @@ COMMON: tuple[Capability, ...] = (PARTS, FLAT_FEATURES)
 """What every algorithm needs."""
 
 
-def check_capabilities(algorithm_cls: type, model: nn.Module) -> None:
+def check_capabilities(algorithm_cls: type[DeviceAlgorithm], model: nn.Module) -> None:
     """Raise ModelCapabilityError for the first capability in `algorithm_cls.requires` that
     `model` (a built model with parts and `feature_dim`) lacks."""
     for capability in algorithm_cls.requires:

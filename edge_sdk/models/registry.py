@@ -47,7 +47,8 @@ class BuiltinModel:
         if task.kind not in self.kinds:
             raise ModelError(f"model {self.name!r} takes {' or '.join(self.kinds)} tasks, not the {task.kind} task "
                              f"{task.name!r}; use model 'auto' or one for {task.kind} inputs")
-        if self.sizes is not None and (task.input_shape[1] != task.input_shape[2] or task.input_shape[1] not in self.sizes):
+        shape = task.input_shape
+        if self.sizes is not None and (shape[1] != shape[2] or shape[1] not in self.sizes):
             allowed = ", ".join(f"{s}x{s}" for s in self.sizes)
             size = "x".join(str(s) for s in task.input_shape[1:])
             raise ModelError(f"model {self.name!r} takes images of size {allowed}, not {size}; "

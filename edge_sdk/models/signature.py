@@ -43,16 +43,21 @@ def signature_from_plain(value: object) -> Signature:
 def first_mismatch(expected: Signature, actual: Signature) -> str | None:
     """A sentence naming the first entry where `actual` (a device's) differs from `expected`
     (the coordinator's), or None when they agree."""
-    for index, ((want_name, want_shape), (got_name, got_shape)) in enumerate(zip(expected, actual)):
+    # The common prefix first; a longer list on either side is named after it.
+    pairs = enumerate(zip(expected, actual, strict=False))
+    for index, ((want_name, want_shape), (got_name, got_shape)) in pairs:
         if want_name != got_name:
             return (f"parameter {index}: the coordinator's model has {want_name!r} {list(want_shape)}, this one "
                     f"{got_name!r} {list(got_shape)}")
         if tuple(want_shape) != tuple(got_shape):
-            return f"parameter {want_name!r}: the coordinator's has shape {list(want_shape)}, this one {list(got_shape)}"
+            return (f"parameter {want_name!r}: the coordinator's has shape {list(want_shape)}, "
+                    f"this one {list(got_shape)}")
     if len(expected) > len(actual):
         name, shape = expected[len(actual)]
-        return f"parameter {name!r} {list(shape)} of the coordinator's model is missing ({len(actual)} of {len(expected)})"
+        return (f"parameter {name!r} {list(shape)} of the coordinator's model is missing "
+                f"({len(actual)} of {len(expected)})")
     if len(actual) > len(expected):
         name, shape = actual[len(expected)]
-        return f"parameter {name!r} {list(shape)} is not in the coordinator's model ({len(actual)}, not {len(expected)})"
+        return (f"parameter {name!r} {list(shape)} is not in the coordinator's model "
+                f"({len(actual)}, not {len(expected)})")
     return None

@@ -39,8 +39,8 @@ def mobilenet_v3_small_body(in_channels: int, image_size: int) -> tuple[nn.Modul
     stem: nn.Conv2d = model.features[0][0]
     stride = 1 if image_size <= _SMALL_IMAGE_MAX else 2
     new_stem = nn.Conv2d(
-        in_channels, stem.out_channels, kernel_size=stem.kernel_size, stride=stride,
-        padding=stem.padding, bias=False,
+        in_channels, stem.out_channels, kernel_size=(stem.kernel_size[0], stem.kernel_size[1]), stride=stride,
+        padding=stem.padding if isinstance(stem.padding, str) else (stem.padding[0], stem.padding[1]), bias=False,
     )
     nn.init.kaiming_normal_(new_stem.weight, mode="fan_out")
     model.features[0][0] = new_stem

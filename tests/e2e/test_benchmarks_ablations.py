@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ablations_quick_runs_the_rows_and_measures_their_claims(tmp_path):
-    command = [sys.executable, "benchmarks/ablations.py", "--quick", "--eval-every", "2", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.ablations", "--quick", "--eval-every", "2", "--out", str(tmp_path)]
 
-    result = subprocess.run([*command, "--jobs", "2"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run([*command, "--jobs", "2"], check=False, cwd=ROOT, capture_output=True, text=True,
+                            timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads((tmp_path / "ablations-digits-2rounds.json").read_text())

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
-    command = [sys.executable, "benchmarks/accuracy.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.accuracy", "--quick", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -66,9 +66,9 @@ def test_accuracy_quick_writes_tables_heads_and_holdout(tmp_path):
     first = tmp_path / "first.json"
     first.write_text(json.dumps(document))
     merged_out = tmp_path / "merged"
-    fedavg_only = [sys.executable, "benchmarks/accuracy.py", "--dataset", "digits", "--clients", "10", "--rounds", "2",
-                   "--algorithms", "fedavg", "--settings", "dir0.5@1", "--seeds", "0", "--holdout", "0",
-                   "--cache", str(tmp_path / "runs"), "--ledger", "none", "--merge", str(first),
+    fedavg_only = [sys.executable, "-m", "benchmarks.accuracy", "--dataset", "digits", "--clients", "10",
+                   "--rounds", "2", "--algorithms", "fedavg", "--settings", "dir0.5@1", "--seeds", "0",
+                   "--holdout", "0", "--cache", str(tmp_path / "runs"), "--ledger", "none", "--merge", str(first),
                    "--out", str(merged_out)]
 
     merging = subprocess.run(fedavg_only, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -11,20 +11,20 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "aggregation.py"
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = {"sha256", "reassembly", "wire_decode", "codec_decode_fp16", "codec_decode_int8", "check_arrays",
           "check_update", "check_update_norm", "delta_norm", "fold", "fold_float64", "validate_fold",
           "decode_validate_fold", "reassemble_decode_validate_fold"}
 
 
 def test_aggregation_quick_writes_stages_shards_and_targets(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.aggregation", "--quick", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "aggregation.json").read_text())
     assert {"date", "cores", "cpu_model", "command"} <= set(data["machine"])
-    assert data["library"]["folder"] == str(SCRIPT.parents[1])
+    assert data["library"]["folder"] == str(ROOT)
     assert {row["stage"] for row in data["stages"]} == STAGES
     assert {row["model"] for row in data["stages"]} == {"0.1MB", "cnn32-3.7MB"}
     assert all(row["mb_per_s_best"] > 0 and row["mb_per_cpu_s_best"] > 0 for row in data["stages"])

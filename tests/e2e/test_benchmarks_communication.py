@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_communication_quick_writes_bytes_target_codecs_and_dc_pfl_modes(tmp_path):
-    command = [sys.executable, "benchmarks/communication.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.communication", "--quick", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -72,9 +72,9 @@ def test_over_seeds_reads_rounds_and_mb_to_target_off_accuracy_curves(tmp_path):
     }
     source = tmp_path / "accuracy.json"
     source.write_text(json.dumps(accuracy))
-    command = [sys.executable, "benchmarks/communication.py", "--cached-only", "--algorithms", "", "--codec-algorithms",
-               "", "--dc-modes", "", "--rounds", "3", "--cache", str(tmp_path / "runs"), "--ledger", "none",
-               "--over-seeds", str(source), "--out", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "benchmarks.communication", "--cached-only", "--algorithms", "",
+               "--codec-algorithms", "", "--dc-modes", "", "--rounds", "3", "--cache", str(tmp_path / "runs"),
+               "--ledger", "none", "--over-seeds", str(source), "--out", str(tmp_path / "out")]
 
     # Execute
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -99,7 +99,7 @@ def test_over_seeds_reads_rounds_and_mb_to_target_off_accuracy_curves(tmp_path):
 def test_over_seeds_without_runs_of_the_setting_fails_before_training(tmp_path):
     source = tmp_path / "accuracy.json"
     source.write_text(json.dumps({"machine": {}, "config": {"clients": 4}, "runs": []}))
-    command = [sys.executable, "benchmarks/communication.py", "--algorithms", "fedavg", "--over-seeds", str(source),
+    command = [sys.executable, "-m", "benchmarks.communication", "--algorithms", "fedavg", "--over-seeds", str(source),
                "--cache", str(tmp_path / "runs"), "--ledger", "none", "--out", str(tmp_path / "out")]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)

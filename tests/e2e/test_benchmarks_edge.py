@@ -16,14 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_edge_quick_exports_quantizes_and_times_heads(tmp_path):
-    command = [sys.executable, "benchmarks/edge.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.edge", "--quick", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads((tmp_path / "edge.json").read_text())
-    assert {"date", "cores", "cpu_model", "python", "torch", "onnxruntime", "command", "code"} <= set(document["machine"])
+    assert {"date", "cores", "cpu_model", "python", "torch", "onnxruntime", "command", "code"} <= set(
+        document["machine"])
     (row,) = document["models"]
     assert (row["model"], row["dataset"]) == ("cnn8", "digits")
     assert row["max_abs_diff_vs_torch"] < 1e-4

@@ -24,7 +24,7 @@ def run_files(cache: Path, name: str) -> tuple[dict, dict]:
 
 
 def test_fair_quick_chooses_each_lr_on_validation_and_writes_two_tables(tmp_path):
-    command = [sys.executable, "benchmarks/fair.py", "--quick", "--jobs", "2", "--out", str(tmp_path),
+    command = [sys.executable, "-m", "benchmarks.fair", "--quick", "--jobs", "2", "--out", str(tmp_path),
                "--ledger", str(tmp_path / "ledger")]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,

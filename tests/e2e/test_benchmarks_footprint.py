@@ -27,7 +27,7 @@ LIMIT_MB = 256
 
 def test_a_weak_device_personalizes_a_fashion_mnist_body_within_256_mb(tmp_path):
     # Prepare
-    command = [sys.executable, "benchmarks/footprint.py", "--quick", "--limit-mb", str(LIMIT_MB),
+    command = [sys.executable, "-m", "benchmarks.footprint", "--quick", "--limit-mb", str(LIMIT_MB),
                "--out", str(tmp_path)]
 
     # Execute

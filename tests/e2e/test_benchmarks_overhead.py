@@ -14,14 +14,15 @@ from brokers import mosquitto_binary
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_overhead_quick_compares_mqtt_with_the_in_process_loop(tmp_path):
     variants = "amqtt,mosquitto,inprocess" if mosquitto_binary() else "amqtt,inprocess"
 
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variants", variants, "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "benchmarks.overhead", "--quick", "--variants", variants, "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "overhead.json").read_text())

@@ -14,14 +14,15 @@ from brokers import require_mosquitto
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scale_quick_registers_every_device_and_receives_every_update(tmp_path):
     require_mosquitto()
 
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "benchmarks.scale", "--quick", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "scale.json").read_text())

@@ -18,7 +18,7 @@ from nats_cluster import nats_binary
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scale_cluster_quick_every_update_arrives_through_two_aggregators(tmp_path):
@@ -26,8 +26,9 @@ def test_scale_cluster_quick_every_update_arrives_through_two_aggregators(tmp_pa
     with hosts_or_skip(1):  # namespaces can be made here (the benchmark makes its own)
         pass
 
-    result = subprocess.run([sys.executable, str(SCRIPT), "--cluster", "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "benchmarks.scale", "--cluster", "--quick", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "scale-cluster.json").read_text())

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_shards_quick_gives_the_same_state_with_and_without_shards(tmp_path):
     require_mosquitto()
-    command = [sys.executable, "benchmarks/shards.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.shards", "--quick", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -14,14 +14,15 @@ from brokers import mosquitto_binary
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transport.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_transport_quick_writes_json_table_and_plot(tmp_path):
     brokers = "mosquitto,amqtt" if mosquitto_binary() else "amqtt"
 
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--brokers", brokers, "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "benchmarks.transport", "--quick", "--brokers", brokers, "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "transport.json").read_text())

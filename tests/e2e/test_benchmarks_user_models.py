@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_user_models_quick_trains_both_user_networks(tmp_path):
-    command = [sys.executable, "benchmarks/user_models.py", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.user_models", "--quick", "--out", str(tmp_path)]
 
     result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

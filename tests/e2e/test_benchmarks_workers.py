@@ -14,14 +14,15 @@ from brokers import require_mosquitto
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "workers.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_workers_quick_writes_the_per_device_memory(tmp_path):
     require_mosquitto()
 
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "benchmarks.workers", "--quick", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "workers.json").read_text())

@@ -17,7 +17,7 @@ import pytest
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 
-from benchmark_scripts import load_benchmark
+from benchmarks import _runs as runs_module
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def test_the_same_command_twice_gives_the_same_models_and_figures(tmp_path, algo
 @pytest.fixture(scope="module")
 def bench_runs():
     """benchmarks/_runs.py, as the benchmark scripts import it."""
-    return load_benchmark("_runs")
+    return runs_module
 
 
 # DC-PFL: its server steps phi per report and calibrates on sampled features; FedAvg: the mean

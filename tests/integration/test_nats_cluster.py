@@ -244,7 +244,7 @@ FAILOVER_SCRIPT = textwrap.dedent("""
 
 
 def test_a_device_given_one_name_for_all_nodes_fails_over_to_another_node(cluster):
-    """The README's failover: a broker name that resolves to several nodes (here an /etc/hosts
+    """docs/SCALING.md's failover: a broker name that resolves to several nodes (here an /etc/hosts
     entry; a DNS name with several addresses in the field). The device's node is killed; its
     reconnection tries the next address, and its resubscription brings the retained status."""
     hosts, nodes = cluster
@@ -270,7 +270,7 @@ def test_a_device_given_one_name_for_all_nodes_fails_over_to_another_node(cluste
 
 
 NATS_CHUNK_SIZE = 1_000_000
-"""The coordinator's --chunk-size the README gives for NATS's default max_payload (1 MB): a frame
+"""The coordinator's --chunk-size docs/SCALING.md gives for NATS's default max_payload (1 MB): a frame
 is its slice plus about 122 bytes, so the default 1 MiB slices would not fit."""
 
 

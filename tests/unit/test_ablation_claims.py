@@ -3,19 +3,11 @@ every row is a valid switch of its algorithm."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks._claims import TIE, compare
+from benchmarks.ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows
 from coordinator.algorithms import hyperparameters
-
-_PATH = sys.path[:]
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-try:
-    from ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows
-finally:  # benchmarks/ stays off the path: its user_models.py would shadow tests/user_models.py
-    sys.path[:] = _PATH
 
 CLAIM = Claim("dc_pfl", "DC-PFL > w/o AL", "full", "no_al", "Table 1")
 
@@ -27,8 +19,7 @@ def row(id_: str, seeds: dict[int, float], missing: str = "") -> dict:
 @pytest.mark.parametrize("full, ablated, measured, reproduced", [
     ({0: 0.90}, {0: 0.85}, "90.00 vs 85.00: +5.00 (seed 0)", "yes (1 seed)"),
     ({0: 0.80}, {0: 0.85}, "80.00 vs 85.00: -5.00 (seed 0)", "no (1 seed)"),
-    ({0: 0.90, 1: 0.80, 2: 0.70}, {0: 0.85, 1: 0.82}, "85.00 vs 83.50: +1.50 ± 3.50 (seeds 0, 1)",
-     "yes, within seed spread"),
+    ({0: 0.90, 1: 0.80, 2: 0.70}, {0: 0.85, 1: 0.82}, "85.00 vs 83.50: +1.50 ± 3.50 (seeds 0, 1)", "tie"),
     ({0: 0.90, 1: 0.91}, {0: 0.80, 1: 0.82}, "90.50 vs 81.00: +9.50 ± 0.50 (seeds 0, 1)", "yes"),
 ])
 def test_a_claim_compares_the_rows_on_their_common_seeds(full, ablated, measured, reproduced) -> None:
@@ -38,6 +29,20 @@ def test_a_claim_compares_the_rows_on_their_common_seeds(full, ablated, measured
     # Assert
     assert entry["measured"] == measured
     assert entry["reproduced"] == reproduced
+
+
+@pytest.mark.parametrize("better, worse, verdict", [
+    ({0: 0.7662, 1: 0.7630}, {0: 0.7502, 1: 0.7658}, TIE),  # +0.66 ± 0.94 points: ahead on the mean only
+    ({0: 0.7450, 1: 0.7486}, {0: 0.7570, 1: 0.7366}, TIE),  # -0.00 ± 1.20: behind by a hair
+    ({0: 0.80, 1: 0.84}, {0: 0.78, 1: 0.81}, "yes"),  # +2.50 ± 0.50: the order holds on every seed
+    ({0: 0.78, 1: 0.81}, {0: 0.80, 1: 0.84}, "no"),  # -2.50 ± 0.50: the reverse holds
+])
+def test_a_difference_no_larger_than_its_seed_spread_is_a_tie_whatever_its_sign(better, worse, verdict) -> None:
+    # Execute
+    result = compare(better, worse)
+
+    # Assert: a mean difference within its std over seeds orders nothing, a larger one keeps its sign
+    assert result["reproduced"] == verdict
 
 
 def test_a_claim_without_runs_is_not_measured_and_names_a_missing_switch() -> None:

@@ -93,7 +93,7 @@ def test_frames_cut_from_pieces_equal_those_of_the_joined_payload(cuts):
     # Prepare: the payload split into pieces at `cuts` (as encode_pieces yields headers and arrays)
     payload = _payload(4 * CHUNK + 1000)
     bounds = [0, *cuts, len(payload)]
-    pieces = [memoryview(payload)[a:b] for a, b in zip(bounds, bounds[1:])]
+    pieces = [memoryview(payload)[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
     # Execute
     frames = list(iter_frames(pieces, CHUNK))
@@ -408,3 +408,102 @@ def test_frames_decode_with_plain_msgpack():
     # A third-party client sees an ordinary msgpack map with a byte string.
     frame = msgpack.unpackb(chunk_frames(b"xyz", CHUNK)[0], raw=False)
     assert frame["chunk"]["data"] == b"xyz" and frame["version"] == PROTOCOL_VERSION
+
+
+# -- a bad blob is one rejected message ----------------------------------------------------
+
+
+def test_a_blob_over_the_limit_is_refused_once_however_many_of_its_chunks_arrive():
+    # Prepare: 4 chunks of a blob larger than the receiver's limit for its kind
+    chunks = _chunks(_payload(4 * CHUNK))
+    reassembler = _reassembler()
+
+    # Execute
+    with pytest.raises(ChunkError) as info:
+        reassembler.add(STREAM, chunks[0], limit=3 * CHUNK)
+    later = [reassembler.add(STREAM, c, limit=3 * CHUNK) for c in chunks[1:]]
+
+    # Assert: the first chunk raised, the others were dropped without a second refusal
+    assert info.value.reason is Reason.TOO_LARGE
+    assert later == [None, None, None]
+    assert reassembler.pending_bytes == 0
+
+
+def test_a_blob_that_failed_its_checksum_is_not_reported_again_when_its_chunks_return_and_expire():
+    # Prepare: a blob whose middle chunk is damaged fails its checksum on completion
+    clock, drops = FakeClock(), []
+    reassembler = _reassembler(clock, drops, ttl_seconds=10.0)
+    chunks = _chunks(_payload(3 * CHUNK))
+    damaged = list(chunks)
+    damaged[1] = dataclasses.replace(chunks[1], data=bytes(CHUNK))
+    with pytest.raises(ChunkError) as info:
+        _feed(reassembler, damaged)
+    assert info.value.reason is Reason.CHUNK_CHECKSUM
+
+    # Execute: a redelivered chunk of it starts a new, incomplete blob, which expires
+    assert reassembler.add(STREAM, damaged[0]) is None
+    clock.now += 11.0
+    reassembler.expire()
+
+    # Assert: counted once, as the checksum failure; the expiry of its remains is not reported
+    assert drops == []
+    assert reassembler.pending_bytes == 0
+
+
+def test_an_intact_copy_of_a_refused_blob_is_still_delivered():
+    # Prepare
+    payload = _payload(3 * CHUNK)
+    chunks = _chunks(payload)
+    reassembler = _reassembler()
+    with pytest.raises(ChunkError):
+        _feed(reassembler, [chunks[0], dataclasses.replace(chunks[1], data=bytes(CHUNK)), chunks[2]])
+
+    # Execute: the sender sends the same message again, intact
+    delivered = _feed(reassembler, chunks)
+
+    # Assert
+    assert delivered == [payload]
+
+
+def test_an_evicted_blob_is_reported_once_when_its_remaining_chunks_arrive_and_expire():
+    # Prepare: room for 3 chunks; blob A (3 chunks) is evicted by blob B before its last chunk
+    clock, drops = FakeClock(), []
+    reassembler = _reassembler(clock, drops, max_pending_bytes=3 * CHUNK, ttl_seconds=10.0)
+    a, b = _chunks(_payload(3 * CHUNK, seed=1)), _chunks(_payload(2 * CHUNK, seed=2))
+    _feed(reassembler, a[:2])
+    _feed(reassembler, b[:2])
+    assert drops == [Reason.CHUNK_OVERFLOW]
+
+    # Execute: A's last chunk arrives after all and can never complete
+    assert reassembler.add(STREAM, a[2]) is None
+    clock.now += 11.0
+    reassembler.expire()
+
+    # Assert: A counts once (the overflow); B, completed, not at all
+    assert drops == [Reason.CHUNK_OVERFLOW]
+
+
+def test_a_chunked_message_over_its_kinds_limit_counts_once_at_the_channel():
+    # Prepare: an EVAL_RES of four 16 KiB frames, to a receiver that takes EVAL_RES up to 32 KiB
+    from edge_sdk.channel import Channel
+    from edge_sdk.loopback import LoopbackBroker
+    from edge_sdk.protocol import Envelope, Kind, Topics
+
+    broker, topics = LoopbackBroker(), Topics("countfed")
+    receiver_transport, sender_transport = broker.transport("coordinator"), broker.transport("dev001")
+    receiver_transport.connect()
+    receiver_transport.subscribe(topics.all_up())
+    sender_transport.connect()
+    receiver = Channel(receiver_transport, topics, limits=wire.WireLimits(max_eval_bytes=2 * CHUNK))
+    sender = Channel(sender_transport, topics, chunk_size=CHUNK)
+    big = Envelope(Kind.EVAL_RES, "dev001", groups={"g": {"w": np.zeros(14_000, np.float32)}})
+    sender.send(topics.up("dev001", Kind.EVAL_RES), big)
+    sentinel = Envelope(Kind.HELLO, "dev001", metrics={"num_examples": 1})
+    sender.send(topics.up("dev001", Kind.HELLO), sentinel)
+
+    # Execute
+    got = receiver.receive(timeout=10.0)
+
+    # Assert: the sentinel came through; the four frames of the oversized message count as one
+    assert got is not None and got.envelope.msg_id == sentinel.msg_id
+    assert receiver.rejections == {"too_large": 1}

@@ -52,3 +52,37 @@ def test_int8_without_its_scale_is_rejected():
 def test_unknown_codec_is_named():
     with pytest.raises(ValueError, match="int4"):
         codecs.encode("int4", {}, {})
+
+
+def test_int8_rounds_half_to_even_with_the_scale_of_the_documented_arithmetic():
+    # Prepare: changes whose quotient by the scale (127 / 127 = 1.0) lies exactly half-way
+    down = {"g": {"w": np.zeros(6, np.float32)}}
+    up = {"g": {"w": np.array([127.0, 0.5, 1.5, 2.5, -0.5, -2.5], np.float32)}}
+
+    # Execute
+    sent = codecs.encode("int8", up, down)["g"]
+
+    # Assert: docs/PROTOCOL.md section 8, round half to even (not half away from zero)
+    assert sent["w"].dtype == np.int8 and sent["w#scale"].dtype == np.float32 and sent["w#scale"].shape == ()
+    assert sent["w"].tolist() == [127, 0, 2, 2, 0, -2]
+    assert sent["w#scale"] == np.float32(1.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_int8_bytes_follow_the_documented_steps(seed):
+    # Prepare: what another implementation computes from docs/PROTOCOL.md section 8
+    rng = np.random.default_rng(seed)
+    broadcast = rng.normal(0, 1, 500).astype(np.float32)
+    update = broadcast + (rng.normal(0, 1, 500) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+    change = update - broadcast  # step 1, float32
+    scale = np.float32(float(np.abs(change).max()) / 127.0)  # steps 2-3: float64 division, one rounding
+    quotient = change / scale  # step 4: float32 division
+    assert quotient.dtype == np.float32
+    expected = np.clip(np.rint(quotient), -127, 127).astype(np.int8)
+
+    # Execute
+    sent = codecs.encode("int8", {"g": {"w": update}}, {"g": {"w": broadcast}})["g"]
+
+    # Assert: the same bytes
+    assert sent["w"].tobytes() == expected.tobytes()
+    assert sent["w#scale"].tobytes() == np.array(scale, np.float32).tobytes()

@@ -43,7 +43,7 @@ def test_fedavg_round_on_cuda_with_amp_returns_host_arrays():
 
 def test_the_cuda_benchmark_runs_fedavg_end_to_end_with_and_without_amp(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "benchmarks/gpu.py", "--quick", "--out", str(tmp_path)], cwd=root,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--quick", "--out", str(tmp_path)], cwd=root,
                             capture_output=True, text=True, timeout=900, check=False)
 
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmark_scripts import load_benchmark
+from benchmarks import fair as fair_module
 
 
 @pytest.fixture(scope="module")
 def fair():
-    return load_benchmark("fair")
+    return fair_module
 
 
 def requested(fair, tmp_path, *flags: str) -> tuple[set[str], set[str]]:
@@ -79,7 +79,7 @@ def test_a_bad_method_is_refused_naming_it(fair, method, reason):
 
 def test_the_lr_is_chosen_only_from_a_whole_search_ties_to_the_smaller(fair):
     def search(*means):
-        return [{"lr": lr, "accuracy": {"mean": mean}} for lr, mean in zip((0.01, 0.03, 0.1), means)]
+        return [{"lr": lr, "accuracy": {"mean": mean}} for lr, mean in zip((0.01, 0.03, 0.1), means, strict=True)]
 
     assert fair.choose_lr(search(0.80, 0.85, 0.85)) == 0.03
     assert fair.choose_lr(search(0.90, 0.85, 0.70)) == 0.01
@@ -107,7 +107,8 @@ def test_a_claim_is_measured_per_setting_and_optimizer_on_the_seeds_both_methods
     claims = [fair.Claim("DC-PFL > FedAvg", "dc_pfl", "fedavg", "Table 1")]
     ran = {"dc_pfl": {"common": {"seeds": {0: 0.85, 1: 0.80}}, "paper": {"seeds": {0: 0.82}}},
            "fedavg": {"common": {"seeds": {0: 0.83}}, "paper": {"seeds": {1: 0.81}}}}
-    not_searched = {"dc_pfl": {"common": None, "paper": {"seeds": {}}}, "fedavg": {"common": None, "paper": {"seeds": {}}}}
+    not_searched = {"dc_pfl": {"common": None, "paper": {"seeds": {}}},
+                    "fedavg": {"common": None, "paper": {"seeds": {}}}}
 
     rows = fair.claim_rows(["dc_pfl", "fedavg"], {"domains@0.2": ran, "dir0.1@0.2": not_searched}, claims)
 

@@ -2,7 +2,7 @@
 decay, and `validation_fraction` (a held-out share of each device's training data).
 
 How the optimizer setting reaches every algorithm's local phases: test_common_optimizer.py; a
-whole validation run that never reads the test split: test_loopback_federation.py.
+whole validation run that never reads the test split: test_loopback_validation.py.
 """
 
 from __future__ import annotations

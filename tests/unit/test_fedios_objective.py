@@ -1,10 +1,12 @@
 """FediOS's training objective against Eq. (8)-(12) written out here, and what a local round may change.
 
-alpha is 0.3 (not the default 0.5), so that a fusion that ignores alpha or swaps its weights
-shows; the projections are written as explicit zero padding into R^D. L_re (Eq. 11) acts on the
-extractors' outputs before projection (the module's Decision): on the projected features it is 0.
-Without the personal extractor (Table 7's ablation, the module's other Decision) the objective is
-CE(head(phi_g)) alone, whatever alpha and lambda say.
+alpha is 0.3 (not the default 0.5) and lambda 0.7, so that a fusion that ignores alpha or swaps
+its weights, or a term that ignores lambda, shows; the projections are written as explicit zero
+padding into R^D. By default L_re (Eq. 11) is the printed form, on the projected features, where it
+is identically 0: the objective is the three cross-entropies. `l_re="extractors"` (the module's
+Decision) takes it on the extractors' outputs before projection. Without the personal extractor
+(Table 7's ablation, the module's other Decision) the objective is CE(head(phi_g)) alone, whatever
+alpha, lambda and l_re say.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from builtin_tasks import digits_client
 from edge_sdk.algorithms.base import Task
+from coordinator.algorithms import hyperparameters
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, fedios_loss, orthogonality
 from edge_sdk.settings import TrainSettings
 from objectives import assert_same_objective, changed, cross_entropy, snapshot, tiny_batch, value_and_gradients
@@ -40,15 +43,25 @@ def embed(features: torch.Tensor, block: int, capacity: int) -> torch.Tensor:
     return out
 
 
-def reference_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Eq. (12): CE(fused) + CE(generic) + CE(personal) + lambda * mean_k |body(x_k) . personal_body(x_k)|."""
+def reference_loss(model, x: torch.Tensor, y: torch.Tensor, l_re: str) -> torch.Tensor:
+    """Eq. (12): CE(fused) + CE(generic) + CE(personal) + lambda * L_re, L_re = mean_k |a_k . b_k| on
+    (a, b) = (phi_g, phi_p) as printed (`projected`) or (body(x), personal_body(x)) (`extractors`)."""
     generic, personal = model.body(x), model.personal_body(x)
     phi_g = embed(generic, 0, CAPACITY)
     phi_p = embed(personal, BLOCK, CAPACITY)
     phi_f = ALPHA * phi_g + (1 - ALPHA) * phi_p
     head = lambda phi: phi @ model.head.weight.T + model.head.bias  # noqa: E731 - the linear head, by hand
+    pair = (phi_g, phi_p) if l_re == "projected" else (generic, personal)
     return (cross_entropy(head(phi_f), y) + cross_entropy(head(phi_g), y) + cross_entropy(head(phi_p), y)
-            + LAM * reference_orthogonality(generic, personal))
+            + LAM * reference_orthogonality(*pair))
+
+
+def reference_cross_entropies(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Eq. (10) alone: CE(fused) + CE(generic) + CE(personal), no L_re term at all."""
+    phi_g = embed(model.body(x), 0, CAPACITY)
+    phi_p = embed(model.personal_body(x), BLOCK, CAPACITY)
+    head = lambda phi: phi @ model.head.weight.T + model.head.bias  # noqa: E731 - the linear head, by hand
+    return sum(cross_entropy(head(phi), y) for phi in (ALPHA * phi_g + (1 - ALPHA) * phi_p, phi_g, phi_p))
 
 
 def reference_orthogonality(generic: torch.Tensor, personal: torch.Tensor) -> torch.Tensor:
@@ -57,15 +70,51 @@ def reference_orthogonality(generic: torch.Tensor, personal: torch.Tensor) -> to
                         for k in range(len(generic))]).mean()
 
 
-def test_the_loss_is_eq_12_in_value_and_gradient(data) -> None:
-    # Prepare
+def test_the_default_loss_is_eq_12_as_printed_which_is_the_three_cross_entropies(data) -> None:
+    # Prepare: lambda 0.7 configured, l_re left at its default
     device = make_device(data)
+    model = device.model.train()
+    x, y = tiny_batch(data)
+    loss = device.local_loss()
+    parameters = dict(model.named_parameters())
+
+    # Execute / Assert: Eq. (12) as printed, and that is Eq. (10) alone, in value and every gradient
+    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y, "projected"), parameters)
+    assert_same_objective(lambda: loss(x, y), lambda: reference_cross_entropies(model, x, y), parameters)
+
+
+def test_the_printed_orthogonality_term_is_exactly_zero_with_no_gradient(data) -> None:
+    # Prepare: the projected features of the device's two extractors (blocks 0 and BLOCK)
+    model = make_device(data).model.train()
+    x, _ = tiny_batch(data)
+    parameters = dict(model.named_parameters())
+
+    # Execute
+    value, grads = value_and_gradients(
+        lambda: orthogonality(model.generic_features(x), model.personal_features(x)), parameters)
+
+    # Assert: Eq. (6) makes Eq. (11) vanish for every input, and with it every gradient
+    assert float(value) == 0.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+
+
+def test_the_reconstruction_is_eq_12_on_the_extractors_outputs(data) -> None:
+    # Prepare
+    device = make_device(data, l_re="extractors")
     model = device.model.train()
     x, y = tiny_batch(data)
     loss = device.local_loss()
 
     # Execute / Assert: every parameter's gradient agrees
-    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y), dict(model.named_parameters()))
+    assert_same_objective(lambda: loss(x, y), lambda: reference_loss(model, x, y, "extractors"),
+                          dict(model.named_parameters()))
+
+
+@pytest.mark.parametrize("value", ["printed", "before_projection", ""])
+def test_an_unknown_l_re_form_is_refused_naming_the_key(value: str) -> None:
+    # Execute / Assert
+    with pytest.raises(ValueError, match="l_re"):
+        hyperparameters("fedios", {"l_re": value})
 
 
 def reference_generic_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -75,8 +124,8 @@ def reference_generic_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 def test_without_the_personal_extractor_the_loss_is_the_generic_cross_entropy_alone(data) -> None:
-    # Prepare: alpha 0.3 and lambda 0.7 as configured, which the ablation must not use
-    device = make_device(data, personal_extractor=False)
+    # Prepare: alpha 0.3, lambda 0.7 and the reconstructed L_re as configured, which the ablation must not use
+    device = make_device(data, personal_extractor=False, l_re="extractors")
     model = device.model.train()
     x, y = tiny_batch(data)
     parameters = dict(model.named_parameters())
@@ -116,16 +165,16 @@ def test_the_orthogonality_loss_is_the_mean_absolute_inner_product_for_signed_fe
                           {"generic": generic, "personal": personal})
 
 
-def test_the_orthogonality_term_is_not_zero_and_trains_both_extractors_and_not_the_head(data) -> None:
+def test_the_reconstructed_term_is_not_zero_and_trains_both_extractors_and_not_the_head(data) -> None:
     # Prepare: the loss without lambda's term, so that the difference is lambda * L_re alone
-    device = make_device(data)
+    device = make_device(data, l_re="extractors")
     model = device.model.train()
     x, y = tiny_batch(data)
     parameters = dict(model.named_parameters())
 
     # Execute
-    with_term, grads = value_and_gradients(lambda: fedios_loss(model, LAM)(x, y), parameters)
-    without_term, grads_without = value_and_gradients(lambda: fedios_loss(model, 0.0)(x, y), parameters)
+    with_term, grads = value_and_gradients(lambda: fedios_loss(model, LAM, "extractors")(x, y), parameters)
+    without_term, grads_without = value_and_gradients(lambda: fedios_loss(model, 0.0, "extractors")(x, y), parameters)
 
     # Assert: the term weighs lambda * L_re > 0 and moves both extractors' gradients, not the head's
     with torch.no_grad():
@@ -146,7 +195,7 @@ def test_each_cross_entropy_term_moves_the_loss(data) -> None:
 
     # Execute
     with torch.no_grad():
-        total = float(fedios_loss(model, 0.0)(x, y))
+        total = float(fedios_loss(model, LAM, "projected")(x, y))
         phi_g, phi_p = embed(model.body(x), 0, CAPACITY), embed(model.personal_body(x), BLOCK, CAPACITY)
         generic = float(cross_entropy(model.head(phi_g), y))
         personal = float(cross_entropy(model.head(phi_p), y))

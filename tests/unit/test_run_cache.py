@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from coordinator.run_folder import RunFolder
 
-from benchmark_scripts import load_benchmark
+from benchmarks import _runs as runs_module
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return load_benchmark("_runs")
+    return runs_module
 
 
 def finished_report(rounds: int, participants: int = 2, rejections: dict | None = None) -> dict:

@@ -4,15 +4,19 @@ behind an error of the table's own."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from benchmark_scripts import BENCHMARKS, load_benchmark
+import benchmarks
+from benchmarks import scale as scale_module
+
+BENCHMARKS = Path(benchmarks.__file__).parent
 
 
 @pytest.fixture(scope="module")
 def scale():
-    return load_benchmark("scale")
+    return scale_module
 
 
 def test_a_failed_device_count_is_a_row_of_its_own_and_the_table_still_names_the_model(scale):

@@ -10,6 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,7 @@ class NoHyper:
     """For algorithms without hyperparameters of their own."""
 
 
-def hyper_class(algorithm_id: str) -> type:
+def hyper_class(algorithm_id: str) -> type[DataclassInstance]:
     """The Hyper dataclass of `algorithm_id` (a known id), without importing its algorithm."""
     module_name = f"{__name__}.{algorithm_id}"
     if importlib.util.find_spec(module_name) is None:

@@ -18,7 +18,7 @@ class CovarianceMode:
     rank: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "CovarianceMode":
+    def parse(cls, text: str) -> CovarianceMode:
         if text in ("full", "diag"):
             return cls(text)
         head, sep, rank = text.partition(":")
@@ -29,7 +29,7 @@ class CovarianceMode:
 
 @dataclass(frozen=True)
 class Hyper:
-    """DC-PFL hyperparameters, defaults from ALGORITHMS.md and the paper (Sec. 6.1, Table 3).
+    """DC-PFL hyperparameters, defaults from the paper (Sec. 6.1, Table 3); docs/ALGORITHMS.md, "DC-PFL".
 
     Neither gives lambda: 0.01 is ours. The auxiliary term is a squared norm summed over the d
     features, so its scale grows with d; on digits (cnn8, d = 128, SGD lr 0.05) lambda = 0.1 or

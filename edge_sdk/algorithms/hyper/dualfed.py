@@ -9,7 +9,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class Hyper:
-    """DualFed's hyperparameters (ALGORITHMS.md). `lam` is the paper's lambda (Eq. 8).
+    """DualFed's hyperparameters (docs/ALGORITHMS.md, "DualFed"). `lam` is the paper's lambda (Eq. 8).
 
     Ablation switches (the paper's Table 4 and Sec. 5.3): `schedule="simultaneous"` trains every
     part at once on the sum of both stages' losses instead of stage (a) then stage (b);

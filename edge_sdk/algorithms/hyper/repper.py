@@ -11,7 +11,7 @@ HeadKind = Literal["linear", "mlp", "svm", "lr", "mlp_sklearn"]
 
 @dataclass(frozen=True)
 class Hyper:
-    """RepPer's hyperparameters (ALGORITHMS.md); `lr` is Adam's in stage 1 (eta_r)."""
+    """RepPer's hyperparameters (docs/ALGORITHMS.md, "RepPer"); `lr` is Adam's in stage 1 (eta_r)."""
 
     variant: Literal["in", "out"] = "out"
     temperature: float = 0.1

@@ -1,0 +1,148 @@
+"""What a run reports: a line per round in metrics.jsonl and the run's report.json.
+
+`RoundRecord` is one round's line: who took part (selected, aggregated, refused, late,
+missing), what it reached and what it cost. `run_report` builds the report from the ledger
+(rounds, final evaluation, traffic, rejections, events) and the run's settings. A rerun of a
+run that already played all its rounds returns that run's report unchanged (`finished_report`).
+Writing and reading the files is `coordinator.report`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_sdk.config import to_plain
+
+from . import checkpoint
+from .config import RunConfig
+from .devices import Device
+from .ledger import Ledger
+from .release import Release
+from .report import data_report, read_report, summarize
+from .run_folder import RunFolder
+
+
+@dataclass
+class RoundRecord:
+    """A round's line in metrics.jsonl: who took part, what it reached, what it cost."""
+
+    round: int
+    selected: int
+    participants: int
+    """Fresh updates aggregated (0 when the round is below its quorum: nothing is aggregated)."""
+    outcome: str
+    personalized_accuracy: dict | None
+    global_accuracy: float | None
+    bytes_up: int
+    bytes_down: int
+    """Published by the coordinator (a broadcast counts once)."""
+    seconds: float
+    rejections: dict[str, int] = field(default_factory=dict)
+    replied: int = 0
+    """Valid updates received in time (more than `participants` in a round below its quorum)."""
+    refused: int = 0
+    """Selected devices whose update was rejected."""
+    late: int = 0
+    """Selected devices still training, online, when the round closed."""
+    missing: int = 0
+    """Selected devices that went offline before replying."""
+    late_folded: int = 0
+    """Late updates of the previous round aggregated into this one (`late_updates = "next_round"`)."""
+    late_discarded: int = 0
+    """Late updates that arrived during this round and were dropped."""
+    bytes_down_delivered: int = 0
+    """What the broker delivered: each broadcast once per online registered device."""
+    lost_shards: list[int] = field(default_factory=list)
+    """Shards (`shards` > 0) whose partial was not aggregated: aggregator gone, partial refused or late."""
+    lost_updates: int = 0
+    """Updates a lost shard's aggregator had folded: checked, but not aggregated."""
+
+
+def finished_report(config: RunConfig) -> dict[str, Any] | None:
+    """The report of the run in `config.run.out` if that run already played `config.training.rounds`
+    rounds and wrote its report (a rerun then changes nothing), else None. A checkpoint of a run
+    with other settings raises `CheckpointError`."""
+    folder = RunFolder(config.run.out)
+    saved = checkpoint.load(folder.checkpoint)
+    if saved is None:
+        return None
+    if saved.fingerprint != config.fingerprint():
+        raise checkpoint.CheckpointError(
+            f"{folder.path} holds run {saved.run_id} with other settings; use another --out to start a new run")
+    return played_report(folder, saved.run_id, saved.round, config.training.rounds)
+
+
+def played_report(folder: RunFolder, run_id: str, completed: int, rounds: int) -> dict[str, Any] | None:
+    """The report of run `run_id` if it played all `rounds` (`completed` of them checkpointed)."""
+    if completed < rounds:
+        return None
+    report = read_report(folder)
+    if report is None or report.get("run_id") != run_id or report.get("rounds_completed") != completed:
+        return None
+    return report
+
+
+def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, ledger: Ledger,
+               release: Release | None, devices: Iterable[Device], devices_registered: int,
+               partition: str | None, wall_seconds: float) -> dict[str, Any]:
+    """The run's report: its settings, every round's record, the final evaluation, the release,
+    the traffic, rejections and events, from the `ledger` of every incarnation of the run."""
+    rounds = ledger.rounds
+    means = [r["personalized_accuracy"]["mean"] for r in rounds if r["personalized_accuracy"]]
+    final = ledger.final or {}
+    summary = summarize(m["accuracy"] for m in final.values() if not m.get("holdout")) or {}
+    holdout = summarize(m["accuracy"] for m in final.values() if m.get("holdout"))
+    global_summary = summarize(m["global_accuracy"] for m in final.values() if "global_accuracy" in m)
+    by_kind = {kind: summarize(m["accuracy"] for m in final.values()
+                               if m.get("kind") == kind and not m.get("holdout"))
+               for kind in sorted({m.get("kind") for m in final.values()})}
+    traffic = ledger.traffic()
+    delivered = ledger.delivered()
+    published_down = sum(traffic["sent"].values())
+    return {
+        "run_id": run_id,
+        "algorithm": config.run.algorithm,
+        "hyperparameters": to_plain(hyper),
+        "dataset": config.run.dataset,
+        **({"partition": partition} if partition is not None else {}),
+        "data": data_report(devices, config.task().num_classes),
+        "model": config.model_name,
+        "clients": config.run.clients,
+        "fraction": config.round.fraction,
+        "evaluated_on": "validation" if config.training.validation_fraction else "test",
+        "rounds_completed": completed,
+        "rounds_aggregated": sum(1 for r in rounds if r["outcome"] != "aborted"),
+        "late_updates": {"policy": config.round.late_updates,
+                         "folded": sum(r.get("late_folded", 0) for r in rounds),
+                         "discarded": sum(r.get("late_discarded", 0) for r in rounds)},
+        "rounds": rounds,
+        "final": {
+            "personalized_accuracy": {
+                "mean": summary.get("mean"),
+                "std": summary.get("std"),
+                "min": summary.get("min"),
+                "best_round_mean": max(means) if means else None,
+            },
+            "devices_evaluated": len(final),
+            "devices_registered": devices_registered,
+            "per_client": {cid: final[cid] for cid in sorted(final)},
+            "global_accuracy": global_summary["mean"] if global_summary else None,
+            "holdout_accuracy": holdout,
+            "by_kind": by_kind,
+        },
+        "release": release.manifest() | {"path": str(release.path)} if release else None,
+        "communication": {
+            "bytes_up": sum(traffic["received"].values()),
+            "bytes_down": published_down,
+            "bytes_down_published": published_down,
+            "bytes_down_delivered": sum(delivered.values()),
+            "by_kind": {"up": traffic["received"], "down": traffic["sent"], "down_delivered": delivered},
+        },
+        "rejections": ledger.rejections(),
+        "duplicates_dropped": ledger.duplicates(),
+        "events": ledger.event_counts(),
+        "event_log": ledger.events,
+        "wall_seconds": wall_seconds,
+    }

@@ -1,0 +1,196 @@
+"""Whole runs over `edge_sdk.loopback.LoopbackBroker`, for the unit tests of a run's behaviour.
+
+A `LoopbackFederation` holds a Coordinator and EdgeClient threads of one federation: every
+message is encoded, chunked when large, routed by topic and decoded, exactly as over MQTT, with
+no broker process. Test files take the `federation` fixture by importing it; the compute locks
+here park a device inside its training so a test can act while a round is open.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from coordinator.run_folder import RunFolder
+from edge_sdk import wire
+from edge_sdk.channel import Channel
+from edge_sdk.loopback import LoopbackBroker
+from edge_sdk.protocol import Envelope, Kind, Topics
+
+WAIT = 10.0  # seconds any single expected message may take
+
+
+class BlockingLock:
+    """A compute lock that parks its device inside its first training until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __enter__(self):
+        self.entered.set()
+        self.release.wait(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+
+class Gate:
+    """A compute lock that parks its device while closed (it starts closed)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def __enter__(self):
+        self.open.wait(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+
+class LoopbackFederation:
+    """A LoopbackBroker with a Coordinator and EdgeClient threads of one federation."""
+
+    def __init__(self, tmp_path: Path, federation: str):
+        self.tmp_path = tmp_path
+        self.folder = RunFolder(tmp_path / "run")
+        self.topics = Topics(federation)
+        self.broker = LoopbackBroker()
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()  # devices take turns to compute: 2 cores are shared
+
+    def config(self, **changes):
+        from coordinator.config import RunConfig
+
+        settings = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64,
+                        seed=0, federation=self.topics.federation, out=str(self.folder.path),
+                        round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0, device="cpu")
+        settings.update(changes)
+        return RunConfig.of(**settings)
+
+    def state_dir(self, client_id: str) -> Path:
+        return self.folder.device_state(client_id)
+
+    def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None,
+                     wrap=None) -> str:
+        """Device `index` of `clients` on its digits partition (`wrap(data)` when given)."""
+        from edge_sdk.client import EdgeClient
+        from edge_sdk.data import load_client_data
+
+        client_id = f"dev{index:03d}"
+        will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        data = load_client_data("digits", num_clients=clients, index=index, seed=0)
+        data = data if wrap is None else wrap(data)
+        client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
+                            device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
+                            transport=self.broker.transport(client_id, will=will))
+        thread = threading.Thread(target=client.run, args=(self.stop,), name=client_id, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return client_id
+
+    def coordinator(self, config):
+        from coordinator.server import Coordinator
+
+        transport = self.broker.transport("coordinator")
+        transport.connect()
+        return Coordinator(config, Channel(transport, self.topics, chunk_size=config.broker.chunk_size))
+
+    def spy(self, kind: Kind) -> Channel:
+        """A bystander that decodes (and reassembles) every upstream message of `kind`."""
+        transport = self.broker.transport(f"spy-{kind.value}")
+        transport.connect()
+        transport.subscribe(f"{self.topics.prefix}/up/+/{kind.value}")
+        return Channel(transport, self.topics)
+
+    def devices_exit(self, timeout: float = WAIT) -> bool:
+        for thread in self.threads:
+            thread.join(timeout)
+        return not any(t.is_alive() for t in self.threads)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(WAIT)
+
+
+
+@pytest.fixture
+def federation(tmp_path, request, monkeypatch):
+    import torch
+
+    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # devices take turns anyway; more threads only fight over the shared cores
+    fed = LoopbackFederation(tmp_path, f"fed-{request.node.name[5:30].replace('[', '').replace(']', '')}")
+    yield fed
+    fed.shutdown()
+    torch.set_num_threads(threads)
+
+
+
+def drain(channel: Channel) -> list[Envelope]:
+    out = []
+    while not channel.transport.incoming.empty():
+        received = channel.receive(timeout=0.0)
+        if received is not None:
+            out.append(received.envelope)
+    return out
+
+
+
+def metrics_rounds(out: Path) -> list[int]:
+    lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
+    return [entry["round"] for entry in lines if entry.get("event") == "round"]
+
+
+
+def sealed_test_split(data):
+    """`data` whose test split fails any read (its size stays known, for HELLO)."""
+    from edge_sdk.data import ClientData
+
+    class SealedTest(ClientData):
+        @property
+        def test_x(self):
+            raise AssertionError("the test split was read")
+
+        @test_x.setter
+        def test_x(self, value):
+            self._test_x = value
+
+        @property
+        def test_y(self):
+            raise AssertionError("the test split was read")
+
+        @test_y.setter
+        def test_y(self, value):
+            self._test_y = value
+
+        @property
+        def num_test(self) -> int:
+            return len(self._test_y)
+
+    return SealedTest(data.train_x, data.train_y, data.test_x, data.test_y, data.task, data.domain)
+
+
+
+def run_in_background(coordinator) -> tuple[threading.Thread, dict, threading.Event]:
+    """Start `coordinator.run()` in a thread; the event is set once it listens for devices."""
+    from coordinator.events import RegistrationOpened
+
+    listening = threading.Event()
+    coordinator.subscribe(lambda event: listening.set(), RegistrationOpened)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(coordinator.run()), daemon=True)
+    runner.start()
+    return runner, result, listening
+

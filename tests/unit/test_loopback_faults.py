@@ -1,0 +1,143 @@
+"""Devices that fail during a run over the loopback broker (tests/loopback_runs.py): killed
+mid-round, uploading what is refused, diverging, or the only one: the round is not held up for
+them, nothing they send leaks into the model, and the run still ends with its report.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from edge_sdk.store import PersonalStore
+from loopback_runs import BlockingLock
+
+
+def test_a_device_killed_mid_round_is_not_waited_for(federation):
+    # Prepare: dev002 parks inside its first training; the others compute normally
+    config = federation.config(quorum_grace=15.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    parked = BlockingLock()
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    victim = federation.start_device(2, 3, compute_lock=parked)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(coordinator.run()), daemon=True)
+    runner.start()
+    try:
+        assert parked.entered.wait(timeout=30), "round 1 never reached the victim"
+
+        # Execute: the device's process dies; the broker publishes its Last Will
+        federation.broker.kill(victim)
+        runner.join(timeout=60)
+    finally:
+        parked.release.set()  # let the parked thread finish; its transport is gone
+
+    # Assert
+    assert not runner.is_alive(), "the run did not finish"
+    rounds = result["rounds"]
+    assert result["rounds_completed"] == 2
+    assert (rounds[0]["selected"], rounds[0]["participants"], rounds[0]["outcome"]) == (3, 2, "complete")
+    assert (rounds[1]["selected"], rounds[1]["participants"], rounds[1]["outcome"]) == (2, 2, "complete")
+    assert victim not in result["final"]["per_client"]
+    assert rounds[0]["seconds"] < config.round.quorum_grace  # closed by the Last Will, not by the grace period
+
+
+
+def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
+    # Prepare: dev002 uploads NaN every round; the quorum grace is as long as the timeout, so a
+    # round closes as COMPLETE (every device answered) or, after 30 s, at the deadline
+    config = federation.config(min_clients=2, quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, attack="nan")
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each round closed as soon as the rejected device had answered, and aggregated the other two
+    rounds = report["rounds"]
+    assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 2, "complete")] * 2
+    assert [r["rejections"] for r in rounds] == [{"non_finite": 1}] * 2
+    assert all(r["seconds"] < config.round.round_timeout for r in rounds)
+    assert report["final"]["per_client"]["dev000"]["accuracy"] > 0.5, "the NaN upload leaked into the model"
+
+
+
+def test_a_device_whose_training_diverges_keeps_its_last_good_personal_state(federation, caplog):
+    # Prepare: a learning rate no model survives; LG-FedAvg keeps a personal body on every device
+    config = federation.config(algorithm="lg_fedavg", lr=1e30, min_clients=1, quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    devices = [federation.start_device(i, 3) for i in range(3)]
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        report = coordinator.run()
+
+    # Assert: every update was rejected without waiting, and no device stored its diverged state
+    rounds = report["rounds"]
+    assert [(r["outcome"], r["rejections"]) for r in rounds] == [("aborted", {"non_finite": 3})] * 2
+    assert all(r["seconds"] < config.round.round_timeout for r in rounds)
+    assert "training diverged in round 1" in caplog.text
+    for device in devices:
+        assert PersonalStore(federation.state_dir(device), device).load() is None, f"{device} saved a diverged state"
+
+
+
+@pytest.mark.parametrize("grad_clip_norm", [0.0, 1e-4])
+def test_gradient_clipping_announced_in_welcome_keeps_a_too_large_lr_finite(federation, caplog, grad_clip_norm):
+    # Prepare: lr 1e4 throws LG-FedAvg's weights to infinity; clipped at 1e-4 a step moves them by about 1
+    config = federation.config(algorithm="lg_fedavg", lr=1e4, grad_clip_norm=grad_clip_norm, min_clients=1,
+                               quorum_grace=30.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        report = coordinator.run()
+
+    # Assert
+    if not grad_clip_norm:
+        assert report["rejections"].get("non_finite", 0) > 0 and "training diverged" in caplog.text
+        return
+    assert [r["outcome"] for r in report["rounds"]] == ["complete"] * 2
+    assert report["rejections"] == {} and "training diverged" not in caplog.text
+    assert all(0.0 <= c["accuracy"] <= 1.0 for c in report["final"]["per_client"].values())
+
+
+
+def test_a_run_whose_only_device_dies_still_finishes(federation):
+    # Prepare: one device, parked in round 1 and killed; round 2 has nobody to select
+    config = federation.config(clients=1, quorum_grace=15.0, round_timeout=30.0)
+    coordinator = federation.coordinator(config)
+    parked = BlockingLock()
+    victim = federation.start_device(0, 1, compute_lock=parked)
+    result: dict = {}
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.update(coordinator.run())
+        except BaseException as exc:  # surfaced in the assertions below
+            errors.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        assert parked.entered.wait(timeout=30), "round 1 never reached the device"
+
+        # Execute
+        federation.broker.kill(victim)
+        runner.join(timeout=60)
+    finally:
+        parked.release.set()
+
+    # Assert: no round can aggregate, but the run ends with a report instead of a crash
+    assert not runner.is_alive(), "the run did not finish"
+    assert errors == [], f"the coordinator crashed: {errors!r}"
+    assert result["rounds_completed"] == 2
+    assert [r["outcome"] for r in result["rounds"]] == ["aborted", "aborted"]
+    assert [r["participants"] for r in result["rounds"]] == [0, 0]
+
