@@ -20,7 +20,9 @@ For each setting and method:
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
 carry hyperparameters (`repper:variant=in`, several joined by `+`), so that a variant, such as
-RepPer's L_in against its default L_out (issue 23, defect 3), gets the same protocol. Devices are
+RepPer's L_in against its default L_out (issue 23, defect 3), gets the same protocol. FediOS runs
+in both forms of its L_re: `fedios`, the default (Eq. 11-12 as printed, identically 0), and
+`fedios:l_re=extractors`, the reconstruction on the extractors' outputs at lam 0.1. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
 round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
 each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
@@ -82,7 +84,13 @@ log = logging.getLogger("benchmarks")
 RUN_FLAGS = (*RUN_SETTINGS, "eval_every")
 """The run settings every run of the protocol takes from the flags (`edgepfl simulate`'s); the lr, the
 optimizer and the validation split are each run's own."""
-METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "fedavg", "fedavg_ft", "fedrep", "repper:variant=in")
+METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios:l_re=extractors", "fedios", "fedavg", "fedavg_ft",
+           "fedrep", "repper:variant=in")
+LABELS = {
+    "fedios": "FediOS (printed L_re, identically 0; the default)",
+    "fedios:l_re=extractors": "FediOS (L_re on extractors, lam 0.1)",
+}
+"""How the tables name a method whose settings need words: FediOS's two forms of L_re (docs/ALGORITHMS.md)."""
 SETTINGS = ("dir0.1@0.2", "domains@0.2")
 PAPER_OPTIMIZERS = {
     "repper": "Adam, lr 1e-3, weight decay 1e-4 (stage 1); head: SGD, run lr, momentum 0.9",
@@ -125,8 +133,12 @@ CLAIMS: list[Claim] = [
     Claim("DC-PFL > FedAvg+FT", "dc_pfl", "fedavg_ft", UNCLAIMED),
     Claim("CD2-pFed > FedAvg", "cd2_pfed", "fedavg", "CD2-pFed, Tables 1-3"),
     Claim("CD2-pFed > FedAvg+FT", "cd2_pfed", "fedavg_ft", UNCLAIMED),
-    Claim("FediOS > FedAvg", "fedios", "fedavg", "FediOS, Tables 1, 3 and 4"),
-    Claim("FediOS > FedAvg+FT", "fedios", "fedavg_ft", UNCLAIMED),
+    Claim("FediOS, L_re on extractors > FedAvg", "fedios:l_re=extractors", "fedavg", "FediOS, Tables 1, 3 and 4"),
+    Claim("FediOS, L_re on extractors > FedAvg+FT", "fedios:l_re=extractors", "fedavg_ft", UNCLAIMED),
+    Claim("FediOS (default) > FedAvg", "fedios", "fedavg", "FediOS, Tables 1, 3 and 4"),
+    Claim("FediOS (default) > FedAvg+FT", "fedios", "fedavg_ft", UNCLAIMED),
+    Claim("FediOS: L_re on extractors > printed L_re (0)", "fedios:l_re=extractors", "fedios",
+          "FediOS, Table 7 (with L_re > without)"),
 ]
 """The papers' orderings that the protocol's methods can check (each paper's baselines that run here),
 with the question a user asks of every seed method: does it beat FedAvg+FT?"""
@@ -146,7 +158,9 @@ def method_parts(method: str) -> tuple[str, dict[str, str]]:
 
 
 def method_name(method: str) -> str:
-    """How the tables name a method: `RepPer (variant=in)`."""
+    """How the tables name a method: its `LABELS` entry, else `RepPer (variant=in)`."""
+    if method in LABELS:
+        return LABELS[method]
     algorithm, overrides = method_parts(method)
     return NAMES[algorithm] + (f" ({', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else "")
 

@@ -251,7 +251,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
-                        device=simulation.device, **upload,
+                        device=simulation.device, share_label_counts=not args.no_label_counts, **upload,
                         state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client, say_waiting=True)
     return 0
@@ -419,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--chunk-size", type=int,
                         help="largest upload published as one message, in bytes (lower it for a broker whose packet "
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
+    client.add_argument("--no-label-counts", action="store_true",
+                        help="do not report the training split's count per class when registering")
     client.set_defaults(handler=cmd_client)
 
     aggregator = sub.add_parser("aggregator", help="run one shard aggregator of a run with --shards K")

@@ -10,7 +10,8 @@ sends says about the run: its id and the rounds completed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Envelope, Kind, Reason
@@ -26,6 +27,14 @@ class RunPosition:
 
     run_id: str
     completed: int = 0
+
+
+def resent(request: Envelope) -> Envelope:
+    """`request` to publish again after a broker reconnection: the same msg_id (a device that
+    answered it answers again with its cached reply) and a later timestamp, so that its bytes, and
+    a chunked copy's blob id, differ from the first copy's: a receiver that completed the first
+    blob drops stray duplicates of its frames, not a request sent anew."""
+    return replace(request, timestamp=max(time.time(), request.timestamp + 1e-3))
 
 
 class Outbox:

@@ -38,7 +38,7 @@ from .events import (Event, EventBus, RoundAggregated, RoundEnded, RoundEvaluate
                      UpdateAccepted)
 from .ledger import Ledger
 from .nacks import NackLimiter
-from .outbox import Outbox, RunPosition
+from .outbox import Outbox, RunPosition, resent
 from .registration import Registration, RegistrationTimeout
 from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, summarize, write_report
@@ -266,7 +266,8 @@ class Coordinator:
         if self.release is not None:
             self._publish_release(self.release)
         if self._outstanding is not None:
-            self.outbox.send(*self._outstanding)
+            topic, request = self._outstanding
+            self.outbox.send(topic, resent(request))
 
     def _serve_fetch(self, fetch: Envelope) -> None:
         """Send the released artifact to a registered device that asks for it by sha256."""

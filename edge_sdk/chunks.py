@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -94,6 +94,11 @@ def is_chunk_frame(obj: dict[str, Any]) -> bool:
     return "chunk" in obj
 
 
+def _is_int(value: Any) -> TypeGuard[int]:
+    """An int of the wire (msgpack's bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
     """Validate an unpacked chunk frame."""
     raw = obj.get("chunk")
@@ -101,8 +106,8 @@ def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
     if type(version) is not int or version != PROTOCOL_VERSION or not isinstance(raw, dict):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk frame without a valid version or body")
     blob, index, count, size, data = (raw.get(k) for k in ("blob", "index", "count", "size", "data"))
-    ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, size))
-    if not (isinstance(blob, str) and _HEX64.fullmatch(blob) and ints_ok and isinstance(data, (bytes, memoryview))):
+    if not (isinstance(blob, str) and _HEX64.fullmatch(blob) and _is_int(index) and _is_int(count)
+            and _is_int(size) and isinstance(data, (bytes, memoryview))):
         raise ChunkError(Reason.CHUNK_INVALID, "chunk fields missing or of the wrong type")
     plausible_count = count <= max(1, math.ceil(size / MIN_CHUNK_SIZE)) and (size == 0 or data)
     if not (count >= 1 and 0 <= index < count and size >= 0 and len(data) <= size and plausible_count):

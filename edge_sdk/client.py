@@ -31,7 +31,7 @@ from .data import ClientData, device_seed
 from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
                      signature_from_plain, signature_to_plain)
 from .params import floats_finite
-from .protocol import STATISTICS, Envelope, Kind
+from .protocol import STATISTICS, ArrayGroup, Envelope, Kind
 from .settings import TrainSettings
 from .session import DeviceSession, RegistrationRefused
 from .store import PersonalState, PersonalStore
@@ -46,6 +46,8 @@ class EdgeClient(DeviceSession):
     `model` (a factory `factory(task) -> nn.Module`, or a spec) replaces the run's model on this
     device; `optimizer` (`fn(params, settings) -> Optimizer`) and `loss` (`fn(logits, targets)
     -> Tensor`) replace the local training step where the algorithm allows it (FedAvg family).
+    `share_label_counts` says whether HELLO reports the training split's count per class (the
+    coordinator's data report); off, the device says nothing of its labels.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class EdgeClient(DeviceSession):
         model: ModelSpec | None = None,
         optimizer: OptimizerFactory | None = None,
         loss: LossOverride | None = None,
+        share_label_counts: bool = True,
         **session: Any,
     ):
         super().__init__(client_id, **session)
@@ -73,18 +76,22 @@ class EdgeClient(DeviceSession):
         self.amp = amp
         self.model = model
         self._signatures: dict[ModelSpec, Signature] = {}
-        self.training_overrides = {"model": model, "optimizer": optimizer, "loss": loss}
+        self.optimizer = optimizer
+        self.loss = loss
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
         self.rounds_trained = 0
+        self.share_label_counts = share_label_counts
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
 
-        metrics = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
-        config = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp, "torch": torch.__version__,
-                  "task": self.data.task.name, "algorithms": list(algorithms.ALGORITHM_IDS),
-                  "label_counts": self.data.class_counts().tolist()}  # info: the coordinator reports it
+        metrics: dict[str, float] = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
+        config: dict[str, Any] = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp,
+                                  "torch": torch.__version__, "task": self.data.task.name,
+                                  "algorithms": list(algorithms.ALGORITHM_IDS)}
+        if self.share_label_counts:  # info: the coordinator reports it
+            config["label_counts"] = self.data.class_counts().tolist()
         if self.model is not None:  # the coordinator checks a model of the device's own
             config["model"] = {"name": model_name(self.model),
                                "signature": signature_to_plain(self._signature(self.model))}
@@ -121,32 +128,44 @@ class EdgeClient(DeviceSession):
         self._check_model(welcome, settings)
         seed = device_seed(settings.seed, self.client_id)
         data = self.data.for_run(settings.validation_fraction, seed)
-        self.algorithm = algorithm_cls(hyper, settings, data, self.device, seed,
-                                       welcome.config.get("assignment", {}), **self.training_overrides)
-        self.algorithm_id = algorithm_id
+        algorithm = algorithm_cls(hyper, settings, data, self.device, seed, welcome.config.get("assignment", {}),
+                                  model=self.model, optimizer=self.optimizer, loss=self.loss)
+        self.algorithm, self.algorithm_id = algorithm, algorithm_id
         saved = self.store.restore(welcome.run_id, algorithm_id)
         if saved is not None:
-            self.algorithm.load_personal_state(saved.arrays)
+            algorithm.load_personal_state(saved.arrays)
             self.rounds_trained = saved.round
             log.info("%s: personal state of round %d restored", self.client_id, saved.round)
+
+    def _algorithm(self) -> tuple[DeviceAlgorithm, str]:
+        """The algorithm built at `join`, and its id; requests are only handled after it (`current`)."""
+        if self.algorithm is None or self.algorithm_id is None:
+            raise RuntimeError(f"{self.client_id}: a request arrived before the WELCOME")
+        return self.algorithm, self.algorithm_id
+
+    def _save(self, envelope: Envelope, round_: int, personal: ArrayGroup) -> None:
+        """Save the personal state after `round_` of the run `envelope` belongs to (the joined run)."""
+        _, algorithm_id = self._algorithm()
+        self.store.save(PersonalState(self.client_id, envelope.run_id, algorithm_id, round_, personal))
 
     def _on_train(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
+        algorithm, _ = self._algorithm()
         task = Task(envelope.round, envelope.groups, envelope.config)
-        before = self.algorithm.personal_state()
-        clipping = gradient_clipping(self.algorithm.settings.grad_clip_norm)
+        before = algorithm.personal_state()
+        clipping = gradient_clipping(algorithm.settings.grad_clip_norm)
         with self._compute_lock, mixed_precision(self.amp), clipping:
-            result = self.algorithm.fit(task)
-        personal = self.algorithm.personal_state()
+            result = algorithm.fit(task)
+        personal = algorithm.personal_state()
         if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):
             self.rounds_trained = envelope.round
-            self.store.save(PersonalState(self.client_id, self.run_id, self.algorithm_id, envelope.round, personal))
+            self._save(envelope, envelope.round, personal)
         else:  # the update goes up all the same: the coordinator rejects and counts it, and stops waiting
             log.warning("%s: training diverged in round %d (non-finite parameters); personal state of round %d kept",
                         self.client_id, envelope.round, self.rounds_trained)
-            self.algorithm.load_personal_state(before)
-        groups = codecs.encode(self.algorithm.settings.upload_codec, result.groups, envelope.groups)
+            algorithm.load_personal_state(before)
+        groups = codecs.encode(algorithm.settings.upload_codec, result.groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)
@@ -155,22 +174,22 @@ class EdgeClient(DeviceSession):
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
+        algorithm, _ = self._algorithm()
         task = Task(envelope.round, envelope.groups, envelope.config)
         if envelope.config.get("phase") == STATISTICS:
             with self._compute_lock:
-                statistics = self.algorithm.body_statistics(task)
+                statistics = algorithm.body_statistics(task)
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
-                      metrics={"num_examples": self.algorithm.data.num_train})
+                      metrics={"num_examples": algorithm.data.num_train})
             return
         with self._compute_lock:
-            before = self.algorithm.personal_state()
-            metrics = self.algorithm.evaluate(task)
-            personal = self.algorithm.personal_state()
+            before = algorithm.personal_state()
+            metrics = algorithm.evaluate(task)
+            personal = algorithm.personal_state()
         if _changed(before, personal) and floats_finite(personal):
             # e.g. DualFed's recalibrated BatchNorm statistics: the next round trains from them, so a
             # restarted device must too, or a resumed run is not the run made at once
-            self.store.save(PersonalState(self.client_id, self.run_id, self.algorithm_id, self.rounds_trained,
-                                          personal))
+            self._save(envelope, self.rounds_trained, personal)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
 
 

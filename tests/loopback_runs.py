@@ -92,10 +92,23 @@ class LoopbackFederation:
         client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
                             device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
                             transport=self.broker.transport(client_id, will=will))
-        thread = threading.Thread(target=client.run, args=(self.stop,), name=client_id, daemon=True)
+        self.run_device(client)
+        return client_id
+
+    def run_device(self, client) -> None:
+        """Run `client` (a trainer or a weak device) in a thread until the run ends. A device
+        that crashes drops its connection, as a crashed process would: the broker publishes its
+        Last Will, so the coordinator stops waiting for it and the test fails without a timeout."""
+        def run() -> None:
+            try:
+                client.run(self.stop)
+            except BaseException:
+                self.broker.kill(client.client_id)
+                raise
+
+        thread = threading.Thread(target=run, name=client.client_id, daemon=True)
         thread.start()
         self.threads.append(thread)
-        return client_id
 
     def coordinator(self, config):
         from coordinator.server import Coordinator

@@ -110,6 +110,7 @@ class ZeroExtractor(nn.Module):
 def seeded_body(model: ModelSpec, task: TaskSpec, seed: int) -> tuple[nn.Module, int]:
     """A feature extractor initialized from `seed` (the federation seed gives the generic `body`), and d."""
     net = build_model(model, task, seed=seed)
+    assert net.feature_dim is not None  # build_model measured it
     return net.body, net.feature_dim
 
 
@@ -202,15 +203,18 @@ class FediOSDevice(TorchDevice):
     id = "fedios"
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD, TWO_EXTRACTORS)
+    model: FediOSNet  # `build_network`'s
     shared_parts = ("body", "head")
 
     def build_network(self, base: PartedNet) -> FediOSNet:
         """The factory's model of the federation seed supplies the generic body, the factory's
         model of the device's own seed the personal body; the head is FediOS's linear map on R^D."""
         block, capacity = parse_assignment(self.assignment)
-        head = shared_head(base.feature_dim, capacity, self.data.task.num_classes, self.settings.seed)
+        feature_dim = base.feature_dim
+        assert feature_dim is not None  # build_model measured it (`base_model`)
+        head = shared_head(feature_dim, capacity, self.data.task.num_classes, self.settings.seed)
         if not self.hyper.personal_extractor:
-            return FediOSNet(base.body, ZeroExtractor(base.feature_dim), head, block, alpha=1.0)
+            return FediOSNet(base.body, ZeroExtractor(feature_dim), head, block, alpha=1.0)
         personal_body, _ = seeded_body(self.model_spec, self.data.task, self.client_seed)
         return FediOSNet(base.body, personal_body, head, block, self.hyper.alpha)
 

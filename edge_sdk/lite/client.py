@@ -144,9 +144,9 @@ class LiteClient(DeviceSession):
 
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
-        metrics = {"num_examples": self.own_data.num_train, "num_test": self.own_data.num_test}
-        config = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
-                  "onnxruntime": ort.__version__, "task": self.own_data.task.name}
+        metrics: dict[str, float] = {"num_examples": self.own_data.num_train, "num_test": self.own_data.num_test}
+        config: dict[str, Any] = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
+                                  "onnxruntime": ort.__version__, "task": self.own_data.task.name}
         if self.share_prototypes:  # class counts, like the prototypes, only when the device shares them
             config["label_counts"] = self.own_data.class_counts().tolist()
         return metrics, config
@@ -287,20 +287,27 @@ class LiteClient(DeviceSession):
         if request is not None and request.run_id == self.run_id and not self.answered(request):
             self._evaluate(request)
 
-    def _embedded(self) -> tuple[np.ndarray, np.ndarray]:
+    def _representation(self) -> tuple[str, FeatureExtractor, bytes]:
+        """The loaded representation: its sha256, its extractor and its ONNX bytes. Evaluation
+        only runs once it is loaded (`ready`)."""
+        if self._loaded is None or self._extractor is None or self._body is None:
+            raise RuntimeError(f"{self.client_id}: evaluation before the released representation was loaded")
+        return self._loaded, self._extractor, self._body
+
+    def _embedded(self, sha: str, extractor: FeatureExtractor) -> tuple[np.ndarray, np.ndarray]:
         """Train and test features, embedded once per artifact."""
-        sha = self.release.sha256
         if self._features is None or self._features[0] != sha:
             started = time.perf_counter()
-            train = self._extractor.embed(self.data.train_x)
-            test = self._extractor.embed(self.data.test_x)
+            train = extractor.embed(self.data.train_x)
+            test = extractor.embed(self.data.test_x)
             log.info("%s: %d samples embedded in %.2f s", self.client_id, len(train) + len(test),
                      time.perf_counter() - started)
             self._features = (sha, train, test)
         return self._features[1], self._features[2]
 
     def _evaluate(self, request: Envelope) -> None:
-        train, test = self._embedded()
+        sha, extractor, body = self._representation()
+        train, test = self._embedded(sha, extractor)
         classes = self.data.task.num_classes
         head = fit_head(self.head_kind, train, self.data.train_y, num_classes=classes,
                         prototypes=self._global_prototypes(train.shape[1]), seed=self.seed)
@@ -308,7 +315,7 @@ class LiteClient(DeviceSession):
         accuracy = float(np.mean(predictions == self.data.test_y)) if self.data.num_test else 0.0
         from .compose import compose  # onnx (15 MB resident) once the embedding's and the fit's memory is freed
 
-        compose(self._body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
+        compose(body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
                 metadata={"head": head.kind})  # compose keeps the body's metadata
         groups = {}
         if self.share_prototypes:

@@ -80,3 +80,17 @@ def test_every_row_is_runnable_and_each_ablation_differs_from_its_full_method() 
         if row.algorithm == full[row.paper].algorithm and row.id != "full":
             assert hyper != hyperparameters(row.algorithm, {}) or row.local_epochs, (row.paper, row.id)
     assert hyperparameters("cd2_pfed", next(r for r in ROWS if r.id == "no_li").overrides).ramp is False
+
+
+def test_fedios_rows_say_which_l_re_they_compute() -> None:
+    # Prepare
+    rows = {r.id: r for r in ROWS if r.paper == "fedios"}
+    resolved = {row_id: hyperparameters("fedios", row.overrides) for row_id, row in rows.items()
+                if row.algorithm == "fedios"}
+
+    # Assert: "with L_re" and the alpha sweep take L_re on the extractors at the paper's lam; "w/o L_re"
+    # computes the default's objective (L_re identically 0 as printed, or lam 0), and its label says so
+    for row_id in ("full", "alpha0.1", "alpha0.3", "alpha0.7", "alpha0.9"):
+        assert (resolved[row_id].l_re, resolved[row_id].lam) == ("extractors", 0.1), row_id
+        assert "extractors" in rows[row_id].label, row_id
+    assert resolved["no_lre"].lam == 0 and "default" in rows["no_lre"].label

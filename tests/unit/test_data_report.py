@@ -83,10 +83,12 @@ def test_devices_say_hello_with_their_training_labels(tmp_path):
     _, trainer = EdgeClient("dev001", data, state_dir=tmp_path).hello()
     _, weak = LiteClient("dev001", data, state_dir=tmp_path).hello()
     _, private = LiteClient("dev001", data, state_dir=tmp_path, share_prototypes=False).hello()
+    _, private_trainer = EdgeClient("dev001", data, state_dir=tmp_path, share_label_counts=False).hello()
 
     assert trainer["label_counts"] == weak["label_counts"] == data.class_counts().tolist()
     assert sum(trainer["label_counts"]) == data.num_train and len(trainer["label_counts"]) == 10
     assert "label_counts" not in private  # a weak device that keeps its class statistics keeps its labels too
+    assert "label_counts" not in private_trainer
 
 
 @pytest.mark.parametrize(("argv", "toml", "partition"), [

@@ -125,3 +125,20 @@ def test_every_claim_names_methods_the_protocol_runs_by_default(fair):
     for claim in fair.CLAIMS:
         assert {claim.better, claim.worse} <= set(fair.METHODS), claim
         assert claim.better != claim.worse
+
+
+def test_fedios_runs_in_both_forms_of_l_re_each_named_for_what_it_computes(fair, tmp_path):
+    from coordinator.algorithms import hyperparameters
+
+    args = fair.parse_args(["--cache", str(tmp_path), "--ledger", "none"])
+    setting = fair.Setting.parse("domains@0.2")
+
+    printed, extractors = (fair.run_config(args, method, setting, 0, lr=0.05, common=False, validation=False)
+                           for method in ("fedios", "fedios:l_re=extractors"))
+
+    assert {"fedios", "fedios:l_re=extractors"} <= set(args.methods)
+    assert hyperparameters("fedios", printed.hyper).l_re == "projected"  # the default: Eq. 11 as printed
+    assert hyperparameters("fedios", extractors.hyper).l_re == "extractors"
+    assert printed.fingerprint() != extractors.fingerprint()
+    assert "default" in fair.method_name("fedios") and "extractors" not in fair.method_name("fedios")
+    assert "extractors" in fair.method_name("fedios:l_re=extractors")

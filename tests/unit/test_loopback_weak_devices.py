@@ -5,8 +5,6 @@ same held-out split a trainer with its id would hold out.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from edge_sdk import wire
@@ -26,9 +24,7 @@ def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federa
     lite = LiteClient("dev002", load_client_data("digits", num_clients=3, index=2, seed=0),
                       federation=federation.topics.federation, state_dir=federation.state_dir("dev002"),
                       transport=federation.broker.transport("dev002", will=will))
-    thread = threading.Thread(target=lite.run, args=(federation.stop,), daemon=True)
-    thread.start()
-    federation.threads.append(thread)
+    federation.run_device(lite)
 
     # Execute
     with caplog.at_level("ERROR"):
@@ -55,9 +51,7 @@ def test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split
     lite = LiteClient("dev002", sealed_test_split(own), federation=federation.topics.federation,
                       state_dir=federation.state_dir("dev002"),
                       transport=federation.broker.transport("dev002", will=will))
-    thread = threading.Thread(target=lite.run, args=(federation.stop,), daemon=True)
-    thread.start()
-    federation.threads.append(thread)
+    federation.run_device(lite)
 
     # Execute
     report = coordinator.run()

@@ -80,7 +80,7 @@ def test_the_worked_example_is_the_documented_one():
     vector = next(v for v in _load("envelope.json")["vectors"] if v["name"] == "worked_example")
     data = bytes.fromhex(vector["hex"])
 
-    # Assert: docs/PROTOCOL.md section 3 shows these 271 bytes
+    # Assert: docs/PROTOCOL.md §4 shows these 271 bytes
     assert len(data) == 271
     assert data[:10] == bytes.fromhex("8aa776657273696f6e01")
     assert data[0xba:0xc2] == bytes.fromhex("0000003f000080bf")  # 0.5, -1.0 little-endian float32

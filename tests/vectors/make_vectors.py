@@ -8,7 +8,7 @@ A device written in another language can check its own encoder and decoder again
 files (docs/CONFORMANCE.md).
 
 Files (JSON holds hex for short byte strings; long ones are `.bin` files named in the JSON):
-- `envelope.json`: whole envelopes (the worked example of docs/PROTOCOL.md section 3 among them).
+- `envelope.json`: whole envelopes (the worked example of docs/PROTOCOL.md §4 among them).
 - `arrays.json`: single arrays of every wire dtype, 0-d and empty ones included (section 4).
 - `chunks.json` + `chunks/*.bin`: one payload cut into chunk frames, with each frame's fields (section 5).
 - `codecs.json`: fp16 and int8 upload encodings of an update against the broadcast (section 8).
@@ -92,7 +92,7 @@ def envelopes() -> list[dict[str, Any]]:
                      metrics={"num_examples": 120, "num_test": 30},
                      config={"device_type": "trainer", "task": "digits"})
     return [
-        {"name": "worked_example", "note": "docs/PROTOCOL.md section 3, byte for byte (271 bytes)",
+        {"name": "worked_example", "note": "docs/PROTOCOL.md §4, byte for byte (271 bytes)",
          "hex": wire.encode(worked).hex(), "meaning": envelope_meaning(worked)},
         {"name": "train", "note": "a TRAIN broadcast selecting two devices",
          "hex": wire.encode(train).hex(), "meaning": envelope_meaning(train)},
