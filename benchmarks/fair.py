@@ -407,7 +407,8 @@ def markdown(document: dict[str, Any]) -> str:
                 for cell in [*entry["search"], entry["common"], entry["paper"]]
                 for where in (cell or {}).get("machines", {}).values()]
     machine = document["machine"]
-    lines += ["", trained_on(machines), "", f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+    lines += ["", trained_on(machines), "",
+              f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
               f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
               f"Command: `{machine['command']}`", ""]
     if document["failures"]:

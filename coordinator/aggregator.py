@@ -7,10 +7,14 @@ coordinator sends it a ROSTER (its shard's selected devices and their registered
 before the TRAIN broadcast, whose arrays are the reference. Updates arrive on the shard's
 topic (`Topics.shard_updates`); each is checked exactly as the coordinator checks one
 (`checked_update`) and folded with the algorithm's own `accumulate` into a running sum
-(`ServerAlgorithm.begin_partial`). NOTEs (batched every `note_interval` seconds) tell the
-coordinator which updates were folded or refused, so its quorum and deadline work as
-unsharded. The PARTIAL (the sums, their total weight, the devices folded) goes up once: when
-every device of the roster answered, or when the coordinator CLOSEs the round.
+(`ServerAlgorithm.begin_partial`). An update that answers the open round (it names the
+round's TRAIN in `in_reply_to`, or names none while its round is the open one) from a device of
+the roster is that device's answer: folded, or refused when it fails a check (naming no request
+included), as the coordinator refuses one unsharded. NOTEs (batched every `note_interval`
+seconds) tell the coordinator which updates were folded or refused, a refused one by its
+msg_id, so its quorum and deadline work as unsharded and the device is NACKed. The PARTIAL
+(the sums, their total weight, the devices folded) goes up once: when every device of the
+roster answered, or when the coordinator CLOSEs the round.
 
 It holds one model-sized sum and the reference, never an update longer than it takes to fold
 it, and never a device's personal state (only shared arrays travel on the shard topic). With a
@@ -73,11 +77,19 @@ class OpenRound:
     roster: dict[str, int]
     folded: list[str] = field(default_factory=list)
     refused: set[str] = field(default_factory=set)
+    """Devices whose latest answer was refused (one folded later leaves it)."""
     partial_sent: bool = False
 
     @property
     def complete(self) -> bool:
         return len(self.folded) + len(self.refused) >= len(self.roster)
+
+    def answered_by(self, update: Envelope) -> bool:
+        """True if `update` is meant for this round's request: it names it (`in_reply_to`), or
+        names none (no str `in_reply_to`) while its round is this one; one naming another
+        request is not."""
+        named = update.config.get("in_reply_to")
+        return named == self.request_id if isinstance(named, str) else update.round == self.round
 
 
 class ShardAggregator(DeviceSession):
@@ -169,19 +181,23 @@ class ShardAggregator(DeviceSession):
         devices = {str(c): int(n) for c, n in roster.config["devices"].items()}
         round_ = self.open = OpenRound(request, train.round, train.groups, devices)
         self._algorithm().begin_partial(train.round, train.groups)
-        early = [e for e in self.early if e.config.get("in_reply_to") == request and e.run_id == self.run_id]
-        self.early = [e for e in self.early if e.round > train.round]
+        early, self.early = self.early, []
         for update in early:
-            self._fold(round_, update)
+            if round_.answered_by(update):
+                self._answer(round_, update)
+            elif update.round > train.round:
+                self.early.append(update)
+            else:
+                self.channel.reject(Reason.STALE, f"update from {update.sender} for round {update.round}, kept until "
+                                                  f"round {train.round} opened, is not a reply to it")
         self._finish_if_complete()
 
     def _on_update(self, update: Envelope) -> None:
-        if self.joined and update.run_id != self.run_id:
-            raise ProtocolError(Reason.WRONG_RUN, f"update from {update.sender} for run {update.run_id!r}")
-        request = update.config.get("in_reply_to")
-        if self.open is not None and request == self.open.request_id:
-            self._fold(self.open, update)
+        if self.open is not None and self.open.answered_by(update):
+            self._answer(self.open, update)
             self._finish_if_complete()
+        elif self.joined and update.run_id != self.run_id:
+            raise ProtocolError(Reason.WRONG_RUN, f"update from {update.sender} for run {update.run_id!r}")
         elif self.open is None or update.round > self.open.round:
             if len(self.early) >= MAX_EARLY_UPDATES:
                 raise ProtocolError(Reason.OVER_BUDGET, f"update from {update.sender}: too many before its ROSTER")
@@ -196,29 +212,52 @@ class ShardAggregator(DeviceSession):
             raise RuntimeError(f"{self.client_id}: a round opened before the WELCOME")
         return self.algorithm
 
-    def _fold(self, round_: OpenRound, update: Envelope) -> None:
-        """Check one update as the coordinator does, then fold it into the shard's sum."""
+    def _answer(self, round_: OpenRound, update: Envelope) -> None:
+        """`update` answers the open round: if its sender's answer is still awaited (a device of
+        the roster, none of its updates folded, the partial not sent), it is refused when it
+        fails the reply check (run, round, `in_reply_to` naming the round's TRAIN), else checked
+        and folded; otherwise it is rejected, counted."""
         sender = update.sender
         if sender not in round_.roster:
             self.channel.reject(Reason.NOT_SELECTED, f"update from {sender} in round {round_.round}")
-            return
-        if sender in round_.folded or sender in round_.refused:
+        elif sender in round_.folded:
             self.channel.reject(Reason.CONFLICTING_REPLY, f"a second update from {sender} in round {round_.round}")
-            return
-        if round_.partial_sent:
+        elif round_.partial_sent:
             self.channel.reject(Reason.STALE, f"update from {sender} after the round {round_.round} partial left")
-            return
+        elif update.run_id != self.run_id:
+            self._refuse(round_, update, Reason.WRONG_RUN, f"run {update.run_id!r}")
+        elif update.round != round_.round or update.config.get("in_reply_to") != round_.request_id:
+            self._refuse(round_, update, Reason.STALE, f"round {update.round} naming request "
+                                                       f"{str(update.config.get('in_reply_to'))[:40]!r}, not the "
+                                                       f"TRAIN of round {round_.round} it answers")
+        else:
+            self._fold(round_, update)
+
+    def _fold(self, round_: OpenRound, update: Envelope) -> None:
+        """Check one update as the coordinator does, then fold it into the shard's sum (a
+        device's corrected update, after a refused one, too)."""
+        sender = update.sender
         try:
             groups, weight = checked_update(self._algorithm(), round_.round, update, round_.sent, round_.roster[sender],
                                             self.limits, self.codec)
         except ProtocolError as err:
-            self.channel.reject(err.reason, f"update from {sender}: {err.detail}")
-            round_.refused.add(sender)
-            self._notes[1].append([sender, err.reason.value, err.detail[:200]])
-        else:
-            self._algorithm().accumulate(sender, groups, update.metrics, weight)
-            round_.folded.append(sender)
-            self._notes[0].append(sender)
+            self._refuse(round_, update, err.reason, err.detail)
+            return
+        self._algorithm().accumulate(sender, groups, update.metrics, weight)
+        round_.refused.discard(sender)
+        round_.folded.append(sender)
+        self._notes[0].append(sender)
+        self._note_if_full()
+
+    def _refuse(self, round_: OpenRound, update: Envelope, reason: Reason, detail: str) -> None:
+        """`update` is its sender's answer, refused: counted, and noted with its msg_id so that
+        the coordinator stops waiting for the device and NACKs it."""
+        self.channel.reject(reason, f"update from {update.sender}: {detail}")
+        round_.refused.add(update.sender)
+        self._notes[1].append([update.sender, reason.value, detail[:200], update.msg_id])
+        self._note_if_full()
+
+    def _note_if_full(self) -> None:
         if len(self._notes[0]) + len(self._notes[1]) >= MAX_NOTE_ENTRIES:
             self._send_note()
 

@@ -366,9 +366,9 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
         if args.tls or args.san or args.user:
             raise BrokerConfigError("--tls, --san and --user are written for Mosquitto only (--broker-kind mosquitto)")
         nodes = args.nodes.split(",") if args.nodes else [args.host]
-        setup = generate_nats(args.out, args.federation, args.devices, args.port or 1883, nodes=nodes,
-                              force=args.force, shards=args.shards)
-        print(describe_nats(setup))
+        cluster = generate_nats(args.out, args.federation, args.devices, args.port or 1883, nodes=nodes,
+                                force=args.force, shards=args.shards)
+        print(describe_nats(cluster))
         return 0
     if args.nodes:
         raise BrokerConfigError("--nodes is for a NATS cluster (--broker-kind nats)")

@@ -5,7 +5,8 @@ in this process, each device an `EdgeClient` (or, for `lite_fraction`, a weak `L
 thread with its own MQTT connection, the trainers taking turns to compute. So a model factory or
 a training step written in a script or a notebook (a closure, a lambda) is used as it is:
 nothing is pickled or imported by path. `edgepfl simulate` runs the same federation with its
-devices in worker processes, where a model is named by an import path.
+devices in worker processes, where a model is named by an import path; both start and stop the
+broker, devices and coordinator the same way (coordinator/lifecycle.py).
 
     report = Federation(model=my_factory, data="sensor.csv", algorithm="fedrep", clients=10,
                         rounds=5).run()
@@ -25,6 +26,7 @@ from edge_sdk.config import ConfigError
 from edge_sdk.data import TaskSpec
 from edge_sdk.data.resolve import TASK_FIELDS
 from edge_sdk.models import ModelSpec, model_name
+from edge_sdk.session import DeviceSession
 
 from .config import RunConfig
 from .device_ranges import client_id_for
@@ -70,12 +72,13 @@ class Federation:
                  on_round: Callable[[dict[str, Any]], None] | None = None, **settings: Any):
         self.model = model
         self.arrays = data if isinstance(data, tuple) else None
-        source = {"data": str(data)} if isinstance(data, (str, Path)) else {"dataset": dataset} if dataset else {}
+        source: dict[str, Any] = ({"data": str(data)} if isinstance(data, (str, Path))
+                                  else {"dataset": dataset} if dataset else {})
         self.config = RunConfig.of(**source, **settings, model=spec_name(model), declared_task=declared_task(task))
         self.folder = RunFolder(self.config.run.out)
         if self.arrays is not None:  # read back from the run folder, as any data file
             self.config = self.config.replace(data=str(self.folder.path / ARRAYS_FILE))
-        self.training_step = {"optimizer": optimizer, "loss": loss}
+        self.optimizer, self.loss = optimizer, loss
         self.on_round = on_round
 
     def run(self) -> dict[str, Any]:
@@ -91,26 +94,26 @@ class Federation:
             np.savez(self.folder.path / ARRAYS_FILE, x=np.asarray(x), y=np.asarray(y))
         with LocalFederation(self.config, "py") as local:
             config = local.config.replace(broker=local.url)  # the devices and the coordinator read it there
-            devices = self._devices(config)
+            devices = self._devices(config, local.url)
             local.host(lambda: DeviceThreads(devices))
             return local.run_coordinator(lambda channel: Coordinator(
                 config, channel, on_round=self.on_round, model=None if isinstance(self.model, str) else self.model,
                 expected_devices=[client_id_for(i) for i in range(config.run.clients)],
                 partition=config.run.partition))
 
-    def _devices(self, config: RunConfig) -> list:
-        """The run's devices: trainers with the model and training step, the last
-        `lite_fraction` of them weak devices."""
+    def _devices(self, config: RunConfig, url: str) -> list[DeviceSession]:
+        """The run's devices, reaching the broker at `url`: trainers with the model and training
+        step, the last `lite_fraction` of them weak devices."""
         from edge_sdk.client import EdgeClient
         from edge_sdk.lite import LiteClient
 
         lock = threading.Lock()
         first_lite = config.run.clients - config.lite_devices
-        devices = []
+        devices: list[DeviceSession] = []
         for index in range(config.run.clients):
             client_id = client_id_for(index)
             data = config.run.client_data(index, config.training.seed, config.declared_task)
-            session = {"broker": config.mqtt_settings(config.broker.broker, account=client_id),
+            session: dict[str, Any] = {"broker": config.mqtt_settings(url, account=client_id),
                        "federation": config.broker.federation, "state_dir": self.folder.device_state(client_id)}
             if index >= first_lite:
                 devices.append(LiteClient(client_id, data, head=config.simulation.head,
@@ -118,14 +121,14 @@ class Federation:
             else:
                 devices.append(EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,
                                           model=self.model if not isinstance(self.model, str) else None,
-                                          **self.training_step, **session))
+                                          optimizer=self.optimizer, loss=self.loss, **session))
         return devices
 
 
 class DeviceThreads:
     """A Federation's devices, one thread each, started on creation; `stop` tells them to leave."""
 
-    def __init__(self, devices: list):
+    def __init__(self, devices: list[DeviceSession]):
         self.leave = threading.Event()
         self.threads = [threading.Thread(target=device.run, args=(self.leave,), name=device.client_id, daemon=True)
                         for device in devices]

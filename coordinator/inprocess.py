@@ -13,6 +13,7 @@ device algorithms (anything with `fit(Task) -> FitResult`) held in a mapping by 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -63,7 +64,7 @@ class InProcessRound:
         """Check `reply` as the coordinator does and fold it in; returns its weight. Without
         `registered_examples` the device is taken at the examples it claims. A reply the
         coordinator would refuse raises its `ValidationError`."""
-        registered = registered_examples if registered_examples is not None else reply.metrics.get("num_examples", 0)
+        registered = registered_examples if registered_examples is not None else _registered_as_claimed(reply)
         groups, weight = checked_update(self.server, self.round, reply, self.sent, registered, self.limits, self.codec)
         self.server.accumulate(reply.sender, groups, reply.metrics, weight)
         self.weights[reply.sender] = weight
@@ -72,6 +73,14 @@ class InProcessRound:
     def finish(self) -> None:
         """Aggregate: the algorithm's `end_round`."""
         self.server.close_round(self.round)
+
+
+def _registered_as_claimed(reply: Envelope) -> int:
+    """The registration of a device taken at the examples `reply` claims: the claim rounded up,
+    so the update's weight is its claim (capped by the limits) as it would be with no rounding;
+    a claim that is no finite number registers none (`checked_update` refuses the malformed)."""
+    claimed = reply.metrics.get("num_examples", 0)
+    return math.ceil(claimed) if isinstance(claimed, (int, float)) and math.isfinite(claimed) else 0
 
 
 @dataclass

@@ -31,7 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .broker import EmbeddedBroker
 from .config import RunConfig
@@ -46,6 +46,9 @@ class Hosted(Protocol):
 
     def stop(self) -> None:
         """End those still running, now."""
+
+
+H = TypeVar("H", bound=Hosted)
 
 
 @contextlib.contextmanager
@@ -111,9 +114,9 @@ class LocalFederation:
         self.done.set()
         self._cleanup.close()  # LIFO: the hosted parts, last started first; the broker last
 
-    def host(self, start: Callable[[], Any]) -> Any:
-        """Start a hosted part (`start()` returns a `Hosted`, started) with SIGINT held back in
-        this thread meanwhile; it is joined and stopped at the end in reverse order of hosting."""
+    def host(self, start: Callable[[], H]) -> H:
+        """Start a hosted part (`start()` returns it started) with SIGINT held back in this
+        thread meanwhile; it is joined and stopped at the end in reverse order of hosting."""
         with sigint_blocked():
             hosted = start()
             self._hosted.append(hosted)

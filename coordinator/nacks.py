@@ -21,10 +21,10 @@ from collections.abc import Callable
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason
 
 
-def nack_for(refused: Envelope, reason: Reason, *, run_id: str, round_: int) -> Envelope:
-    """The NACK of `refused`: its msg_id, kind and the reason code, nothing of its content."""
+def nack_for(refused_kind: Kind, refused_msg_id: str, reason: Reason, *, run_id: str, round_: int) -> Envelope:
+    """The NACK of a refused message: its msg_id, kind and the reason code, nothing of its content."""
     return Envelope(Kind.NACK, COORDINATOR, run_id=run_id, round=round_,
-                    config={"in_reply_to": refused.msg_id, "refused_kind": refused.kind.value,
+                    config={"in_reply_to": refused_msg_id, "refused_kind": refused_kind.value,
                             "reason": reason.value})
 
 

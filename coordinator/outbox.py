@@ -61,7 +61,12 @@ class Outbox:
     def reject(self, envelope: Envelope, reason: Reason, detail: str) -> None:
         """Count and log a refused message; a sender registered with this process learns why
         (a NACK on its own downstream topic, rate-limited: `coordinator.nacks`)."""
+        self.refuse(envelope.sender, envelope.kind, envelope.msg_id, reason, detail)
+
+    def refuse(self, sender: str, kind: Kind, msg_id: str, reason: Reason, detail: str) -> None:
+        """`reject` for a message known by its sender, kind and msg_id only (one a shard
+        aggregator refused and named in its NOTE)."""
         self.channel.reject(reason, detail)
-        if envelope.sender in self.registry.devices and self.nacks.allow(envelope.sender, envelope.kind, reason):
-            self.send(self.topics.down(envelope.sender, Kind.NACK),
-                      nack_for(envelope, reason, run_id=self.position.run_id, round_=self.position.completed))
+        if sender in self.registry.devices and self.nacks.allow(sender, kind, reason):
+            self.send(self.topics.down(sender, Kind.NACK),
+                      nack_for(kind, msg_id, reason, run_id=self.position.run_id, round_=self.position.completed))

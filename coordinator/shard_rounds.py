@@ -3,11 +3,13 @@
 Before a round's TRAIN the coordinator sends each shard with selected trainers a ROSTER (a shard
 whose aggregator is offline is lost from the start). While the round is open, each aggregator's
 NOTEs say which updates it folded (they count as replies that arrived) and which it refused
-(rejected replies); when the round closes, CLOSE asks the shards still open for their PARTIAL,
-which is checked and folded into the algorithm's sums. A shard whose aggregator goes offline,
-whose PARTIAL is refused, or that sends none before the timeout is lost for the round: its
-updates are not aggregated, and its devices count as missing. The pure bookkeeping is
-`sharding.ShardRound`; this module reads and answers the aggregators.
+(rejected replies: the device is not waited for any more and, when the NOTE names the refused
+update's msg_id, gets the NACK a refused reply gets); when the round closes, CLOSE asks the
+shards still open for their PARTIAL, which is checked and folded into the algorithm's sums. A
+shard whose aggregator goes offline, whose PARTIAL is refused, or that sends none before the
+timeout is lost for the round: its updates are not aggregated, and its devices count as
+missing. The pure bookkeeping is `sharding.ShardRound`; this module reads and answers the
+aggregators.
 """
 
 from __future__ import annotations
@@ -106,14 +108,30 @@ class ShardedRounds:
             else:
                 sharded.folded(shard, client_id, note.msg_id, now)
         for entry in refused:
-            client_id, reason, detail = (list(entry) + ["", "", ""])[:3] if isinstance(entry, list) else ("", "", "")
+            refusal = _refusal(entry)
+            if refusal is None:
+                self.outbox.reject(note, Reason.MALFORMED, f"NOTE from {note.sender}: a refused entry is not "
+                                                           "[client id, reason, detail] or [..., msg_id]")
+                continue
+            client_id, reason, detail, msg_id = refusal
             if client_id not in roster or client_id in sharded.collector.replied:
                 self.outbox.reject(note, Reason.NOT_SELECTED, f"NOTE from {note.sender}: refusal of {client_id!r}")
                 continue
-            code = Reason(reason) if reason in Reason._value2member_map_ else Reason.MALFORMED
-            # the device's update, refused by its aggregator: counted here, answered by nobody
-            self.outbox.channel.reject(code, f"update from {client_id} (shard {shard}): {detail}")
-            sharded.collector.refuse(client_id, f"{note.msg_id}/{client_id}")
+            if msg_id is not None and sharded.collector.check(client_id, msg_id) is Reason.DUPLICATE:
+                self.outbox.channel.count_duplicate()
+                continue
+            self._refused(client_id, msg_id, note, reason, f"update from {client_id} (shard {shard}): {detail}")
+            sharded.collector.refuse(client_id, msg_id or f"{note.msg_id}/{client_id}")
+
+    def _refused(self, client_id: str, msg_id: str | None, note: Envelope, reason: str, detail: str) -> None:
+        """Count the refusal of `client_id`'s update that `note` reports; when the note names the
+        update (`msg_id`), the device learns why by the NACK any refused reply gets (`Outbox.reject`:
+        rate-limited, registered devices only). An aggregator that names none is older: counted only."""
+        code = Reason(reason) if reason in Reason._value2member_map_ else Reason.MALFORMED
+        if msg_id is None:
+            self.outbox.channel.reject(code, detail)
+            return
+        self.outbox.refuse(client_id, Kind.TRAIN_RES, msg_id, code, detail)
 
     def _on_partial(self, sharded: ShardRound, shard: int, partial: Envelope) -> None:
         """Check shard `shard`'s PARTIAL and fold it in; a refused one loses the shard's round."""
@@ -158,3 +176,12 @@ class ShardedRounds:
             serve(min(1.0, deadline - self.clock()))
         for shard in sharded.open_shards:
             self.lose(shard, "no partial came before the timeout", sharded)
+
+
+def _refusal(entry: object) -> tuple[str, str, str, str | None] | None:
+    """A NOTE's `refused` entry as (client id, reason code, detail, msg_id or None): a list of 3
+    strings, or 4 with the refused update's msg_id; None for anything else."""
+    if not isinstance(entry, list) or len(entry) not in (3, 4) or not all(isinstance(part, str) for part in entry):
+        return None
+    client_id, reason, detail = entry[:3]
+    return client_id, reason, detail, entry[3] if len(entry) == 4 else None

@@ -41,9 +41,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, cast
 
 from edge_sdk.config import ConfigError
 from edge_sdk.lifecycle import run_until_done
@@ -59,6 +61,10 @@ from .lifecycle import LocalFederation, ignore_ctrl_c
 from .run_folder import RunFolder
 from .server import Coordinator
 from .settings import RunSettings, SimulationSettings
+
+if TYPE_CHECKING:
+    from edge_sdk.channel import Channel, Received
+    from edge_sdk.session import DeviceSession
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +124,8 @@ class WorkerSpec:
                    logging.getLogger().getEffectiveLevel())
 
 
-def _worker_main(spec: WorkerSpec, errors: multiprocessing.connection.Connection,
-                 hosting: multiprocessing.connection.Connection) -> None:
+def _worker_main(spec: WorkerSpec, errors: Connection,
+                 hosting: Connection) -> None:
     """Entry point of a worker process: run its devices until the coordinator finishes. Once its
     devices have joined it sends its `Hosting` (JSON) through `hosting`. If any device failed it
     sends why (one line) through `errors`; if none of them could run it exits with `WORKER_FAILED`."""
@@ -172,18 +178,21 @@ class Hosting:
         """A worker's report, checked field by field (JSON of three counts; never unpickled)."""
         plain = json.loads(data)
         values = [plain.get(key) if isinstance(plain, dict) else None for key in ("devices", "rss_before", "rss_after")]
-        if not all(isinstance(value, int) and value >= 0 for value in values):
+        counts = [value for value in values if isinstance(value, int) and value >= 0]
+        if len(counts) != len(values):
             raise ValueError(f"malformed hosting report {data[:80]!r}")
-        return cls(*values)
+        return cls(*counts)
 
 
-def _host_devices(spec: WorkerSpec, hosting: multiprocessing.connection.Connection) -> list[str]:
+def _host_devices(spec: WorkerSpec, hosting: Connection) -> list[str]:
     """Run the worker's devices, one thread each, until they end; returns the errors of those that
     failed. Each device starts once the one before it has joined the run (or ended)."""
     from edge_sdk.client import EdgeClient  # noqa: F401 - imported before the RSS is taken: shared by every device
 
     lock = threading.Lock()
-    threads, failures, joined = [], [], 0
+    threads: list[threading.Thread] = []
+    failures: list[str] = []
+    joined = 0
     before = resident_bytes()
     for index in spec.indices:
         try:
@@ -202,15 +211,16 @@ def _host_devices(spec: WorkerSpec, hosting: multiprocessing.connection.Connecti
 
 
 def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
-                  failures: list[str]) -> tuple[threading.Thread, Any]:
+                  failures: list[str]) -> tuple[threading.Thread, DeviceSession]:
     """Start device `index` of the worker in a thread of its own; return (the thread, the
     device) once it has joined the run (or its session ended)."""
     from edge_sdk.client import EdgeClient
 
     data = spec.run.client_data(index, spec.training.seed, spec.declared_task)
     client_id = client_id_for(index)
-    session = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
+    session: dict[str, Any] = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
                "state_dir": RunFolder(spec.out).device_state(client_id), "chunk_size": spec.broker.upload_chunk_size}
+    client: DeviceSession
     if index in spec.lite_heads:
         from edge_sdk.lite import LiteClient
 
@@ -226,7 +236,7 @@ def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
     return thread, client
 
 
-def _run_device(client, failures: list[str]) -> None:
+def _run_device(client: DeviceSession, failures: list[str]) -> None:
     """Run one device's session; its failure is logged in one line and added to `failures`."""
     try:
         run_until_done(client)
@@ -260,8 +270,8 @@ class WorkerWatch(threading.Thread):
     kernel's OOM killer (see `dmesg`).
     """
 
-    def __init__(self, workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
-                 errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None,
+    def __init__(self, workers: dict[BaseProcess, list[str]], done: threading.Event,
+                 errors: dict[BaseProcess, Connection] | None = None,
                  loss: str = DEVICES_GONE):
         super().__init__(name="worker-watch", daemon=True)
         self.workers, self.done, self.errors, self.loss = workers, done, errors or {}, loss
@@ -284,7 +294,7 @@ class WorkerWatch(threading.Thread):
         if not alive and not self.done.is_set():
             self.all_dead.set()
 
-    def _report(self, process: multiprocessing.Process, code: int) -> None:
+    def _report(self, process: BaseProcess, code: int) -> None:
         error = self._error_of(process)
         if error is not None:
             cause, shown = error, f"error: {error if len(error) <= LOGGED_ERROR else error[:LOGGED_ERROR] + '...'}"
@@ -296,7 +306,7 @@ class WorkerWatch(threading.Thread):
         with self._lock:
             self.causes.setdefault(cause, []).append(process.name)
 
-    def _error_of(self, process: multiprocessing.Process) -> str | None:
+    def _error_of(self, process: BaseProcess) -> str | None:
         pipe = self.errors.get(process)
         return None if pipe is None else _pending(pipe)
 
@@ -307,7 +317,7 @@ class WorkerWatch(threading.Thread):
         return WorkersFailed(f"every device worker died before the run finished: {causes or 'no error reported'}")
 
 
-def _pending(pipe: multiprocessing.connection.Connection) -> str | None:
+def _pending(pipe: Connection) -> str | None:
     """The error a worker left in its pipe, if any."""
     try:
         return pipe.recv_bytes().decode(errors="replace") if pipe.poll() else None
@@ -315,8 +325,8 @@ def _pending(pipe: multiprocessing.connection.Connection) -> str | None:
         return None
 
 
-def watch_workers(workers: dict[multiprocessing.Process, list[str]], done: threading.Event,
-                  errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] | None = None,
+def watch_workers(workers: dict[BaseProcess, list[str]], done: threading.Event,
+                  errors: dict[BaseProcess, Connection] | None = None,
                   loss: str = DEVICES_GONE) -> WorkerWatch:
     """Start a `WorkerWatch` over `workers` (see there)."""
     watch = WorkerWatch(workers, done, errors, loss)
@@ -332,13 +342,13 @@ class WatchedChannel:
     POLL = 0.5
     """Longest wait between two looks at the workers."""
 
-    def __init__(self, channel, watch: WorkerWatch):
+    def __init__(self, channel: Channel, watch: WorkerWatch):
         self._channel, self._watch = channel, watch
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)
 
-    def receive(self, timeout: float):
+    def receive(self, timeout: float) -> Received | None:
         deadline = time.monotonic() + timeout
         while True:
             if self._watch.all_dead.is_set():
@@ -354,9 +364,9 @@ class WorkerPool:
 
     def __init__(self, config: RunConfig, indices: Sequence[int], url: str):
         context = multiprocessing.get_context("spawn")
-        self.devices: dict[multiprocessing.Process, list[str]] = {}  # process -> its device ids
-        self.errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
-        self.hosting: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+        self.devices: dict[BaseProcess, list[str]] = {}  # process -> its device ids
+        self.errors: dict[BaseProcess, Connection] = {}
+        self.hosting: dict[BaseProcess, Connection] = {}
         try:
             for share in split_among_workers(indices, config.worker_count):
                 spec = WorkerSpec.for_devices(config, share, url)
@@ -383,7 +393,9 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         waiting, reports = list(self.hosting.values()), []
         while waiting:
-            ready = multiprocessing.connection.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+            # wait returns those of the objects it was given that are ready: here, pipes
+            ready = cast("list[Connection]",
+                         multiprocessing.connection.wait(waiting, timeout=max(0.0, deadline - time.monotonic())))
             if not ready:
                 return None
             for pipe in ready:
@@ -410,10 +422,10 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Terminate the workers still alive and close the pipes."""
-        _stop(self.devices, [*self.errors.values(), *self.hosting.values()])
+        _stop(list(self.devices), [*self.errors.values(), *self.hosting.values()])
 
 
-def _stop(processes: Sequence[multiprocessing.Process], pipes: Sequence[multiprocessing.connection.Connection]) -> None:
+def _stop(processes: Sequence[BaseProcess], pipes: Sequence[Connection]) -> None:
     """Terminate those of `processes` still alive (and wait for them), then close `pipes`."""
     for process in processes:
         if process.is_alive():
@@ -440,7 +452,7 @@ class AggregatorSpec:
     log_level: int
 
 
-def _aggregator_main(spec: AggregatorSpec, errors: multiprocessing.connection.Connection) -> None:
+def _aggregator_main(spec: AggregatorSpec, errors: Connection) -> None:
     """Entry point of an aggregator process: sum its shard's updates until the coordinator
     finishes. If it fails it sends why (one line) through `errors` and exits with `WORKER_FAILED`."""
     ignore_ctrl_c()  # Ctrl-C is the parent's: it stops this process
@@ -479,8 +491,8 @@ class AggregatorPool:
         level = logging.getLogger().getEffectiveLevel()
         specs = [AggregatorSpec(k, config.round.shards, _aggregator_connection(config, url, k),
                                 config.broker.federation, config.broker.credentials, level) for k in shards]
-        self.shards: dict[multiprocessing.Process, list[str]] = {}  # process -> its shard, in words
-        self.errors: dict[multiprocessing.Process, multiprocessing.connection.Connection] = {}
+        self.shards: dict[BaseProcess, list[str]] = {}  # process -> its shard, in words
+        self.errors: dict[BaseProcess, Connection] = {}
         try:
             for spec in specs:
                 errors, errors_end = context.Pipe(duplex=False)
@@ -504,7 +516,7 @@ class AggregatorPool:
 
     def stop(self) -> None:
         """Terminate the aggregators still alive and close the pipes."""
-        _stop(self.shards, list(self.errors.values()))
+        _stop(list(self.shards), list(self.errors.values()))
 
 
 def all_devices(config: RunConfig) -> tuple[int, ...]:
@@ -545,8 +557,10 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
         aggregators.watch(hosting.done)
         watch = hosting.host(lambda: WorkerPool(config, local, url)).watch(hosting.done)
 
-        def coordinator(channel) -> Coordinator:
-            built = Coordinator(config, WatchedChannel(channel, watch) if not remote else channel, on_round=on_round,
+        def coordinator(channel: Channel) -> Coordinator:
+            # a WatchedChannel is the channel it wraps (all but `receive` by delegation, unseen by the type checker)
+            watched = channel if remote else cast("Channel", WatchedChannel(channel, watch))
+            built = Coordinator(config, watched, on_round=on_round,
                                 expected_devices=[client_id_for(i) for i in all_devices(config)],
                                 partition=config.run.partition)
             if on_event is not None:

@@ -97,13 +97,18 @@ class LoopbackFederation:
 
     def run_device(self, client) -> None:
         """Run `client` (a trainer or a weak device) in a thread until the run ends. A device
-        that crashes drops its connection, as a crashed process would: the broker publishes its
-        Last Will, so the coordinator stops waiting for it and the test fails without a timeout."""
+        that crashes is announced offline as the broker announces a crashed process (its Last
+        Will: the thread's session closed its connection cleanly on the way out, which sends
+        none), so the coordinator stops waiting for it and the test fails without a timeout."""
         def run() -> None:
             try:
                 client.run(self.stop)
             except BaseException:
-                self.broker.kill(client.client_id)
+                will = self.broker.transport(f"{client.client_id}-will")
+                will.connect()
+                will.publish(self.topics.up(client.client_id, Kind.OFFLINE),
+                             wire.encode(Envelope(Kind.OFFLINE, client.client_id)))
+                will.close()
                 raise
 
         thread = threading.Thread(target=run, name=client.client_id, daemon=True)

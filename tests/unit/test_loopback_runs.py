@@ -76,7 +76,7 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     # Assert: the content, against the report and the channel's own counts
     assert (events[0].run_id, events[0].after_round, events[0].rounds) == (report["run_id"], 0, 2)
     assert events[1].expected == 3 and (events[2].devices, events[2].trainers) == (3, 3)
-    for round_, record in zip((1, 2), report["rounds"]):
+    for round_, record in zip((1, 2), report["rounds"], strict=True):
         started, *updates, aggregated, evaluated, end = events[3 + 7 * (round_ - 1): 3 + 7 * round_]
         assert started.round == aggregated.round == evaluated.round == end.round == round_
         assert sorted(started.selected) == devices

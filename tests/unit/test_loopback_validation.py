@@ -19,7 +19,7 @@ def test_a_validation_run_trains_and_scores_on_the_training_split_only(federatio
     coordinator = federation.coordinator(config)
     devices = [federation.start_device(i, 3, wrap=sealed_test_split) for i in range(3)]
     with pytest.raises(AssertionError, match="test split was read"):
-        sealed_test_split(load_client_data("digits", num_clients=3, index=0, seed=0)).test_x
+        _ = sealed_test_split(load_client_data("digits", num_clients=3, index=0, seed=0)).test_x
 
     # Execute
     report = coordinator.run()

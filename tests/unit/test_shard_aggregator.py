@@ -1,6 +1,7 @@
 """A shard aggregator over the loopback broker, driven by a stand-in coordinator and devices:
-it sums exactly, keeps an update that overtakes its ROSTER, notes refusals with their reason,
-and its per-device budgets renew every round."""
+it sums exactly, keeps an update that overtakes its ROSTER, notes refusals with their reason and
+the refused update's msg_id (an update naming no request included: it is its device's answer),
+folds a corrected update after a refusal, and its per-device budgets renew every round."""
 
 from __future__ import annotations
 
@@ -58,12 +59,16 @@ class Stand:
         return Envelope(Kind.TRAIN, COORDINATOR, run_id="run1", round=round_, groups=self.state,
                         config={"selected": ["a", "b", "c"]})
 
-    def update(self, client_id: str, train: Envelope, shift: float, examples: int) -> None:
+    def update(self, client_id: str, train: Envelope, shift: float, examples: int, *,
+               names_request: bool = True) -> Envelope:
+        """Send `client_id`'s update to `train` (naming it in `in_reply_to` unless told not to)."""
         arrays = {k: (v + np.asarray(shift, v.dtype)) if v.dtype.kind == "f" else v
                   for k, v in self.state[SHARED].items()}
         envelope = Envelope(Kind.TRAIN_RES, client_id, run_id="run1", round=train.round, groups={SHARED: arrays},
-                            metrics={"num_examples": examples}, config={"in_reply_to": train.msg_id})
+                            metrics={"num_examples": examples},
+                            config={"in_reply_to": train.msg_id} if names_request else {})
         self.devices[client_id].send(self.topics.shard(0, client_id, Kind.TRAIN_RES), envelope)
+        return envelope
 
     def next_up(self, kind: Kind) -> Envelope:
         while True:
@@ -71,6 +76,13 @@ class Stand:
             assert received is not None, f"no {kind.value} came"
             if received.envelope.kind is kind:
                 return received.envelope
+
+    def notes(self, entries: int) -> list[Envelope]:
+        """The NOTEs that come until they name `entries` devices (accepted and refused)."""
+        notes = [self.next_up(Kind.NOTE)]
+        while sum(len(n.config["accepted"]) + len(n.config["refused"]) for n in notes) < entries:
+            notes.append(self.next_up(Kind.NOTE))
+        return notes
 
 
 @pytest.fixture
@@ -126,15 +138,75 @@ def test_a_refused_update_is_noted_with_its_reason_and_left_out(stand):
     # Execute
     stand.update("a", train, float("nan"), examples=10)
     stand.update("c", train, 1.0, examples=10)
-    notes = [stand.next_up(Kind.NOTE)]
-    while sum(len(n.config["accepted"]) + len(n.config["refused"]) for n in notes) < 2:
-        notes.append(stand.next_up(Kind.NOTE))
+    notes = stand.notes(2)
     partial = stand.next_up(Kind.PARTIAL)
 
     # Assert
     assert [entry[:2] for n in notes for entry in n.config["refused"]] == [["a", "non_finite"]]
     assert [c for n in notes for c in n.config["accepted"]] == ["c"]
     assert partial.config["folded"] == ["c"] and partial.metrics == {"total_weight": 10.0, "count": 1}
+
+
+def test_an_update_naming_no_request_is_its_devices_refused_answer_noted_with_its_msg_id(stand):
+    # Prepare
+    train = stand.train(1)
+    stand.send("all", Kind.TRAIN, train)
+    stand.roster(1, train, {"a": 10, "b": 10})
+
+    # Execute: a's update names no request (no `in_reply_to`), b's names the TRAIN
+    unnamed = stand.update("a", train, 1.0, examples=10, names_request=False)
+    stand.update("b", train, 1.0, examples=10)
+    notes = stand.notes(2)
+    partial = stand.next_up(Kind.PARTIAL)  # no CLOSE: every device of the roster answered
+
+    # Assert: a's refusal names its update, so the coordinator stops waiting for a and NACKs it
+    (refusal,) = [entry for n in notes for entry in n.config["refused"]]
+    assert refusal[:2] == ["a", "stale"] and refusal[3] == unnamed.msg_id and "in_reply_to" not in refusal[2]
+    assert [c for n in notes for c in n.config["accepted"]] == ["b"]
+    assert partial.config["folded"] == ["b"] and partial.metrics == {"total_weight": 10.0, "count": 1}
+    assert stand.aggregator.channel.rejections["stale"] == 1
+
+
+def test_an_unnamed_update_before_its_roster_is_refused_when_the_round_opens_and_a_correction_folds(stand):
+    # Prepare
+    train = stand.train(1)
+    stand.send("all", Kind.TRAIN, train)
+
+    # Execute: a's update names no request and overtakes the ROSTER; told of the refusal (a NACK
+    # at the coordinator), a sends a corrected update, a new message; then b answers
+    unnamed = stand.update("a", train, 1.0, examples=10, names_request=False)
+    stand.roster(1, train, {"a": 10, "b": 30})
+    refused = stand.notes(1)
+    stand.update("a", train, 0.5, examples=10)
+    accepted = stand.notes(1)
+    stand.update("b", train, -0.25, examples=30)
+    partial = stand.next_up(Kind.PARTIAL)
+
+    # Assert
+    assert [entry[::3] for n in refused for entry in n.config["refused"]] == [["a", unnamed.msg_id]]
+    assert [c for n in accepted for c in n.config["accepted"]] == ["a"]
+    assert partial.config["folded"] == ["a", "b"] and partial.metrics == {"total_weight": 40.0, "count": 2}
+
+
+def test_an_update_naming_another_request_is_stale_and_no_answer(stand):
+    # Prepare
+    train = stand.train(1)
+    other = stand.train(1)  # another request of the same round (an evaluation's, a resent one's)
+    stand.send("all", Kind.TRAIN, train)
+    stand.roster(1, train, {"a": 10, "b": 10})
+
+    # Execute
+    stand.update("a", other, 1.0, examples=10)
+    stand.update("b", train, 1.0, examples=10)
+    note = stand.next_up(Kind.NOTE)
+    stand.send("aggregator-0", Kind.CLOSE, Envelope(Kind.CLOSE, COORDINATOR, run_id="run1", round=1,
+                                                    config={"request": train.msg_id}))
+    partial = stand.next_up(Kind.PARTIAL)
+
+    # Assert: a is still awaited (the partial came on CLOSE only), nothing of it was noted
+    assert note.config["accepted"] == ["b"] and note.config["refused"] == []
+    assert partial.config["folded"] == ["b"]
+    assert stand.aggregator.channel.rejections["stale"] == 1
 
 
 def test_a_close_brings_the_partial_of_what_came_and_budgets_renew_each_round(stand):

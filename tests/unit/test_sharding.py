@@ -1,5 +1,6 @@
 """Sharded aggregation's pieces without a broker: partial sums combine into the mean, shard
-assignment, the checks on a PARTIAL, refusals of what cannot be sharded, shard topics."""
+assignment, the checks on a PARTIAL, how the coordinator reads a NOTE's refusals, refusals of
+what cannot be sharded, shard topics."""
 
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ import numpy as np
 import pytest
 
 from coordinator.aggregate import PartialSum, WeightedMean
-from coordinator.algorithms import load
+from coordinator.algorithms import hyperparameters, load
+from coordinator.algorithms.base import ServerContext
 from coordinator.config import RunConfig
+from coordinator.devices import DeviceRegistry
+from coordinator.ledger import Ledger
+from coordinator.nacks import NackLimiter
+from coordinator.outbox import Outbox, RunPosition
 from coordinator.rounds import RoundCollector
 from coordinator.server import Coordinator
+from coordinator.shard_rounds import ShardedRounds
 from coordinator.sharding import ShardRound, check_partial, check_shardable, shard_of
+from coordinator.validation import UpdateLimits
+from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.config import ConfigError
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason, Topics, ValidationError, shard_of_aggregator
@@ -143,6 +152,41 @@ def test_a_lost_shard_turns_its_folded_updates_into_missing_devices():
     assert set(collector.replied) == {"c"} and collector.offline == {"a", "b"}
     assert not collector.enough and sharded.open_shards == [1]
     assert sharded.lose(0, "again") == 0
+
+
+def test_a_notes_refusals_end_the_devices_wait_and_a_named_update_gets_its_nack():
+    # Prepare: one shard, devices a, b, c selected; a NOTE refusing a (naming its update),
+    # b (an older aggregator's entry: no msg_id), a malformed entry, and a's refusal again
+    transport, position = Wire("coordinator"), RunPosition("run1")
+    channel = Channel(transport, Topics("fed"))
+    registry = DeviceRegistry()
+    registry.register("aggregator-0", "aggregator", 0, {})
+    for client_id in ("a", "b", "c"):
+        registry.register(client_id, "trainer", 10, {})
+    outbox = Outbox(channel, registry, Ledger(channel), position, NackLimiter(lambda: 0.0))
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", shards=1)
+    algorithm = load("fedavg")(hyperparameters("fedavg", {}),
+                               ServerContext(config.model_name, config.task(), 0, 1, 3, config.aggregation))
+    sharding = ShardedRounds(1, algorithm, UpdateLimits(1000, 0.0), registry, outbox, Ledger(channel), lambda: 0.0)
+    collector = RoundCollector(1, frozenset({"a", "b", "c"}), min_replies=1, deadline=100.0, grace=0.0)
+    sharded = sharding.open(1, ["a", "b", "c"], "train1", collector)
+    transport.published.clear()
+    refused = [["a", "stale", "names no request", "update-a"], ["b", "non_finite", "nan"], ["c"],
+               ["a", "stale", "names no request", "update-a"]]
+
+    # Execute
+    sharding.on_message(Envelope(Kind.NOTE, "aggregator-0", run_id="run1", round=1,
+                                 config={"in_reply_to": "train1", "shard": 0, "accepted": [], "refused": refused}))
+
+    # Assert: a and b are no longer waited for, c is; a (only) is told why, naming its update
+    assert sharded.collector is collector and collector.waiting == frozenset({"c"})
+    assert collector.refused["a"] == "update-a" and "b" in collector.refused
+    nacks = {topic.split("/")[3]: wire.decode(payload).config for topic, payload in transport.published}
+    assert nacks == {"a": {"in_reply_to": "update-a", "refused_kind": "train_res", "reason": "stale"},
+                     "aggregator-0": {"in_reply_to": nacks["aggregator-0"]["in_reply_to"], "refused_kind": "note",
+                                      "reason": "malformed"}}
+    assert dict(channel.rejections) == {"stale": 1, "non_finite": 1, "malformed": 1}
+    assert channel.counters.duplicates == 1
 
 
 @pytest.mark.parametrize("algorithm, values, match", [

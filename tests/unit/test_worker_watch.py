@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import sys
 import threading
 import time
 
 import pytest
 
+from coordinator import simulate
 from coordinator.simulate import WatchedChannel, WorkerWatch, WorkersFailed, watch_workers
 
 
@@ -51,6 +53,52 @@ def test_workers_stopped_after_the_run_are_not_reported(caplog) -> None:
     # Assert
     assert not watcher.is_alive()
     assert process.exitcode != 0 and caplog.text == ""
+
+
+class Stopping(threading.Event):
+    """The run's `done`, telling when the watch waits on it (the grace for a signalled worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.awaited.set()
+        return super().wait(timeout)
+
+
+def test_a_worker_ended_by_sigterm_as_the_run_stops_is_not_reported(caplog) -> None:
+    # Prepare
+    process = start_sleeper(multiprocessing.get_context("spawn"))
+    done = Stopping()
+
+    # Execute: SIGTERM to the whole process group ends the worker; the run then stops too
+    with caplog.at_level(logging.ERROR, logger="coordinator.simulate"):
+        watcher = watch_workers({process: ["dev000"]}, done)
+        process.terminate()
+        assert done.awaited.wait(60), "the watch did not wait for the run to stop"
+        done.set()
+        watcher.join(timeout=60)
+
+    # Assert
+    assert not watcher.is_alive()
+    assert process.exitcode == -signal.SIGTERM and caplog.text == ""
+
+
+def test_a_worker_ended_by_sigterm_while_the_run_goes_on_is_reported(caplog, monkeypatch) -> None:
+    # Prepare
+    monkeypatch.setattr(simulate, "STOPPING_GRACE", 0.1)
+    process = start_sleeper(multiprocessing.get_context("spawn"))
+
+    # Execute
+    with caplog.at_level(logging.ERROR, logger="coordinator.simulate"):
+        watcher = watch_workers({process: ["dev000"]}, threading.Event())
+        process.terminate()
+        watcher.join(timeout=60)
+
+    # Assert
+    assert not watcher.is_alive()
+    assert "worker1 died with signal SIGTERM" in caplog.text and watcher.all_dead.is_set()
 
 
 class ReapedElsewhere:
