@@ -156,7 +156,16 @@ def federation(tmp_path, request, monkeypatch):
 
 
 
+def listener(broker: LoopbackBroker, name: str, topic_filter: str, topics: Topics) -> Channel:
+    """A spy on the loopback broker: a channel subscribed to `topic_filter` as client `name`."""
+    transport = broker.transport(name)
+    transport.connect()
+    transport.subscribe(topic_filter)
+    return Channel(transport, topics)
+
+
 def drain(channel: Channel) -> list[Envelope]:
+    """Every envelope `channel` has received so far."""
     out = []
     while not channel.transport.incoming.empty():
         received = channel.receive(timeout=0.0)

@@ -24,6 +24,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import NACK_FIELDS, Envelope, Kind, Reason, Topics
 from edge_sdk.signing import Signer, Verifier
+from loopback_runs import drain, listener
 
 WAIT = 20.0
 
@@ -56,22 +57,6 @@ def _config(tmp_path: Path, federation: str, **changes):
     return RunConfig.of(**settings)
 
 
-def _listener(broker: LoopbackBroker, topics: Topics, topic_filter: str) -> Channel:
-    transport = broker.transport(f"spy-{len(topic_filter)}-{id(topic_filter)}")
-    transport.connect()
-    transport.subscribe(topic_filter)
-    return Channel(transport, topics)
-
-
-def _drain(channel: Channel) -> list[Envelope]:
-    out = []
-    while not channel.transport.incoming.empty():
-        received = channel.receive(timeout=0.0)
-        if received is not None:
-            out.append(received.envelope)
-    return out
-
-
 @pytest.fixture
 def quiet_torch(monkeypatch):
     import torch
@@ -93,8 +78,8 @@ def test_a_reply_naming_no_request_is_its_devices_refused_answer_and_the_device_
     federation = "refusals"
     topics, broker, stop, lock = Topics(federation), LoopbackBroker(), threading.Event(), threading.Lock()
     config = _config(tmp_path, federation)
-    nacks = _listener(broker, topics, topics.down("+", Kind.NACK))
-    replies = _listener(broker, topics, topics.up("dev002", Kind.TRAIN_RES))
+    nacks = listener(broker, "spy-nacks", topics.down("+", Kind.NACK), topics)
+    replies = listener(broker, "spy-replies", topics.up("dev002", Kind.TRAIN_RES), topics)
     threads = []
     for index, cls in enumerate([EdgeClient, EdgeClient, OldDocClient]):
         client_id = f"dev{index:03d}"
@@ -126,8 +111,8 @@ def test_a_reply_naming_no_request_is_its_devices_refused_answer_and_the_device_
     assert report["rejections"] == {"stale": 2}, "its TRAIN_RES and its EVAL_RES"
     assert "dev002" not in report["final"]["per_client"] and len(report["final"]["per_client"]) == 2
     # ... and dev002, only it, got a NACK naming its update, its kind and the reason, nothing else
-    update = _drain(replies)[0]
-    sent = _drain(nacks)
+    update = drain(replies)[0]
+    sent = drain(nacks)
     assert {n.kind for n in sent} == {Kind.NACK} and len(sent) == 2
     assert sent[0].config == {"in_reply_to": update.msg_id, "refused_kind": "train_res", "reason": "stale"}
     assert sent[1].config["refused_kind"] == "eval_res" and set(sent[1].config) == set(NACK_FIELDS)

@@ -20,6 +20,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import Envelope, Kind, Topics
+from loopback_runs import drain, listener
 
 WAIT = 20.0
 FED = "shardrefusals"
@@ -42,22 +43,6 @@ class OlderAggregator(ShardAggregator):
         super().send(kind, round_, **fields)
 
 
-def _listener(broker: LoopbackBroker, name: str, topic_filter: str, topics: Topics) -> Channel:
-    transport = broker.transport(name)
-    transport.connect()
-    transport.subscribe(topic_filter)
-    return Channel(transport, topics)
-
-
-def _drain(channel: Channel) -> list[Envelope]:
-    out = []
-    while not channel.transport.incoming.empty():
-        received = channel.receive(timeout=0.0)
-        if received is not None:
-            out.append(received.envelope)
-    return out
-
-
 def _sharded_run(tmp_path: Path, aggregator_cls: type[ShardAggregator]) -> tuple[dict, RunConfig, list[Envelope],
                                                                                  list[Envelope]]:
     """One round of three trainers and one shard aggregator (`aggregator_cls`); dev002 names no
@@ -70,8 +55,8 @@ def _sharded_run(tmp_path: Path, aggregator_cls: type[ShardAggregator]) -> tuple
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=3, rounds=1, local_epochs=1, batch_size=64,
                           seed=0, federation=FED, out=str(tmp_path / "run"), min_clients=2, round_timeout=60.0,
                           quorum_grace=60.0, registration_timeout=30.0, device="cpu", shards=1)
-    nacks = _listener(broker, "spy-nacks", topics.down("+", Kind.NACK), topics)
-    updates = _listener(broker, "spy-updates", topics.shard(0, "dev002", Kind.TRAIN_RES), topics)
+    nacks = listener(broker, "spy-nacks", topics.down("+", Kind.NACK), topics)
+    updates = listener(broker, "spy-updates", topics.shard(0, "dev002", Kind.TRAIN_RES), topics)
     runners = []
     for index, cls in enumerate([EdgeClient, EdgeClient, OldDocClient]):
         client_id = f"dev{index:03d}"
@@ -93,7 +78,7 @@ def _sharded_run(tmp_path: Path, aggregator_cls: type[ShardAggregator]) -> tuple
     finally:
         stop.set()
     assert not any(t.is_alive() for t in threads), "a device or the aggregator did not exit"
-    return report, config, _drain(updates), _drain(nacks)
+    return report, config, drain(updates), drain(nacks)
 
 
 @pytest.fixture
