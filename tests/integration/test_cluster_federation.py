@@ -51,9 +51,13 @@ def cli(*args: str) -> list[str]:
 
 
 def coordinator_args(url: str, out: Path, rounds: int, *flags: str) -> list[str]:
+    """The coordinator's command; every round waits for all the devices (a quorum of all of them,
+    up to the round timeout), so that a device slowed by a busy machine is not left out of a
+    round. A test that means a smaller quorum says `--min-clients` in `flags` (the last one holds)."""
     return cli("coordinator", "--broker", url, "--federation", FED, "--algorithm", "fedavg", "--dataset", "digits",
                "--clients", str(DEVICES), "--rounds", str(rounds), "--local-epochs", "1", "--seed", "0",
-               "--aggregation-dtype", "float64", "--round-timeout", "120", "--out", str(out), *flags)
+               "--aggregation-dtype", "float64", "--round-timeout", "120", "--min-clients", str(DEVICES),
+               "--out", str(out), *flags)
 
 
 def device_args(url: str, tmp_path: Path, index: int) -> list[str]:
