@@ -1,4 +1,4 @@
-"""The five seed papers' main ablations on the accuracy protocol, and a table of the papers' claims (issue 23).
+"""The five seed papers' main ablations on the accuracy protocol, and a table of the papers' claims.
 
 Each paper's ablation is a list of rows (`ROWS`): the full method, its ablated variants as
 hyperparameter overrides (`--set` values; the switches are documented in docs/ALGORITHMS.md's

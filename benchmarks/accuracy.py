@@ -15,7 +15,7 @@ Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unle
    (`final.holdout_accuracy`: RepPer fits its head, FedAvg+FT fine-tunes its head, FedPer and
    FedRep fit their personal head on the frozen global body), and the accuracy of an LR head the
    benchmark fits on the final body.
-4. The target of issue 5: on Dirichlet 0.1 with 20 devices, FedPer, FedRep, RepPer and DualFed
+4. The target: on Dirichlet 0.1 with 20 devices, FedPer, FedRep, RepPer and DualFed
    beat FedAvg by >= 5 points at the same round budget.
 
 --merge adds the runs of an earlier accuracy.json with the same training settings (seeds or algorithms

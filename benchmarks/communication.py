@@ -8,7 +8,7 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
 2. DualFed's Table 8 layout: rounds and MB until the mean personalized accuracy first reaches
    --target (0.90) on Fashion-MNIST, Dirichlet 0.1, 20 devices, full participation; MB = uploads
    + the TRAIN broadcasts delivered to the 20 devices (evaluation traffic left out); or "not
-   reached in N rounds". Target of issue 5: RepPer and DualFed reach 90% with fewer MB than FedAvg.
+   reached in N rounds". The target: RepPer and DualFed reach 90% with fewer MB than FedAvg.
 3. Upload codecs (`RunConfig.upload_codec`: fp32, fp16, int8 on the change from the broadcast)
    on --codec-algorithms: MB up per round and the accuracy they cost.
 4. DC-PFL's statistics (`--set covariance=full|diag|lowrank:8`, `transport=fp32|fp16`): bytes up

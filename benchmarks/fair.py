@@ -1,4 +1,4 @@
-"""The fair protocol of issue 23: every method under one common optimizer, its lr chosen on held-out
+"""The fair protocol: every method under one common optimizer, its lr chosen on held-out
 training data, beside every method under its own paper's optimizer; two tables, never mixed.
 
 For each setting and method:
@@ -20,7 +20,7 @@ For each setting and method:
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
 carry hyperparameters (`repper:variant=in`, several joined by `+`), so that a variant, such as
-RepPer's L_in against its default L_out (issue 23, defect 3), gets the same protocol. FediOS runs
+RepPer's L_in against its default L_out (defect 3), gets the same protocol. FediOS runs
 in both forms of its L_re: `fedios`, the default (Eq. 11-12 as printed, identically 0), and
 `fedios:l_re=extractors`, the reconstruction on the extractors' outputs at lam 0.1. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last

@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any
 
-from .conformance.command import add_conformance_parser
+from .conformance_command import add_conformance_parser
 from .flags import add_setting_flags, given, section_from
 
 log = logging.getLogger(__name__)

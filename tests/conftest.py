@@ -2,7 +2,7 @@
 loopback broker (tests/loopback_runs.py); and the order the suite runs in."""
 
 from brokers import amqtt_broker, any_broker, mosquitto  # noqa: F401  (fixtures)
-from loopback_runs import federation  # noqa: F401  (fixture)
+from loopback_runs import federation, quiet_torch  # noqa: F401  (fixtures)
 
 WHOLE_RUNS = ("tests/e2e/", "tests/integration/")
 """Where the long files are: whole runs of the command, real brokers and processes."""

@@ -142,17 +142,23 @@ class LoopbackFederation:
 
 
 @pytest.fixture
-def federation(tmp_path, request, monkeypatch):
+def quiet_torch(monkeypatch):
+    """No curves.png (not under test here) and torch on one thread: devices take turns anyway,
+    and more threads only fight over the shared cores."""
     import torch
 
-    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
-
+    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # devices take turns anyway; more threads only fight over the shared cores
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def federation(tmp_path, request, quiet_torch):
     fed = LoopbackFederation(tmp_path, f"fed-{request.node.name[5:30].replace('[', '').replace(']', '')}")
     yield fed
     fed.shutdown()
-    torch.set_num_threads(threads)
 
 
 

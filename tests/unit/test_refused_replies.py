@@ -57,17 +57,6 @@ def _config(tmp_path: Path, federation: str, **changes):
     return RunConfig.of(**settings)
 
 
-@pytest.fixture
-def quiet_torch(monkeypatch):
-    import torch
-
-    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_reply_naming_no_request_is_its_devices_refused_answer_and_the_device_learns_why(
         tmp_path, quiet_torch, caplog):
     # Prepare: three trainers; dev002 replies without `in_reply_to`. The round's grace and timeout

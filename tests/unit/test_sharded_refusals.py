@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
 
 from coordinator.aggregator import ShardAggregator
 from coordinator.config import RunConfig
@@ -79,17 +78,6 @@ def _sharded_run(tmp_path: Path, aggregator_cls: type[ShardAggregator]) -> tuple
         stop.set()
     assert not any(t.is_alive() for t in threads), "a device or the aggregator did not exit"
     return report, config, drain(updates), drain(nacks)
-
-
-@pytest.fixture
-def quiet_torch(monkeypatch):
-    import torch
-
-    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_an_update_naming_no_request_ends_its_devices_wait_and_the_device_is_nacked(tmp_path, quiet_torch):

@@ -1,4 +1,5 @@
-"""The `edgepfl conformance` subcommand: its flags and what it runs.
+"""The `edgepfl conformance` subcommand: its flags, what it runs and what it prints (the kit,
+`coordinator.conformance`, only returns its report).
 
 Only light modules are imported here; the kit (and torch, for the run's model) once the flags
 and the signing key are checked. The exit code is 0 when every section passed or did not apply,
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..flags import add_setting_flags, section_from
+from .flags import add_setting_flags, section_from
 
 
 def add_conformance_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,8 +46,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     mqtt = broker.mqtt_settings(COORDINATOR)
     key = (parse_key(args.signing_key, args.device_id) if args.signing_key is not None
            else device_key(broker.credentials, args.device_id) if broker.credentials else None)
-    from .kit import run_kit  # torch: once the flags are checked
-    from .sections import KitSettings
+    from .conformance.kit import run_kit  # torch: once the flags are checked
+    from .conformance.sections import KitSettings
 
     settings = KitSettings(args.device_id, dataset=args.dataset, model=args.model, signing_key=key,
                            hello_timeout=args.hello_timeout, reply_timeout=args.reply_timeout,
