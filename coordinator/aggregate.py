@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_sdk.params import BLOCK, blocks, flat
+from edge_sdk.params import BLOCK, aligned_reference, blocks, flat
 from edge_sdk.protocol import ArrayGroup
 
 
@@ -152,16 +152,6 @@ class WeightedMean:
             for part in blocks(flat_total.size):
                 flat_total[part] += flat_reference[part]
         return total if total.dtype == self._dtypes[key] else total.astype(self._dtypes[key])
-
-
-def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
-    """`base` cut to `value`'s shape when `value` is a leading slice of it (as CD2-pFed's shared
-    entries are of the previous round's), `base` itself for equal shapes, else None."""
-    if base.shape == value.shape:
-        return base
-    if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape, strict=True)):
-        return base[tuple(slice(0, s) for s in value.shape)]
-    return None
 
 
 def squared_distance(value: np.ndarray, reference: np.ndarray | None) -> float:

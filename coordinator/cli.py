@@ -89,7 +89,7 @@ MAX_PARTICIPATION_LINES = 8
 
 def _summary(report: dict[str, Any], out: str) -> str:
     """The figures a run ends with (docs/CONFIGURATION.md, "Report figures", defines each one)."""
-    from .report import data_line, participation_line
+    from .report import data_line, participation_line, privacy_line
 
     final = report["final"]["personalized_accuracy"]
     comm = report["communication"]
@@ -119,6 +119,16 @@ def _summary(report: dict[str, Any], out: str) -> str:
         f"rejected messages      {sum(report['rejections'].values())}",
         f"outputs                {out}/report.json, {out}/metrics.jsonl, {out}/curves.png",
     ]
+    if "privacy" in report:
+        lines.insert(-4, f"privacy                {privacy_line(report['privacy'])}")
+    if "dp_sgd" in report:
+        dp_sgd = report["dp_sgd"]
+        worst = "-" if dp_sgd["epsilon_max"] is None else f"{dp_sgd['epsilon_max']:.3g}"
+        lines.insert(-4, f"dp-sgd                 record-level epsilon up to {worst} at delta {dp_sgd['delta']:.2g} "
+                         f"({dp_sgd['devices_reporting']} devices reporting), noise multiplier "
+                         f"{dp_sgd['noise_multiplier']:.3g}, clip {dp_sgd['clip']:g}")
+    if "stopped" in report:
+        lines.insert(-4, f"stopped early          {report['stopped']}")
     late = report.get("late_updates") or {}
     if late.get("folded") or late.get("discarded"):
         lines.insert(-3, f"late updates           {late['policy']}: {late['folded']} folded into the next round, "

@@ -22,6 +22,7 @@ from typing import Any
 
 from edge_sdk.algorithms.hyper import hyper_class
 from edge_sdk.config import ConfigError, coerce, load_toml
+from edge_sdk.privacy import PrivacySettings
 from edge_sdk.settings import DEFINES, DEFINES_IF_SET, BrokerSettings, Setting, TrainSettings, settings_of
 
 from .robust import AggregationSettings
@@ -32,6 +33,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainSettings,
     "round": RoundSettings,
     "aggregation": AggregationSettings,
+    "privacy": PrivacySettings,
     "broker": BrokerSettings,
     "simulation": SimulationSettings,
 }
@@ -60,6 +62,7 @@ class RunConfig:
     training: TrainSettings = field(default_factory=TrainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     simulation: SimulationSettings = field(default_factory=SimulationSettings)
     hyper: dict[str, Any] = field(default_factory=dict)

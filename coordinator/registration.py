@@ -21,6 +21,7 @@ from edge_sdk.config import to_plain
 from edge_sdk.models import (ModelSpec, Signature, build_model, first_mismatch, model_signature, signature_from_plain,
                              signature_to_plain)
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason, aggregator_id, check_client_id, shard_of_aggregator
+from edge_sdk.privacy.upstream import PRIVACY
 
 from .algorithms.base import ServerAlgorithm
 from .config import RunConfig
@@ -42,7 +43,8 @@ class Registration:
     """The run's registrations: HELLO in, WELCOME (or a refusal) out, the registry kept."""
 
     def __init__(self, config: RunConfig, algorithm: ServerAlgorithm, hyper: Any, model: ModelSpec,
-                 limits: UpdateLimits, registry: DeviceRegistry, outbox: Outbox, ledger: Ledger, incarnation: str):
+                 limits: UpdateLimits, registry: DeviceRegistry, outbox: Outbox, ledger: Ledger, incarnation: str,
+                 *, privacy: dict[str, Any] | None = None, data_private: bool = False):
         self.config = config
         self.algorithm = algorithm
         self.hyper = hyper
@@ -53,6 +55,10 @@ class Registration:
         self.ledger = ledger
         self.incarnation = incarnation
         self.shards = config.round.shards
+        self.privacy = privacy
+        """A private run's resolved `[privacy]` settings, which every WELCOME carries (None: no DP)."""
+        self.data_private = data_private
+        """User-level DP: devices say nothing of their data in HELLO, and nothing they say is kept."""
         self._model_signature: Signature | None = None
 
     # -- the fleet -------------------------------------------------------------------------
@@ -118,8 +124,12 @@ class Registration:
         if kind == AGGREGATOR or shard_of_aggregator(hello.sender) is not None:
             self._register_aggregator(hello)
             return
+        if self.data_private:  # a device of a private run says nothing of its data: none of it is kept
+            examples, capabilities = 0, {k: v for k, v in hello.config.items() if k != "label_counts"}
+        else:
+            capabilities = hello.config
         if (kind not in ("trainer", "lite") or not isinstance(examples, (int, float))
-                or not math.isfinite(examples) or examples < 1):
+                or not math.isfinite(examples) or (examples < 1 and not self.data_private)):
             self.outbox.reject(hello, Reason.MALFORMED,
                                f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
@@ -129,7 +139,7 @@ class Registration:
             self._refuse(hello.sender, f"its model differs from the run's: {mismatch}")
             return
         known = hello.sender in self.registry.devices
-        self.registry.register(hello.sender, kind, int(examples), hello.config)
+        self.registry.register(hello.sender, kind, int(examples), capabilities)
         self.ledger.event("rejoined" if known else "registered", device=hello.sender,
                           round=self.outbox.position.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
@@ -200,6 +210,8 @@ class Registration:
             "settings": self.config.welcome_settings(),
             "model_signature": signature_to_plain(self.model_signature),
         }
+        if self.privacy is not None:
+            config[PRIVACY] = self.privacy
         if self.shards and self.registry.kind_of(client_id) == "trainer":
             config["shard"] = shard_of(client_id, self.shards)
         return Envelope(Kind.WELCOME, COORDINATOR, run_id=position.run_id, round=position.completed, config=config)

@@ -103,6 +103,19 @@ def participation_line(record: dict[str, Any]) -> str | None:
     return f"round {record['round']}: " + ", ".join(parts)
 
 
+def privacy_line(privacy: dict[str, Any]) -> str:
+    """'dp central: epsilon 7.98 at delta 1e-05 (8.0 budget) ...' for a report's `privacy`."""
+    fmt = lambda v: "inf" if v is None else f"{v:.3g}"  # noqa: E731  (None: no finite bound)
+    line = (f"dp {privacy['mode']}: epsilon {fmt(privacy['epsilon'])} at delta {privacy['delta']:.2g}"
+            + (f" of a {privacy['budget']:g} budget" if privacy.get("budget") else "")
+            + f", noise multiplier {privacy['noise_multiplier']:.3g}, clip {privacy['clip']:g}")
+    if privacy["mode"] == "central":
+        line += f"; against the other devices (who see the selections) {fmt(privacy['epsilon_fleet'])}"
+    if privacy.get("outside_the_guarantee"):
+        line += f"; outside the guarantee: {', '.join(privacy['outside_the_guarantee'])}"
+    return line
+
+
 def checked_label_counts(value: Any, examples: int, classes: int) -> tuple[list[int] | None, str | None]:
     """A device's HELLO `label_counts` as (counts, None) when it is a list of `classes` ints >= 0
     summing to the `examples` the device reported, (None, why) when it is not, (None, None) when
@@ -168,6 +181,8 @@ def data_line(data: dict[str, Any]) -> str:
     """'4 devices, 1797 examples (min 310, max 560), labels reported by 4 (skew 0.12)'."""
     if not data["devices"]:
         return "no device registered"
+    if not data["examples"]:  # under DP a device says nothing of its data
+        return f"{data['devices']} devices, none reported its examples or labels"
     line = (f"{data['devices']} devices, {data['examples']} examples (min {data['min_examples']}, "
             f"max {data['max_examples']}), labels reported by {data['labels_reported']}")
     if data["label_skew"] is not None:
@@ -192,6 +207,7 @@ def plot_curves(path: Path, report: dict[str, Any]) -> None:
     rounds = report["rounds"]
     xs = [r["round"] for r in rounds]
     acc = [(r["personalized_accuracy"] or {}).get("mean", float("nan")) for r in rounds]
+    epsilons = [(r.get("privacy") or {}).get("epsilon") for r in rounds]
     mb = cumulative_megabytes(report)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(xs, acc, marker="o")
@@ -206,6 +222,10 @@ def plot_curves(path: Path, report: dict[str, Any]) -> None:
     left.set(xlabel="round (red: aggregated/selected where some were not aggregated)",
              ylabel="mean personalized accuracy", title=f"{report['algorithm']} on {report['dataset']}")
     left.grid(alpha=0.3)
+    if any(e is not None for e in epsilons):
+        spent = left.twinx()
+        spent.plot(xs, [float("nan") if e is None else e for e in epsilons], color="tab:green", linestyle="--")
+        spent.set_ylabel("epsilon spent (dashed)", color="tab:green")
     right.plot(xs, mb[:-1], marker="o", color="tab:orange")
     last = xs[-1] if xs else 0
     right.plot([last, last + 0.5], [mb[-2] if xs else 0.0, mb[-1]], linestyle=":", marker="s", color="tab:orange")

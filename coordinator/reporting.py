@@ -57,6 +57,8 @@ class RoundRecord:
     lost_shards: list[int] = field(default_factory=list)
     """Shards (`shards` > 0) whose partial was not aggregated: aggregator gone, partial refused or late."""
     lost_updates: int = 0
+    privacy: dict | None = None
+    """Under DP: epsilon spent so far (and at what delta, noise, clip), `RunPrivacy.record`."""
     """Updates a lost shard's aggregator had folded: checked, but not aggregated."""
 
 
@@ -86,13 +88,16 @@ def played_report(folder: RunFolder, run_id: str, completed: int, rounds: int) -
 
 def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, ledger: Ledger,
                release: Release | None, devices: Iterable[Device], devices_registered: int,
-               partition: str | None, wall_seconds: float) -> dict[str, Any]:
+               partition: str | None, wall_seconds: float, privacy: dict[str, Any] | None = None,
+               stopped: str | None = None) -> dict[str, Any]:
     """The run's report: its settings, every round's record, the final evaluation, the release,
     the traffic, rejections and events, from the `ledger` of every incarnation of the run."""
     rounds = ledger.rounds
     means = [r["personalized_accuracy"]["mean"] for r in rounds if r["personalized_accuracy"]]
     final = ledger.final or {}
     summary = summarize(m["accuracy"] for m in final.values() if not m.get("holdout")) or {}
+    if privacy is not None and privacy.get("released_accuracy") is not None:
+        summary = {"mean": privacy["released_accuracy"]}  # private evaluation: a noised mean, no spread
     holdout = summarize(m["accuracy"] for m in final.values() if m.get("holdout"))
     global_summary = summarize(m["global_accuracy"] for m in final.values() if "global_accuracy" in m)
     by_kind = {kind: summarize(m["accuracy"] for m in final.values()
@@ -145,4 +150,16 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
         "events": ledger.event_counts(),
         "event_log": ledger.events,
         "wall_seconds": wall_seconds,
+        **({"privacy": privacy} if privacy is not None else {}),
+        **({"dp_sgd": dp_sgd_report(config, final)} if config.privacy.dp_sgd else {}),
+        **({"stopped": stopped} if stopped is not None else {}),
     }
+
+
+def dp_sgd_report(config: RunConfig, final: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Record-level DP-SGD of the run: its settings and the largest epsilon a device reported at
+    the last evaluation (None where the devices keep it to themselves, under private evaluation)."""
+    privacy = config.privacy
+    reported = [m["dp_sgd_epsilon"] for m in final.values() if isinstance(m.get("dp_sgd_epsilon"), (int, float))]
+    return {"noise_multiplier": privacy.dp_sgd_noise, "clip": privacy.dp_sgd_clip, "delta": privacy.dp_sgd_delta,
+            "epsilon_max": max(reported) if reported else None, "devices_reporting": len(reported)}

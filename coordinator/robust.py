@@ -16,11 +16,11 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_sdk.params import blocks, flat
+from edge_sdk.params import aligned_reference, blocks, flat
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.settings import DEFINES, DEFINES_IF_SET, setting
 
-from .aggregate import WeightedMean, aligned_reference, squared_distance
+from .aggregate import WeightedMean, squared_distance
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 SUM_DTYPES = ("float32", "float64")

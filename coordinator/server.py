@@ -20,14 +20,16 @@ refusals, answered with a NACK where the sender is registered).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
+from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, new_message_id
 
 from . import algorithms, checkpoint
@@ -39,6 +41,7 @@ from .events import (Event, EventBus, RoundAggregated, RoundEnded, RoundEvaluate
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
+from .privacy.policy import BudgetSpent, check_dp_sgd_run, check_private_run
 from .registration import Registration, RegistrationTimeout
 from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, summarize, write_report
@@ -48,6 +51,9 @@ from .run_folder import RunFolder
 from .shard_rounds import ShardedRounds
 from .sharding import ShardRound, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
+
+if TYPE_CHECKING:
+    from .privacy.run import RunPrivacy
 
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
@@ -101,7 +107,10 @@ class Coordinator:
         if config.run.release and not self.algorithm.shares_body():
             raise ConfigError(f"release: {config.run.algorithm} keeps the body personal, there is no global "
                               "representation to release")
-        self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm)
+        check_dp_sgd_run(config, self.model)
+        self.privacy = self._private_run() if config.privacy.enabled else None
+        self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm,
+                                   weighted=self.privacy is None)
         self.incarnation = new_message_id()[:12]
         self.metrics = MetricsLog(self.folder.metrics)
         self.position = RunPosition(new_message_id()[:16])
@@ -118,7 +127,8 @@ class Coordinator:
         self.ledger = Ledger(channel, self._resume())
         self.outbox = Outbox(channel, self.registry, self.ledger, self.position, self.nacks)
         self.registration = Registration(config, self.algorithm, self.hyper, self.model, self.limits, self.registry,
-                                         self.outbox, self.ledger, self.incarnation)
+                                         self.outbox, self.ledger, self.incarnation, privacy=self._announced_privacy(),
+                                         data_private=self.privacy is not None)
         self.sharding = ShardedRounds(config.round.shards, self.algorithm, self.limits, self.registry, self.outbox,
                                       self.ledger, clock)
         for client_id in self.expected_devices:  # before any HELLO: assignments in their order
@@ -141,6 +151,33 @@ class Coordinator:
         """The WELCOME `client_id` receives when it registers (`Registration.welcome`)."""
         return self.registration.welcome(client_id)
 
+    def _announced_privacy(self) -> dict[str, Any] | None:
+        """The `[privacy]` settings WELCOME carries: under DP (user-level, the noise multiplier
+        resolved) or DP-SGD; None without either."""
+        if self.privacy is not None:
+            return self.privacy.announcement()
+        return asdict(self.config.privacy) if self.config.privacy.dp_sgd else None
+
+    def _private_run(self) -> RunPrivacy:
+        """The run's DP, after refusing (ConfigError, by name) a run with a message no DP
+        mechanism covers; the noise multiplier is calibrated here, before anything trains."""
+        config, rounds = self.config, self.config.training.rounds
+        releases = config.run.release or self.algorithm.releases_representation
+        needs_statistics = False
+        if releases and self.algorithm.shares_body():
+            from .representation import body_statistics_needed
+
+            needs_statistics = bool(body_statistics_needed(self.algorithm.state, self._record(), run_id="",
+                                                           model=self.model))
+        check_private_run(config, self.algorithm, needs_body_statistics=needs_statistics)
+        from .privacy.run import RunPrivacy  # dp-accounting loads with a private run only
+
+        evaluations = sum(1 for r in range(1, rounds + 1) if r % config.round.eval_every == 0 or r == rounds)
+        return RunPrivacy(config.privacy, devices=config.run.clients,
+                          population=config.run.clients - config.lite_devices - config.round.holdout_clients,
+                          fraction=config.round.fraction, rounds=rounds, evaluations=evaluations + int(releases),
+                          seed=config.training.seed)
+
     # -- checkpoints -----------------------------------------------------------------------
     def _resume(self) -> dict[str, Any] | None:
         saved = checkpoint.load(self.folder.checkpoint)
@@ -152,6 +189,8 @@ class Coordinator:
             )
         self.position.run_id, self.position.completed = saved.run_id, saved.round
         self.algorithm.state = saved.state
+        if self.privacy is not None:
+            self.privacy.restore(saved.history["privacy"])
         for record in saved.history["rounds"]:  # a crash between checkpoint and log line
             self.metrics.append({"event": "round", **record})
         log.info("resuming run %s after round %d of %d", self.run_id, self.completed, self.config.training.rounds)
@@ -164,6 +203,8 @@ class Coordinator:
 
     def _checkpoint(self) -> None:
         history = {**self.ledger.to_history(self._wall_seconds()), "config": self._record()}
+        if self.privacy is not None:
+            history["privacy"] = self.privacy.to_state()
         checkpoint.save(
             self.folder.checkpoint,
             checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state,
@@ -191,16 +232,26 @@ class Coordinator:
         self._status("registering")
         self.holdout = self.registration.await_fleet(lambda timeout: self._serve(timeout, self._stale_reply),
                                                      self.clock, self.events)
+        stopped = None
         for round_ in range(self.completed + 1, self.config.training.rounds + 1):
-            self._play_round(round_)
-        if not self.ledger.final and self.completed >= self.config.training.rounds:
+            try:
+                self._play_round(round_)
+            except BudgetSpent as spent:
+                stopped = str(spent)
+                log.warning("stopped before round %d: %s (a resume needs a larger --dp-epsilon)", round_, stopped)
+                self.ledger.event("budget_spent", round=round_)
+                self.metrics.append({"event": "budget_spent", "round": round_, "privacy": self.privacy.record()
+                                     if self.privacy else None, "reason": stopped})
+                break
+        if stopped is None and not self.ledger.final and self.completed >= self.config.training.rounds:
             self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
-        if self.config.run.release or self.algorithm.releases_representation:
+        if stopped is None and (self.config.run.release or self.algorithm.releases_representation):
             self._release_phase()
         report = run_report(self.config, self.hyper, run_id=self.run_id, completed=self.completed,
                             ledger=self.ledger, release=self.release, devices=self.registry.devices.values(),
                             devices_registered=self.registration.device_count(), partition=self.partition,
-                            wall_seconds=self._wall_seconds())
+                            wall_seconds=self._wall_seconds(),
+                            privacy=self.privacy.report() if self.privacy else None, stopped=stopped)
         write_report(self.folder, report)
         self._status("finished")
         return report
@@ -213,6 +264,8 @@ class Coordinator:
                   "rounds": self.config.training.rounds, "algorithm": self.config.run.algorithm}
         if state == "registering":
             config["settings"] = self.config.defining()
+        if self.privacy is not None:  # before its HELLO, a device learns what it must keep to itself
+            config[PRIVACY] = self.privacy.announcement()
         envelope = Envelope(Kind.STATUS, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
         self.outbox.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
@@ -380,17 +433,24 @@ class Coordinator:
         channel0 = self.channel.counters.snapshot()
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
-        selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
+        if self.privacy is not None:
+            self.privacy.check_budget(len(candidates))
+            selected = self.privacy.select(candidates, round_)
+            self.algorithm.private_mean = self.privacy.aggregator(len(candidates), round_)
+        else:
+            selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
         collector, outcome, folded, sharded = self._train(round_, selected, started)
+        if self.privacy is not None:
+            self.privacy.round_ended(len(candidates), selected, round_)
         evaluation = None
-        accuracies: list[float] = []
+        accuracy: dict[str, float] | None = None
         if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
             evaluating = self.clock()
             evaluation = self.ledger.final = self._evaluate(round_)
-            accuracies = [m["accuracy"] for cid, m in evaluation.items() if cid not in self.holdout]
-            self.events.emit(RoundEvaluated(round_, len(evaluation), (summarize(accuracies) or {}).get("mean"),
+            accuracy = self._accuracy(evaluation)
+            self.events.emit(RoundEvaluated(round_, len(evaluation), (accuracy or {}).get("mean"),
                                             self.clock() - evaluating))
         sent1, received1 = self.channel.counter.snapshot()
         channel = self.channel.counters.snapshot() - channel0
@@ -400,7 +460,7 @@ class Coordinator:
             selected=len(selected),
             participants=len(collector.replied) if collector.enough else 0,
             outcome=outcome.value if collector.enough else "aborted",
-            personalized_accuracy=summarize(accuracies),
+            personalized_accuracy=accuracy,
             global_accuracy=(summarize(global_accuracies) or {}).get("mean"),
             bytes_up=received1 - received0,
             bytes_down=sent1 - sent0,
@@ -415,6 +475,7 @@ class Coordinator:
             bytes_down_delivered=self.ledger.delivered_total() - delivered0,
             lost_shards=sorted(sharded.lost) if sharded else [],
             lost_updates=sharded.lost_updates if sharded else 0,
+            privacy=self.privacy.record() if self.privacy else None,
         )
         entry = asdict(record)
         self.position.completed = round_
@@ -442,7 +503,8 @@ class Coordinator:
         self.algorithm.begin_round(round_)
         groups = self.algorithm.task_groups(round_)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
-                        config={"selected": selected, **self.algorithm.task_config(round_)})
+                        config={"selected": selected, **self.algorithm.task_config(round_),
+                                **(self.privacy.task_config() if self.privacy is not None else {})})
         grace, timeout = self._windows()
         collector = RoundCollector(
             round_,
@@ -497,6 +559,8 @@ class Coordinator:
         try:
             groups, weight = checked_update(self.algorithm, round_, envelope, sent, registered, self.limits,
                                             self.config.training.upload_codec)
+            if self.privacy is not None:
+                self.privacy.note_update(envelope.metrics)
         except ProtocolError as err:
             self._refuse(envelope, collector, err.reason, f"update from {envelope.sender}: {err.detail}")
             return
@@ -526,6 +590,8 @@ class Coordinator:
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self._windows()[1], grace=0.0)
         results: dict[str, dict[str, Any]] = {}
+        private = self.privacy is not None and self.privacy.releases_evaluations
+        released: list[float] = []  # private evaluation: the accuracies released only as a noised mean
 
         def on_result(received: Received) -> None:
             envelope = received.envelope
@@ -535,11 +601,17 @@ class Coordinator:
             result: dict[str, Any] = {"kind": self.registry.kind_of(envelope.sender)}
             if pool is None or pool.evaluates:
                 accuracy = envelope.metrics.get("accuracy")
-                if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
+                if not self._plausible_accuracy(accuracy):
                     self._refuse(envelope, collector, Reason.MALFORMED,
                                  f"evaluation from {envelope.sender}: accuracy {accuracy!r}")
                     return
-                result.update(holdout=envelope.sender in self.holdout, **envelope.metrics)
+                holdout = envelope.sender in self.holdout
+                if private:
+                    if not holdout and accuracy is not None:
+                        released.append(float(accuracy))
+                    result.update(holdout=holdout, accuracy=None)
+                else:
+                    result.update(holdout=holdout, **envelope.metrics)
             if pool is not None and (pool.required or pool.group in envelope.groups):
                 try:
                     pool.check(envelope.groups.get(pool.group, {}), examples)
@@ -551,10 +623,29 @@ class Coordinator:
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         self._request(Kind.EVALUATE, request, collector, on_result)
+        if private and (pool is None or pool.evaluates) and self.privacy is not None:
+            self.privacy.release_accuracy(released, round_)
         missing = set(targets) - set(results)
         if missing:
             log.warning("round %d evaluation: no result from %s", round_, ", ".join(sorted(missing)))
         return results
+
+    def _plausible_accuracy(self, accuracy: Any) -> bool:
+        """An accuracy in [0, 1]; under local DP with private evaluation any finite number (each
+        device added its own noise)."""
+        if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool) or not math.isfinite(accuracy):
+            return False
+        noised = self.privacy is not None and self.privacy.local and self.privacy.releases_evaluations
+        return noised or 0.0 <= accuracy <= 1.0
+
+    def _accuracy(self, evaluation: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+        """The personalized accuracy of the devices not held out: summarized, or (private DP
+        evaluation) the noised mean the evaluation released, and how many it is over."""
+        if self.privacy is not None and self.privacy.releases_evaluations:
+            mean = self.privacy.released_accuracy
+            count = sum(1 for m in evaluation.values() if not m.get("holdout"))
+            return None if mean is None else {"mean": mean, "count": count}
+        return summarize(m["accuracy"] for m in evaluation.values() if not m.get("holdout"))
 
     # -- after training: the released representation --------------------------------------
     def _publish_release(self, release: Release) -> None:
@@ -575,10 +666,11 @@ class Coordinator:
         self.ledger.event("released", round=self.completed, sha256=release.sha256, size=len(release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": release.sha256,
                              "bytes": len(release.data), "path": str(release.path)})
-        extra = phase.prototypes(self.registry.online("lite"), release)
+        # under DP the weak devices' class prototypes stay home: no mechanism covers them
+        extra = phase.prototypes(self.registry.online("lite"), release) if self.privacy is None else {}
         final = self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
         self._checkpoint()
-        summary = summarize(m["accuracy"] for m in final.values() if not m.get("holdout"))
+        summary = self._accuracy(final)
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
                              "devices": len(final), "of_devices": self.registration.device_count()})
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_sdk import codecs
-from edge_sdk.params import ArraySpec, block_buffer, check_arrays
+from edge_sdk.params import ArraySpec, aligned_reference, block_buffer, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
-from .aggregate import aligned_reference, squared_change_above, squared_distance
+from .aggregate import squared_change_above, squared_distance
 
 if TYPE_CHECKING:
     from .algorithms.base import ServerAlgorithm
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 class UpdateLimits:
     max_examples: int
     max_update_norm: float  # 0 disables the bound
+    weighted: bool = True
+    """Updates are weighted by the examples they claim; False under DP, where every update
+    weighs 1 and a device reports no example count."""
 
 
 def delta_norm(update: dict[str, ArrayGroup], reference: dict[str, ArrayGroup]) -> float:
@@ -84,12 +87,14 @@ def check_update(
     for group, expected in spec.items():
         check_arrays(group, envelope.groups[group], expected)
     claimed = envelope.metrics.get("num_examples")
-    if not isinstance(claimed, (int, float)) or not claimed >= 1:
+    if limits.weighted and (not isinstance(claimed, (int, float)) or not claimed >= 1):
         raise ValidationError(Reason.MALFORMED, f"num_examples {claimed!r}")
     if limits.max_update_norm > 0:
         norm = norm_over(envelope.groups, reference, limits.max_update_norm)
         if norm is not None:
             raise ValidationError(Reason.NORM_TOO_LARGE, f"update norm {norm:.3g} > {limits.max_update_norm:.3g}")
+    if not limits.weighted or not isinstance(claimed, (int, float)):
+        return 1.0
     return float(min(claimed, registered_examples, limits.max_examples))
 
 

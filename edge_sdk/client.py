@@ -25,12 +25,17 @@ import numpy as np
 
 from . import algorithms, codecs
 from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task
+from .algorithms.torch_device import TorchDevice
 from .attacks import corrupt
 from .config import from_mapping
 from .data import ClientData, device_seed
 from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
                      signature_from_plain, signature_to_plain)
 from .params import floats_finite
+from .privacy import PrivacySettings
+from .privacy.dpsgd import (ACCOUNTANT_KEY, DP_SGD_EPSILON, DpSgd, DpSgdAccountant, DpSgdRefused, check_dp_sgd, dp_sgd,
+                            released_fit_metrics)
+from .privacy.upstream import ROUND_CLIP, WITHIN_CLIP, UploadPrivacy, private_metrics, privatize, round_clip
 from .protocol import STATISTICS, ArrayGroup, Envelope, Kind
 from .settings import TrainSettings
 from .session import DeviceSession, RegistrationRefused
@@ -80,17 +85,21 @@ class EdgeClient(DeviceSession):
         self.loss = loss
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
+        self.privacy: UploadPrivacy | None = None
+        self.dp_sgd: DpSgd | None = None
+        self.dp_sgd_delta = 0.0
         self.rounds_trained = 0
         self.share_label_counts = share_label_counts
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
 
-        metrics: dict[str, float] = {"num_examples": self.data.num_train, "num_test": self.data.num_test}
+        metrics: dict[str, float] = {} if self.run_private else {"num_examples": self.data.num_train,
+                                                                  "num_test": self.data.num_test}
         config: dict[str, Any] = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp,
                                   "torch": torch.__version__, "task": self.data.task.name,
                                   "algorithms": list(algorithms.ALGORITHM_IDS)}
-        if self.share_label_counts:  # info: the coordinator reports it
+        if self.share_label_counts and not self.run_private:  # info: the coordinator reports it
             config["label_counts"] = self.data.class_counts().tolist()
         if self.model is not None:  # the coordinator checks a model of the device's own
             config["model"] = {"name": model_name(self.model),
@@ -131,11 +140,34 @@ class EdgeClient(DeviceSession):
         algorithm = algorithm_cls(hyper, settings, data, self.device, seed, welcome.config.get("assignment", {}),
                                   model=self.model, optimizer=self.optimizer, loss=self.loss)
         self.algorithm, self.algorithm_id = algorithm, algorithm_id
+        privacy, self.privacy = UploadPrivacy.announced(welcome.config, settings.seed)
+        self.dp_sgd_delta = privacy.dp_sgd_delta
         saved = self.store.restore(welcome.run_id, algorithm_id)
+        personal = dict(saved.arrays) if saved is not None else {}
+        history = {key: personal.pop(key) for key in (ACCOUNTANT_KEY,) if key in personal}
+        self.dp_sgd = self._dp_sgd(privacy, algorithm, history, seed) if privacy.dp_sgd else None
         if saved is not None:
-            algorithm.load_personal_state(saved.arrays)
+            algorithm.load_personal_state(personal)
             self.rounds_trained = saved.round
             log.info("%s: personal state of round %d restored", self.client_id, saved.round)
+
+    def _dp_sgd(self, privacy: PrivacySettings, algorithm: DeviceAlgorithm, history: ArrayGroup, seed: int) -> DpSgd:
+        """This device's DP-SGD for the run, its accountant continued from the personal store;
+        RegistrationRefused when the algorithm, model or loss has no per-example gradients."""
+        try:
+            if not isinstance(algorithm, TorchDevice):
+                raise DpSgdRefused(f"--dp-sgd is refused for {algorithm.id}: it trains no PyTorch network")
+            check_dp_sgd(type(algorithm), algorithm.model, own_loss=self.loss is not None)
+        except DpSgdRefused as exc:
+            raise RegistrationRefused(f"{self.client_id}: {exc}") from None
+        return DpSgd.from_settings(privacy, DpSgdAccountant.from_arrays(history),
+                                   seed if privacy.dp_reproducible_noise else None)
+
+    def _epsilon(self) -> dict[str, float]:
+        """Under DP-SGD, the device's record-level epsilon so far (a metric it may report)."""
+        if self.dp_sgd is None:
+            return {}
+        return {DP_SGD_EPSILON: self.dp_sgd.accountant.epsilon(self.dp_sgd_delta)}
 
     def _algorithm(self) -> tuple[DeviceAlgorithm, str]:
         """The algorithm built at `join`, and its id; requests are only handled after it (`current`)."""
@@ -146,6 +178,8 @@ class EdgeClient(DeviceSession):
     def _save(self, envelope: Envelope, round_: int, personal: ArrayGroup) -> None:
         """Save the personal state after `round_` of the run `envelope` belongs to (the joined run)."""
         _, algorithm_id = self._algorithm()
+        if self.dp_sgd is not None:  # the accountant's history goes on after a restart
+            personal = {**personal, **self.dp_sgd.accountant.to_arrays()}
         self.store.save(PersonalState(self.client_id, envelope.run_id, algorithm_id, round_, personal))
 
     def _on_train(self, envelope: Envelope) -> None:
@@ -155,7 +189,7 @@ class EdgeClient(DeviceSession):
         task = Task(envelope.round, envelope.groups, envelope.config)
         before = algorithm.personal_state()
         clipping = gradient_clipping(algorithm.settings.grad_clip_norm)
-        with self._compute_lock, mixed_precision(self.amp), clipping:
+        with self._compute_lock, mixed_precision(self.amp), clipping, dp_sgd(self.dp_sgd):
             result = algorithm.fit(task)
         personal = algorithm.personal_state()
         if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):
@@ -165,11 +199,21 @@ class EdgeClient(DeviceSession):
             log.warning("%s: training diverged in round %d (non-finite parameters); personal state of round %d kept",
                         self.client_id, envelope.round, self.rounds_trained)
             algorithm.load_personal_state(before)
-        groups = codecs.encode(algorithm.settings.upload_codec, result.groups, envelope.groups)
+            if self.dp_sgd is not None:  # its noised steps were taken all the same
+                self._save(envelope, self.rounds_trained, before)
+        groups, metrics = result.groups, result.metrics
+        if self.dp_sgd is not None:  # the measured loss is a figure of the records: it stays here
+            metrics = released_fit_metrics(metrics, self._epsilon()[DP_SGD_EPSILON])
+        if self.privacy is not None:  # clipped (and, local DP, noised); no figure of the data goes up
+            rng = self.privacy.generator(self.client_id, envelope.round, "upload")
+            clip = round_clip(envelope.config, self.privacy)
+            groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip)
+            metrics = {WITHIN_CLIP: float(norm <= clip)} if ROUND_CLIP in envelope.config else {}
+        groups = codecs.encode(algorithm.settings.upload_codec, groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)
-        self.send(Kind.TRAIN_RES, envelope.round, request=envelope, groups=groups, metrics=result.metrics)
+        self.send(Kind.TRAIN_RES, envelope.round, request=envelope, groups=groups, metrics=metrics)
 
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
@@ -182,14 +226,19 @@ class EdgeClient(DeviceSession):
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
                       metrics={"num_examples": algorithm.data.num_train})
             return
-        with self._compute_lock:
+        steps = self.dp_sgd.accountant.steps if self.dp_sgd is not None else 0
+        with self._compute_lock, dp_sgd(self.dp_sgd):  # a head fitted at evaluation trains privately too
             before = algorithm.personal_state()
-            metrics = algorithm.evaluate(task)
+            metrics = {**algorithm.evaluate(task), **self._epsilon()}
             personal = algorithm.personal_state()
-        if _changed(before, personal) and floats_finite(personal):
+        trained = self.dp_sgd is not None and self.dp_sgd.accountant.steps != steps
+        if (_changed(before, personal) or trained) and floats_finite(personal):
             # e.g. DualFed's recalibrated BatchNorm statistics: the next round trains from them, so a
             # restarted device must too, or a resumed run is not the run made at once
             self._save(envelope, self.rounds_trained, personal)
+        if self.privacy is not None:
+            metrics = private_metrics(metrics, self.privacy,
+                                      self.privacy.generator(self.client_id, envelope.round, "evaluation"))
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
 
 

@@ -95,6 +95,16 @@ def flat(array: np.ndarray | None) -> np.ndarray | None:
     return None if array is None else np.ascontiguousarray(array).reshape(-1)
 
 
+def aligned_reference(base: np.ndarray, value: np.ndarray) -> np.ndarray | None:
+    """`base` cut to `value`'s shape when `value` is a leading slice of it (as CD2-pFed's shared
+    entries are of the previous round's), `base` itself for equal shapes, else None."""
+    if base.shape == value.shape:
+        return base
+    if base.ndim == value.ndim and all(v <= b for v, b in zip(value.shape, base.shape, strict=True)):
+        return base[tuple(slice(0, s) for s in value.shape)]
+    return None
+
+
 def all_finite(array: np.ndarray) -> bool:
     """Whether every value is finite, checked a block at a time: no full-size temporary
     (np.isfinite on a whole 1M-parameter array makes a 1 MB mask).

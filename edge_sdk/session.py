@@ -33,6 +33,7 @@ from typing import Any
 from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
+from .privacy.upstream import PRIVACY
 from .protocol import NACK_FIELDS, SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
 from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
@@ -119,6 +120,12 @@ class DeviceSession:
 
     def tick(self) -> None:
         """Called after every message and every idle half second of `run` (nothing by default)."""
+
+    @property
+    def run_private(self) -> bool:
+        """The latest STATUS announced a run under DP: HELLO then says nothing of the device's
+        data (no example or label counts), which no DP mechanism would cover."""
+        return self._status is not None and bool(self._status.config.get(PRIVACY))
 
     # -- lifecycle -------------------------------------------------------------------------
     @property

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .privacy.dpsgd import active_dp_sgd
+
 
 def pick_device(requested: str = "auto") -> torch.device:
     """`auto` picks CUDA, then Apple MPS, then CPU; anything else is passed to torch.device."""
@@ -81,14 +83,21 @@ def run_epochs(
     epochs: int,
     batch_size: int,
     generator: torch.Generator,
+    module: nn.Module | None = None,
 ) -> float:
     """Minimize `loss_fn` over (x, y) for `epochs`; returns the mean loss of the last epoch.
 
     Inside `mixed_precision(True)` on a CUDA device the forward pass runs under autocast (fp16)
     with a gradient scaler; inside `gradient_clipping(c)` each step's gradients are scaled to an
     L2 norm of at most c first. The loss is summed on the device and read once per epoch, so the
-    loop does not synchronize with the GPU at every batch.
+    loop does not synchronize with the GPU at every batch. Inside `privacy.dpsgd.dp_sgd(...)` the
+    epochs are DP-SGD steps instead (Poisson batches, per-example clipping, noise; full precision),
+    which need `module`, the network `loss_fn` runs.
     """
+    private = active_dp_sgd()
+    if private is not None:
+        return private.run_epochs(loss_fn, optimizer, x, y, epochs=epochs, batch_size=batch_size,
+                                  generator=generator, module=module, max_norm=_GRAD_CLIP.get())
     amp = _AMP.get() and x.device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if amp else None
     max_norm = _GRAD_CLIP.get()

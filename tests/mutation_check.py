@@ -41,6 +41,17 @@ class Mutation:
 
 
 FEDIOS = ("tests/unit/test_fedios_objective.py",)
+ACCOUNTANT_PY, UPSTREAM_PY = "coordinator/privacy/accountant.py", "edge_sdk/privacy/upstream.py"
+MECHANISM_PY, RUN_PRIVACY_PY = "coordinator/privacy/mechanism.py", "coordinator/privacy/run.py"
+DPSGD_PY = "edge_sdk/privacy/dpsgd.py"
+PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
+PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
+PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
+PRIVACY_LOOPBACK_BUDGET = (f"{PRIVACY_LOOPBACK}test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_"
+                           "accountant",)
+PRIVACY_LOOPBACK_ADAPTIVE = (f"{PRIVACY_LOOPBACK}test_the_adaptive_clip_rule_and_the_split_of_the_noise",)
+PRIVACY_LOOPBACK_EPSILON = (f"{PRIVACY_LOOPBACK}test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_"
+                            "evaluations",)
 DUALFED = ("tests/unit/test_dualfed_objective.py",)
 REPPER = ("tests/unit/test_repper_objective.py",)
 CD2 = ("tests/unit/test_cd2_pfed_objective.py",)
@@ -247,6 +258,48 @@ MUTATIONS = (
              (("    _unwind_on_sigterm()\n    try:", "    try:"),),
              ("tests/integration/test_stop_signals.py::test_a_signal_stops_simulate_with_its_code_and_one_line_"
               "leaving_nothing_and_a_consistent_run[registration-sigterm-process]",)),
+    # differential privacy: the accountant, the clip, the noise, the budget and a resume's accountant
+    Mutation("dp: replace-one sensitivity C instead of 2C", ACCOUNTANT_PY,
+             (("base = dp_accounting.GaussianDpEvent(release.noise / 2)",
+               "base = dp_accounting.GaussianDpEvent(release.noise)"),), PRIVACY_ACCOUNTANT),
+    Mutation("dp: local DP accounted with amplification by sampling", ACCOUNTANT_PY,
+             (("return dp_accounting.GaussianDpEvent(noise / 2 if sampling == \"fixed\" else noise)",
+               "return dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(noise))"),),
+             PRIVACY_ACCOUNTANT),
+    Mutation("dp: the device clips to twice C", UPSTREAM_PY,
+             (("scale = min(1.0, bound / norm) if norm > 0 else 1.0",
+               "scale = min(1.0, 2 * bound / norm) if norm > 0 else 1.0"),), PRIVACY_MECHANISMS),
+    Mutation("dp: local noise of z instead of z*C", UPSTREAM_PY,
+             (("std = privacy.noise * bound if privacy.local else 0.0",
+               "std = privacy.noise if privacy.local else 0.0"),), PRIVACY_MECHANISMS),
+    Mutation("dp: the coordinator trusts the devices' clipping", MECHANISM_PY,
+             (("scale = self.clip / norm if self.clip > 0 and norm > self.clip else 1.0", "scale = 1.0"),),
+             PRIVACY_MECHANISMS),
+    Mutation("dp: the aggregate's noise divided by m twice", MECHANISM_PY,
+             (("mean = (total + noise) / self.expected", "mean = (total + noise / self.expected) / self.expected"),),
+             PRIVACY_MECHANISMS),
+    Mutation("dp: the mean over the replies instead of the fixed denominator", MECHANISM_PY,
+             (("mean = (total + noise) / self.expected", "mean = (total + noise) / self.count"),),
+             PRIVACY_MECHANISMS),
+    Mutation("dp: the budget overrun by a round", RUN_PRIVACY_PY,
+             (("        if after > budget:", "        if self.epsilon() > budget:"),), PRIVACY_LOOPBACK_BUDGET),
+    Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
+             (("            self.privacy.restore(saved.history[\"privacy\"])\n", ""),), PRIVACY_LOOPBACK_BUDGET),
+    Mutation("dp: the sampled rounds left out of a run's epsilon", RUN_PRIVACY_PY,
+             (("            self.accountant.add_round(population, self._sample(population), self.noise)\n",
+               "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
+    Mutation("dp: adaptive clipping moves C the wrong way", RUN_PRIVACY_PY,
+             (("(share - self.settings.dp_clip_quantile)", "(self.settings.dp_clip_quantile - share)"),),
+             PRIVACY_LOOPBACK_ADAPTIVE),
+    Mutation("dp: adaptive clipping's count noise not taken from the update's", RUN_PRIVACY_PY,
+             (("return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5", "return self.noise"),),
+             PRIVACY_LOOPBACK_ADAPTIVE),
+    Mutation("dp-sgd: no per-example clipping", DPSGD_PY,
+             (("max_grad_norm=self.max_grad_norm,", "max_grad_norm=1e9,"),),
+             ("tests/unit/test_dpsgd.py",)),
+    Mutation("dp-sgd: shuffled batches accounted as Poisson ones", DPSGD_PY,
+             (("idx = torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()",
+               "idx = torch.randperm(n, generator=generator)[:batch_size]"),), ("tests/unit/test_dpsgd.py",)),
 )
 
 

@@ -8,6 +8,7 @@ aggregated. The server never holds a device's personal state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -54,6 +55,8 @@ class ServerAlgorithm(ABC):
         self.context = context
         self.check_model()
         self.state: dict[str, ArrayGroup] = self.initial_state()
+        self.private_mean: Callable[[ArrayGroup], Aggregator] | None = None
+        """Under DP, the round's aggregate (`coordinator.privacy`), set by the round loop."""
 
     def check_model(self) -> None:
         """Refuse, before anything starts, a model that lacks a capability the algorithm's device
@@ -67,7 +70,10 @@ class ServerAlgorithm(ABC):
 
     def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
         """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one
-        round; `reference` is what was broadcast, for clipping."""
+        round; `reference` is what was broadcast, for clipping. Under DP, the fixed-denominator
+        noised mean instead (`private_mean`)."""
+        if self.private_mean is not None:
+            return self.private_mean(reference or {})
         return make_aggregator(self.context.aggregation, reference)
 
     @abstractmethod
@@ -93,6 +99,11 @@ class ServerAlgorithm(ABC):
     @abstractmethod
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         """Group -> array names, shapes and dtypes a TRAIN_RES of `round_` must carry exactly."""
+
+    def upload_kinds(self) -> dict[str, str]:
+        """What each TRAIN_RES group is (`coordinator.privacy.policy`: parameters, class
+        statistics), for the DP mechanisms; a run under --dp refuses a group not named here."""
+        return {}
 
     def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],  # noqa: B027
                         registered_examples: int) -> None:

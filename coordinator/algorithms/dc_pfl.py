@@ -46,6 +46,7 @@ from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..aggregate import pool_class_stats
+from ..privacy.policy import CLASS_STATISTICS
 from .base import ServerAlgorithm, ServerContext
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class DcPflServer(ServerAlgorithm):
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {STATS: stats_spec(self.num_classes, self.dim, self.hyper.mode, self.hyper.wire_dtype)}
+
+    def upload_kinds(self) -> dict[str, str]:
+        return {STATS: CLASS_STATISTICS}
 
     def validate_update(self, client_id: str, groups: dict[str, ArrayGroup], metrics: dict[str, float],
                         registered_examples: int) -> None:

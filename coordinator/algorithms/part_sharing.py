@@ -18,6 +18,7 @@ from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
 from ..aggregate import PartialSum, WeightedMean, accumulator_dtype
+from ..privacy.policy import PARAMETERS
 from .base import ServerAlgorithm
 
 
@@ -41,6 +42,9 @@ class PartSharingServer(ServerAlgorithm):
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {SHARED: spec_of(self.state[SHARED])}
+
+    def upload_kinds(self) -> dict[str, str]:
+        return {SHARED: PARAMETERS}
 
     def begin_round(self, round_: int) -> None:
         self._mean = self.new_aggregator(self.state[SHARED])

@@ -60,6 +60,9 @@ class DeviceAlgorithm(ABC):
     Hyper: ClassVar[type[DataclassInstance]] = NoHyper
     requires: ClassVar[tuple[Capability, ...]] = ()
     accepts_training_step: ClassVar[bool] = False
+    dp_sgd_refusal: ClassVar[str | None] = ("its local loss has not been shown to be a mean of per-example terms, "
+                                            "which per-example clipping (DP-SGD) needs")
+    """Why DP-SGD (`--dp-sgd`) cannot train this algorithm, or None when it can."""
 
     def __init__(
         self,

@@ -184,6 +184,9 @@ class CD2PFedDevice(TorchDevice):
     id = "cd2_pfed"
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD, CHANNEL_STRUCTURE)
+    dp_sgd_refusal = ("its distillation runs the network with masked weights (functional passes on parameter x "
+                      "mask), which per-layer per-example gradients do not see, and the personal channels are "
+                      "smoothed outside the optimizer's steps")
     shared_parts = ("body", "head")
 
     def __init__(self, *args, **kwargs):

@@ -148,6 +148,8 @@ class DcPflDevice(TorchDevice):
     id = "dc_pfl"
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD)
+    dp_sgd_refusal = ("its upload is per-class feature statistics (counts, means, covariances) computed directly "
+                      "from the training records, not by the DP-SGD steps, so DP-SGD would protect none of it")
     model: PartedNet  # the factory's network: `build_network` is not overridden
     shared_parts = ("head",)
 

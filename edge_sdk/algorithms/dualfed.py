@@ -115,6 +115,8 @@ class DualFedDevice(TorchDevice):
 
     id = "dualfed"
     requires = (*COMMON, PROJECTOR)
+    dp_sgd_refusal = ("its supervised contrastive term pairs every example with the others of its batch (and its "
+                      "projector normalizes with BatchNorm), so no example has a gradient of its own to clip")
     Hyper = Hyper
     shared_parts = SHARED_PARTS
     model: DualFedNet

@@ -203,6 +203,7 @@ class FediOSDevice(TorchDevice):
     id = "fedios"
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD, TWO_EXTRACTORS)
+    dp_sgd_refusal = None  # Eq. (12): three cross-entropies and L_re, each a mean of per-example terms
     model: FediOSNet  # `build_network`'s
     shared_parts = ("body", "head")
 
@@ -231,7 +232,7 @@ class FediOSDevice(TorchDevice):
             own, lr=self.settings.lr, momentum=self.hyper.momentum))
         loss = run_epochs(self.local_loss(), optimizer, self.train_x, self.train_y,
                           epochs=self.settings.local_epochs, batch_size=self.settings.batch_size,
-                          generator=self.generator(task.round))
+                          generator=self.generator(task.round), module=self.model)
         return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
 
     def evaluate(self, task: Task) -> dict[str, float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..privacy.dpsgd import PenalizedLoss
 from ..training import LossFn
 from .base import Task
 from .hyper.fedprox import Hyper as FedProxHyper
@@ -32,17 +33,17 @@ class FedProxDevice(PartSharingDevice):
 
     def local_loss(self, task: Task) -> LossFn:
         """CE (or the trainer's own loss) + mu/2 * ||w - w_global||^2, anchored at the shared
-        parameters as they are now (`fit` calls this right after loading the global model)."""
-        ce = self.objective(self.model)
+        parameters as they are now (`fit` calls this right after loading the global model). The
+        proximal term sees no record, only the parameters and the broadcast model: under DP-SGD
+        its gradient is added after the noise, unclipped (`PenalizedLoss`)."""
         params = self.shared_parameters()
         anchor = [p.detach().clone() for p in params]
         mu = self.hyper.mu
 
-        def loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
-            return ce(xb, yb) + 0.5 * mu * proximal
+        def proximal() -> torch.Tensor:
+            return 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
 
-        return loss
+        return PenalizedLoss(self.objective(self.model), proximal)
 
 
 DEVICE = FedProxDevice

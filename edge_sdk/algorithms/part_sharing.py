@@ -27,6 +27,7 @@ class PartSharingDevice(TorchDevice):
     """A model whose `shared_parts` are federated and whose other parts are personal."""
 
     accepts_training_step = True
+    dp_sgd_refusal = None  # cross-entropy is a mean of per-example terms (FedProx adds a parameter-only term)
     deploys_global_model: ClassVar[bool] = False
     model: PartedNet  # the factory's network: `build_network` is not overridden
 
@@ -62,6 +63,7 @@ class PartSharingDevice(TorchDevice):
             epochs=self.settings.local_epochs,
             batch_size=self.settings.batch_size,
             generator=self.generator(task.round),
+            module=self.model,
         )
 
     def train_parts(self, model: torch.nn.Module, parts: tuple[str, ...], epochs: int,
@@ -76,7 +78,7 @@ class PartSharingDevice(TorchDevice):
         try:
             model.train()
             return run_epochs(self.objective(model), self.optimizer(trained), self.train_x, self.train_y,
-                              epochs=epochs, batch_size=self.settings.batch_size, generator=generator)
+                              epochs=epochs, batch_size=self.settings.batch_size, generator=generator, module=model)
         finally:
             for param in frozen:
                 param.requires_grad_(True)
@@ -96,7 +98,8 @@ class PartSharingDevice(TorchDevice):
             features = predict(model.body, self.train_x)
         model.head.train()
         return run_epochs(self.objective(model.head), self.optimizer(model.head.parameters()), features,
-                          self.train_y, epochs=epochs, batch_size=self.settings.batch_size, generator=generator)
+                          self.train_y, epochs=epochs, batch_size=self.settings.batch_size, generator=generator,
+                          module=model.head)
 
     # -- a round ---------------------------------------------------------------------------
     def fit(self, task: Task) -> FitResult:

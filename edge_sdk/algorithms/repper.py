@@ -163,6 +163,8 @@ class RepPerDevice(TorchDevice):
 
     id = "repper"
     requires = (*COMMON, PROJECTOR)
+    dp_sgd_refusal = ("its supervised contrastive loss pairs every example with the others of its batch, so no "
+                      "example has a gradient of its own to clip")
     Hyper = Hyper
     shared_parts = SHARED_PARTS
     share_statistics = True

@@ -35,6 +35,7 @@ import onnxruntime as ort
 
 from ..config import from_mapping
 from ..data import ClientData, device_seed
+from ..privacy.upstream import UploadPrivacy, private_metrics
 from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..session import DeviceSession
 from ..settings import TrainSettings
@@ -114,6 +115,7 @@ class LiteClient(DeviceSession):
         self.fetch_timeout = fetch_timeout
         self.release: Release | None = None
         self.prototypes: Prototypes | None = None
+        self.privacy: UploadPrivacy | None = None
         self.evaluation: Evaluation | None = None
         self._unjoined: Envelope | None = None  # the latest RELEASE of a run not joined (yet)
         self._body: bytes | None = None
@@ -144,10 +146,11 @@ class LiteClient(DeviceSession):
 
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
-        metrics: dict[str, float] = {"num_examples": self.own_data.num_train, "num_test": self.own_data.num_test}
+        metrics: dict[str, float] = {} if self.run_private else {"num_examples": self.own_data.num_train,
+                                                                  "num_test": self.own_data.num_test}
         config: dict[str, Any] = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
                                   "onnxruntime": ort.__version__, "task": self.own_data.task.name}
-        if self.share_prototypes:  # class counts, like the prototypes, only when the device shares them
+        if self.share_prototypes and not self.run_private:  # as the prototypes: shared or kept
             config["label_counts"] = self.own_data.class_counts().tolist()
         return metrics, config
 
@@ -159,6 +162,7 @@ class LiteClient(DeviceSession):
         self.run_id = welcome.run_id
         settings = from_mapping(TrainSettings, welcome.config.get("settings", {}), where="settings")
         self.data = self.own_data.for_run(settings.validation_fraction, device_seed(settings.seed, self.client_id))
+        _, self.privacy = UploadPrivacy.announced(welcome.config, settings.seed)
         self.release, self.prototypes, self._waiting, self._features = None, None, None, None
         early, self._unjoined = self._unjoined, None
         if early is not None and early.run_id == welcome.run_id:
@@ -318,11 +322,14 @@ class LiteClient(DeviceSession):
         compose(body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
                 metadata={"head": head.kind})  # compose keeps the body's metadata
         groups = {}
-        if self.share_prototypes:
+        if self.share_prototypes and self.privacy is None:  # under DP the class means stay home
             counts, means = class_statistics(train, self.data.train_y, classes)
             groups["prototypes"] = {"counts": counts, "means": means}
         self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path)
         log.info("%s: %s head, accuracy %.4f on %d test examples", self.client_id, head.kind, accuracy,
                  self.data.num_test)
-        self.send(Kind.EVAL_RES, request.round, request=request, groups=groups,
-                  metrics={"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train})
+        metrics = {"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train}
+        if self.privacy is not None:
+            metrics = private_metrics(metrics, self.privacy, self.privacy.generator(self.client_id, request.round,
+                                                                                    "evaluation"))
+        self.send(Kind.EVAL_RES, request.round, request=request, groups=groups, metrics=metrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.aggregate import aligned_reference
+from edge_sdk.params import aligned_reference
 from coordinator.robust import AggregationSettings, Clipped, CoordinateMedian, TrimmedMean, make_aggregator
 from coordinator.aggregate import WeightedMean
 from edge_sdk.attacks import corrupt

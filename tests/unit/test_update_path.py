@@ -19,13 +19,12 @@ import pytest
 from coordinator.aggregate import (
     SQUARED_CHANGE_MARGIN,
     WeightedMean,
-    aligned_reference,
     squared_change_above,
     squared_distance,
 )
 from coordinator.validation import UpdateLimits, check_update, delta_norm, norm_over
 from edge_sdk import codecs
-from edge_sdk.params import BLOCK, all_finite, blocks, flat, spec_of
+from edge_sdk.params import BLOCK, aligned_reference, all_finite, blocks, flat, spec_of
 from edge_sdk.protocol import Envelope, Kind, Reason, ValidationError
 
 # -- the plain path, as it was: the oracle ------------------------------------------------

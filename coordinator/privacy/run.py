@@ -1,0 +1,234 @@
+"""One private run's DP, as the round loop uses it: the noise multiplier (given, or calibrated
+to the budget before anything trains), who is sampled, the DP aggregate, the accountant composed
+over every round and every evaluation it releases, the budget stop, and what a checkpoint keeps
+so that a resumed run continues the accountant instead of restarting it.
+
+Two figures are reported. `epsilon` is the guarantee against whoever sees what the coordinator
+releases (every round's global model, the release, the reports) but not who was selected: the
+accountant with amplification by sampling. `epsilon_fleet` holds against the devices and the
+broker's readers, who see each TRAIN's list of selected devices: no amplification, the noise
+composed over the rounds the most selected device took part in. Under local DP only the second
+exists (every upload is seen), and it is the run's `epsilon`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import asdict, replace
+from typing import Any
+
+import numpy as np
+
+from edge_sdk.config import ConfigError
+from edge_sdk.privacy import PrivacySettings
+from edge_sdk.privacy.upstream import ROUND_CLIP, WITHIN_CLIP
+from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
+
+from ..rounds import select_clients
+from .accountant import PrivacyAccountant, calibrate_noise, local_epsilon
+from .mechanism import PrivateMean, noised_mean
+from .policy import BudgetSpent
+
+log = logging.getLogger(__name__)
+
+
+class RunPrivacy:
+    """The DP of one run under `settings` (enabled): `population` devices are eligible for
+    training (trainers, holdouts excepted), `fraction` of them sampled each round, `rounds`
+    planned with `evaluations` evaluation releases; `seed` is the run's."""
+
+    def __init__(self, settings: PrivacySettings, *, devices: int, population: int, fraction: float, rounds: int,
+                 evaluations: int, seed: int):
+        self.settings, self.fraction, self.seed = settings, fraction, seed
+        self.delta = settings.delta_for(devices)
+        self.releases_evaluations = settings.dp_evaluation == "private"
+        self.accountant = PrivacyAccountant(settings.dp_accountant, settings.dp_sampling, self.delta)
+        self.participations: Counter[str] = Counter()
+        self.evaluations = 0
+        self.noise = settings.dp_noise or self._calibrated(population, rounds, evaluations)
+        self.released_accuracy: float | None = None
+        """The last evaluation's noised mean accuracy (private evaluation)."""
+        self.clip = self.round_clip = settings.dp_clip
+        """C of the next round, and of the last one played (adaptive clipping moves it)."""
+        self.within: list[float] = []  # this round's devices: 1 when their change was within C
+        self.count_noise = settings.dp_clip_count_noise or self.expected(population) / 20
+        self._check_std(population)
+        spread = settings.dp_eval_noise / max(1, population)
+        if settings.dp_evaluation == "private" and spread > 0.05:
+            log.warning("DP: the released mean accuracy carries noise of std %.3g over %d devices (--dp-eval-noise "
+                        "%g); with few devices use --dp-evaluation outside", spread, population, settings.dp_eval_noise)
+
+    def _check_std(self, population: int) -> None:
+        """Adaptive clipping splits z between the update and the count (`update_noise`): the
+        count's noise must leave the update some."""
+        if self.settings.dp_adaptive_clip and 2 * self.count_noise <= self.noise:
+            raise ConfigError(f"dp_clip_count_noise {self.count_noise:g} must exceed half the noise multiplier "
+                              f"{self.noise:g}: adaptive clipping's count noise sigma_b and the update's z_delta "
+                              f"make z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1)")
+
+    @property
+    def update_noise(self) -> float:
+        """The update's own noise multiplier: z, or under adaptive clipping z_delta with
+        (z_delta^-2 + (2 sigma_b)^-2)^-1/2 = z, so that the update and the noised count together
+        are one Gaussian mechanism of multiplier z, which the accountant composes."""
+        if not self.settings.dp_adaptive_clip:
+            return self.noise
+        return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5
+
+    @property
+    def local(self) -> bool:
+        return self.settings.dp == "local"
+
+    def _calibrated(self, population: int, rounds: int, evaluations: int) -> float:
+        """z that spends `dp_epsilon` over the planned rounds and evaluation releases."""
+        noise = calibrate_noise(
+            self.settings.dp_accountant, self.settings.dp_sampling, population, self._sample(population), rounds,
+            self.delta, self.settings.dp_epsilon, local=self.local,
+            evaluations=evaluations if self.releases_evaluations else 0, eval_noise=self.settings.dp_eval_noise)
+        log.info("DP: noise multiplier %.4f spends epsilon %.3g at delta %.3g over %d rounds", noise,
+                 self.settings.dp_epsilon, self.delta, rounds)
+        return noise
+
+    def _sample(self, population: int) -> float:
+        """m, the expected number of participants of a round of `population` eligible devices
+        (fixed: exactly the number `select_clients` draws), or q (poisson)."""
+        if self.settings.dp_sampling == "poisson":
+            return self.fraction
+        return min(population, max(1, int(round(self.fraction * population))))
+
+    def expected(self, population: int) -> float:
+        """The fixed denominator of the round's mean."""
+        sample = self._sample(population)
+        return sample * population if self.settings.dp_sampling == "poisson" else sample
+
+    # -- a round -----------------------------------------------------------------------------
+    def select(self, candidates: list[str], round_: int) -> list[str]:
+        """The round's sample: uniform without replacement (fixed), or each candidate with
+        probability `fraction` (poisson), from the run's seed, so a resumed run draws the same."""
+        if self.settings.dp_sampling == "fixed":
+            return select_clients(candidates, self.fraction, self.seed, round_)
+        rng = np.random.default_rng([self.seed, round_, 1])
+        return [c for c, u in zip(sorted(candidates), rng.random(len(candidates)), strict=True) if u < self.fraction]
+
+    def check_budget(self, population: int) -> None:
+        """Raise BudgetSpent when one more round of `population` eligible devices would take
+        epsilon over `dp_epsilon` (no budget: never)."""
+        budget = self.settings.dp_epsilon
+        if budget <= 0:
+            return
+        after = self._epsilon_after_round(population)
+        if after > budget:
+            raise BudgetSpent(f"privacy budget spent: epsilon {self.epsilon():.4g} of {budget:.4g} at delta "
+                              f"{self.delta:.3g}, one more round would reach {after:.4g}")
+
+    def _epsilon_after_round(self, population: int) -> float:
+        if self.local:
+            return self._local_epsilon(max(self.participations.values(), default=0) + 1)
+        eval_noise = self.settings.dp_eval_noise if self.releases_evaluations else None
+        return self.accountant.epsilon_after(population, self._sample(population), self.noise, eval_noise=eval_noise)
+
+    def aggregator(self, population: int, round_: int):
+        """The round's aggregate (`PrivateMean`): clipped again and noised here under central
+        DP, summed as they come under local DP; over the fixed denominator."""
+        def make(reference: ArrayGroup) -> PrivateMean:
+            central = not self.local
+            return PrivateMean(reference, clip=self.clip if central else 0.0,
+                               std=self.update_noise * self.clip if central else 0.0,
+                               expected=self.expected(population), rng=self._generator(round_, "aggregate"))
+        return make
+
+    def task_config(self) -> dict[str, Any]:
+        """What TRAIN carries of the round's DP: the clip bound, under adaptive clipping."""
+        return {ROUND_CLIP: self.clip} if self.settings.dp_adaptive_clip else {}
+
+    def note_update(self, metrics: dict[str, Any]) -> None:
+        """Keep what an accepted update says for adaptive clipping: whether its change was within
+        C (ValidationError for anything but 0 or 1)."""
+        if not self.settings.dp_adaptive_clip:
+            return
+        within = metrics.get(WITHIN_CLIP)
+        if within not in (0, 1) or isinstance(within, bool):
+            raise ValidationError(Reason.MALFORMED, f"{WITHIN_CLIP} must be 0 or 1, got {within!r}")
+        self.within.append(float(within))
+
+    def round_ended(self, population: int, participants: list[str], round_: int) -> None:
+        """Compose the round (whether or not it aggregated: its sample was drawn), count who took
+        part and, under adaptive clipping, move C by the noised share of changes within it."""
+        if population:  # no eligible device, no sample: nothing was released
+            self.accountant.add_round(population, self._sample(population), self.noise)
+        self.participations.update(participants)
+        self.round_clip = self.clip
+        if self.settings.dp_adaptive_clip and population:
+            noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
+            share = (sum(self.within) + noise) / self.expected(population)
+            self.clip *= math.exp(-self.settings.dp_clip_lr * (share - self.settings.dp_clip_quantile))
+        self.within = []
+
+    def release_accuracy(self, accuracies: list[float], round_: int) -> float | None:
+        """The devices' accuracies released as one noised mean (private evaluation), composed."""
+        std = 0.0 if self.local else self.settings.dp_eval_noise
+        self.released_accuracy = noised_mean(accuracies, std, self._generator(round_, "evaluation"))
+        if accuracies:
+            self.accountant.add_evaluation(self.settings.dp_eval_noise)
+            self.evaluations += 1
+        return self.released_accuracy
+
+    def _generator(self, round_: int, purpose: str) -> np.random.Generator:
+        if not self.settings.dp_reproducible_noise:
+            return np.random.default_rng()
+        return np.random.default_rng([self.seed, round_, sum(purpose.encode())])
+
+    # -- figures and state -----------------------------------------------------------------
+    def _local_epsilon(self, participations: int) -> float:
+        evaluations = self.evaluations if self.releases_evaluations else 0
+        return local_epsilon(self.settings.dp_sampling, self.noise, participations, self.delta,
+                             evaluations=evaluations, eval_noise=self.settings.dp_eval_noise)
+
+    def epsilon(self) -> float:
+        """The run's guarantee so far (see the module docstring)."""
+        if self.local:
+            return self.epsilon_fleet()
+        return self.accountant.epsilon()
+
+    def epsilon_fleet(self) -> float:
+        """The guarantee against the devices and the broker's readers: no amplification."""
+        return self._local_epsilon(max(self.participations.values(), default=0))
+
+    def record(self) -> dict[str, Any]:
+        """What every round's record and the report say of the run's privacy."""
+        epsilon = self.epsilon()
+        return {"mode": self.settings.dp, "epsilon": _finite(epsilon), "epsilon_fleet": _finite(self.epsilon_fleet()),
+                "delta": self.delta, "noise_multiplier": self.noise, "clip": self.round_clip,
+                "accountant": self.settings.dp_accountant, "sampling": self.settings.dp_sampling,
+                "evaluation": self.settings.dp_evaluation, "budget": self.settings.dp_epsilon or None}
+
+    def report(self) -> dict[str, Any]:
+        """The report's `privacy`: the record, the last released accuracy and what the
+        guarantee leaves out."""
+        outside = ["evaluation figures"] if self.settings.dp_evaluation == "outside" else []
+        return {**self.record(), "released_accuracy": self.released_accuracy, "rounds_accounted":
+                self.accountant.rounds, "evaluations_accounted": self.evaluations, "outside_the_guarantee": outside}
+
+    def announcement(self) -> dict[str, Any]:
+        """The settings STATUS and WELCOME carry, the noise multiplier resolved."""
+        return asdict(replace(self.settings, dp_noise=self.noise))
+
+    def to_state(self) -> dict[str, Any]:
+        return {"noise": self.noise, "accountant": self.accountant.to_state(), "clip": self.clip,
+                "participations": dict(self.participations), "evaluations": self.evaluations}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state: the same noise multiplier (a calibration is not
+        redone), the accountant's composed events and the participations."""
+        self.noise = float(state["noise"])
+        self.clip = self.round_clip = float(state["clip"])
+        self.accountant = PrivacyAccountant.from_state(state["accountant"])
+        self.participations = Counter({str(k): int(v) for k, v in state["participations"].items()})
+        self.evaluations = int(state["evaluations"])
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: None stands for it."""
+    return value if math.isfinite(value) else None

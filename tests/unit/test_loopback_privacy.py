@@ -1,0 +1,208 @@
+"""Private runs over the loopback broker (tests/loopback_runs.py): what leaves a device under
+`--dp`, the epsilon a run reports, the refusals, the budget stop and a resume's accountant."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from coordinator.privacy.accountant import PrivacyAccountant
+from coordinator.privacy.policy import BudgetSpent
+from edge_sdk.config import ConfigError
+from edge_sdk.privacy.upstream import change_norm
+from edge_sdk.protocol import Kind
+from loopback_runs import drain, listener
+
+PRIVATE_ALGORITHMS = ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "repper", "dualfed",
+                      "cd2_pfed", "fedios")
+CLIP = 0.05
+
+
+def private_config(federation, **changes):
+    settings = dict(dp="central", dp_clip=CLIP, dp_noise=1.0, dp_reproducible_noise=True)
+    return federation.config(**{**settings, **changes})
+
+
+@pytest.mark.parametrize("algorithm", PRIVATE_ALGORITHMS)
+def test_every_upload_of_a_private_run_moves_at_most_c_and_says_nothing_of_the_data(federation, algorithm):
+    # Prepare: spies on what comes down and what goes up
+    coordinator = federation.coordinator(private_config(federation, algorithm=algorithm))
+    down = listener(federation.broker, "spy-train", f"{federation.topics.prefix}/down/all/train", federation.topics)
+    up = federation.spy(Kind.TRAIN_RES)
+    hellos = federation.spy(Kind.HELLO)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each update's change from its round's broadcast is within C; no figure of the data
+    sent = {envelope.round: envelope.groups for envelope in drain(down)}
+    updates = drain(up)
+    assert len(updates) == 6
+    for update in updates:
+        assert change_norm(update.groups, sent[update.round]) <= CLIP * (1 + 1e-5)
+        assert update.metrics == {}
+    for hello in drain(hellos):
+        assert "num_examples" not in hello.metrics and "label_counts" not in hello.config
+    assert report["privacy"]["epsilon"] > 0
+
+
+def test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_evaluations(federation):
+    # Prepare: 4 devices, 2 sampled per round, evaluations every round, released privately
+    config = private_config(federation, clients=4, fraction=0.5, rounds=3)
+    coordinator = federation.coordinator(config)
+    for i in range(4):
+        federation.start_device(i, 4)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: the same figure as composing the run's events directly, every round in metrics.jsonl
+    delta = 4 ** -1.1
+    expected = PrivacyAccountant("rdp", "fixed", delta)
+    per_round = []
+    for _ in range(3):
+        expected.add_round(4, 2, 1.0)
+        expected.add_evaluation(10.0)
+        per_round.append(expected.epsilon())
+    assert report["privacy"]["epsilon"] == pytest.approx(per_round[-1], rel=1e-9)
+    assert [r["privacy"]["epsilon"] for r in report["rounds"]] == pytest.approx(per_round, rel=1e-9)
+    lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
+    assert [line["privacy"]["epsilon"] for line in lines if line["event"] == "round"] == pytest.approx(per_round)
+    assert report["privacy"]["delta"] == pytest.approx(delta)
+    final = report["final"]
+    assert all(client["accuracy"] is None for client in final["per_client"].values())  # only the noised mean
+    assert final["personalized_accuracy"]["mean"] == report["privacy"]["released_accuracy"]
+
+
+def test_an_algorithm_that_uploads_class_statistics_refuses_dp_by_name(federation):
+    with pytest.raises(ConfigError, match="dc_pfl uploads class statistics .*'stats'"):
+        federation.coordinator(private_config(federation, algorithm="dc_pfl"))
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    (dict(dp="distributed"), "secure aggregation"),
+    (dict(aggregation="median"), "aggregation median"),
+    (dict(late_updates="next_round"), "late_updates"),
+    (dict(dp="local", max_update_norm=5.0), "max_update_norm"),
+    (dict(algorithm="fedavg", release=True), "BatchNorm statistics"),
+])
+def test_settings_that_would_leave_a_message_uncovered_are_refused_by_name(federation, changes, named):
+    with pytest.raises(ConfigError, match=named):
+        federation.coordinator(private_config(federation, **changes))
+
+
+def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_accountant(federation):
+    # Prepare: z fixed, a budget that allows two of the three rounds (evaluations outside the guarantee)
+    probe = PrivacyAccountant("rdp", "fixed", 3 ** -1.1)
+    probe.add_round(3, 3, 1.0)
+    probe.add_round(3, 3, 1.0)
+    budget = (probe.epsilon() + probe.epsilon_after(3, 3, 1.0)) / 2
+    config = private_config(federation, rounds=3, dp_epsilon=budget, dp_evaluation="outside")
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: two rounds played, the third refused, the report says why; the accountant is saved
+    assert report["rounds_completed"] == 2
+    assert "privacy budget spent" in report["stopped"]
+    assert report["privacy"]["epsilon"] == pytest.approx(probe.epsilon(), rel=1e-9)
+    assert report["privacy"]["outside_the_guarantee"] == ["evaluation figures"]
+    resumed = federation.coordinator(config.replace(dp_epsilon=budget * 10))
+    assert resumed.privacy is not None and resumed.privacy.epsilon() == pytest.approx(probe.epsilon(), rel=1e-9)
+    with pytest.raises(BudgetSpent):
+        federation.coordinator(config).privacy.check_budget(3)
+
+
+def test_a_private_round_s_aggregate_is_noised_around_the_fixed_denominator_mean(federation):
+    # Prepare: one round, noise drawn from the seed, so the same run is made twice
+    config = private_config(federation, rounds=1, dp_noise=4.0, dp_evaluation="outside")
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    coordinator.run()
+
+    # Assert: the global state moved by more than the clipped changes could (noise of std zC/m)
+    state = coordinator.algorithm.state["shared"]
+    initial = type(coordinator.algorithm)(coordinator.hyper, coordinator.algorithm.context).state["shared"]
+    moved = np.sqrt(sum(float(np.sum((state[k].astype(np.float64) - initial[k]) ** 2)) for k in state
+                        if state[k].dtype.kind == "f"))
+    assert moved > CLIP  # three changes of norm <= C over m = 3 move it by <= C; the noise does the rest
+
+
+def test_adaptive_clipping_moves_c_by_the_devices_noised_count_and_every_upload_keeps_to_its_round(federation):
+    # Prepare: C starts tiny, so every change is outside it and C grows toward the median norm
+    config = private_config(federation, rounds=3, dp_adaptive_clip=True, dp_clip_count_noise=1.0,
+                            dp_evaluation="outside")
+    coordinator = federation.coordinator(config)
+    down = listener(federation.broker, "spy-train", f"{federation.topics.prefix}/down/all/train", federation.topics)
+    up = federation.spy(Kind.TRAIN_RES)
+    for i in range(3):
+        federation.start_device(i, 3)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each TRAIN names its round's C, each upload keeps to it and says whether it was within
+    trains = {envelope.round: envelope for envelope in drain(down)}
+    clips = [trains[r].config["dp_clip"] for r in (1, 2, 3)]
+    assert clips[0] == CLIP and len(set(clips)) == 3
+    for update in drain(up):
+        clip = trains[update.round].config["dp_clip"]
+        assert change_norm(update.groups, trains[update.round].groups) <= clip * (1 + 1e-5)
+        assert update.metrics in ({"dp_within_clip": 0.0}, {"dp_within_clip": 1.0})
+    assert [r["privacy"]["clip"] for r in report["rounds"]] == clips
+
+
+def test_the_adaptive_clip_rule_and_the_split_of_the_noise():
+    from coordinator.privacy.run import RunPrivacy
+    from edge_sdk.privacy import PrivacySettings
+    from edge_sdk.protocol import ValidationError
+
+    settings = PrivacySettings(dp="central", dp_clip=1.0, dp_noise=1.0, dp_adaptive_clip=True,
+                               dp_clip_count_noise=1.0, dp_clip_lr=0.5, dp_clip_quantile=0.25,
+                               dp_reproducible_noise=True)
+    privacy = RunPrivacy(settings, devices=8, population=8, fraction=0.5, rounds=2, evaluations=0, seed=0)
+    assert privacy.update_noise == pytest.approx((1.0 - 0.25) ** -0.5)  # (z^-2 - (2 sigma_b)^-2)^-1/2
+
+    for within in (1.0, 1.0, 0.0, 1):
+        privacy.note_update({"dp_within_clip": within})
+    noise = np.random.default_rng([0, 1, sum(b"clip count")]).normal(0.0, 1.0)
+    privacy.round_ended(8, ["a", "b", "c", "d"], 1)
+
+    share = (3 + noise) / 4
+    assert privacy.clip == pytest.approx(np.exp(-0.5 * (share - 0.25)))
+    with pytest.raises(ValidationError, match="dp_within_clip"):
+        privacy.note_update({"dp_within_clip": 0.5})
+    with pytest.raises(ConfigError, match="dp_clip_count_noise"):
+        RunPrivacy(PrivacySettings(dp="central", dp_noise=3.0, dp_adaptive_clip=True, dp_clip_count_noise=1.0),
+                   devices=8, population=8, fraction=0.5, rounds=2, evaluations=0, seed=0)
+
+
+def test_poisson_sampling_selects_each_device_on_its_own_and_pld_accounts_it(federation):
+    # Prepare: each of 4 devices sampled with probability 0.5 a round; the PLD accountant
+    config = private_config(federation, clients=4, fraction=0.5, rounds=3, dp_sampling="poisson",
+                            dp_accountant="pld", dp_evaluation="outside")
+    coordinator = federation.coordinator(config)
+    for i in range(4):
+        federation.start_device(i, 4)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each round as large as its draw, accounted as three Poisson-sampled Gaussians
+    expected = PrivacyAccountant("pld", "poisson", 4 ** -1.1)
+    for _ in range(3):
+        expected.add_round(4, 0.5, 1.0)
+    assert report["privacy"]["epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
+    sizes = [r["selected"] for r in report["rounds"]]
+    draws = [coordinator.privacy.select([f"dev{i:03d}" for i in range(4)], r) for r in (1, 2, 3)]
+    assert sizes == [len(d) for d in draws]
