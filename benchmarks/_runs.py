@@ -521,6 +521,19 @@ def trained_on(machines: list[str]) -> str:
     return "Runs trained on: " + ("; ".join(f"{machine} ({n} runs)" for machine, n in counts.items()) or "-") + "."
 
 
+def trailer(document: dict[str, Any], machines: list[str]) -> list[str]:
+    """The lines a benchmark's tables end with: where their runs were trained, where and by which
+    command the tables were made, and the runs that failed."""
+    machine = document["machine"]
+    lines = ["", trained_on(machines), "",
+             f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
+             f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
+             f"Command: `{machine['command']}`", ""]
+    if document["failures"]:
+        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    return lines
+
+
 def setup_logging() -> None:
     """Progress lines of the benchmark on stderr; the library (and the device workers, which
     inherit the root level) only warns."""

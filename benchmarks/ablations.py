@@ -53,7 +53,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (NAMES, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging, trained_on,
+from ._runs import (NAMES, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging, trailer,
                     write_outputs)
 
 log = logging.getLogger("benchmarks")
@@ -326,13 +326,7 @@ def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
     for claim in document["claims"]:
         lines.append(f"| {NAMES[claim['paper']]} | {claim['claim']} | {claim['source']} | {claim['measured']} | "
                      f"{claim['reproduced']} |")
-    machine = document["machine"]
-    lines += ["", trained_on([where for row in results for where in row.get("machines", {}).values()]), "",
-              f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
-              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
-              f"Command: `{machine['command']}`", ""]
-    if document["failures"]:
-        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    lines += trailer(document, [where for row in results for where in row.get("machines", {}).values()])
     return "\n".join(lines)
 
 

@@ -75,7 +75,7 @@ from ._runs import (
     mean_std,
     pct,
     setup_logging,
-    trained_on,
+    trailer,
     write_outputs,
 )
 
@@ -406,13 +406,7 @@ def markdown(document: dict[str, Any]) -> str:
     machines = [where for methods in settings.values() for entry in methods.values()
                 for cell in [*entry["search"], entry["common"], entry["paper"]]
                 for where in (cell or {}).get("machines", {}).values()]
-    machine = document["machine"]
-    lines += ["", trained_on(machines), "",
-              f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
-              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
-              f"Command: `{machine['command']}`", ""]
-    if document["failures"]:
-        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    lines += trailer(document, machines)
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
@@ -41,7 +41,7 @@ from .events import (Event, EventBus, RoundAggregated, RoundEnded, RoundEvaluate
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
-from .privacy.policy import BudgetSpent, check_dp_sgd_run, check_private_run
+from .privacy.policy import BudgetSpent, check_dp_sgd_run, private_run
 from .registration import Registration, RegistrationTimeout
 from .release import Pool, Release, ReleasePhase
 from .report import MetricsLog, summarize, write_report
@@ -51,9 +51,6 @@ from .run_folder import RunFolder
 from .shard_rounds import ShardedRounds
 from .sharding import ShardRound, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
-
-if TYPE_CHECKING:
-    from .privacy.run import RunPrivacy
 
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
@@ -108,7 +105,7 @@ class Coordinator:
             raise ConfigError(f"release: {config.run.algorithm} keeps the body personal, there is no global "
                               "representation to release")
         check_dp_sgd_run(config, self.model)
-        self.privacy = self._private_run() if config.privacy.enabled else None
+        self.privacy = private_run(config, self.algorithm, self.model, self._record())
         self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm,
                                    weighted=self.privacy is None)
         self.incarnation = new_message_id()[:12]
@@ -157,26 +154,6 @@ class Coordinator:
         if self.privacy is not None:
             return self.privacy.announcement()
         return asdict(self.config.privacy) if self.config.privacy.dp_sgd else None
-
-    def _private_run(self) -> RunPrivacy:
-        """The run's DP, after refusing (ConfigError, by name) a run with a message no DP
-        mechanism covers; the noise multiplier is calibrated here, before anything trains."""
-        config, rounds = self.config, self.config.training.rounds
-        releases = config.run.release or self.algorithm.releases_representation
-        needs_statistics = False
-        if releases and self.algorithm.shares_body():
-            from .representation import body_statistics_needed
-
-            needs_statistics = bool(body_statistics_needed(self.algorithm.state, self._record(), run_id="",
-                                                           model=self.model))
-        check_private_run(config, self.algorithm, needs_body_statistics=needs_statistics)
-        from .privacy.run import RunPrivacy  # dp-accounting loads with a private run only
-
-        evaluations = sum(1 for r in range(1, rounds + 1) if r % config.round.eval_every == 0 or r == rounds)
-        return RunPrivacy(config.privacy, devices=config.run.clients,
-                          population=config.run.clients - config.lite_devices - config.round.holdout_clients,
-                          fraction=config.round.fraction, rounds=rounds, evaluations=evaluations + int(releases),
-                          seed=config.training.seed)
 
     # -- checkpoints -----------------------------------------------------------------------
     def _resume(self) -> dict[str, Any] | None:
@@ -552,6 +529,8 @@ class Coordinator:
     def _on_update(self, received: Received, round_: int, sent: dict, collector: RoundCollector,
                    started: float) -> None:
         envelope = received.envelope
+        if self.privacy is not None and envelope.kind is Kind.TRAIN_RES and envelope.round == round_:
+            self.privacy.note_upload(envelope.sender, envelope.msg_id)  # refused or not, it went up
         if not self._admit(received, Kind.TRAIN_RES, round_, collector):
             return
         registered = self.registry.devices[envelope.sender].num_examples

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -164,6 +165,9 @@ class PrivacyAccountant:
         self._composed: dict[_Release, int] = {}
         self._live = _fresh(accountant, sampling)
         self._epsilon: float | None = 0.0
+        self._ahead: tuple[Counter[_Release], dp_accounting.PrivacyAccountant] | None = None
+        """RDP: the accountant `epsilon_after` composed one round ahead, adopted when exactly that
+        round is added next (the budget check and the round then compose its event once)."""
 
     @property
     def rounds(self) -> int:
@@ -196,6 +200,7 @@ class PrivacyAccountant:
             accountant = copy.deepcopy(self._synced())
             for release in extra:
                 accountant.compose(_event(release, self.sampling))
+            self._ahead = (Counter(extra), accountant)
             return float(accountant.get_epsilon(self.delta))
         counts = dict(self._counts)
         for release in extra:
@@ -243,11 +248,15 @@ class PrivacyAccountant:
         """The accountant holding every entry: RDP composes what it lacks, PLD is rebuilt."""
         if self.accountant == "pld":
             return self._built(self._counts)
-        for release, count in self._counts.items():
-            missing = count - self._composed.get(release, 0)
-            if missing:
-                self._live.compose(_event(release, self.sampling), missing)
-                self._composed[release] = count
+        missing = Counter({release: count - self._composed.get(release, 0) for release, count in self._counts.items()})
+        missing = +missing  # only what is missing
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == missing:
+            self._live = ahead[1]
+        else:
+            for release, count in missing.items():
+                self._live.compose(_event(release, self.sampling), count)
+        self._composed = dict(self._counts)
         return self._live
 
     def _built(self, counts: Mapping[_Release, int]) -> dp_accounting.PrivacyAccountant:

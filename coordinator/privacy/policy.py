@@ -19,7 +19,7 @@ per-example terms, or a model with BatchNorm (`check_dp_sgd_run`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edge_sdk.config import ConfigError
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from ..algorithms.base import ServerAlgorithm
     from ..config import RunConfig
+    from .run import RunPrivacy
 
 PARAMETERS = "parameters"
 """The upload kind DP treats: a change of shared parameters, clipped to C and noised."""
@@ -94,3 +95,28 @@ def check_dp_sgd_run(config: RunConfig, model: ModelSpec) -> None:
         check_dp_sgd(load(config.run.algorithm), build_model(model, config.task(), seed=config.training.seed))
     except DpSgdRefused as exc:
         raise ConfigError(str(exc)) from None
+
+
+def private_run(config: RunConfig, algorithm: ServerAlgorithm, model: ModelSpec,
+                record: dict[str, Any]) -> RunPrivacy | None:
+    """The DP of a `--dp` run (`RunPrivacy`; None without `--dp`), after refusing by name
+    (ConfigError) a run with a message no mechanism covers; the noise multiplier is calibrated
+    here, before anything trains. `record` is the run's configuration as its checkpoint records
+    it (to find what a release would pool)."""
+    if not config.privacy.enabled:
+        return None
+    rounds = config.training.rounds
+    releases = config.run.release or algorithm.releases_representation
+    needs_statistics = False
+    if releases and algorithm.shares_body():
+        from ..representation import body_statistics_needed
+
+        needs_statistics = bool(body_statistics_needed(algorithm.state, record, run_id="", model=model))
+    check_private_run(config, algorithm, needs_body_statistics=needs_statistics)
+    from .run import RunPrivacy  # dp-accounting loads with a private run only
+
+    evaluations = sum(1 for r in range(1, rounds + 1) if r % config.round.eval_every == 0 or r == rounds)
+    return RunPrivacy(config.privacy, devices=config.run.clients,
+                      population=config.run.clients - config.lite_devices - config.round.holdout_clients,
+                      fraction=config.round.fraction, rounds=rounds, evaluations=evaluations + int(releases),
+                      seed=config.training.seed)

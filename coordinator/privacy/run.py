@@ -53,6 +53,7 @@ class RunPrivacy:
         self.clip = self.round_clip = settings.dp_clip
         """C of the next round, and of the last one played (adaptive clipping moves it)."""
         self.within: list[float] = []  # this round's devices: 1 when their change was within C
+        self.uploads: dict[str, set[str]] = {}  # this round's distinct uploads (message ids) by device
         self.count_noise = settings.dp_clip_count_noise or self.expected(population) / 20
         self._check_std(population)
         spread = settings.dp_eval_noise / max(1, population)
@@ -143,6 +144,11 @@ class RunPrivacy:
         """What TRAIN carries of the round's DP: the clip bound, under adaptive clipping."""
         return {ROUND_CLIP: self.clip} if self.settings.dp_adaptive_clip else {}
 
+    def note_upload(self, client_id: str, msg_id: str) -> None:
+        """Count an upload of the open round, accepted or not: a device that trained twice for
+        one round (it restarted and lost its reply) released its data twice."""
+        self.uploads.setdefault(client_id, set()).add(msg_id)
+
     def note_update(self, metrics: dict[str, Any]) -> None:
         """Keep what an accepted update says for adaptive clipping: whether its change was within
         C (ValidationError for anything but 0 or 1)."""
@@ -155,10 +161,15 @@ class RunPrivacy:
 
     def round_ended(self, population: int, participants: list[str], round_: int) -> None:
         """Compose the round (whether or not it aggregated: its sample was drawn), count who took
-        part and, under adaptive clipping, move C by the noised share of changes within it."""
+        part (a device that uploaded twice, twice) and, under adaptive clipping, move C by the
+        noised share of changes within it."""
         if population:  # no eligible device, no sample: nothing was released
             self.accountant.add_round(population, self._sample(population), self.noise)
-        self.participations.update(participants)
+        taken = Counter(dict.fromkeys(participants, 1))
+        for client_id, uploads in self.uploads.items():
+            taken[client_id] = max(taken[client_id], len(uploads))
+        self.participations.update(taken)
+        self.uploads = {}
         self.round_clip = self.clip
         if self.settings.dp_adaptive_clip and population:
             noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.privacy.accountant import PrivacyAccountant
+from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
 from coordinator.privacy.policy import BudgetSpent
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy.upstream import change_norm
@@ -206,3 +206,19 @@ def test_poisson_sampling_selects_each_device_on_its_own_and_pld_accounts_it(fed
     sizes = [r["selected"] for r in report["rounds"]]
     draws = [coordinator.privacy.select([f"dev{i:03d}" for i in range(4)], r) for r in (1, 2, 3)]
     assert sizes == [len(d) for d in draws]
+
+
+def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
+    from coordinator.privacy.run import RunPrivacy
+    from edge_sdk.privacy import PrivacySettings
+
+    privacy = RunPrivacy(PrivacySettings(dp="local", dp_noise=2.0, dp_evaluation="outside"), devices=4, population=4,
+                         fraction=0.5, rounds=3, evaluations=0, seed=0)
+    privacy.note_upload("dev000", "a")
+    privacy.note_upload("dev000", "a")  # the same message again (QoS 1): one release
+    privacy.note_upload("dev001", "b")
+    privacy.note_upload("dev001", "c")  # trained again after a restart: a second release
+    privacy.round_ended(4, ["dev000", "dev001"], 1)
+
+    assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
+    assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))

@@ -323,3 +323,25 @@ def test_bad_arguments_are_refused(call, message):
     # Execute / Assert
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_round_looked_ahead_and_then_added_gives_the_same_epsilon_as_one_added_directly():
+    # Prepare: two accountants of the same run; one checks its budget before each round
+    checked, direct = (PrivacyAccountant("rdp", "fixed", 1e-5) for _ in range(2))
+
+    # Execute: the looked-ahead round is added as predicted, then one that was not predicted
+    for accountant in (checked, direct):
+        accountant.add_round(100, 10, 1.3)
+    ahead = checked.epsilon_after(100, 10, 1.3, eval_noise=10.0)
+    for accountant in (checked, direct):
+        accountant.add_round(100, 10, 1.3)
+        accountant.add_evaluation(10.0)
+    after_prediction, direct_at_that_point = checked.epsilon(), direct.epsilon()
+    checked.epsilon_after(100, 10, 1.3)
+    for accountant in (checked, direct):
+        accountant.add_round(90, 9, 1.3)  # not what was looked ahead at
+
+    # Assert
+    assert ahead == after_prediction == pytest.approx(direct_at_that_point, rel=1e-12)
+    assert checked.epsilon() == pytest.approx(direct.epsilon(), rel=1e-12)
+    assert checked.to_state() == direct.to_state()
