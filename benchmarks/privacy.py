@@ -78,7 +78,7 @@ from coordinator.flags import given
 from ._flags import PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, add_seeds_flag, \
     finish_cache_flags
 from ._machine import machine_info
-from ._runs import NAMES, RunCache, RunPool, RunView, bench_config, listed, setup_logging, trained_on, write_outputs
+from ._runs import NAMES, RunCache, RunPool, RunView, bench_config, listed, setup_logging, trailer, write_outputs
 
 log = logging.getLogger("benchmarks")
 
@@ -500,14 +500,7 @@ def markdown(document: dict[str, Any]) -> str:
                          f"{_number(privacy.get('noise_multiplier'), '.3f')} | {_number(privacy.get('epsilon'), '.3f')}"
                          f" | {_number(privacy.get('epsilon_fleet'), '.3f')} | {_number(found['round_seconds'], '.2f')}"
                          f" | {_number(found['wall_seconds'], '.0f')} |")
-    machines = [found["machine"] for entry in results.values() for found in entry["seeds"].values()]
-    machine = document["machine"]
-    lines += ["", trained_on(machines), "",
-              f"Tables made on: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; "
-              f"torch {machine['torch']}; load average at start {machine['load_average_at_start']}. "
-              f"Command: `{machine['command']}`", ""]
-    if document["failures"]:
-        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in document["failures"]), ""]
+    lines += trailer(document, [found["machine"] for entry in results.values() for found in entry["seeds"].values()])
     return "\n".join(lines)
 
 

@@ -177,8 +177,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         traffic[0] += record["bytes_up"] + record["bytes_down"]
         if bars:
             acc = (record["personalized_accuracy"] or {}).get("mean")
+            spent = (record.get("privacy") or {}).get("epsilon")  # under --dp: the epsilon spent so far
             bars[0].set_postfix(round=record["round"], acc="-" if acc is None else f"{acc:.3f}",
-                                MB=f"{traffic[0] / 1e6:.1f}")
+                                MB=f"{traffic[0] / 1e6:.1f}", **({} if spent is None else {"eps": f"{spent:.2f}"}))
             bars[0].update(1)
 
     try:
