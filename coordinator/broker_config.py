@@ -230,6 +230,13 @@ def _write_secret(path: Path, text: str) -> None:
         handle.write(text)
 
 
+def new_password() -> str:
+    """A random password of 32 URL-safe characters that does not start with "-" (a command line
+    would read `--password -x...` as a flag)."""
+    password = secrets.token_urlsafe(24)
+    return password if not password.startswith("-") else "A" + password[1:]
+
+
 def _hash_passwords(tool: str, path: Path, accounts: dict[str, Account]) -> None:
     """Write `user:password` lines (0600) and let `mosquitto_passwd -U` hash them in place, so
     no password appears on a command line."""
@@ -463,7 +470,7 @@ def generate(
     if force and tls_dir.exists():
         shutil.rmtree(tls_dir)
 
-    accounts = {name: Account(name, secrets.token_urlsafe(24), signing_key=None if name == COORDINATOR else new_key())
+    accounts = {name: Account(name, new_password(), signing_key=None if name == COORDINATOR else new_key())
                 for name in [COORDINATOR, *ids]}
     _hash_passwords(passwd_tool, passwords, accounts)
     _write_secret(acl, render_acl(federation, ids, shards))

@@ -35,7 +35,6 @@ another's client id takes over (closes) that device's session.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import warnings
 from collections.abc import Sequence
@@ -45,8 +44,8 @@ from pathlib import Path
 from edge_sdk.protocol import COORDINATOR, Topics
 from edge_sdk.signing import new_key
 
-from .broker_config import (Account, BrokerConfigError, _write_secret, accounts_with_aggregators, parse_devices,
-                            topic_rules)
+from .broker_config import (Account, BrokerConfigError, _write_secret, accounts_with_aggregators, new_password,
+                            parse_devices, topic_rules)
 
 ACCOUNT = "EDGEPFL"
 CLIENT_PORT = 4222
@@ -197,10 +196,10 @@ def generate_nats(out: str | Path, federation: str, devices: str | Sequence[str]
             shutil.rmtree(out / folder)
         (out / folder).mkdir(mode=0o700, exist_ok=True)
 
-    accounts = {name: Account(name, secrets.token_urlsafe(24), signing_key=None if name == COORDINATOR else new_key())
+    accounts = {name: Account(name, new_password(), signing_key=None if name == COORDINATOR else new_key())
                 for name in [COORDINATOR, *ids]}
     _write_secret(accounts_file, render_accounts(federation, accounts, shards))
-    route_password = secrets.token_urlsafe(24)
+    route_password = new_password()
     node_configs = []
     for index in range(1, len(nodes) + 1):
         path = out / "nodes" / f"n{index}.conf"

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.integration
 FED = "cluster"
 DEVICES = 6
 WAIT = 240.0
+RUN_WAIT = 600.0
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -175,7 +176,8 @@ class ClusterRun:
         return int(leader[1:])
 
     def finish(self) -> None:
-        finish(self.coordinator, self.tmp_path / "coordinator.log")
+        # the whole run: alone about 50 s, but a full suite on 2 cores can slow it fivefold
+        finish(self.coordinator, self.tmp_path / "coordinator.log", timeout=RUN_WAIT)
         for index, device in enumerate(self.devices):
             finish(device, self.tmp_path / f"dev{index}.log", timeout=60)
         for aggregator, log in self.aggregators:
