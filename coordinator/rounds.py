@@ -15,22 +15,23 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from numpy.random import default_rng  # numpy loads it lazily: with the coordinator, not in round 1
+from numpy.random import Generator, default_rng  # numpy loads it lazily: with the coordinator, not in round 1
 
 from edge_sdk.protocol import ArrayGroup, Reason
 
 
-def select_clients(available: list[str], fraction: float, seed: int, round_: int, *, minimum: int = 1) -> list[str]:
+def select_clients(available: list[str], fraction: float, seed: int, round_: int, *, minimum: int = 1,
+                   rng: Generator | None = None) -> list[str]:
     """A seeded sample of `fraction` of the available devices (at least `minimum`).
 
     The draw depends only on (seed, round, the sorted ids), so a resumed run selects the same
-    devices for the same round.
+    devices for the same round; with `rng`, it is that generator's (a private run's secret draw).
     """
     pool = sorted(available)
     if not pool:
         return []
     k = min(len(pool), max(minimum, int(round(fraction * len(pool)))))
-    rng = default_rng([seed, round_])
+    rng = rng or default_rng([seed, round_])
     return sorted(pool[i] for i in rng.choice(len(pool), size=k, replace=False))
 
 

@@ -5,10 +5,11 @@ so that a resumed run continues the accountant instead of restarting it.
 
 Two figures are reported. `epsilon` is the guarantee against whoever sees what the coordinator
 releases (every round's global model, the release, the reports) but not who was selected: the
-accountant with amplification by sampling. `epsilon_fleet` holds against the devices and the
-broker's readers, who see each TRAIN's list of selected devices: no amplification, the noise
-composed over the rounds the most selected device took part in. Under local DP only the second
-exists (every upload is seen), and it is the run's `epsilon`.
+accountant with amplification by sampling, which needs the sample secret: it is drawn from the
+operating system's entropy. `epsilon_fleet` holds against the other devices, which see each
+TRAIN's list of selected devices: no amplification, the noise composed over the rounds the most
+selected device took part in. Under local DP only the second exists (every upload is seen), and
+it is the run's `epsilon`.
 """
 
 from __future__ import annotations
@@ -107,10 +108,12 @@ class RunPrivacy:
     # -- a round -----------------------------------------------------------------------------
     def select(self, candidates: list[str], round_: int) -> list[str]:
         """The round's sample: uniform without replacement (fixed), or each candidate with
-        probability `fraction` (poisson), from the run's seed, so a resumed run draws the same."""
+        probability `fraction` (poisson). Amplification by sampling holds only while the sample is
+        secret, so it is drawn from the operating system's entropy (from the run's seed, which the
+        report states, only with reproducible noise)."""
+        rng = self._generator(round_, "selection")
         if self.settings.dp_sampling == "fixed":
-            return select_clients(candidates, self.fraction, self.seed, round_)
-        rng = np.random.default_rng([self.seed, round_, 1])
+            return select_clients(candidates, self.fraction, self.seed, round_, rng=rng)
         return [c for c, u in zip(sorted(candidates), rng.random(len(candidates)), strict=True) if u < self.fraction]
 
     def check_budget(self, population: int) -> None:

@@ -67,9 +67,9 @@ class PrivacySettings:
                                    help="noise multiplier of the sum of the devices' accuracies (each in [0, 1]) "
                                         "under --dp-evaluation private")
     dp_reproducible_noise: bool = setting(False, defines=DEFINES_IF_SET,
-                                          help="draw DP noise from the run's seed so runs repeat (the guarantee then "
-                                               "holds only against whoever does not know the seed: experiments); "
-                                               "default: from the operating system's entropy")
+                                          help="draw DP noise and each round's selection from the run's seed so runs "
+                                               "repeat (the guarantee then holds only against whoever does not know "
+                                               "the seed: experiments); default: from the operating system's entropy")
     dp_sgd: bool = setting(False, defines=DEFINES_IF_SET,
                            help="record-level DP of local training: every trainer trains with DP-SGD (Poisson-"
                                 "sampled batches, each example's gradient clipped to --dp-sgd-clip, Gaussian noise) "
