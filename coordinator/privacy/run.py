@@ -111,9 +111,10 @@ class RunPrivacy:
         probability `fraction` (poisson). Amplification by sampling holds only while the sample is
         secret, so it is drawn from the operating system's entropy (from the run's seed, which the
         report states, only with reproducible noise)."""
-        rng = self._generator(round_, "selection")
+        secret = None if self.settings.dp_reproducible_noise else np.random.default_rng()
         if self.settings.dp_sampling == "fixed":
-            return select_clients(candidates, self.fraction, self.seed, round_, rng=rng)
+            return select_clients(candidates, self.fraction, self.seed, round_, rng=secret)
+        rng = secret or np.random.default_rng([self.seed, round_, 1])
         return [c for c, u in zip(sorted(candidates), rng.random(len(candidates)), strict=True) if u < self.fraction]
 
     def check_budget(self, population: int) -> None:
