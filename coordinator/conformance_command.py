@@ -9,6 +9,7 @@ and the signing key are checked. The exit code is 0 when every section passed or
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .flags import add_setting_flags, section_from
 
@@ -53,6 +54,6 @@ def cmd_conformance(args: argparse.Namespace) -> int:
                            hello_timeout=args.hello_timeout, reply_timeout=args.reply_timeout,
                            quiet_seconds=args.quiet_seconds)
     report = run_kit(mqtt, broker.federation, settings)
-    print("\n".join(report.lines()))
-    print(f"conformance of {args.device_id}: {'passed' if report.passed else 'FAILED'}")
+    verdict = f"conformance of {args.device_id}: {'passed' if report.passed else 'FAILED'}"
+    sys.stdout.write("\n".join([*report.lines(), verdict]) + "\n")  # the command's output, not a log line
     return 0 if report.passed else 1

@@ -174,6 +174,11 @@ class PrivacyAccountant:
         """How many rounds were composed."""
         return sum(count for release, count in self._counts.items() if release.kind == "round")
 
+    @property
+    def evaluations(self) -> int:
+        """How many evaluation releases were composed."""
+        return sum(count for release, count in self._counts.items() if release.kind == "evaluation")
+
     def add_round(self, population: int, sample: int | float, noise: float) -> None:
         """Compose one round: `population` N eligible devices, `sample` m (fixed) or q (poisson;
         N is then not part of the event), noise multiplier `noise`."""

@@ -47,7 +47,6 @@ class RunPrivacy:
         self.releases_evaluations = settings.dp_evaluation == "private"
         self.accountant = PrivacyAccountant(settings.dp_accountant, settings.dp_sampling, self.delta)
         self.participations: Counter[str] = Counter()
-        self.evaluations = 0
         self.noise = settings.dp_noise or self._calibrated(population, rounds, evaluations)
         self.released_accuracy: float | None = None
         """The last evaluation's noised mean accuracy (private evaluation)."""
@@ -187,7 +186,6 @@ class RunPrivacy:
         self.released_accuracy = noised_mean(accuracies, std, self._generator(round_, "evaluation"))
         if accuracies:
             self.accountant.add_evaluation(self.settings.dp_eval_noise)
-            self.evaluations += 1
         return self.released_accuracy
 
     def _generator(self, round_: int, purpose: str) -> np.random.Generator:
@@ -197,7 +195,7 @@ class RunPrivacy:
 
     # -- figures and state -----------------------------------------------------------------
     def _local_epsilon(self, participations: int) -> float:
-        evaluations = self.evaluations if self.releases_evaluations else 0
+        evaluations = self.accountant.evaluations
         return local_epsilon(self.settings.dp_sampling, self.noise, participations, self.delta,
                              evaluations=evaluations, eval_noise=self.settings.dp_eval_noise)
 
@@ -223,8 +221,9 @@ class RunPrivacy:
         """The report's `privacy`: the record, the last released accuracy and what the
         guarantee leaves out."""
         outside = ["evaluation figures"] if self.settings.dp_evaluation == "outside" else []
-        return {**self.record(), "released_accuracy": self.released_accuracy, "rounds_accounted":
-                self.accountant.rounds, "evaluations_accounted": self.evaluations, "outside_the_guarantee": outside}
+        return {**self.record(), "released_accuracy": self.released_accuracy,
+                "rounds_accounted": self.accountant.rounds, "evaluations_accounted": self.accountant.evaluations,
+                "outside_the_guarantee": outside}
 
     def announcement(self) -> dict[str, Any]:
         """The settings STATUS and WELCOME carry, the noise multiplier resolved."""
@@ -232,7 +231,7 @@ class RunPrivacy:
 
     def to_state(self) -> dict[str, Any]:
         return {"noise": self.noise, "accountant": self.accountant.to_state(), "clip": self.clip,
-                "participations": dict(self.participations), "evaluations": self.evaluations}
+                "participations": dict(self.participations)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state: the same noise multiplier (a calibration is not
@@ -241,7 +240,6 @@ class RunPrivacy:
         self.clip = self.round_clip = float(state["clip"])
         self.accountant = PrivacyAccountant.from_state(state["accountant"])
         self.participations = Counter({str(k): int(v) for k, v in state["participations"].items()})
-        self.evaluations = int(state["evaluations"])
 
 
 def _finite(value: float) -> float | None:
