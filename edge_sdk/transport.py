@@ -19,6 +19,10 @@ Failing clearly: the first connection is retried with backoff while the broker i
 3.1.1, which has no such answer, a connection closed right after it was made, again and again)
 is not reconnected to forever: `failed` is set and `failure` says why.
 
+Closing flushes: `close` first waits (up to `FLUSH_SECONDS`) until the broker acknowledged every
+QoS 1 publication, those paho still holds back behind its in-flight window included, so a
+process that publishes its last message and exits (the coordinator's final STATUS) loses none.
+
 Received payloads are read-only views of the buffer paho read the packet into, not copies:
 paho's own PUBLISH decoder slices the packet three or four times (each a full copy), so a 4 MB
 update briefly took 16 MB; `decode_publish_in_place` replaces it (paho 2.2; a paho without
@@ -38,6 +42,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlparse
@@ -67,6 +72,10 @@ BRIEF_CONNECTION = 5.0
 BRIEF_CONNECTIONS_IN_A_ROW = 5
 """So many brief connections in a row: the broker (most often its ACL) will not have this client."""
 RETRY_MAX_DELAY = 10.0
+FLUSH_SECONDS = 10.0
+"""How long `close` waits for the broker to acknowledge what was published at QoS 1 (a last
+STATUS, a last reply), so that a process that publishes and exits loses nothing in flight."""
+MAX_TRACKED_PUBLICATIONS = 1024
 
 
 class TransportError(ConnectionError):
@@ -223,6 +232,7 @@ class MqttTransport:
         self._connected_at = 0.0
         self._brief_connections = 0
         self._sent_topics: dict[int, str] = {}  # message id -> topic, for a PUBACK's refusal
+        self._unacknowledged: deque[mqtt.MQTTMessageInfo] = deque(maxlen=MAX_TRACKED_PUBLICATIONS)
         self._subscribing: dict[int, str] = {}  # message id -> topic filter awaiting its SUBACK
         self._early_subacks: dict[int, list] = {}  # message id -> reason codes of a SUBACK read before its id
         self._subscribe_refusals: dict[str, int] = {}  # topic filter -> refusals in a row
@@ -334,7 +344,9 @@ class MqttTransport:
         return client
 
     def close(self) -> None:
-        """Disconnect cleanly (the broker does not send the Last Will on a clean disconnect)."""
+        """Disconnect cleanly (the broker does not send the Last Will on a clean disconnect),
+        once the broker acknowledged what was published at QoS 1 (up to `FLUSH_SECONDS`)."""
+        self._flush()
         client, self._client = self._client, None
         self.incoming.close()
         if client is not None:
@@ -342,6 +354,19 @@ class MqttTransport:
             with contextlib.suppress(AttributeError):  # paho 2.2: the network thread may clear itself first
                 client.loop_stop()
         self.connected.clear()
+
+    def _flush(self) -> None:
+        """Wait, while connected, until the broker acknowledged every QoS 1 publication still in flight."""
+        deadline = time.monotonic() + FLUSH_SECONDS
+        while self._unacknowledged and self.connected.is_set() and self.failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("%s: %d publications not acknowledged by the broker within %.0f s of closing",
+                            self.client_id, len(self._unacknowledged), FLUSH_SECONDS)
+                return
+            with contextlib.suppress(RuntimeError, ValueError):  # not sent (no connection): nothing to wait for
+                self._unacknowledged[0].wait_for_publish(remaining)
+            self._unacknowledged.popleft()
 
     # -- operations ------------------------------------------------------------------------
     def subscriptions_active(self) -> bool:
@@ -384,6 +409,10 @@ class MqttTransport:
             self._sent_topics[info.mid] = topic  # for the message of a denial
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        if qos:
+            while self._unacknowledged and self._unacknowledged[0].is_published():
+                self._unacknowledged.popleft()
+            self._unacknowledged.append(info)
         self.counter.record("sent", topic, len(payload))
 
     # -- paho callbacks (network thread: never raise; only flow control waits) ---------------

@@ -62,8 +62,8 @@ def coordinator_args(url: str, out: Path, rounds: int, *flags: str) -> list[str]
 
 
 def device_args(url: str, tmp_path: Path, index: int) -> list[str]:
-    return cli("client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}", "--dataset", "digits",
-               "--clients", str(DEVICES), "--index", str(index), "--state-dir", str(tmp_path / f"dev{index}"),
+    return cli("-v", "client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}",
+               "--dataset", "digits", "--clients", str(DEVICES), "--index", str(index), "--state-dir", str(tmp_path / f"dev{index}"),
                "--device", "cpu")
 
 
@@ -74,7 +74,13 @@ def spawn_logged(start: Callable[..., subprocess.Popen], argv: list[str], log: P
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = WAIT) -> None:
-    process.wait(timeout=timeout)
+    """Wait for `process` to end with 0; on a timeout, fail with what its log says (devices run -v)."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"{log.name}: still running after {timeout:.0f} s:\n{log.read_text()[-4000:]}")
     assert process.returncode == 0, log.read_text()[-4000:]
 
 
@@ -176,12 +182,13 @@ class ClusterRun:
         return int(leader[1:])
 
     def finish(self) -> None:
-        # the whole run: alone about 50 s, but a full suite on 2 cores can slow it fivefold
+        # the whole run: alone about 50 s, but a full suite on 2 cores can slow it fivefold; then
+        # each device and aggregator ends on the final STATUS, which JetStream delivers at QoS 1
         finish(self.coordinator, self.tmp_path / "coordinator.log", timeout=RUN_WAIT)
         for index, device in enumerate(self.devices):
-            finish(device, self.tmp_path / f"dev{index}.log", timeout=60)
+            finish(device, self.tmp_path / f"dev{index}.log", timeout=WAIT)
         for aggregator, log in self.aggregators:
-            finish(aggregator, log, timeout=60)
+            finish(aggregator, log, timeout=WAIT)
 
     def close(self) -> None:
         if self.watcher is not None:
