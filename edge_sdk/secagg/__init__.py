@@ -1,0 +1,61 @@
+"""Secure aggregation (SecAgg+, Bell et al. 2020, on Bonawitz et al. 2017): the server learns the
+sum of the devices' vectors and nothing else about any one of them, even when devices drop out.
+
+Pure protocol logic (numpy and `cryptography`; no transport): every message is a dataclass with
+`to_wire()`/`from_wire()` over plain msgpack-able values. One `RoundContext` (run, round, sorted
+participants, threshold t, graph degree k, public graph seed, vector length) is shared by all.
+
+Stages, per round:
+ 1. advertise: each device makes two fresh X25519 key pairs, c (to encrypt shares) and s (for
+    pairwise masks), and signs the public halves with its Ed25519 identity key. The server
+    forwards all advertisements. It learns: public keys only.
+ 2. share keys: each device checks its neighbours' signatures against the roster (so the server
+    cannot substitute keys), draws a self-mask seed b, Shamir-splits b and its s private key t-of-k
+    among its neighbours and sends each its two shares, AES-GCM-encrypted under an X25519(c)
+    key. The server routes ciphertexts it cannot open.
+ 3. mask: each device sends y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv) mod 2**32, over the
+    neighbours v that shared keys with it. The server sees vectors that look uniformly random.
+ 4. unmask: the server tells each surviving device which neighbours survived and which dropped;
+    the device (once, and only for a consistent request) reveals its share of b for survivors and
+    of the s private key for the dropped. The server rebuilds those secrets, removes the masks and
+    gets the sum of the survivors' inputs. A device's b and s key are never both revealed, because
+    each honest neighbour answers one request and t > k/2.
+
+The neighbour graph (graph.py) is public and sparse (degree k instead of n - 1), which is what
+makes SecAgg+ scale. Floats enter the ring Z_{2^32} through fixedpoint.FixedPoint.
+"""
+
+from __future__ import annotations
+
+from .client import SecAggClient
+from .context import RoundContext
+from .errors import RoundFailed, SecAggError
+from .fixedpoint import FixedPoint
+from .graph import effective_degree, neighbours
+from .identity import IdentityKey, Roster
+from .masks import expand, pairwise_seed
+from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
+from .server import SecAggServer
+from .shamir import combine, split
+
+__all__ = [
+    "EncryptedShares",
+    "FixedPoint",
+    "IdentityKey",
+    "KeyAdvertisement",
+    "MaskedInput",
+    "RoundContext",
+    "RoundFailed",
+    "Roster",
+    "SecAggClient",
+    "SecAggError",
+    "SecAggServer",
+    "UnmaskRequest",
+    "UnmaskResponse",
+    "combine",
+    "effective_degree",
+    "expand",
+    "neighbours",
+    "pairwise_seed",
+    "split",
+]

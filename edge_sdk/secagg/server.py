@@ -1,0 +1,219 @@
+"""The server's side of a secure-aggregation round (SecAgg+): relay messages, then unmask the sum.
+
+The server sees only public keys, ciphertexts it cannot open, masked vectors and, at the end,
+the shares it needs to remove the masks: the self-mask seed b_u of each survivor and the mask
+private key of each device that dropped after sharing keys. It learns the sum of the survivors'
+inputs and nothing else about them.
+
+Stages close in order; calling a later stage's method closes the earlier ones:
+  add_advertisement* -> advertisements (U1: who advertised)
+  route*             -> inbox          (U2: who sent shares to all its advertised neighbours)
+  add_masked*        -> unmask_request (U3: whose masked vector arrived; dropped = U2 - U3)
+  add_unmask_response* -> result
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from .context import RoundContext
+from .errors import RoundFailed, SecAggError
+from .identity import Roster
+from .masks import expand, pairwise_seed, public_raw
+from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
+from .shamir import combine
+
+log = logging.getLogger(__name__)
+
+_STAGES = ("advertising", "sharing", "masking", "unmasking")
+_SECRET_NAMES = {"b": "self-mask seed", "s": "mask key"}
+
+
+class SecAggServer:
+    """The server's state for one round; see the module docstring for the stage order."""
+
+    def __init__(self, context: RoundContext, roster: Roster | None = None) -> None:
+        """With a roster, advertisements are checked on arrival (devices check them regardless)."""
+        self.context = context
+        self.roster = roster
+        self._stage = 0
+        self._adverts: dict[str, KeyAdvertisement] = {}
+        self._routed: dict[str, dict[str, bytes]] = {}  # recipient -> sender -> ciphertext
+        self._shared: set[str] = set()
+        self._masked: dict[str, np.ndarray] = {}
+        self._responses: dict[str, UnmaskResponse] = {}
+        self._result: np.ndarray | None = None
+
+    def _enter(self, stage: str, action: str) -> None:
+        index = _STAGES.index(stage)
+        if index < self._stage:
+            raise SecAggError(f"{action}: the {stage} stage is closed (now {_STAGES[self._stage]})")
+        if index > self._stage:
+            log.debug("secagg round %s: %s stage closed by %s", self.context.round, _STAGES[self._stage], action)
+        self._stage = index
+
+    def _participant(self, client_id: str) -> frozenset[str]:
+        return self.context.neighbours_of(client_id)
+
+    @property
+    def advertised(self) -> frozenset[str]:
+        """U1: the devices whose key advertisements were accepted."""
+        return frozenset(self._adverts)
+
+    @property
+    def shared(self) -> frozenset[str]:
+        """U2: the devices that sent their shares to every advertised neighbour."""
+        return frozenset(self._shared)
+
+    @property
+    def survivors(self) -> frozenset[str]:
+        """U3: the devices whose masked vector arrived (final once unmasking began)."""
+        return frozenset(self._masked)
+
+    @property
+    def dropped(self) -> frozenset[str]:
+        """U2 - U3: devices that shared keys but whose masked vector did not arrive."""
+        return self.shared - self.survivors
+
+    def add_advertisement(self, advert: KeyAdvertisement) -> None:
+        """Accept a device's key advertisement (once per device)."""
+        self._enter("advertising", "add_advertisement")
+        self._participant(advert.client_id)
+        if advert.client_id in self._adverts:
+            raise SecAggError(f"{advert.client_id!r} already advertised keys this round")
+        if self.roster is not None:
+            payload = KeyAdvertisement.signed_payload(self.context, advert.client_id, advert.c_public,
+                                                      advert.s_public)
+            self.roster.verify(advert.client_id, payload, advert.signature)
+        self._adverts[advert.client_id] = advert
+
+    def advertisements(self) -> dict[str, KeyAdvertisement]:
+        """Every accepted advertisement, as forwarded to all devices; closes the advertising stage."""
+        self._enter("sharing", "advertisements")
+        return dict(self._adverts)
+
+    def route(self, sender: str, ciphertexts: Mapping[str, bytes]) -> dict[str, bytes]:
+        """Accept `sender`'s share ciphertexts and return them by recipient.
+
+        They must be addressed to exactly the sender's advertised neighbours: a device that left
+        one out would mask against a peer that does not mask against it.
+        """
+        self._enter("sharing", "route")
+        if sender not in self._adverts:
+            raise SecAggError(f"shares from {sender!r}, which did not advertise keys")
+        if sender in self._shared:
+            raise SecAggError(f"{sender!r} already sent its shares this round")
+        bundle = EncryptedShares(sender, ciphertexts)
+        expected = self._participant(sender) & self.advertised
+        if set(bundle.ciphertexts) != expected:
+            odd = sorted(set(bundle.ciphertexts) ^ expected)
+            raise SecAggError(f"shares from {sender!r} must address exactly its advertised neighbours; "
+                              f"{odd[0]!r} is {'missing' if odd[0] in expected else 'not one'}")
+        for recipient, ciphertext in bundle.ciphertexts.items():
+            self._routed.setdefault(recipient, {})[sender] = ciphertext
+        self._shared.add(sender)
+        return dict(bundle.ciphertexts)
+
+    def inbox(self, recipient: str) -> dict[str, bytes]:
+        """Sender -> ciphertext of every share routed to `recipient`; closes the sharing stage."""
+        self._enter("masking", "inbox")
+        self._participant(recipient)
+        return dict(self._routed.get(recipient, {}))
+
+    def add_masked(self, sender: str, vector: np.ndarray) -> None:
+        """Accept `sender`'s masked vector: a uint32 vector of the round's length, once per device."""
+        self._enter("masking", "add_masked")
+        if sender not in self._shared:
+            raise SecAggError(f"masked vector from {sender!r}, which did not share keys")
+        if sender in self._masked:
+            raise SecAggError(f"{sender!r} already sent its masked vector")
+        masked = MaskedInput(sender, vector).vector
+        if masked.shape != (self.context.vector_length,):
+            raise SecAggError(f"masked vector from {sender!r} has length {masked.size}, "
+                              f"expected {self.context.vector_length}")
+        self._masked[sender] = masked.copy()
+
+    def unmask_request(self, client_id: str) -> UnmaskRequest:
+        """What `client_id` (a survivor) is asked to unmask; closes the masking stage, fixing U3."""
+        self._enter("unmasking", "unmask_request")
+        if client_id not in self._masked:
+            raise SecAggError(f"{client_id!r} is not a survivor; it gets no unmask request")
+        shared_neighbours = self._participant(client_id) & self.shared
+        return UnmaskRequest(tuple(shared_neighbours & self.survivors), tuple(shared_neighbours - self.survivors))
+
+    def add_unmask_response(self, response: UnmaskResponse) -> None:
+        """Accept a survivor's shares; they must answer exactly its unmask request."""
+        self._enter("unmasking", "add_unmask_response")
+        sender = response.client_id
+        if sender not in self._masked:
+            raise SecAggError(f"unmask response from {sender!r}, which is not a survivor")
+        if sender in self._responses:
+            raise SecAggError(f"{sender!r} already answered its unmask request")
+        request = self.unmask_request(sender)
+        if set(response.b_shares) != set(request.survivors) or set(response.s_shares) != set(request.dropped):
+            raise SecAggError(f"unmask response from {sender!r} does not answer its request")
+        self._responses[sender] = response
+
+    def _shares_of(self, owner: str, kind: str) -> dict[int, bytes]:
+        """x -> share of `owner`'s secret of `kind` ("b": self-mask seed, "s": mask key) that arrived."""
+        found = {}
+        for holder, response in self._responses.items():
+            revealed = response.b_shares if kind == "b" else response.s_shares
+            if owner in revealed:
+                found[self.context.share_x(holder)] = revealed[owner]
+        return found
+
+    def _rebuild(self, owner: str, kind: str, shares: dict[int, bytes]) -> bytes:
+        """combine() over the first threshold shares, checked against the last threshold when more arrived."""
+        threshold = self.context.threshold
+        secret = combine(shares, threshold)
+        if len(shares) > threshold and combine({x: shares[x] for x in sorted(shares)[-threshold:]},
+                                               threshold) != secret:
+            raise SecAggError(f"shares of {owner!r}'s {_SECRET_NAMES[kind]} are inconsistent")
+        return secret
+
+    def result(self) -> np.ndarray:
+        """The sum mod 2**32 of the survivors' inputs. RoundFailed, before anything is rebuilt, when
+        fewer than threshold shares of some needed secret arrived."""
+        if self._result is not None:
+            return self._result.copy()
+        self._enter("unmasking", "result")
+        survivors = sorted(self.survivors)
+        if not survivors:
+            raise RoundFailed("no masked vector arrived")
+        needed = [(owner, "b") for owner in survivors]
+        needed += [(owner, "s") for owner in sorted(self.dropped) if self._participant(owner) & self.survivors]
+        shares = {(owner, kind): self._shares_of(owner, kind) for owner, kind in needed}
+        short = []
+        for (owner, kind), got in shares.items():
+            if len(got) < self.context.threshold:
+                short.append(f"{owner} ({_SECRET_NAMES[kind]}: {len(got)} of {self.context.threshold} shares)")
+        if short:
+            raise RoundFailed("too few shares to unmask: " + ", ".join(short))
+        length = self.context.vector_length
+        total = np.zeros(length, dtype=np.uint32)
+        for owner in survivors:
+            total += self._masked[owner]
+            total -= expand(self._rebuild(owner, "b", shares[owner, "b"]), length)
+        for owner, kind in needed:
+            if kind == "s":
+                self._remove_pairwise(total, owner, self._rebuild(owner, "s", shares[owner, "s"]))
+        self._result = total
+        return total.copy()
+
+    def _remove_pairwise(self, total: np.ndarray, dropped: str, private: bytes) -> None:
+        """Subtract the pairwise masks the survivors added against the dropped device `dropped`."""
+        s_private = X25519PrivateKey.from_private_bytes(private)
+        if public_raw(s_private) != self._adverts[dropped].s_public:
+            raise SecAggError(f"shares of {dropped!r}'s mask key rebuild a key it did not advertise")
+        for survivor in sorted(self._participant(dropped) & self.survivors):
+            seed = pairwise_seed(s_private, self._adverts[survivor].s_public, self.context.bytes())
+            pairwise = expand(seed, self.context.vector_length)
+            if survivor < dropped:  # the survivor, the smaller id, added it: take it off
+                total -= pairwise
+            else:
+                total += pairwise
