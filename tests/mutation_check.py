@@ -44,6 +44,8 @@ FEDIOS = ("tests/unit/test_fedios_objective.py",)
 ACCOUNTANT_PY, UPSTREAM_PY = "coordinator/privacy/accountant.py", "edge_sdk/privacy/upstream.py"
 MECHANISM_PY, RUN_PRIVACY_PY = "coordinator/privacy/mechanism.py", "coordinator/privacy/run.py"
 DPSGD_PY = "edge_sdk/privacy/dpsgd.py"
+SECAGG_CLIENT_PY, SECAGG_SERVER_PY = "edge_sdk/secagg/client.py", "edge_sdk/secagg/server.py"
+SECAGG = ("tests/unit/test_secagg_protocol.py", "tests/unit/test_secagg_adversary.py")
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
 PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
 PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
@@ -300,6 +302,16 @@ MUTATIONS = (
     Mutation("dp-sgd: shuffled batches accounted as Poisson ones", DPSGD_PY,
              (("idx = torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()",
                "idx = torch.randperm(n, generator=generator)[:batch_size]"),), ("tests/unit/test_dpsgd.py",)),
+    # secure aggregation (SecAgg+): the masks cancel, the shares revealed, the consistency rule, the threshold
+    Mutation("secagg: both ends of a pair add the pairwise mask", SECAGG_CLIENT_PY,
+             (("            if self.client_id < peer:  # sign rule", "            if True:  # sign rule"),), SECAGG),
+    Mutation("secagg: the self-mask shares of the dropped revealed", SECAGG_CLIENT_PY,
+             (("b_shares = {peer: self._held_b[peer] for peer in survivors}",
+               "b_shares = {peer: self._held_b[peer] for peer in survivors | dropped}"),), SECAGG),
+    Mutation("secagg: a peer named both survivor and dropped is answered", SECAGG_CLIENT_PY,
+             (("        if both:\n", "        if False:\n"),), SECAGG),
+    Mutation("secagg: the server unmasks below the threshold", SECAGG_SERVER_PY,
+             (("            if len(got) < self.context.threshold:", "            if len(got) < 1:"),), SECAGG),
 )
 
 
