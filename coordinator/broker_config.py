@@ -347,6 +347,8 @@ class CryptographyCA:
 
         ca_cert = x509.load_pem_x509_certificate(self.cert.read_bytes())
         ca_key = serialization.load_pem_private_key(self.key.read_bytes(), password=None)
+        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{self.key}: the CA key is not an elliptic-curve key (this CA made its key on P-256)")
         key = ec.generate_private_key(ec.SECP256R1())
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = _builder(_x509_name(common_name), ca_cert.subject, key.public_key(), LEAF_DAYS)

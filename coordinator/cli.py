@@ -145,6 +145,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         local = parse_devices(args.local_devices, config.run.clients, "--local-devices", allow_none=True)
     from .events import RunStarted
     from .memory import return_freed_buffers
+    from .observe.session import observing
     from .report import cumulative_megabytes
     from .server import RegistrationTimeout, finished_report
     from .simulate import WorkersFailed, run_simulation
@@ -159,6 +160,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return_freed_buffers()  # the coordinator runs in this process
     bars: list = []
     traffic = [0]
+    observers: list = []  # what --http and --track turn on
 
     def on_start(event: RunStarted) -> None:
         traffic[0] = event.bytes_so_far
@@ -172,6 +174,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     def on_event(event: Any) -> None:
         if isinstance(event, RunStarted):
             on_start(event)
+        for observe in observers:
+            observe(event)
 
     def on_round(record: dict[str, Any]) -> None:
         traffic[0] += record["bytes_up"] + record["bytes_down"]
@@ -183,7 +187,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bars[0].update(1)
 
     try:
-        report = run_simulation(config, local=local, on_round=on_round, on_event=on_event)
+        with observing(config) as observation:
+            observers.append(observation.on_event)
+            report = run_simulation(config, local=local, on_round=on_round, on_event=on_event)
         if bars:  # the bar's last MB: the run's total, release and final evaluation included
             bars[0].set_postfix(MB=f"{cumulative_megabytes(report)[-1]:.1f}")
     except (RegistrationTimeout, WorkersFailed) as exc:
@@ -221,6 +227,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from edge_sdk.settings import DEFAULT_BROKER
 
     from .memory import return_freed_buffers
+    from .observe.session import observing
     from .server import Coordinator, RegistrationTimeout
 
     _check_sharding(config)  # before connecting
@@ -229,7 +236,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     transport.connect()
     try:
         channel = config.coordinator_channel(transport)
-        report = Coordinator(config, channel, partition=_given_partition(args, config)).run()
+        coordinator = Coordinator(config, channel, partition=_given_partition(args, config))
+        with observing(config) as observation:
+            coordinator.subscribe(observation.on_event)
+            report = coordinator.run()
     except RegistrationTimeout as exc:
         raise CommandFailed(str(exc)) from None
     finally:

@@ -1,7 +1,7 @@
 """The run configuration: settings sections, filled from defaults, a TOML file and the command line.
 
 A RunConfig is made of sections (`run`, `training`, `round`, `aggregation`, `broker`,
-`simulation`), each a dataclass whose fields declare their key, help and role (see
+`simulation`, `observe`), each a dataclass whose fields declare their key, help and role (see
 `edge_sdk.settings`). TOML takes the keys either flat (`dataset = "fmnist"`, `local-epochs = 3`:
 the same keys as the command-line flags) or in section tables (`[training]`, `[round]`, ...),
 plus one `[algorithm.<id>]` table per algorithm for its hyperparameters (the algorithm itself is
@@ -23,8 +23,10 @@ from typing import Any
 from edge_sdk.algorithms.hyper import hyper_class
 from edge_sdk.config import ConfigError, coerce, load_toml
 from edge_sdk.privacy import PrivacySettings
+from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.settings import DEFINES, DEFINES_IF_SET, BrokerSettings, Setting, TrainSettings, settings_of
 
+from .observe.settings import ObserveSettings
 from .robust import AggregationSettings
 from .settings import RoundSettings, RunSettings, SimulationSettings
 
@@ -34,8 +36,10 @@ SECTIONS: dict[str, type] = {
     "round": RoundSettings,
     "aggregation": AggregationSettings,
     "privacy": PrivacySettings,
+    "secagg": SecAggSettings,
     "broker": BrokerSettings,
     "simulation": SimulationSettings,
+    "observe": ObserveSettings,
 }
 """The sections of a RunConfig, by attribute (and TOML table) name."""
 
@@ -47,7 +51,7 @@ def all_settings() -> Iterator[tuple[str, Setting]]:
             yield section, item
 
 
-SECRETS = ("password",)
+SECRETS = ("password", "http_token")
 """Settings never written into a run's files (checkpoint, benchmark configs)."""
 
 KEYS: dict[str, tuple[str, Setting]] = {item.key: (section, item) for section, item in all_settings()}
@@ -63,8 +67,10 @@ class RunConfig:
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
+    secagg: SecAggSettings = field(default_factory=SecAggSettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     simulation: SimulationSettings = field(default_factory=SimulationSettings)
+    observe: ObserveSettings = field(default_factory=ObserveSettings)
     hyper: dict[str, Any] = field(default_factory=dict)
     """The algorithm's hyperparameters (`[algorithm.<id>]` and `--set`)."""
     declared_task: dict[str, Any] | None = None

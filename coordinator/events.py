@@ -99,8 +99,36 @@ class RoundEnded:
     channel: ChannelSnapshot
 
 
+@dataclass(frozen=True)
+class DeviceOnline:
+    """A device (or shard aggregator, `kind` "aggregator") registered or came back with a HELLO;
+    `online` devices and `registered` devices now (neither counts the shard aggregators)."""
+
+    device: str
+    kind: str
+    online: int
+    registered: int
+
+
+@dataclass(frozen=True)
+class DeviceOffline:
+    """A device online until now went offline (its Last Will); `online` devices are left."""
+
+    device: str
+    online: int
+
+
+@dataclass(frozen=True)
+class ReleaseServed:
+    """The released representation was sent to `device`, which asked for it (FETCH)."""
+
+    device: str
+    sha256: str
+    bytes: int
+
+
 Event = (RunStarted | RegistrationOpened | DevicesRegistered | RoundStarted | UpdateAccepted | RoundAggregated
-         | RoundEvaluated | RoundEnded)
+         | RoundEvaluated | RoundEnded | DeviceOnline | DeviceOffline | ReleaseServed)
 
 
 class EventBus:

@@ -36,8 +36,8 @@ from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
-from .events import (Event, EventBus, RoundAggregated, RoundEnded, RoundEvaluated, RoundStarted, RunStarted,
-                     UpdateAccepted)
+from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed, RoundAggregated, RoundEnded,
+                     RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
@@ -262,7 +262,7 @@ class Coordinator:
     def _handle(self, received: Received, on_reply: Callable[[Received], None]) -> None:
         envelope = received.envelope
         if envelope.kind is Kind.HELLO:
-            self.registration.on_hello(envelope)
+            self._hello(envelope)
         elif envelope.kind is Kind.OFFLINE:
             self._offline(envelope.sender)
         elif envelope.kind is Kind.FETCH:
@@ -280,6 +280,15 @@ class Coordinator:
                 on_reply(received)
         elif envelope.kind in (Kind.NOTE, Kind.PARTIAL):
             self.sharding.on_message(envelope)
+
+    def _hello(self, hello: Envelope) -> None:
+        """Register the sender (`Registration.on_hello`); a registration refreshes its Device."""
+        before = self.registry.devices.get(hello.sender)
+        self.registration.on_hello(hello)
+        after = self.registry.devices.get(hello.sender)
+        if after is not None and after is not before:
+            self.events.emit(DeviceOnline(hello.sender, after.kind, len(self.registry.online()),
+                                          self.registration.device_count()))
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back, publish what devices may have missed."""
@@ -312,6 +321,7 @@ class Coordinator:
             artifact = Envelope(Kind.ARTIFACT, COORDINATOR, run_id=self.run_id, round=self.completed,
                                 groups=self.release.artifact(), config={"sha256": self.release.sha256})
             self.outbox.send(self.topics.down(fetch.sender, Kind.ARTIFACT), artifact)
+            self.events.emit(ReleaseServed(fetch.sender, self.release.sha256, len(self.release.data)))
 
     def _late_update(self, envelope: Envelope) -> None:
         """An update of the last closed round from a device it stopped waiting for: dropped
@@ -338,7 +348,11 @@ class Coordinator:
                            f"{envelope.kind.value} from {envelope.sender} for round {envelope.round}")
 
     def _offline(self, client_id: str) -> None:
+        device = self.registry.devices.get(client_id)
+        was_online = device is not None and device.online
         self.registration.went_offline(client_id)
+        if was_online:
+            self.events.emit(DeviceOffline(client_id, len(self.registry.online())))
         if self._collector is not None:
             self._collector.mark_offline(client_id)
         self.sharding.aggregator_offline(client_id)

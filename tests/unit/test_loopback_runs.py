@@ -52,8 +52,8 @@ def test_fedavg_runs_two_rounds_and_personal_statistics_never_travel(federation)
 
 def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
     # Prepare
-    from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundEvaluated,
-                                    RoundStarted, RunStarted, UpdateAccepted)
+    from coordinator.events import (DeviceOnline, DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded,
+                                    RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
 
     config = federation.config(eval_every=1)
     coordinator = federation.coordinator(config)
@@ -65,6 +65,14 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
 
     # Execute
     report = coordinator.run()
+
+    # Assert: each device came online while registration was open (a device that waited long for
+    # WELCOME may say HELLO again), the third one making three
+    registered_at = next(i for i, e in enumerate(events) if isinstance(e, DevicesRegistered))
+    online = [e for e in events[:registered_at] if isinstance(e, DeviceOnline)]
+    events = [e for e in events if not isinstance(e, DeviceOnline)]
+    assert sorted({e.device for e in online}) == devices and max(e.online for e in online) == 3
+    assert all(e.kind == "trainer" for e in online)
 
     # Assert: the order
     kinds = [type(e) for e in events]
