@@ -273,8 +273,42 @@ def cmd_client(args: argparse.Namespace) -> int:
     upload = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     client = EdgeClient(args.client_id, data, broker=mqtt, federation=broker.federation, amp=simulation.amp,
                         device=simulation.device, share_label_counts=not args.no_label_counts, **upload,
-                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
+                        state_dir=args.state_dir or f"edgepfl-state/{args.client_id}", secagg_keys=_secagg_keys(args))
     run_until_done(client, say_waiting=True)
+    return 0
+
+
+def _secagg_keys(args: argparse.Namespace):
+    """The device's secure-aggregation keys from --secagg-identity and --secagg-roster (both or neither)."""
+    if (args.secagg_identity is None) != (args.secagg_roster is None):
+        raise CommandFailed("give both --secagg-identity and --secagg-roster (as `edgepfl secagg-keys` wrote them), "
+                            "or neither")
+    if args.secagg_identity is None:
+        return None
+    from edge_sdk.secagg.device import SecAggKeys
+    from edge_sdk.secagg.errors import SecAggError
+
+    try:
+        return SecAggKeys.load(args.secagg_identity, args.secagg_roster)
+    except (OSError, SecAggError) as exc:
+        raise CommandFailed(f"secure-aggregation keys: {exc}") from None
+
+
+def cmd_secagg_keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from edge_sdk.secagg.enroll import enroll
+
+    out = Path(args.out)
+    devices = [device.strip() for device in args.devices.split(",") if device.strip()]
+    if not devices:
+        raise CommandFailed("--devices: give at least one device id")
+    if (out / "roster.json").exists() and not args.force:
+        raise CommandFailed(f"{out / 'roster.json'} exists: --force replaces every key (each device then needs its "
+                            "new identity file and the new roster)")
+    enroll(devices, lambda device: out / f"{device}.key", out / "roster.json")
+    sys.stdout.write(f"{len(devices)} identity keys and the roster in {out}: give each device its <id>.key "
+                     "(--secagg-identity) and every device roster.json (--secagg-roster)\n")
     return 0
 
 
@@ -442,7 +476,19 @@ def build_parser() -> argparse.ArgumentParser:
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.add_argument("--no-label-counts", action="store_true",
                         help="do not report the training split's count per class when registering")
+    client.add_argument("--secagg-identity", metavar="FILE",
+                        help="this device's secure-aggregation identity key (`edgepfl secagg-keys`; runs with "
+                             "--secure-aggregation need it)")
+    client.add_argument("--secagg-roster", metavar="FILE",
+                        help="every device's public identity key (roster.json of `edgepfl secagg-keys`)")
     client.set_defaults(handler=cmd_client)
+
+    secagg_keys = sub.add_parser("secagg-keys", help="enroll devices for secure aggregation: an identity key each "
+                                                     "and the roster of their public keys")
+    secagg_keys.add_argument("--devices", required=True, help="comma-separated device ids")
+    secagg_keys.add_argument("--out", required=True, help="folder for <id>.key (one per device) and roster.json")
+    secagg_keys.add_argument("--force", action="store_true", help="replace an existing enrollment (new keys)")
+    secagg_keys.set_defaults(handler=cmd_secagg_keys)
 
     aggregator = sub.add_parser("aggregator", help="run one shard aggregator of a run with --shards K")
     aggregator.add_argument("--shard", required=True, metavar="k/K",

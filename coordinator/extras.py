@@ -36,6 +36,7 @@ OPTIONAL_MODULES: dict[str, OptionalModule] = {
     "onnxruntime": OptionalModule("ONNX Runtime", "onnxruntime", "lite"),
     "onnx": OptionalModule("ONNX", "onnx", "lite"),
     "amqtt": OptionalModule("amqtt", "amqtt", "broker"),
+    "cryptography": OptionalModule("cryptography", "cryptography", "secagg"),
     "prometheus_client": OptionalModule("prometheus-client", "prometheus-client", "observe"),
     "tensorboard": OptionalModule("TensorBoard", "tensorboard", "observe"),
     "mlflow": OptionalModule("MLflow", "mlflow-skinny", "observe"),

@@ -109,6 +109,15 @@ class Federation:
 
         lock = threading.Lock()
         first_lite = config.run.clients - config.lite_devices
+        keys: dict[str, Any] = {}
+        if config.secagg.secure_aggregation:  # every trainer enrolled, its identity key in its state folder
+            from edge_sdk.secagg.device import SecAggKeys
+            from edge_sdk.secagg.enroll import enroll
+
+            trainers = [client_id_for(i) for i in range(first_lite)]
+            enroll(trainers, self.folder.device_identity, self.folder.secagg_roster)
+            keys = {device: SecAggKeys.load(self.folder.device_identity(device), self.folder.secagg_roster)
+                    for device in trainers}
         devices: list[DeviceSession] = []
         for index in range(config.run.clients):
             client_id = client_id_for(index)
@@ -121,7 +130,8 @@ class Federation:
             else:
                 devices.append(EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,
                                           model=self.model if not isinstance(self.model, str) else None,
-                                          optimizer=self.optimizer, loss=self.loss, **session))
+                                          optimizer=self.optimizer, loss=self.loss,
+                                          secagg_keys=keys.get(client_id), **session))
         return devices
 
 

@@ -22,6 +22,7 @@ from edge_sdk.models import (ModelSpec, Signature, build_model, first_mismatch, 
                              signature_to_plain)
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason, aggregator_id, check_client_id, shard_of_aggregator
 from edge_sdk.privacy.upstream import PRIVACY
+from edge_sdk.secagg import stages as secagg_stages
 
 from .algorithms.base import ServerAlgorithm
 from .config import RunConfig
@@ -132,6 +133,14 @@ class Registration:
                 or not math.isfinite(examples) or (examples < 1 and not self.data_private)):
             self.outbox.reject(hello, Reason.MALFORMED,
                                f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
+            return
+        if kind == "trainer" and self.config.secagg.secure_aggregation and (
+                hello.config.get(secagg_stages.CAPABILITY) != secagg_stages.VERSION):
+            refusal = (f"this run requires secure aggregation (version {secagg_stages.VERSION}), which {hello.sender} "
+                       "does not speak: give the device its secure-aggregation keys (--secagg-identity, "
+                       "--secagg-roster) on an edgepfl with the secagg extra")
+            self.outbox.reject(hello, Reason.SECAGG_INVALID, f"HELLO: {refusal}")
+            self._refuse(hello.sender, refusal)
             return
         mismatch = self._model_mismatch(hello) if kind == "trainer" else None
         if mismatch is not None:

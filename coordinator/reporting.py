@@ -57,9 +57,11 @@ class RoundRecord:
     lost_shards: list[int] = field(default_factory=list)
     """Shards (`shards` > 0) whose partial was not aggregated: aggregator gone, partial refused or late."""
     lost_updates: int = 0
+    """Updates a lost shard's aggregator had folded: checked, but not aggregated."""
     privacy: dict | None = None
     """Under DP: epsilon spent so far (and at what delta, noise, clip), `RunPrivacy.record`."""
-    """Updates a lost shard's aggregator had folded: checked, but not aggregated."""
+    secagg: dict | None = None
+    """Under secure aggregation: how far the devices got through its stages (`SecureRoundRecord`)."""
 
 
 def finished_report(config: RunConfig) -> dict[str, Any] | None:

@@ -68,6 +68,15 @@ class RunFolder:
         """The simulated weak devices' personalized models, one ONNX file per device."""
         return self.path / "models"
 
+    def device_identity(self, client_id: str) -> Path:
+        """Simulated device `client_id`'s secure-aggregation identity key (secure runs)."""
+        return self.device_state(client_id) / "secagg-identity.key"
+
+    @property
+    def secagg_roster(self) -> Path:
+        """Every simulated device's public identity key (secure runs)."""
+        return self.path / "secagg-roster.json"
+
     def device_model(self, client_id: str) -> Path:
         """The personalized model weak device `client_id` writes."""
         return self.models_dir / f"{client_id}.onnx"

@@ -22,15 +22,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
 from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, new_message_id
+from edge_sdk.secagg import stages
+from edge_sdk.secagg.errors import SecAggError
 
 from . import algorithms, checkpoint
 from .algorithms.base import ServerContext
@@ -52,11 +54,14 @@ from .shard_rounds import ShardedRounds
 from .sharding import ShardRound, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
 
+if TYPE_CHECKING:
+    from .secure_rounds import SecureRound, SecureRoundRecord
+
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
 log = logging.getLogger(__name__)
 
-REPLY_KINDS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES}
+REPLY_KINDS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES, Kind.SECAGG: Kind.SECAGG_RES}
 """The reply kind of each request kind."""
 
 
@@ -97,6 +102,10 @@ class Coordinator:
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.run.algorithm)
         check_shardable(algorithm_cls, config.aggregation.rule, config.round.shards)
+        if config.secagg.secure_aggregation:  # cryptography loads with a secure run only
+            from .secure_rounds import check_secure_run
+
+            check_secure_run(config, algorithm_cls)
         self.hyper = algorithms.hyperparameters(config.run.algorithm, config.hyper)
         context = ServerContext(self.model, config.task(), config.training.seed, config.training.rounds,
                                 config.run.clients, config.aggregation)
@@ -267,7 +276,7 @@ class Coordinator:
             self._offline(envelope.sender)
         elif envelope.kind is Kind.FETCH:
             self._serve_fetch(envelope)
-        elif envelope.kind in (Kind.TRAIN_RES, Kind.EVAL_RES):
+        elif envelope.kind in (Kind.TRAIN_RES, Kind.EVAL_RES, Kind.SECAGG_RES):
             if envelope.run_id != self.run_id:
                 self._reject_reply(envelope, Reason.WRONG_RUN, f"{envelope.kind.value} from {envelope.sender}: run "
                                                               f"{envelope.run_id!r}")
@@ -432,7 +441,12 @@ class Coordinator:
             selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
-        collector, outcome, folded, sharded = self._train(round_, selected, started)
+        if self.config.secagg.secure_aggregation:
+            collector, outcome, aggregated, secure = self._secure_train(round_, selected, started)
+            folded, sharded = 0, None
+        else:
+            collector, outcome, folded, sharded = self._train(round_, selected, started)
+            aggregated, secure = collector.enough, None
         if self.privacy is not None:
             self.privacy.round_ended(len(candidates), selected, round_)
         evaluation = None
@@ -449,8 +463,8 @@ class Coordinator:
         record = RoundRecord(
             round=round_,
             selected=len(selected),
-            participants=len(collector.replied) if collector.enough else 0,
-            outcome=outcome.value if collector.enough else "aborted",
+            participants=len(collector.replied) if aggregated else 0,
+            outcome=outcome.value if aggregated else "aborted",
             personalized_accuracy=accuracy,
             global_accuracy=(summarize(global_accuracies) or {}).get("mean"),
             bytes_up=received1 - received0,
@@ -467,6 +481,7 @@ class Coordinator:
             lost_shards=sorted(sharded.lost) if sharded else [],
             lost_updates=sharded.lost_updates if sharded else 0,
             privacy=self.privacy.record() if self.privacy else None,
+            secagg=asdict(secure) if secure is not None else None,
         )
         entry = asdict(record)
         self.position.completed = round_
@@ -531,6 +546,90 @@ class Coordinator:
                         "unchanged", round_, len(collector.replied), len(selected), collector.min_replies)
         self.late.close(round_, task.msg_id, groups, collector.waiting)
         return collector, outcome, len(late), sharded
+
+    def _secure_train(self, round_: int, selected: list[str],
+                      started: float) -> tuple[RoundCollector, Outcome, bool, SecureRoundRecord]:
+        """A round under secure aggregation (coordinator/secure_rounds.py): the selected devices
+        advertise keys and share secrets, those that did train and upload masked vectors, the
+        survivors unmask the sum, and the algorithm folds it in as a partial sum. Returns the
+        TRAIN's collector and outcome, whether the round aggregated, and how far each stage got."""
+        from .secure_rounds import SecureRound, SecureRoundRecord
+
+        self.algorithm.begin_round(round_)
+        try:
+            secure = SecureRound(self.config.secagg, self.run_id, round_, selected, self.algorithm.update_spec(round_),
+                                 {device: self.registry.devices[device].num_examples for device in selected})
+        except SecAggError as exc:  # too few devices online for a sum that hides each of them
+            log.warning("round %d not played: %s", round_, exc)
+            return (self._collector_for(round_, selected, quorum=len(selected)), Outcome.DEADLINE, False,
+                    SecureRoundRecord(len(selected), failed=str(exc)))
+        advertised = self._secure_stage(secure, stages.ADVERTISE, selected)
+        shared = self._secure_stage(secure, stages.SHARE, advertised)
+        for device, delivery in secure.deliveries().items():
+            self.outbox.send(self.topics.down(device, Kind.SECAGG),
+                             Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
+                                      config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
+        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
+                        groups=self.algorithm.task_groups(round_),
+                        config={"selected": sorted(shared), stages.SECURE: True, **self.algorithm.task_config(round_)})
+        collector = self._collector_for(round_, shared, quorum=self.config.round.min_clients)
+
+        def on_update(received: Received) -> None:
+            envelope = received.envelope
+            if self._admit(received, Kind.TRAIN_RES, round_, collector):
+                try:
+                    secure.on_masked(envelope.sender, envelope.groups)
+                except ProtocolError as err:
+                    self._refuse(envelope, collector, err.reason, err.detail)
+                    return
+                self._slowest_reply = max(self._slowest_reply or 0.0, self.clock() - started)
+                collector.accept(envelope.sender, envelope.msg_id, self.clock())
+
+        outcome = self._request(Kind.TRAIN, task, collector, on_update)
+        aggregated = False
+        if collector.enough:
+            self._secure_stage(secure, stages.UNMASK, list(collector.replied))
+            try:
+                partial = secure.partial()
+            except SecAggError as exc:
+                secure.record.failed = str(exc)
+                log.warning("round %d: the secure sum could not be unmasked (%s); nothing aggregated, global state "
+                            "unchanged", round_, exc)
+            else:
+                aggregating = self.clock()
+                self.algorithm.fold_partial(round_, partial)
+                self.algorithm.close_round(round_)
+                self.events.emit(RoundAggregated(round_, len(collector.replied), self.clock() - aggregating))
+                aggregated = True
+        return collector, outcome, aggregated, secure.record
+
+    def _secure_stage(self, secure: SecureRound, stage: str, devices: Iterable[str]) -> list[str]:
+        """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES until each answered,
+        went offline or the round's timeout passed; returns those whose answer was taken."""
+        expected = sorted(devices)
+        request = Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=secure.context.round,
+                           config={stages.STAGE: stage, "selected": expected, **secure.config(stage)})
+        collector = self._collector_for(secure.context.round, expected, quorum=len(expected))
+
+        def on_reply(received: Received) -> None:
+            envelope = received.envelope
+            if self._admit(received, Kind.SECAGG_RES, secure.context.round, collector):
+                try:
+                    secure.on_reply(stage, envelope.sender, envelope.config)
+                except ProtocolError as err:
+                    self._refuse(envelope, collector, err.reason, err.detail)
+                    return
+                collector.accept(envelope.sender, envelope.msg_id, self.clock())
+
+        self._request(Kind.SECAGG, request, collector, on_reply)
+        return sorted(collector.replied)
+
+    def _collector_for(self, round_: int, devices: Iterable[str], *, quorum: int) -> RoundCollector:
+        """A collector of `devices`' replies with the round's windows, waiting for `quorum` of them."""
+        grace, timeout = self._windows()
+        chosen = frozenset(devices)
+        return RoundCollector(round_, chosen, min_replies=max(1, min(quorum, len(chosen))),
+                              deadline=self.clock() + timeout, grace=grace)
 
     def _misrouted_update(self, received: Received) -> None:
         """An update sent to the coordinator in a sharded run (it goes to the device's shard)."""

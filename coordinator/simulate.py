@@ -111,6 +111,8 @@ class WorkerSpec:
     lite_heads: dict[int, str]  # weak devices: index -> head kind
     out: str  # the run folder (RunFolder)
     log_level: int
+    secure_aggregation: bool = False
+    """Trainers take their secure-aggregation keys from the run folder (`RunFolder.device_identity`)."""
 
     @classmethod
     def for_devices(cls, config: RunConfig, indices: tuple[int, ...], url: str) -> WorkerSpec:
@@ -121,7 +123,7 @@ class WorkerSpec:
                    {i: config.attack_of(i) for i in indices},
                    {i: config.simulation.head for i in indices if i >= first_lite},
                    config.run.out,
-                   logging.getLogger().getEffectiveLevel())
+                   logging.getLogger().getEffectiveLevel(), config.secagg.secure_aggregation)
 
 
 def _worker_main(spec: WorkerSpec, errors: Connection,
@@ -227,8 +229,14 @@ def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
         client = LiteClient(client_id, data, head=spec.lite_heads[index],
                             model_path=RunFolder(spec.out).device_model(client_id), **session)
     else:
+        keys = None
+        if spec.secure_aggregation:
+            from edge_sdk.secagg.device import SecAggKeys
+
+            folder = RunFolder(spec.out)
+            keys = SecAggKeys.load(folder.device_identity(client_id), folder.secagg_roster)
         client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
-                            compute_lock=lock, attack=spec.attacks[index], **session)
+                            compute_lock=lock, attack=spec.attacks[index], secagg_keys=keys, **session)
     thread = threading.Thread(target=_run_device, args=(client, failures), name=client_id, daemon=True)
     thread.start()
     while thread.is_alive() and not client.joined:
@@ -551,6 +559,12 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
                           f"with `edgepfl aggregator --shard k/{config.round.shards}`)")
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
+    if config.secagg.secure_aggregation:  # the simulated fleet's enrollment: every trainer's identity key
+        from edge_sdk.secagg.enroll import enroll
+
+        folder = RunFolder(config.run.out)
+        trainers = range(config.run.clients - config.lite_devices)
+        enroll([client_id_for(i) for i in trainers], folder.device_identity, folder.secagg_roster)
     with LocalFederation(config.replace(connect_timeout=0), "sim") as hosting:  # the broker is up: fail fast
         config, url = hosting.config, hosting.url
         aggregators = hosting.host(lambda: AggregatorPool(config, config.local_shards, url))

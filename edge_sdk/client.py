@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,10 +37,14 @@ from .privacy.dpsgd import (ACCOUNTANT_KEY, DP_SGD_EPSILON, DpSgd, DpSgdAccounta
                             released_fit_metrics)
 from .privacy.upstream import ROUND_CLIP, WITHIN_CLIP, UploadPrivacy, private_metrics, privatize, round_clip
 from .protocol import STATISTICS, ArrayGroup, Envelope, Kind
+from .secagg import stages as secagg_stages
 from .settings import TrainSettings
 from .session import DeviceSession, RegistrationRefused
 from .store import PersonalState, PersonalStore
 from .training import gradient_clipping, mixed_precision
+
+if TYPE_CHECKING:
+    from .secagg.device import SecAggKeys, SecureUploads
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,9 @@ class EdgeClient(DeviceSession):
     device; `optimizer` (`fn(params, settings) -> Optimizer`) and `loss` (`fn(logits, targets)
     -> Tensor`) replace the local training step where the algorithm allows it (FedAvg family).
     `share_label_counts` says whether HELLO reports the training split's count per class (the
-    coordinator's data report); off, the device says nothing of its labels.
+    coordinator's data report); off, the device says nothing of its labels. With `secagg_keys`
+    (its identity key and the fleet's roster) the device takes part in rounds under secure
+    aggregation, where it uploads only its masked vector.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class EdgeClient(DeviceSession):
         optimizer: OptimizerFactory | None = None,
         loss: LossOverride | None = None,
         share_label_counts: bool = True,
+        secagg_keys: SecAggKeys | None = None,
         **session: Any,
     ):
         super().__init__(client_id, **session)
@@ -90,6 +97,11 @@ class EdgeClient(DeviceSession):
         self.dp_sgd_delta = 0.0
         self.rounds_trained = 0
         self.share_label_counts = share_label_counts
+        self.secure: SecureUploads | None = None
+        if secagg_keys is not None:
+            from .secagg.device import SecureUploads
+
+            self.secure = SecureUploads(client_id, secagg_keys, data.num_train)
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
@@ -99,6 +111,8 @@ class EdgeClient(DeviceSession):
         config: dict[str, Any] = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp,
                                   "torch": torch.__version__, "task": self.data.task.name,
                                   "algorithms": list(algorithms.ALGORITHM_IDS)}
+        if self.secure is not None:
+            config[secagg_stages.CAPABILITY] = secagg_stages.VERSION
         if self.share_label_counts and not self.run_private:  # info: the coordinator reports it
             config["label_counts"] = self.data.class_counts().tolist()
         if self.model is not None:  # the coordinator checks a model of the device's own
@@ -127,7 +141,7 @@ class EdgeClient(DeviceSession):
                                       f"{mismatch}")
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
-        return {Kind.TRAIN: self._on_train, Kind.EVALUATE: self._on_evaluate}
+        return {Kind.TRAIN: self._on_train, Kind.EVALUATE: self._on_evaluate, Kind.SECAGG: self._on_secagg}
 
     def join(self, welcome: Envelope) -> None:
         algorithm_id = welcome.config["algorithm"]
@@ -185,6 +199,10 @@ class EdgeClient(DeviceSession):
     def _on_train(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
+        secure = envelope.config.get(secagg_stages.SECURE) is True
+        if secure and self.secure is not None and self.secure.pending is not None and (
+                self.secure.pending.request.msg_id == envelope.msg_id):
+            return  # trained already; the masked update goes up once the neighbours' shares are here
         algorithm, _ = self._algorithm()
         task = Task(envelope.round, envelope.groups, envelope.config)
         before = algorithm.personal_state()
@@ -209,11 +227,48 @@ class EdgeClient(DeviceSession):
             clip = round_clip(envelope.config, self.privacy)
             groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip)
             metrics = {WITHIN_CLIP: float(norm <= clip)} if ROUND_CLIP in envelope.config else {}
+        if secure:
+            self._secure_upload(envelope, groups)
+            return
         groups = codecs.encode(algorithm.settings.upload_codec, groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)
         self.send(Kind.TRAIN_RES, envelope.round, request=envelope, groups=groups, metrics=metrics)
+
+    def _secure_upload(self, request: Envelope, groups: dict[str, ArrayGroup]) -> None:
+        """Under secure aggregation: the trained upload as a masked vector, sent once the
+        neighbours' shares are here (now, or when they arrive)."""
+        if self.secure is None:
+            raise RegistrationRefused(f"{self.client_id}: a round under secure aggregation, and this device has no "
+                                      "secure-aggregation keys")
+        self.secure.vector(request, groups)
+        self._send_masked()
+
+    def _send_masked(self) -> None:
+        ready = self.secure.ready() if self.secure is not None else None
+        if ready is not None:
+            request, groups = ready
+            self.send(Kind.TRAIN_RES, request.round, request=request, groups=groups)
+
+    def _on_secagg(self, envelope: Envelope) -> None:
+        """A secure-aggregation stage: answered with SECAGG_RES (keys, shares, unmasking), or the
+        shares addressed to this device, after which a waiting masked update goes up. A stage this
+        device must not answer (a bad signature, an inconsistent unmask request) is logged and
+        left unanswered: the device drops out of the round, and its secrets stay here."""
+        if self.secure is None or not self.current(envelope) or self.answered(envelope):
+            return
+        from .secagg.errors import SecAggError
+
+        try:
+            reply = self.secure.on_stage(envelope)
+        except SecAggError as exc:
+            log.warning("%s: secure aggregation of round %d: %s; not answered", self.client_id, envelope.round, exc)
+            return
+        if reply is not None:
+            self.send(Kind.SECAGG_RES, envelope.round, request=envelope,
+                      config={secagg_stages.STAGE: envelope.config.get(secagg_stages.STAGE), **reply})
+        self._send_masked()
 
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):

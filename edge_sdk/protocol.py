@@ -39,6 +39,7 @@ class Kind(str, Enum):
     TRAIN_RES = "train_res"  # up: the result of local training (shared arrays or statistics)
     EVAL_RES = "eval_res"  # up: personalized evaluation metrics (and, if allowed, class prototypes)
     FETCH = "fetch"  # up: a device asks for a released artifact by sha256
+    SECAGG_RES = "secagg_res"  # up: a device's answer to a secure-aggregation stage (keys, shares, unmasking)
     NOTE = "note"  # up, from a shard aggregator: which of its devices' updates it folded or refused so far
     PARTIAL = "partial"  # up, from a shard aggregator: its shard's weighted sum of changes for one round
     WELCOME = "welcome"  # down, per device: registration accepted, the run's settings
@@ -50,11 +51,13 @@ class Kind(str, Enum):
     ROSTER = "roster"  # down, per aggregator: the round's selected devices of its shard and their examples
     CLOSE = "close"  # down, per aggregator: the round closed, send the partial now
     NACK = "nack"  # down, per device: the coordinator refused one of the device's messages, and why
+    SECAGG = "secagg"  # down: a secure-aggregation stage (broadcast), or a device's routed shares (per device)
 
 
-UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH, Kind.NOTE, Kind.PARTIAL})
+UP_KINDS = frozenset({Kind.HELLO, Kind.OFFLINE, Kind.TRAIN_RES, Kind.EVAL_RES, Kind.FETCH, Kind.NOTE, Kind.PARTIAL,
+                      Kind.SECAGG_RES})
 DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TRAIN, Kind.EVALUATE, Kind.STATUS, Kind.RELEASE, Kind.ARTIFACT, Kind.ROSTER,
-                        Kind.CLOSE, Kind.NACK})
+                        Kind.CLOSE, Kind.NACK, Kind.SECAGG})
 SHARD_KINDS = frozenset({Kind.TRAIN_RES})
 """What travels on a shard topic (`edgepfl/<fed>/shard-<k>/<id>/<kind>`): a device's update, to its aggregator."""
 NACK_FIELDS = ("in_reply_to", "refused_kind", "reason")
@@ -89,6 +92,7 @@ class Reason(str, Enum):
     MODEL_MISMATCH = "model_mismatch"
     BAD_SIGNATURE = "bad_signature"
     OVER_BUDGET = "over_budget"
+    SECAGG_INVALID = "secagg_invalid"
 
 
 class ProtocolError(Exception):

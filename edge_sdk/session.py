@@ -86,7 +86,8 @@ class DeviceSession:
         # repeated requests reach `answered`, which sends the cached reply (a Last Will is the same
         # bytes every time, and marking a device offline is idempotent)
         self.channel = Channel(transport, self.topics, chunk_size=chunk_size, max_pending_blobs=max_pending_blobs,
-                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE}), signer=signer, verifier=verifier)
+                               repeatable=frozenset({Kind.TRAIN, Kind.EVALUATE, Kind.SECAGG}), signer=signer,
+                               verifier=verifier)
         self.run_id: str | None = None
         self.joined = False
         self._announcement: tuple | None = None

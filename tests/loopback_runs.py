@@ -80,8 +80,9 @@ class LoopbackFederation:
         return self.folder.device_state(client_id)
 
     def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None,
-                     wrap=None) -> str:
-        """Device `index` of `clients` on its digits partition (`wrap(data)` when given)."""
+                     wrap=None, secagg_keys=None) -> str:
+        """Device `index` of `clients` on its digits partition (`wrap(data)` when given), with
+        secure-aggregation keys when given."""
         from edge_sdk.client import EdgeClient
         from edge_sdk.data import load_client_data
 
@@ -91,7 +92,7 @@ class LoopbackFederation:
         data = data if wrap is None else wrap(data)
         client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
                             device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
-                            transport=self.broker.transport(client_id, will=will))
+                            transport=self.broker.transport(client_id, will=will), secagg_keys=secagg_keys)
         self.run_device(client)
         return client_id
 
@@ -104,16 +105,19 @@ class LoopbackFederation:
             try:
                 client.run(self.stop)
             except BaseException:
-                will = self.broker.transport(f"{client.client_id}-will")
-                will.connect()
-                will.publish(self.topics.up(client.client_id, Kind.OFFLINE),
-                             wire.encode(Envelope(Kind.OFFLINE, client.client_id)))
-                will.close()
+                self.announce_offline(client.client_id)
                 raise
 
         thread = threading.Thread(target=run, name=client.client_id, daemon=True)
         thread.start()
         self.threads.append(thread)
+
+    def announce_offline(self, client_id: str) -> None:
+        """Publish `client_id`'s Last Will, as the broker does when a device's connection is lost."""
+        will = self.broker.transport(f"{client_id}-will")
+        will.connect()
+        will.publish(self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        will.close()
 
     def coordinator(self, config):
         from coordinator.server import Coordinator

@@ -27,16 +27,36 @@ makes SecAgg+ scale. Floats enter the ring Z_{2^32} through fixedpoint.FixedPoin
 
 from __future__ import annotations
 
-from .client import SecAggClient
-from .context import RoundContext
-from .errors import RoundFailed, SecAggError
-from .fixedpoint import FixedPoint
-from .graph import effective_degree, neighbours
-from .identity import IdentityKey, Roster
-from .masks import expand, pairwise_seed
-from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
-from .server import SecAggServer
-from .shamir import combine, split
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import SecAggClient
+    from .context import RoundContext
+    from .errors import RoundFailed, SecAggError
+    from .fixedpoint import FixedPoint
+    from .graph import effective_degree, neighbours
+    from .identity import IdentityKey, Roster
+    from .masks import expand, pairwise_seed
+    from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
+    from .server import SecAggServer
+    from .shamir import combine, split
+
+_HOMES = {"SecAggClient": "client", "RoundContext": "context", "RoundFailed": "errors", "SecAggError": "errors",
+          "FixedPoint": "fixedpoint", "effective_degree": "graph", "neighbours": "graph", "IdentityKey": "identity",
+          "Roster": "identity", "expand": "masks", "pairwise_seed": "masks", "EncryptedShares": "messages",
+          "KeyAdvertisement": "messages", "MaskedInput": "messages", "UnmaskRequest": "messages",
+          "UnmaskResponse": "messages", "SecAggServer": "server", "combine": "shamir", "split": "shamir"}
+"""Where each name lives: imported on first use, so that `stages` (which the trainer client and
+the coordinator import whether or not a run is secure) needs no `cryptography`."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "EncryptedShares",

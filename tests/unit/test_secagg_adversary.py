@@ -111,7 +111,7 @@ def test_a_request_with_exactly_threshold_surviving_neighbours_is_answered():
 
 
 @pytest.mark.parametrize(("survivors", "dropped", "field"), [
-    (["dev00", "ghost"], [], "'ghost', which is not a neighbour"),
+    (["first", "ghost"], [], "'ghost', which is not a neighbour"),
     ([], "far", "which is not a neighbour"),
     (["first"], [], "1 surviving neighbours, threshold is 3"),
 ])

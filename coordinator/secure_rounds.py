@@ -1,0 +1,180 @@
+"""The coordinator's side of a round under secure aggregation: the stages' requests, what their
+answers must be, and the survivors' sum as the partial sum an algorithm folds in.
+
+The round's selected devices advertise keys, share their secrets with their neighbours (the
+coordinator routes ciphertexts it cannot open), train and upload masked vectors, and the
+survivors reveal the shares that remove the masks of the sum (edge_sdk/secagg). What comes out
+is the sum of weight x clipped change and the sum of the weights (edge_sdk/secagg/vector.py):
+the partial sum a shard aggregator would send, folded in by the algorithm's `fold_partial`, so
+any algorithm whose aggregation splits into partial sums runs under secure aggregation
+unchanged. The coordinator never holds one device's update.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edge_sdk.config import ConfigError
+from edge_sdk.params import ArraySpec
+from edge_sdk.privacy.secagg_settings import SecAggSettings
+from edge_sdk.protocol import ArrayGroup, ProtocolError, Reason
+from edge_sdk.secagg import stages
+from edge_sdk.secagg.context import GRAPH_SEED_BYTES, RoundContext
+from edge_sdk.secagg.errors import SecAggError
+from edge_sdk.secagg.fixedpoint import FixedPoint
+from edge_sdk.secagg.graph import effective_degree
+from edge_sdk.secagg.messages import KeyAdvertisement, UnmaskResponse
+from edge_sdk.secagg.server import SecAggServer
+from edge_sdk.secagg.vector import VectorLayout
+
+from .aggregate import PartialSum
+
+if TYPE_CHECKING:
+    from .algorithms.base import ServerAlgorithm
+    from .config import RunConfig
+
+MIN_PARTICIPANTS = 3
+"""Fewer devices in a round and the sum tells each of them the others' updates."""
+
+
+def _refused(detail: str) -> ProtocolError:
+    return ProtocolError(Reason.SECAGG_INVALID, detail)
+
+
+@dataclass
+class SecureRoundRecord:
+    """How far a round's devices got through the stages (its `secagg` entry in metrics.jsonl)."""
+
+    selected: int
+    advertised: int = 0
+    shared: int = 0
+    masked: int = 0
+    unmasked: int = 0
+    dropped: list[str] = field(default_factory=list)
+    """Devices that shared keys but whose masked vector did not arrive: their masks were removed."""
+    failed: str | None = None
+    """Why the sum could not be unmasked (too few shares): nothing of the round was aggregated."""
+
+
+class SecureRound:
+    """One round's secure aggregation: `config(stage)` is what a stage's request carries,
+    `on_reply(stage, sender, config)` and `on_masked(sender, groups)` take the devices' answers
+    (ProtocolError `secagg_invalid` for one the round cannot take), `partial()` the result."""
+
+    def __init__(self, settings: SecAggSettings, run_id: str, round_: int, selected: list[str],
+                 spec: dict[str, ArraySpec], examples: dict[str, int]):
+        participants = tuple(sorted(selected))
+        if len(participants) < MIN_PARTICIPANTS:
+            raise SecAggError(f"round {round_}: {len(participants)} devices selected; secure aggregation needs at "
+                              f"least {MIN_PARTICIPANTS}")
+        self.layout = VectorLayout(spec)
+        degree = effective_degree(len(participants), settings.secagg_degree)
+        self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree),
+                                    settings.secagg_degree, secrets.token_bytes(GRAPH_SEED_BYTES), self.layout.length)
+        self.server = SecAggServer(self.context)
+        self.clip = settings.secagg_clip
+        self.largest = max(examples.values())
+        self.quantizer = FixedPoint(max(self.clip, 1.0), len(participants))
+        self.record = SecureRoundRecord(len(participants))
+
+    # -- what the requests carry -----------------------------------------------------------
+    def config(self, stage: str) -> dict[str, Any]:
+        """The stage-specific part of a SECAGG request's config (advertise, share or unmask)."""
+        context = self.context
+        if stage == stages.ADVERTISE:
+            return {stages.PARTICIPANTS: list(context.participants), stages.THRESHOLD: context.threshold,
+                    stages.DEGREE: context.degree, stages.GRAPH_SEED: context.graph_seed,
+                    stages.LENGTH: context.vector_length, stages.CLIP: self.clip, stages.LARGEST: self.largest,
+                    stages.SUMMANDS: len(context.participants)}
+        if stage == stages.SHARE:
+            self.record.advertised = len(self.server.advertised)
+            return {stages.ADVERTS: {peer: advert.to_wire() for peer, advert in
+                                     self.server.advertisements().items()}}
+        if stage == stages.UNMASK:
+            self.record.masked = len(self.server.survivors)
+            self.record.dropped = sorted(self.server.dropped)
+            return {stages.SURVIVORS: sorted(self.server.survivors), stages.DROPPED: sorted(self.server.dropped)}
+        raise ValueError(f"no request for the SECAGG stage {stage!r}")
+
+    def deliveries(self) -> dict[str, dict[str, Any]]:
+        """Per device that shared keys: the `shares` delivery's config, the ciphertexts addressed to it."""
+        self.record.shared = len(self.server.shared)
+        return {device: {stages.CIPHERTEXTS: self.server.inbox(device)} for device in sorted(self.server.shared)}
+
+    # -- the devices' answers --------------------------------------------------------------
+    def on_reply(self, stage: str, sender: str, config: dict[str, Any]) -> None:
+        """Take one SECAGG_RES of `stage` from `sender`."""
+        if config.get(stages.STAGE) != stage:
+            raise _refused(f"SECAGG_RES from {sender} answers stage {config.get(stages.STAGE)!r}, not {stage!r}")
+        try:
+            if stage == stages.ADVERTISE:
+                advert = KeyAdvertisement.from_wire(config.get(stages.ADVERT))
+                if advert.client_id != sender:
+                    raise SecAggError(f"the advertisement names {advert.client_id!r}")
+                self.server.add_advertisement(advert)
+            elif stage == stages.SHARE:
+                self.server.route(sender, _plain_bytes(config.get(stages.CIPHERTEXTS)))
+            elif stage == stages.UNMASK:
+                response = UnmaskResponse.from_wire(config.get(stages.RESPONSE))
+                if response.client_id != sender:
+                    raise SecAggError(f"the unmask response names {response.client_id!r}")
+                self.server.add_unmask_response(response)
+                self.record.unmasked += 1
+        except SecAggError as exc:
+            raise _refused(f"SECAGG_RES ({stage}) from {sender}: {exc}") from None
+
+    def on_masked(self, sender: str, groups: dict[str, ArrayGroup]) -> None:
+        """Take `sender`'s masked vector (its TRAIN_RES carries nothing else)."""
+        masked = groups.get(stages.SECURE, {}).get(stages.MASKED) if set(groups) == {stages.SECURE} else None
+        if masked is None or set(groups[stages.SECURE]) != {stages.MASKED} or masked.dtype != np.int32:
+            raise _refused(f"update from {sender}: under secure aggregation a TRAIN_RES carries only "
+                           f"{stages.SECURE}/{stages.MASKED} (int32)")
+        try:
+            self.server.add_masked(sender, np.ascontiguousarray(masked).view(np.uint32))
+        except SecAggError as exc:
+            raise _refused(f"update from {sender}: {exc}") from None
+
+    # -- the result ------------------------------------------------------------------------
+    def partial(self) -> dict[str, PartialSum]:
+        """The survivors' sum, by group, as the partial sum `fold_partial` takes. RoundFailed
+        (edge_sdk.secagg) when too few shares arrived to unmask it."""
+        sums, total_weight = self.layout.decode(self.quantizer.decode_sum(self.server.result()))
+        count = len(self.server.survivors)
+        return {group: PartialSum(arrays, total_weight, count) for group, arrays in sums.items()}
+
+
+def _plain_bytes(ciphertexts: Any) -> dict[str, bytes]:
+    """The ciphertexts map with memoryviews (long bins decode as views of the message) as bytes."""
+    if not isinstance(ciphertexts, dict):
+        raise SecAggError("the share ciphertexts must be a map of device id to bytes")
+    return {peer: bytes(value) if isinstance(value, memoryview) else value for peer, value in ciphertexts.items()}
+
+
+def check_secure_run(config: RunConfig, algorithm: type[ServerAlgorithm]) -> None:
+    """Refuse, before anything starts, a `--secure-aggregation` run that needs to see single
+    updates or whose aggregation is not a sum, naming the setting (ConfigError)."""
+    if not config.secagg.secure_aggregation:
+        return
+    refusals = [
+        (algorithm.unshardable is not None, "algorithm",
+         f"{algorithm.id}: {algorithm.unshardable}, and secure aggregation gives the coordinator only a sum"),
+        (config.aggregation.rule != "mean", "aggregation",
+         f"{config.aggregation.rule} needs every single update, which secure aggregation hides: use mean"),
+        (config.aggregation.clip_norm > 0, "clip_norm",
+         "the coordinator cannot clip an update it cannot see: the devices clip to secagg_clip instead"),
+        (config.round.max_update_norm > 0, "max_update_norm",
+         "the coordinator cannot check the norm of an update it cannot see: the devices clip to secagg_clip instead"),
+        (config.round.shards > 0, "shards", "secure aggregation within shards is not offered yet: use shards 0"),
+        (config.privacy.enabled, "dp", "DP under secure aggregation is not offered yet: use one of the two"),
+        (config.training.upload_codec != "fp32", "upload_codec",
+         "the masked vector is the upload (fixed point in 32 bits): use fp32"),
+        (config.round.late_updates != "discard", "late_updates",
+         "a late masked update cannot be unmasked after its round: use discard"),
+    ]
+    for refused, key, why in refusals:
+        if refused:
+            raise ConfigError(f"secure_aggregation: {key} {why}")

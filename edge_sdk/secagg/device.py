@@ -1,0 +1,155 @@
+"""A trainer's side of secure aggregation over the protocol: one `SecAggClient` per round, driven
+by the coordinator's SECAGG stages, and the masked upload that replaces the plain TRAIN_RES.
+
+The device trains when TRAIN arrives, as in any round; what it uploads is its change as one
+vector (vector.py: clipped to the round's bound, scaled by its weight), quantized into the ring
+(fixedpoint.py) and masked (client.py). Masking needs the shares its neighbours sent (the
+`shares` delivery), which may arrive after TRAIN: the trained vector then waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..params import spec_of
+from ..protocol import ArrayGroup, Envelope, ProtocolError, Reason
+from . import stages
+from .client import SecAggClient
+from .context import RoundContext
+from .errors import SecAggError
+from .fixedpoint import FixedPoint
+from .identity import IdentityKey, Roster
+from .messages import EncryptedShares, KeyAdvertisement
+from .vector import VectorLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SecAggKeys:
+    """A device's long-term identity key and the roster of every device's public identity key:
+    what lets its neighbours, and it, detect a key the coordinator substituted."""
+
+    identity: IdentityKey
+    roster: Roster
+
+    @classmethod
+    def load(cls, identity: str | Path, roster: str | Path) -> SecAggKeys:
+        """From the identity key file (64 hex digits) and the roster (JSON) `edgepfl secagg-keys` wrote."""
+        return cls(IdentityKey.from_hex(Path(identity).read_text(encoding="utf-8").strip()), Roster.load(roster))
+
+
+def _malformed(detail: str) -> ProtocolError:
+    return ProtocolError(Reason.MALFORMED, detail)
+
+
+@dataclass
+class PendingUpload:
+    """A trained round's ring vector, waiting for the neighbours' shares to be masked."""
+
+    request: Envelope
+    vector: np.ndarray
+
+
+class SecureUploads:
+    """The device's secure-aggregation state: the round's client, and an upload waiting for shares."""
+
+    def __init__(self, client_id: str, keys: SecAggKeys, examples: int, rng: np.random.Generator | None = None):
+        self.client_id = client_id
+        self.keys = keys
+        self.examples = examples
+        self.rng = rng or np.random.default_rng()
+        self._round: tuple[str, int] | None = None  # (run, round) of `_client`
+        self._client: SecAggClient | None = None
+        self._announced: dict[str, Any] = {}
+        self._shares_received = False
+        self.pending: PendingUpload | None = None
+
+    def on_stage(self, envelope: Envelope) -> dict[str, Any] | None:
+        """Act on a SECAGG stage; the config of the SECAGG_RES to send, or None (no answer: a
+        delivery, or a round this device does not take part in). ProtocolError on a malformed
+        stage; SecAggError when the stage must not be answered (the device drops out of the round)."""
+        stage = envelope.config.get(stages.STAGE)
+        if stage == stages.ADVERTISE:
+            return self._advertise(envelope)
+        client = self._client_of(envelope)
+        if client is None:
+            return None
+        if stage == stages.SHARE:
+            adverts = envelope.config.get(stages.ADVERTS)
+            if not isinstance(adverts, dict):
+                raise _malformed("a SECAGG share stage carries the advertisements as a map")
+            parsed = {peer: KeyAdvertisement.from_wire(advert) for peer, advert in adverts.items()}
+            return {stages.CIPHERTEXTS: client.share_keys(parsed)}
+        if stage == stages.SHARES:
+            if self._shares_received:  # delivered again (QoS 1): already taken
+                return None
+            shares = EncryptedShares.from_wire({"client_id": self.client_id,
+                                                "ciphertexts": envelope.config.get(stages.CIPHERTEXTS)})
+            client.receive_shares(shares.ciphertexts)
+            self._shares_received = True
+            return None
+        if stage == stages.UNMASK:
+            survivors, dropped = (envelope.config.get(key) for key in (stages.SURVIVORS, stages.DROPPED))
+            if not (isinstance(survivors, list) and isinstance(dropped, list)):
+                raise _malformed("a SECAGG unmask stage carries survivors and dropped as lists")
+            mine = client.shared_with
+            response = client.unmask([d for d in survivors if d in mine], [d for d in dropped if d in mine])
+            return {stages.RESPONSE: response.to_wire()}
+        raise _malformed(f"unknown SECAGG stage {stage!r}")
+
+    def _advertise(self, envelope: Envelope) -> dict[str, Any] | None:
+        config = envelope.config
+        participants = config.get(stages.PARTICIPANTS)
+        if not isinstance(participants, list) or self.client_id not in participants:
+            return None
+        try:
+            seed = config[stages.GRAPH_SEED]
+            context = RoundContext(envelope.run_id, envelope.round, tuple(participants), config[stages.THRESHOLD],
+                                   config[stages.DEGREE], bytes(seed) if isinstance(seed, memoryview) else seed,
+                                   config[stages.LENGTH])
+        except (KeyError, SecAggError) as exc:
+            raise _malformed(f"a SECAGG advertise stage: {exc}") from None
+        self._round, self._announced = (envelope.run_id, envelope.round), config
+        self._client = SecAggClient(self.client_id, self.keys.identity, self.keys.roster, context)
+        self._shares_received, self.pending = False, None
+        return {stages.ADVERT: self._client.advertise().to_wire()}
+
+    def _client_of(self, envelope: Envelope) -> SecAggClient | None:
+        """The round's client, if this device advertised keys for the round `envelope` belongs to."""
+        return self._client if self._round == (envelope.run_id, envelope.round) else None
+
+    def vector(self, request: Envelope, groups: dict[str, ArrayGroup]) -> None:
+        """Turn a trained upload of the round `request` (TRAIN, whose groups came down) into its
+        ring vector and keep it until it can be masked (`ready`)."""
+        client = self._client_of(request)
+        if client is None:
+            raise SecAggError(f"{self.client_id}: TRAIN of round {request.round} under secure aggregation, but this "
+                              "device advertised no keys for it")
+        try:
+            clip, largest, summands = (self._announced[key] for key in (stages.CLIP, stages.LARGEST,
+                                                                       stages.SUMMANDS))
+            layout = VectorLayout({group: spec_of(arrays) for group, arrays in groups.items()})
+            weight = min(1.0, self.examples / largest)
+            values = layout.encode(groups, request.groups, float(clip), weight)
+            ring = FixedPoint(max(float(clip), 1.0), int(summands)).encode(values, self.rng)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise _malformed(f"secure upload of round {request.round}: {exc}") from None
+        if ring.size != client.context.vector_length:
+            raise SecAggError(f"{self.client_id}: the round's vector has {ring.size} elements, the announced "
+                              f"length is {client.context.vector_length}")
+        self.pending = PendingUpload(request, ring)
+
+    def ready(self) -> tuple[Envelope, dict[str, ArrayGroup]] | None:
+        """(the TRAIN, the groups of its TRAIN_RES) once the pending vector can be masked, else None."""
+        client = self._client_of(self.pending.request) if self.pending is not None else None
+        if self.pending is None or client is None or not self._shares_received:
+            return None
+        pending, self.pending = self.pending, None
+        masked = client.mask(pending.vector)
+        return pending.request, {stages.SECURE: {stages.MASKED: masked.view(np.int32)}}

@@ -1,0 +1,33 @@
+"""How a secure-aggregation round travels over the edgepfl protocol: stage names and config keys
+that the coordinator (coordinator/secure_rounds.py) and the device (device.py) share.
+
+A round under secure aggregation is four requests and a delivery (docs/PROTOCOL.md, section 19):
+SECAGG `advertise` (broadcast: the round's parameters; each selected device answers SECAGG_RES
+with its signed keys), SECAGG `share` (broadcast: every advertisement; each answers with share
+ciphertexts for its neighbours), SECAGG `shares` (per device: the ciphertexts addressed to it, no
+answer), TRAIN (broadcast; each answers TRAIN_RES carrying only its masked vector), and SECAGG
+`unmask` (broadcast: who survived and who dropped; each survivor answers with its shares).
+"""
+
+from __future__ import annotations
+
+STAGE = "stage"
+ADVERTISE, SHARE, SHARES, UNMASK = "advertise", "share", "shares", "unmask"
+STAGES = (ADVERTISE, SHARE, SHARES, UNMASK)
+REPLIED_STAGES = (ADVERTISE, SHARE, UNMASK)
+"""The stages a device answers (with SECAGG_RES); `shares` is a delivery."""
+
+SECURE = "secagg"
+"""The TRAIN config key (true) of a round under secure aggregation, and the TRAIN_RES group that
+carries the masked vector (`MASKED`, int32: the ring's words as two's complement)."""
+MASKED = "masked"
+CAPABILITY = "secagg"
+"""The HELLO config key of a device that speaks secure aggregation, with the version it speaks."""
+VERSION = 1
+
+# the advertise stage's parameters
+PARTICIPANTS, THRESHOLD, DEGREE, GRAPH_SEED, LENGTH = "participants", "threshold", "degree", "graph_seed", "length"
+CLIP, LARGEST, SUMMANDS = "clip", "largest", "summands"
+# the later stages' payloads
+ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED = "adverts", "ciphertexts", "survivors", "dropped"
+ADVERT, RESPONSE = "advert", "response"

@@ -1,0 +1,120 @@
+"""Runs under secure aggregation over the loopback broker (tests/loopback_runs.py): the global
+model is the plain run's within the quantization error, nobody upstream sees an update in the
+clear, a device lost after sharing its keys is unmasked away, and what cannot run is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import checkpoint
+from edge_sdk.config import ConfigError
+from edge_sdk.protocol import Kind
+from edge_sdk.secagg import IdentityKey, Roster, stages
+from edge_sdk.secagg.device import SecAggKeys
+from loopback_runs import BlockingLock, drain, listener
+
+DEVICES = 4
+
+
+def fleet_keys(count: int) -> list[SecAggKeys]:
+    identities = [IdentityKey.generate() for _ in range(count)]
+    roster = Roster({f"dev{i:03d}": key.public_hex() for i, key in enumerate(identities)})
+    return [SecAggKeys(identity, roster) for identity in identities]
+
+
+def secure_config(federation, **changes):
+    return federation.config(**{"clients": DEVICES, "secure_aggregation": True, "aggregation_dtype": "float64",
+                                **changes})
+
+
+def final_state(federation) -> dict:
+    return checkpoint.load(federation.folder.checkpoint).state
+
+
+def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vectors(federation, tmp_path):
+    # Prepare: the plain run first, in a folder of its own
+    plain_config = federation.config(clients=DEVICES, aggregation_dtype="float64", out=str(tmp_path / "plain"))
+    coordinator = federation.coordinator(plain_config)
+    for i in range(DEVICES):
+        federation.start_device(i, DEVICES)
+    coordinator.run()
+    federation.devices_exit()
+    plain = checkpoint.load(tmp_path / "plain" / "checkpoint.msgpack").state
+    federation.threads.clear()
+
+    coordinator = federation.coordinator(secure_config(federation))
+    up = federation.spy(Kind.TRAIN_RES)
+    for i, keys in enumerate(fleet_keys(DEVICES)):
+        federation.start_device(i, DEVICES, secagg_keys=keys)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: every round aggregated all four; each update is one int32 vector, nothing else
+    assert [r["participants"] for r in report["rounds"]] == [DEVICES, DEVICES]
+    assert all(r["secagg"]["unmasked"] == DEVICES and not r["secagg"]["dropped"] for r in report["rounds"])
+    for update in drain(up):
+        assert set(update.groups) == {stages.SECURE} and set(update.groups[stages.SECURE]) == {stages.MASKED}
+        assert update.groups[stages.SECURE][stages.MASKED].dtype == np.int32
+    secure = final_state(federation)
+    for key, value in plain["shared"].items():
+        assert np.allclose(secure["shared"][key], value, atol=1e-5), key
+
+
+def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
+    # Prepare: dev003 is parked inside its first training, then announced offline (its Last Will)
+    parked = BlockingLock()
+    coordinator = federation.coordinator(secure_config(federation, rounds=1, min_clients=3))
+    keys = fleet_keys(DEVICES)
+    unmask = listener(federation.broker, "spy-unmask", f"{federation.topics.prefix}/down/all/secagg",
+                      federation.topics)
+    for i in range(DEVICES - 1):
+        federation.start_device(i, DEVICES, secagg_keys=keys[i])
+    lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
+
+    def announce_lost() -> None:
+        parked.entered.wait(60)
+        federation.announce_offline(lost)
+
+    import threading
+
+    threading.Thread(target=announce_lost, daemon=True).start()
+
+    # Execute
+    report = coordinator.run()
+    parked.release.set()
+
+    # Assert: the round aggregated the three survivors, the lost device's masks removed
+    record = report["rounds"][0]
+    assert record["participants"] == DEVICES - 1
+    assert record["secagg"]["dropped"] == [lost] and record["secagg"]["failed"] is None
+    stages_sent = [envelope.config[stages.STAGE] for envelope in drain(unmask)]
+    assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.UNMASK]
+
+
+def test_a_device_without_keys_is_refused_by_name(federation):
+    coordinator = federation.coordinator(secure_config(federation, clients=3, rounds=1, registration_timeout=3.0))
+    welcomes = listener(federation.broker, "spy-welcome", f"{federation.topics.prefix}/down/+/welcome",
+                        federation.topics)
+    keys = fleet_keys(3)
+    federation.start_device(0, 3, secagg_keys=keys[0])
+    federation.start_device(1, 3, secagg_keys=keys[1])
+    federation.start_device(2, 3)
+    report = coordinator.run()
+    refusals = [e.config["refused"] for e in drain(welcomes) if "refused" in e.config]
+    assert len(refusals) == 1 and "requires secure aggregation" in refusals[0]
+    assert report["rounds"][0]["outcome"] == "aborted", "two devices: a sum would tell each the other's update"
+    assert "needs at least 3" in report["rounds"][0]["secagg"]["failed"]
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"aggregation": "median"}, "aggregation"),
+    ({"max_update_norm": 5.0}, "max_update_norm"),
+    ({"upload_codec": "int8"}, "upload_codec"),
+    ({"algorithm": "dc_pfl"}, "algorithm"),
+    ({"dp": "central", "dp_noise": 1.0}, "dp"),
+])
+def test_what_needs_single_updates_is_refused_by_name(federation, change, key):
+    with pytest.raises(ConfigError, match=f"secure_aggregation: {key}"):
+        federation.coordinator(secure_config(federation, **change))
