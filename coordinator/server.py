@@ -565,6 +565,7 @@ class Coordinator:
                     SecureRoundRecord(len(selected), failed=str(exc)))
         advertised = self._secure_stage(secure, stages.ADVERTISE, selected)
         shared = self._secure_stage(secure, stages.SHARE, advertised)
+        log.info("round %d: %d of %d devices shared their keys; training", round_, len(shared), len(selected))
         for device, delivery in secure.deliveries().items():
             self.outbox.send(self.topics.down(device, Kind.SECAGG),
                              Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,

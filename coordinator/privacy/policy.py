@@ -50,7 +50,8 @@ def check_private_run(config: RunConfig, algorithm: ServerAlgorithm, *, needs_bo
         return
     if privacy.dp == "distributed":
         raise ConfigError("dp distributed: each device adds a share of the noise, which hides its update only "
-                          "under secure aggregation, and edgepfl has none yet; use dp central or local")
+                          "under secure aggregation, and edgepfl does not offer DP under secure aggregation yet; use "
+                          "dp central or local")
     refusals = [
         (config.aggregation.rule != "mean", "aggregation",
          f"{config.aggregation.rule}: DP needs the fixed-denominator mean (mean)"),
