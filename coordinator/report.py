@@ -103,6 +103,19 @@ def participation_line(record: dict[str, Any]) -> str | None:
     return f"round {record['round']}: " + ", ".join(parts)
 
 
+def secagg_line(rounds: list[dict[str, Any]]) -> str | None:
+    """'3 of 3 rounds unmasked, 1 device lost after sharing its keys ...' for a run under secure
+    aggregation (its rounds carry `secagg`); None for any other run."""
+    secure = [r["secagg"] for r in rounds if r.get("secagg")]
+    if not secure:
+        return None
+    unmasked = sum(1 for r in secure if r["failed"] is None and r["unmasked"])
+    dropped = sum(len(r["dropped"]) for r in secure)
+    failed = [r["failed"] for r in secure if r["failed"]]
+    return (f"{unmasked} of {len(secure)} rounds unmasked, {dropped} devices lost after sharing their keys and "
+            "unmasked away" + (f"; {len(failed)} rounds failed (first: {failed[0]})" if failed else ""))
+
+
 def privacy_line(privacy: dict[str, Any]) -> str:
     """'dp central: epsilon 7.98 at delta 1e-05 (8.0 budget) ...' for a report's `privacy`."""
     fmt = lambda v: "inf" if v is None else f"{v:.3g}"  # noqa: E731  (None: no finite bound)

@@ -38,6 +38,7 @@ def test_a_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto, algorith
     report = json.loads(RunFolder(tmp_path / "secure").report.read_text())
     assert [r["secagg"]["unmasked"] for r in report["rounds"]] == [5, 5, 5]
     assert [r["participants"] for r in report["rounds"]] == [5, 5, 5]
+    assert "secure aggregation     3 of 3 rounds unmasked, 0 devices lost" in secure.stdout
     expected = checkpoint.load(RunFolder(tmp_path / "plain").checkpoint).state
     actual = checkpoint.load(RunFolder(tmp_path / "secure").checkpoint).state
     for group, arrays in expected.items():

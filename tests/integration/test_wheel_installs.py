@@ -107,6 +107,7 @@ CASES = [
     ("base", ["client", *DEVICE], ["--dataset digits", "scikit-learn", TRAIN, "--data"]),
     ("base", ["lite-client", *DEVICE, "--dataset", "digits"], ["scikit-learn", "pip install scikit-learn", "--data"]),
     ("base", ["broker"], ["amqtt", BROKER]),
+    ("base", ["secagg-keys", "--devices", "dev000", "--out", "keys"], ["cryptography", '"edgepfl[secagg]"']),
     ("base", ["lite-client", "--client-id", "dev000", "--data", "own.npz"], ["ONNX Runtime", '"edgepfl[lite]"']),
     ("lite", ["simulate", "--rounds", "1"], ["PyTorch", TRAIN]),
     ("lite", ["coordinator"], ["PyTorch", TRAIN]),
