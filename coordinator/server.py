@@ -553,7 +553,7 @@ class Coordinator:
         advertise keys and share secrets, those that did train and upload masked vectors, the
         survivors unmask the sum, and the algorithm folds it in as a partial sum. Returns the
         TRAIN's collector and outcome, whether the round aggregated, and how far each stage got."""
-        from .secure_rounds import SecureRound, SecureRoundRecord
+        from .secure_rounds import MIN_PARTICIPANTS, SecureRound, SecureRoundRecord
 
         self.algorithm.begin_round(round_)
         try:
@@ -566,6 +566,10 @@ class Coordinator:
         advertised = self._secure_stage(secure, stages.ADVERTISE, selected)
         shared = self._secure_stage(secure, stages.SHARE, advertised)
         log.info("round %d: %d of %d devices shared their keys; training", round_, len(shared), len(selected))
+        if len(shared) < MIN_PARTICIPANTS:
+            secure.record.failed = f"only {len(shared)} devices shared their keys; at least {MIN_PARTICIPANTS} needed"
+            log.warning("round %d not trained: %s", round_, secure.record.failed)
+            return self._collector_for(round_, shared, quorum=MIN_PARTICIPANTS), Outcome.DEADLINE, False, secure.record
         for device, delivery in secure.deliveries().items():
             self.outbox.send(self.topics.down(device, Kind.SECAGG),
                              Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
@@ -573,7 +577,8 @@ class Coordinator:
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
                         groups=self.algorithm.task_groups(round_),
                         config={"selected": sorted(shared), stages.SECURE: True, **self.algorithm.task_config(round_)})
-        collector = self._collector_for(round_, shared, quorum=self.config.round.min_clients)
+        # fewer masked vectors than MIN_PARTICIPANTS and their sum would tell each survivor the others'
+        collector = self._collector_for(round_, shared, quorum=max(self.config.round.min_clients, MIN_PARTICIPANTS))
 
         def on_update(received: Received) -> None:
             envelope = received.envelope
@@ -587,22 +592,27 @@ class Coordinator:
                 collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         outcome = self._request(Kind.TRAIN, task, collector, on_update)
-        aggregated = False
-        if collector.enough:
-            self._secure_stage(secure, stages.UNMASK, list(collector.replied))
-            try:
-                partial = secure.partial()
-            except SecAggError as exc:
-                secure.record.failed = str(exc)
-                log.warning("round %d: the secure sum could not be unmasked (%s); nothing aggregated, global state "
-                            "unchanged", round_, exc)
-            else:
-                aggregating = self.clock()
-                self.algorithm.fold_partial(round_, partial)
-                self.algorithm.close_round(round_)
-                self.events.emit(RoundAggregated(round_, len(collector.replied), self.clock() - aggregating))
-                aggregated = True
+        aggregated = collector.enough and self._unmask_and_fold(secure, sorted(collector.replied))
         return collector, outcome, aggregated, secure.record
+
+    def _unmask_and_fold(self, secure: SecureRound, survivors: list[str]) -> bool:
+        """The unmask stage for the devices whose masked vector arrived, then their sum folded in
+        as a partial sum and the round's state made; False (nothing aggregated) when it cannot be
+        unmasked."""
+        round_ = secure.context.round
+        self._secure_stage(secure, stages.UNMASK, survivors)
+        try:
+            partial = secure.partial()
+        except SecAggError as exc:
+            secure.record.failed = str(exc)
+            log.warning("round %d: the secure sum could not be unmasked (%s); nothing aggregated, global state "
+                        "unchanged", round_, exc)
+            return False
+        aggregating = self.clock()
+        self.algorithm.fold_partial(round_, partial)
+        self.algorithm.close_round(round_)
+        self.events.emit(RoundAggregated(round_, len(survivors), self.clock() - aggregating))
+        return True
 
     def _secure_stage(self, secure: SecureRound, stage: str, devices: Iterable[str]) -> list[str]:
         """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES until each answered,
