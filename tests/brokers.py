@@ -20,14 +20,19 @@ def mosquitto_binary() -> str | None:
     return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
 
 
-def require_mosquitto() -> str:
-    binary = mosquitto_binary()
+def require_binary(name: str, binary: str | None) -> str:
+    """`binary`, the path of Debian package `name`'s program; when it is missing (None) the test
+    fails in CI (CI=true: `make test` installs it there) and skips elsewhere, saying why."""
     if binary is None:
-        message = "mosquitto is not installed (apt-get install mosquitto, or run `make test` as root)"
+        message = f"{name} is not installed (apt-get install {name}, or run `make test` as root)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
     return binary
+
+
+def require_mosquitto() -> str:
+    return require_binary("mosquitto", mosquitto_binary())
 
 
 class Mosquitto:

@@ -96,6 +96,19 @@ class LoopbackFederation:
         self.run_device(client)
         return client_id
 
+    def start_lite(self, index: int, clients: int):
+        """Weak device `index` of `clients` (a LiteClient, returned) on its digits partition."""
+        from edge_sdk.data import load_client_data
+        from edge_sdk.lite import LiteClient
+
+        client_id = f"dev{index:03d}"
+        will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
+        client = LiteClient(client_id, load_client_data("digits", num_clients=clients, index=index, seed=0),
+                            federation=self.topics.federation, state_dir=self.state_dir(client_id),
+                            transport=self.broker.transport(client_id, will=will))
+        self.run_device(client)
+        return client
+
     def run_device(self, client) -> None:
         """Run `client` (a trainer or a weak device) in a thread until the run ends. A device
         that crashes is announced offline as the broker announces a crashed process (its Last

@@ -9,7 +9,6 @@ failure, elsewhere a skip, as for Mosquitto (tests/brokers.py).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from brokers import require_binary
 from coordinator.broker import free_port
 
 pytestmark = pytest.mark.integration
@@ -41,13 +41,8 @@ def _dashboard_queries(federation: str) -> list[tuple[str, str]]:
 
 
 def require_prometheus() -> str:
-    binary = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin:/usr/sbin:/usr/local/bin")
-    if binary is None:
-        message = "prometheus is not installed (apt-get install prometheus, or run `make test` as root)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return binary
+    return require_binary("prometheus", shutil.which("prometheus")
+                          or shutil.which("prometheus", path="/usr/bin:/usr/sbin:/usr/local/bin"))
 
 
 class Prometheus:

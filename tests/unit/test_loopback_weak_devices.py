@@ -14,17 +14,10 @@ from loopback_runs import sealed_test_split
 
 def test_a_weak_device_ends_with_the_reason_when_the_run_releases_nothing(federation, caplog):
     # Prepare: FedAvg without release; one of the three devices is a weak one
-    from edge_sdk.data import load_client_data
-    from edge_sdk.lite import LiteClient
-
     coordinator = federation.coordinator(federation.config(rounds=1))
     federation.start_device(0, 3)
     federation.start_device(1, 3)
-    will = (federation.topics.up("dev002", Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, "dev002")))
-    lite = LiteClient("dev002", load_client_data("digits", num_clients=3, index=2, seed=0),
-                      federation=federation.topics.federation, state_dir=federation.state_dir("dev002"),
-                      transport=federation.broker.transport("dev002", will=will))
-    federation.run_device(lite)
+    lite = federation.start_lite(2, 3)
 
     # Execute
     with caplog.at_level("ERROR"):

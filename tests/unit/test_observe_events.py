@@ -24,20 +24,13 @@ def _exporter(coordinator):
 
 def test_a_weak_device_fetching_the_release_is_served_online_and_counted(federation):
     # Prepare: RepPer releases its body; dev002 is a weak device that fetches it
-    from edge_sdk.data import load_client_data
-    from edge_sdk.lite import LiteClient
-
     coordinator = federation.coordinator(federation.config(algorithm="repper", rounds=1))
     registry = _exporter(coordinator)
     fleet: list = []
     coordinator.subscribe(fleet.append, DeviceOnline, DeviceOffline, ReleaseServed)
     federation.start_device(0, 3)
     federation.start_device(1, 3)
-    will = (federation.topics.up("dev002", Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, "dev002")))
-    lite = LiteClient("dev002", load_client_data("digits", num_clients=3, index=2, seed=0),
-                      federation=federation.topics.federation, state_dir=federation.state_dir("dev002"),
-                      transport=federation.broker.transport("dev002", will=will))
-    federation.run_device(lite)
+    federation.start_lite(2, 3)
 
     # Execute
     report = coordinator.run()
