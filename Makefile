@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-APT_PACKAGES := mosquitto nats-server iproute2 dataset-fashion-mnist prometheus
+APT_PACKAGES := mosquitto nats-server iproute2 dataset-fashion-mnist prometheus chromium
 # Test processes at once (pytest-xdist workers, a file's tests together; mutation check jobs): the
 # integration tests wait on brokers and subprocesses much of the time, so 2 keep a 2-core machine busy.
 TEST_JOBS ?= 2
@@ -25,12 +25,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 # Mosquitto for the integration tests, nats-server and iproute2 for the cluster tests (network
-# namespaces), Fashion-MNIST for the dataset tests and Prometheus for the metrics test; needs root.
+# namespaces), Fashion-MNIST for the dataset tests, Prometheus for the metrics test and Chromium
+# (headless) for the live view's browser test; needs root.
 system-deps:
 	@missing=""; \
 	[ -x /usr/sbin/mosquitto ] || command -v mosquitto >/dev/null 2>&1 || missing="$$missing mosquitto"; \
 	[ -x /usr/sbin/nats-server ] || command -v nats-server >/dev/null 2>&1 || missing="$$missing nats-server"; \
 	[ -x /usr/bin/prometheus ] || command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing="$$missing iproute2"; \
 	[ -d /usr/share/datasets/fashion-mnist ] || missing="$$missing dataset-fashion-mnist"; \
 	if [ -n "$$missing" ]; then \

@@ -1,4 +1,4 @@
-"""The `edgepfl` command: simulate, workers, coordinator, client, aggregator, broker, broker-config.
+"""The `edgepfl` command: simulate, workers, coordinator, client, aggregator, view, broker, broker-config.
 
 Heavy imports (torch, amqtt) happen inside the subcommands, after the arguments are checked, so
 `edgepfl --help` and a refused flag are instant and a device only imports what its subcommand
@@ -407,6 +407,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from .observe.settings import ObserveSettings, http_address
+    from .observe.view import serve_folder
+
+    ObserveSettings(http=args.http, http_token=args.http_token)  # the token rule of --http
+    host, port = http_address(args.http)
+    serve_folder(args.run_dir, host, port, token=args.http_token,
+                 on_start=lambda url: print(f"live view of {args.run_dir} at {url} (Ctrl-C to stop)", flush=True))
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from .broker import _serve
 
@@ -481,9 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not report the training split's count per class when registering")
     client.add_argument("--secagg-identity", metavar="FILE",
                         help="this device's secure-aggregation identity key (`edgepfl secagg-keys`; runs with "
-                             "--secure-aggregation need it)")
+                             "--secure-aggregation need it; default: none)")
     client.add_argument("--secagg-roster", metavar="FILE",
-                        help="every device's public identity key (roster.json of `edgepfl secagg-keys`)")
+                        help="every device's public identity key (roster.json of `edgepfl secagg-keys`; default: "
+                             "none)")
     client.set_defaults(handler=cmd_client)
 
     secagg_keys = sub.add_parser("secagg-keys", help="enroll devices for secure aggregation: an identity key each "
@@ -522,6 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="real images for calibration and checks (default: 256)")
     export.add_argument("--data-dir", help="where the run's dataset is (default: as the run had it)")
     export.set_defaults(handler=cmd_export)
+
+    view = sub.add_parser("view", help="serve the live view's page over a run folder (a finished run, or one "
+                                       "going on elsewhere)")
+    view.add_argument("run_dir", metavar="RUN_DIR", help="the run's --out folder")
+    view.add_argument("--http", default="127.0.0.1:8787", metavar="HOST:PORT",
+                      help="where to serve the page (a port alone: on 127.0.0.1; default: 127.0.0.1:8787)")
+    view.add_argument("--http-token", metavar="TOKEN",
+                      help="require it on every request (open the page with ?token=TOKEN); needed off loopback "
+                           "(default: none)")
+    view.set_defaults(handler=cmd_view)
 
     broker = sub.add_parser("broker", help="run the embedded amqtt broker in the foreground")
     broker.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

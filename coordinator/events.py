@@ -9,7 +9,7 @@ seconds on the coordinator's clock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from edge_sdk.channel import ChannelSnapshot
@@ -90,13 +90,29 @@ class RoundEvaluated:
 
 
 @dataclass(frozen=True)
+class RoundDevices:
+    """A round device by device: who replied, was refused (and why), was late or missing (the
+    counts of the round's record, by name), and the accuracy each evaluated device reported."""
+
+    replied: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+    """Device -> the reason its answer was rejected (a `Reason` value)."""
+    late: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    accuracy: dict[str, float] = field(default_factory=dict)
+    """The round's evaluation (none without one, or under private evaluation)."""
+
+
+@dataclass(frozen=True)
 class RoundEnded:
     """The round is checkpointed; `record` is its line in metrics.jsonl, `channel` what the
-    coordinator's channel did during the round (messages, bytes, rejections, seconds)."""
+    coordinator's channel did during the round (messages, bytes, rejections, seconds), `devices`
+    who did what in it."""
 
     round: int
     record: dict[str, Any]
     channel: ChannelSnapshot
+    devices: RoundDevices = field(default_factory=RoundDevices)
 
 
 @dataclass(frozen=True)

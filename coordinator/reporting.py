@@ -91,9 +91,10 @@ def played_report(folder: RunFolder, run_id: str, completed: int, rounds: int) -
 def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, ledger: Ledger,
                release: Release | None, devices: Iterable[Device], devices_registered: int,
                partition: str | None, wall_seconds: float, privacy: dict[str, Any] | None = None,
-               stopped: str | None = None) -> dict[str, Any]:
+               stopped: str | None = None, init_from: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's report: its settings, every round's record, the final evaluation, the release,
-    the traffic, rejections and events, from the `ledger` of every incarnation of the run."""
+    the traffic, rejections and events, from the `ledger` of every incarnation of the run; what it
+    started from when it had `init_from` (`coordinator.warm_start.WarmStart.record`)."""
     rounds = ledger.rounds
     means = [r["personalized_accuracy"]["mean"] for r in rounds if r["personalized_accuracy"]]
     final = ledger.final or {}
@@ -116,6 +117,7 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
         **({"partition": partition} if partition is not None else {}),
         "data": data_report(devices, config.task().num_classes),
         "model": config.model_name,
+        **({"init_from": init_from} if init_from is not None else {}),
         "clients": config.run.clients,
         "fraction": config.round.fraction,
         "evaluated_on": "validation" if config.training.validation_fraction else "test",

@@ -34,12 +34,12 @@ from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolE
 from edge_sdk.secagg import stages
 from edge_sdk.secagg.errors import SecAggError
 
-from . import algorithms, checkpoint
+from . import algorithms, checkpoint, warm_start
 from .algorithms.base import ServerContext
 from .config import RunConfig
 from .devices import DeviceRegistry
-from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed, RoundAggregated, RoundEnded,
-                     RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
+from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed, RoundAggregated, RoundDevices,
+                     RoundEnded, RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
@@ -122,6 +122,7 @@ class Coordinator:
         self.position = RunPosition(new_message_id()[:16])
         self.holdout: frozenset[str] = frozenset()
         self._collector: RoundCollector | None = None
+        self._refusals: dict[str, str] = {}  # device -> why its answer was rejected, this round
         self._outstanding: tuple[str, Envelope] | None = None  # the request being collected
         self._status_state = "registering"
         self._connections = getattr(channel.transport, "connections", 0)
@@ -130,7 +131,11 @@ class Coordinator:
         self.nacks = NackLimiter(clock)
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
         self._started = time.time()
-        self.ledger = Ledger(channel, self._resume())
+        history = self._resume()
+        self.algorithm.state, self.init_from = warm_start.apply(config.run.init_from, self.algorithm.state,
+                                                                history)
+        """What a run with `init_from` started from (`WarmStart.record`); None for a cold start."""
+        self.ledger = Ledger(channel, history)
         self.outbox = Outbox(channel, self.registry, self.ledger, self.position, self.nacks)
         self.registration = Registration(config, self.algorithm, self.hyper, self.model, self.limits, self.registry,
                                          self.outbox, self.ledger, self.incarnation, privacy=self._announced_privacy(),
@@ -191,6 +196,8 @@ class Coordinator:
         history = {**self.ledger.to_history(self._wall_seconds()), "config": self._record()}
         if self.privacy is not None:
             history["privacy"] = self.privacy.to_state()
+        if self.init_from is not None:
+            history[warm_start.KEY] = self.init_from
         checkpoint.save(
             self.folder.checkpoint,
             checkpoint.Checkpoint(self.run_id, self.completed, self.config.fingerprint(), self.algorithm.state,
@@ -237,7 +244,8 @@ class Coordinator:
                             ledger=self.ledger, release=self.release, devices=self.registry.devices.values(),
                             devices_registered=self.registration.device_count(), partition=self.partition,
                             wall_seconds=self._wall_seconds(),
-                            privacy=self.privacy.report() if self.privacy else None, stopped=stopped)
+                            privacy=self.privacy.report() if self.privacy else None, stopped=stopped,
+                            init_from=self.init_from)
         write_report(self.folder, report)
         self._status("finished")
         return report
@@ -403,6 +411,7 @@ class Coordinator:
         """Reject a device's answer to the open request; it sends no other, so it is not waited for."""
         self.outbox.reject(envelope, reason, detail)
         collector.refuse(envelope.sender, envelope.msg_id)
+        self._refusals[envelope.sender] = reason.value
 
     def _reject_reply(self, envelope: Envelope, reason: Reason, detail: str) -> None:
         """Refuse a TRAIN_RES or EVAL_RES that fails the reply check. If it answers the open
@@ -432,6 +441,7 @@ class Coordinator:
         started, (sent0, received0) = self.clock(), self.channel.counter.snapshot()
         channel0 = self.channel.counters.snapshot()
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
+        self._refusals.clear()
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
         if self.privacy is not None:
             self.privacy.check_budget(len(candidates))
@@ -493,7 +503,12 @@ class Coordinator:
                  "%.2f MB, %.1f s", round_, self.config.training.rounds, record.outcome, record.participants,
                  record.selected, record.late, record.missing, record.refused,
                  f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
-        self.events.emit(RoundEnded(round_, entry, channel))
+        devices = RoundDevices(replied=tuple(sorted(collector.replied)),
+                               refused={d: self._refusals.get(d, "refused") for d in sorted(collector.refused)},
+                               late=tuple(sorted(collector.waiting)), missing=tuple(sorted(collector.offline)),
+                               accuracy={d: m["accuracy"] for d, m in sorted((evaluation or {}).items())
+                                         if isinstance(m.get("accuracy"), (int, float))})
+        self.events.emit(RoundEnded(round_, entry, channel, devices))
 
     def _windows(self) -> tuple[float, float]:
         """(grace, timeout) of the next request, from the settings and the replies measured."""

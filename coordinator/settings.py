@@ -48,6 +48,18 @@ class RunSettings:
     release: bool = setting(False, help="export and publish the global body after training (RepPer always does; "
                                         "algorithms that keep BatchNorm statistics personal first pool the global "
                                         "body's from the trainers; refused for a personal body: local, lg_fedavg)")
+    init_from: str | None = setting(None, defines=DEFINES_IF_SET,
+                                    help="start a new run from another model's global arrays, matched by name: a "
+                                         "run folder (its checkpoint.msgpack), a checkpoint.msgpack, a PyTorch "
+                                         "state_dict (.pt, .pth) or an .npz of named arrays; another shape is "
+                                         "refused by name (a resumed run keeps its own checkpoint)")
+    """Defines the run by its path (only when set, so other runs keep their fingerprint): the path,
+    not the file's sha256, so that `edgepfl workers` on another host, which checks its settings
+    against the coordinator's, needs the same flag but not the file. Two runs from different
+    initial models must not be resumed as one (the second would continue the first's rounds and
+    report a start it never had), so the sha256 of what a run started from is recorded in its
+    checkpoint and a resume is refused when the file at that path has changed since
+    (`coordinator.warm_start.apply`)."""
     out: str = setting("runs/latest", help="output folder (report.json, metrics.jsonl, curves.png, checkpoint)")
 
     def __post_init__(self) -> None:
@@ -57,6 +69,8 @@ class RunSettings:
             object.__setattr__(self, "dataset", DEFAULT_DATASET)
         check(self.alpha > 0, "alpha", "positive", self.alpha)
         check(self.clients >= 1, "clients", "at least 1", self.clients)
+        check(self.init_from is None or bool(self.init_from.strip()), "init_from", "a path (or unset)",
+              self.init_from)
 
     def client_data(self, index: int | None, seed: int, declared: dict | None = None):
         """Device `index`'s partition of `dataset` or of the `data` file, or (no index) a device's

@@ -1,7 +1,8 @@
 """What `[observe]` turns on for one run of the coordinator or simulate command.
 
 `observing(config)` is a context manager around the run: on entry it makes the Prometheus
-exporter and starts the HTTP server (`http`), and makes the tracker (`track`); the command feeds
+exporter and the live view's state and starts the HTTP server (`http`: `/metrics`, the page at
+`/`, `/state.json`), and makes the tracker (`track`); the command feeds
 `Observation.on_event` every event of its coordinator; on exit the trackers log the run's final
 artifacts and the server stops, whether the run finished or failed. A failing observer is logged,
 never fatal to the run. With everything off, nothing is imported and nothing is started.
@@ -94,17 +95,23 @@ def observing(config: RunConfig) -> Iterator[Observation]:
 
 
 def _metrics_server(config: RunConfig, observation: Observation) -> ObserveServer:
-    """The HTTP server with `/metrics` of a new exporter, which is fed the run's events."""
+    """The HTTP server with `/metrics` of a new exporter and the live view (`/`, `/state.json`) of
+    a new `LiveState`, both fed the run's events."""
     from prometheus_client import CollectorRegistry
 
     from .http import ObserveServer
+    from .live import LiveState
     from .prometheus import PrometheusExporter
+    from .view import add_view_routes
 
     exporter = PrometheusExporter(CollectorRegistry(), federation=config.broker.federation)
-    observation.observers.append(exporter.on_event)
+    live = LiveState({"algorithm": config.run.algorithm, "dataset": config.run.dataset, "model": config.model_name,
+                      "federation": config.broker.federation}, folder=observation.folder)
+    observation.observers += [exporter.on_event, live.on_event]
     host, port = http_address(str(config.observe.http))
     server = ObserveServer(host, port, token=config.observe.http_token)
     server.route("/metrics", exporter.route)
+    add_view_routes(server, lambda: live)
     return server
 
 
@@ -112,6 +119,7 @@ def _listen(server: ObserveServer) -> None:
     """Start `server`; a port it cannot bind is a bad `http` (a ConfigError naming it)."""
     try:
         server.start()
+        log.info("live view at %s/ (the token, if any, as ?token=)", server.url)
     except OSError as exc:
         raise ConfigError(f"http {server.host}:{server.requested_port}: cannot listen there ({exc.strerror or exc})") \
             from None

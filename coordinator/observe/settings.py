@@ -48,11 +48,11 @@ class ObserveSettings:
     commands: ClassVar[tuple[str, ...]] = RUN_COMMANDS
 
     http: str | None = setting(None, shown_default="off",
-                               help="HOST:PORT (or PORT, on 127.0.0.1) where the coordinator serves /metrics in "
-                                    "the Prometheus text format while the run goes")
-    http_token: str | None = setting(None, help="bearer token /metrics requires (header `Authorization: Bearer "
-                                                "TOKEN` or ?token=TOKEN); required when --http binds other than "
-                                                "a loopback address")
+                               help="HOST:PORT (or PORT, on 127.0.0.1) where the coordinator serves the live view "
+                                    "(/) and /metrics in the Prometheus text format while the run goes")
+    http_token: str | None = setting(None, help="bearer token every --http page requires (header `Authorization: "
+                                                "Bearer TOKEN` or ?token=TOKEN); required when --http binds other "
+                                                "than a loopback address")
     track: str = setting("none", help="none | tensorboard | mlflow: log each round's figures, the settings and "
                                       "the final report to an experiment tracker")
     track_uri: str | None = setting(None, shown_default="OUT/tensorboard or OUT/mlruns",
