@@ -559,6 +559,10 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
                           f"with `edgepfl aggregator --shard k/{config.round.shards}`)")
     hyperparameters(config.run.algorithm, config.hyper)  # a bad key fails before anything starts
     resolve_factory(config.model_name, config.task())  # so does a bad model or data file
+    if config.run.init_from is not None:  # and a warm start's missing file
+        from .warm_start import source_file
+
+        source_file(config.run.init_from)
     if config.secagg.secure_aggregation:  # the simulated fleet's enrollment: every trainer's identity key
         from edge_sdk.secagg.enroll import enroll
 
