@@ -47,7 +47,8 @@ test: install system-deps
 	$(BIN)/ruff check edge_sdk coordinator export
 	$(BIN)/mypy
 	$(BIN)/python tests/mutation_check.py --jobs $(TEST_JOBS)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -34,7 +34,8 @@ from edge_sdk.transport import MqttSettings, MqttTransport
 from hosts import Hosts, hosts_or_skip
 from nats_cluster import NatsCluster, nats_binary
 
-pytestmark = pytest.mark.integration
+# JetStream's elections time out on a starved machine (QoS 1 then waits on redeliveries): run alone
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 FED = "cluster"
 DEVICES = 6
 WAIT = 240.0
