@@ -13,9 +13,7 @@ from __future__ import annotations
 
 STAGE = "stage"
 ADVERTISE, SHARE, SHARES, UNMASK = "advertise", "share", "shares", "unmask"
-STAGES = (ADVERTISE, SHARE, SHARES, UNMASK)
-REPLIED_STAGES = (ADVERTISE, SHARE, UNMASK)
-"""The stages a device answers (with SECAGG_RES); `shares` is a delivery."""
+"""A device answers the first, second and last with SECAGG_RES; `shares` is a delivery."""
 
 SECURE = "secagg"
 """The TRAIN config key (true) of a round under secure aggregation, and the TRAIN_RES group that
