@@ -78,6 +78,15 @@ STATUS, a last reply), so that a process that publishes and exits loses nothing 
 MAX_TRACKED_PUBLICATIONS = 1024
 
 
+def _settled(info: mqtt.MQTTMessageInfo) -> bool:
+    """A QoS 1 publication the broker acknowledged, or one paho could not send (published while
+    disconnected: paho's `is_published` raises for it), which nothing will acknowledge."""
+    try:
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return True
+
+
 class TransportError(ConnectionError):
     """The broker could not be reached or refused the connection."""
 
@@ -364,9 +373,11 @@ class MqttTransport:
                 log.warning("%s: %d publications not acknowledged by the broker within %.0f s of closing",
                             self.client_id, len(self._unacknowledged), FLUSH_SECONDS)
                 return
-            with contextlib.suppress(RuntimeError, ValueError):  # not sent (no connection): nothing to wait for
-                self._unacknowledged[0].wait_for_publish(remaining)
-            self._unacknowledged.popleft()
+            oldest = self._unacknowledged[0]
+            if not _settled(oldest):
+                oldest.wait_for_publish(remaining)
+            if _settled(oldest) or time.monotonic() >= deadline:
+                self._unacknowledged.popleft()
 
     # -- operations ------------------------------------------------------------------------
     def subscriptions_active(self) -> bool:
@@ -410,7 +421,7 @@ class MqttTransport:
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         if qos:
-            while self._unacknowledged and self._unacknowledged[0].is_published():
+            while self._unacknowledged and _settled(self._unacknowledged[0]):
                 self._unacknowledged.popleft()
             self._unacknowledged.append(info)
         self.counter.record("sent", topic, len(payload))

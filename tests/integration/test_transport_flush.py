@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from edge_sdk.transport import MqttSettings, MqttTransport
+from edge_sdk.transport import FLUSH_SECONDS, MqttSettings, MqttTransport
 
 pytestmark = pytest.mark.integration
 MESSAGES = 400
@@ -44,3 +44,28 @@ def test_messages_published_just_before_close_all_arrive(mosquitto):
         received.add(int.from_bytes(bytes(payload[:4]), "big"))
     receiver.close()
     assert len(received) == MESSAGES, f"{MESSAGES - len(received)} of {MESSAGES} messages lost on close"
+
+
+def test_a_publication_made_while_disconnected_does_not_break_later_ones_or_the_close(mosquitto):
+    # Prepare: a sender whose broker goes away and comes back
+    sender = MqttTransport("flush.sender", MqttSettings(url=mosquitto.url))
+    sender.connect()
+    sender.publish(TOPIC, b"before")
+    mosquitto.stop()
+    deadline = time.monotonic() + 30
+    while sender.connected.is_set():
+        assert time.monotonic() < deadline, "the sender never saw the broker go"
+        sender.connected.wait(0.05)
+
+    # Execute: a publication while disconnected (paho cannot send it), then the broker back
+    sender.publish(TOPIC, b"while away")
+    mosquitto.start()
+    while not sender.subscriptions_active():
+        assert time.monotonic() < deadline + 60, "the sender never reconnected"
+        sender.connected.wait(0.05)
+    sender.publish(TOPIC, b"after")
+    closing = time.monotonic()
+    sender.close()
+
+    # Assert: nothing raised, and closing did not wait on what can never be acknowledged
+    assert time.monotonic() - closing < FLUSH_SECONDS
