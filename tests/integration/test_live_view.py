@@ -13,13 +13,13 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from brokers import require_binary
+from observed_runs import nan_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -95,10 +95,7 @@ def test_the_page_shows_a_run_while_it_goes_and_after_it(mosquitto, tmp_path):
     from coordinator.observe.session import observing
     from coordinator.server import Coordinator
     from edge_sdk.channel import Channel
-    from edge_sdk.client import EdgeClient
-    from edge_sdk.data import load_client_data
     from edge_sdk.protocol import Topics
-    from edge_sdk.transport import MqttSettings, MqttTransport
 
     chromium = Chromium(tmp_path)
     federation = "liveview"
@@ -106,16 +103,7 @@ def test_the_page_shows_a_run_while_it_goes_and_after_it(mosquitto, tmp_path):
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=3, rounds=ROUNDS, local_epochs=1,
                           batch_size=64, out=str(out), federation=federation, round_timeout=60,
                           registration_timeout=60, http="127.0.0.1:0", http_token=TOKEN)
-    settings = MqttSettings(url=mosquitto.url)
-    stop = threading.Event()
-    threads = []
-    for index in range(3):
-        data = load_client_data("digits", num_clients=3, index=index, seed=0)
-        client = EdgeClient(f"dev{index}", data, broker=settings, federation=federation,
-                            state_dir=tmp_path / f"dev{index}", attack="nan" if index == 2 else None)
-        threads.append(threading.Thread(target=client.run, args=(stop,), daemon=True))
-    transport = MqttTransport(f"{federation}.coordinator", settings)
-    transport.connect()
+    threads, stop, transport = nan_fleet(mosquitto.url, federation, tmp_path)
     mid_run: list[ShownPage] = []
     try:
         with observing(config) as observation:

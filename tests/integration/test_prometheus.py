@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from brokers import require_binary
+from observed_runs import nan_fleet
 from coordinator.broker import free_port
 
 pytestmark = pytest.mark.integration
@@ -92,14 +92,18 @@ class Prometheus:
 
     def poll(self, ready, what: str):
         """Call `ready()` until it returns a true value (which is returned) or DEADLINE passes."""
+        if self.process is None:
+            raise AssertionError("prometheus was not started")
         deadline = time.monotonic() + DEADLINE
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise AssertionError(f"prometheus exited; see {self.workdir / 'prometheus.log'}")
             value = ready()
             if value:
                 return value
-            time.sleep(0.2)  # the interval between two polls of the condition
+            try:  # between two polls, wait on prometheus itself: its exit ends the wait at once
+                self.process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            raise AssertionError(f"prometheus exited; see {self.workdir / 'prometheus.log'}")
         raise AssertionError(f"timed out waiting for {what}")
 
     def poll_query(self, expression: str, expected: dict) -> None:
@@ -146,25 +150,13 @@ def test_prometheus_scrapes_the_runs_rounds_traffic_rejections_and_durations(mos
     from coordinator.observe.session import observing
     from coordinator.server import Coordinator
     from edge_sdk.channel import Channel
-    from edge_sdk.client import EdgeClient
-    from edge_sdk.data import load_client_data
     from edge_sdk.protocol import Topics
-    from edge_sdk.transport import MqttSettings, MqttTransport
 
     federation = "promtest"
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64,
                           out=str(tmp_path / "run"), federation=federation, round_timeout=60,
                           registration_timeout=60, http="127.0.0.1:0", http_token=TOKEN)
-    settings = MqttSettings(url=mosquitto.url)
-    stop = threading.Event()
-    threads = []
-    for index in range(3):
-        data = load_client_data("digits", num_clients=3, index=index, seed=0)
-        client = EdgeClient(f"dev{index}", data, broker=settings, federation=federation,
-                            state_dir=tmp_path / f"dev{index}", attack="nan" if index == 2 else None)
-        threads.append(threading.Thread(target=client.run, args=(stop,), daemon=True))
-    transport = MqttTransport(f"{federation}.coordinator", settings)
-    transport.connect()
+    threads, stop, transport = nan_fleet(mosquitto.url, federation, tmp_path)
     ended: list = []
     try:
         with observing(config) as observation:
