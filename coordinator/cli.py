@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from .conformance_command import add_conformance_parser
+from .releases.command import add_release_parser
 from .flags import add_setting_flags, given, section_from
 
 log = logging.getLogger(__name__)
@@ -519,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     lite.set_defaults(handler=cmd_lite_client)
 
     add_conformance_parser(sub)
+    add_release_parser(sub)
 
     export = sub.add_parser("export", help="export a run's frozen representation to ONNX (checked against PyTorch)")
     export.add_argument("--run", required=True, help="the run's --out folder (its checkpoint is exported)")

@@ -141,6 +141,8 @@ class ReleaseServed:
     device: str
     sha256: str
     bytes: int
+    version: int | None = None
+    """Its number among the run's releases."""
 
 
 Event = (RunStarted | RegistrationOpened | DevicesRegistered | RoundStarted | UpdateAccepted | RoundAggregated

@@ -78,9 +78,12 @@ class Release:
     data: bytes
     sha256: str
     metadata: dict[str, Any]
+    version: int | None = None
+    """Its number among the run's releases (`coordinator.releases.store`), once kept there."""
 
     def manifest(self) -> dict[str, Any]:
-        return {"sha256": self.sha256, "size": len(self.data), "format": "onnx", "metadata": self.metadata}
+        manifest = {"sha256": self.sha256, "size": len(self.data), "format": "onnx", "metadata": self.metadata}
+        return manifest if self.version is None else manifest | {"version": self.version}
 
     def artifact(self) -> dict[str, ArrayGroup]:
         return {"artifact": {"onnx": np.frombuffer(self.data, dtype=np.uint8)}}

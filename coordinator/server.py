@@ -19,6 +19,7 @@ refusals, answered with a NACK where the sender is registered).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -46,6 +47,8 @@ from .outbox import Outbox, RunPosition, resent
 from .privacy.policy import BudgetSpent, check_dp_sgd_run, private_run
 from .registration import Registration, RegistrationTimeout
 from .release import Pool, Release, ReleasePhase
+from .releases.inventory import keep_release_results
+from .releases.store import ReleaseStore
 from .report import MetricsLog, summarize, write_report
 from .reporting import RoundRecord, finished_report, played_report, run_report
 from .rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients
@@ -338,7 +341,8 @@ class Coordinator:
             artifact = Envelope(Kind.ARTIFACT, COORDINATOR, run_id=self.run_id, round=self.completed,
                                 groups=self.release.artifact(), config={"sha256": self.release.sha256})
             self.outbox.send(self.topics.down(fetch.sender, Kind.ARTIFACT), artifact)
-            self.events.emit(ReleaseServed(fetch.sender, self.release.sha256, len(self.release.data)))
+            self.events.emit(ReleaseServed(fetch.sender, self.release.sha256, len(self.release.data),
+                                            self.release.version))
 
     def _late_update(self, envelope: Envelope) -> None:
         """An update of the last closed round from a device it stopped waiting for: dropped
@@ -779,7 +783,7 @@ class Coordinator:
                              state=self.algorithm.state, config=self._record(), model=self.model,
                              run_id=self.run_id, round_=self.completed)
         phase.pool_body_statistics(self.registry.online("trainer"))
-        release = self.release = phase.export()
+        release = self.release = self._kept(phase.export())
         self._publish_release(release)
         self.ledger.event("released", round=self.completed, sha256=release.sha256, size=len(release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": release.sha256,
@@ -789,8 +793,16 @@ class Coordinator:
         final = self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
         self._checkpoint()
         summary = self._accuracy(final)
+        keep_release_results(self.folder.path, release, final)
         self.metrics.append({"event": "final_evaluation", "round": self.completed, "personalized_accuracy": summary,
                              "devices": len(final), "of_devices": self.registration.device_count()})
+
+    def _kept(self, release: Release) -> Release:
+        """`release` kept as the next of the run's numbered releases (`releases/<n>/`)."""
+        kept = ReleaseStore(self.folder.path).add(release.data, release.metadata,
+                                                  {"run_id": self.run_id, "round": self.completed}, None,
+                                                  f"released by run {self.run_id} after round {self.completed}")
+        return dataclasses.replace(release, version=kept.version)
 
     def _gather(self, targets: list[str], pool: Pool) -> None:
         """Ask `targets` for the pool's phase and pool their replies."""

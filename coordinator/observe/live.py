@@ -51,6 +51,10 @@ class DeviceView:
     accuracy_round: int | None = None
     rejections: dict[str, int] = field(default_factory=dict)
     """Its rejected answers by reason (a `Reason` value)."""
+    release: int | None = None
+    """The numbered release it holds (a weak device): fetched in a run, deployed in the inventory."""
+    kept: str | None = None
+    """Why it kept an older release than the one it evaluated last (the inventory)."""
 
 
 def round_point(record: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +160,8 @@ class LiveState:
             self._note(event.device, "offline")
 
     def _release_served(self, event: ReleaseServed) -> None:
-        self._device(event.device).last_seen = self.clock()
+        view = self._device(event.device)
+        view.last_seen, view.release = self.clock(), event.version
         self._note(event.device, "released", bytes=event.bytes)
 
     _handlers: dict[type, Callable[[LiveState, Any], None]] = {
@@ -218,7 +223,24 @@ class LiveState:
             state.devices[device] = view
         for entry in report.get("event_log") or []:
             state._logged(entry)
+        state._inventory(folder)
         return state
+
+    def _inventory(self, folder: RunFolder) -> None:
+        """Which release each weak device runs (`edgepfl release serve` keeps it up to date): weak
+        devices that came online after training are listed too."""
+        from ..releases.inventory import Inventory
+        from ..releases.store import ReleaseStore
+
+        self.run["release"] = ReleaseStore(folder.path).read_state().current
+        for device, entry in Inventory(folder.path).devices.items():
+            view = self.devices.setdefault(device, DeviceView(device, "lite", selected=None, replied=None, late=None,
+                                                              missing=None, refused=None))
+            view.release, view.kept = entry.get("runs"), entry.get("kept")
+            if isinstance(entry.get("accuracy"), (int, float)):
+                view.accuracy = float(entry["accuracy"])
+            if view.last_seen is None or entry["reported"] > view.last_seen:
+                view.last_seen = entry["reported"]
 
     def _logged(self, entry: dict[str, Any]) -> None:
         """A report's event_log entry: device comings and goings, the release."""

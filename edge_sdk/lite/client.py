@@ -15,12 +15,22 @@ import chain imports torch, scikit-learn or scipy.
 
 A retained manifest may belong to another run, or arrive before WELCOME: the latest is kept
 and used once the device has joined the run it names.
+
+The device keeps its last good release (`deployment`): the personalized model is composed next
+to `model_path` and replaces it only if it scores at least as well as the model deployed, or the
+manifest says `rollback` (the operator's decision); otherwise the deployed model stays and the
+EVAL_RES says why (`kept`). What it deploys is recorded in `<state_dir>/deployed-<device id>.json`
+and said in its HELLO (`runs`), so a restarted device knows it. A release that fails
+verification (never received intact, rejected by onnxruntime, or its feature extractor fails)
+is never deployed: an EVALUATE of it is answered with the deployed model's accuracy and the
+reason (nothing deployed: it is not answered).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
@@ -40,6 +50,7 @@ from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..session import DeviceSession
 from ..settings import TrainSettings
 from ..store import write_atomic
+from .deployment import Deployment, describe_release, kept_because, read_deployment, write_deployment
 from .features import FeatureExtractor
 from .heads import HEADS, Head, Prototypes, class_statistics, fit_head
 
@@ -50,13 +61,16 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 @dataclass(frozen=True)
 class Release:
-    """A RELEASE manifest: which bytes make the run's representation."""
+    """A RELEASE manifest: which bytes make the run's representation. `version` None: not
+    numbered (newer than anything deployed); `rollback`: the operator moves the fleet back to it."""
 
     run_id: str
     round: int
     sha256: str
     size: int
     metadata: dict[str, Any]
+    version: int | None = None
+    rollback: bool = False
 
     @classmethod
     def from_envelope(cls, envelope: Envelope) -> Release:
@@ -69,18 +83,29 @@ class Release:
         metadata = config.get("metadata", {})
         if not isinstance(metadata, dict):
             raise ProtocolError(Reason.MALFORMED, "release metadata is not a mapping")
-        return cls(envelope.run_id, envelope.round, sha, size, metadata)
+        version, rollback = config.get("version"), config.get("rollback", False)
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
+            raise ProtocolError(Reason.MALFORMED, f"release version {version!r} is not an int >= 1")
+        if not isinstance(rollback, bool):
+            raise ProtocolError(Reason.MALFORMED, f"release rollback {rollback!r} is not a bool")
+        return cls(envelope.run_id, envelope.round, sha, size, metadata, version, rollback)
+
+    def describe(self) -> str:
+        """How logs name it: its version, when numbered, and its sha256 prefix."""
+        return describe_release(self.sha256, self.version)
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The last evaluation: the head, its test predictions and the personalized model's path."""
+    """The last evaluation: the head, its test predictions and the personalized model's path
+    (`deployed` false: it scored lower than the deployed model, which stays at that path)."""
 
     round: int
     accuracy: float
     head: Head
     predictions: np.ndarray
     model_path: Path
+    deployed: bool = True
 
 
 class LiteClient(DeviceSession):
@@ -125,16 +150,23 @@ class LiteClient(DeviceSession):
         self._waiting: Envelope | None = None  # an EVALUATE that arrived before the artifact
         self._fetches: Counter[str] = Counter()
         self._fetched_at: dict[str, float] = {}
+        self._failed: dict[str, str] = {}  # sha256 -> why that release failed verification
+        self.deployment_path = self.state_dir / f"deployed-{client_id}.json"
+        self.deployed: Deployment | None = read_deployment(self.deployment_path, self.model_path)
+        """What this device runs (its personalized model), kept across restarts."""
 
     @property
     def missing_model(self) -> str | None:
         """Why a finished run left this device without a personalized model (None when it has
         one, or while the run goes on): the command exits non-zero with it."""
-        if not self.finished or self.evaluation is not None:
+        if not self.finished or self.evaluation is not None or self.deployed is not None:
             return None
         if self.release is None:
             return (f"run {self.run_id} finished without releasing a representation, so this weak device has no "
                     "model: run the coordinator with --release (or an algorithm that releases one, such as repper)")
+        if self.release.sha256 in self._failed:
+            return (f"the representation {self.release.sha256[:12]} released by run {self.run_id} failed "
+                    f"verification ({self._failed[self.release.sha256]}): no personalized model was written")
         return (f"run {self.run_id} finished before this device was asked to evaluate the released representation "
                 f"{self.release.sha256[:12]}: no personalized model was written")
 
@@ -152,6 +184,8 @@ class LiteClient(DeviceSession):
                                   "onnxruntime": ort.__version__, "task": self.own_data.task.name}
         if self.share_prototypes and not self.run_private:  # as the prototypes: shared or kept
             config["label_counts"] = self.own_data.class_counts().tolist()
+        if self.deployed is not None:  # a release service does not ask again for what it runs
+            config["runs"] = self.deployed.sha256
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
@@ -174,7 +208,7 @@ class LiteClient(DeviceSession):
 
     @property
     def ready(self) -> bool:
-        """True when the joined run's released representation is loaded."""
+        """True when the joined run's released representation is loaded (and passed verification)."""
         return self.release is not None and self._loaded == self.release.sha256
 
     def _on_release(self, envelope: Envelope) -> None:
@@ -187,15 +221,18 @@ class LiteClient(DeviceSession):
     def _activate(self, release: Release) -> None:
         if self.release == release and self.ready:
             return  # the retained manifest again (after a reconnection)
+        if self.release is not None and self.release.sha256 != release.sha256:
+            self.prototypes = None  # the class prototypes pooled on another representation's features
         self.release = release
-        log.info("%s: release %s of round %d (%d bytes)", self.client_id, release.sha256[:12], release.round,
-                 release.size)
-        if self._load_cached(release):
+        log.info("%s: release %s of round %d (%d bytes%s)", self.client_id, release.describe(), release.round,
+                 release.size, ", a rollback" if release.rollback else "")
+        if release.sha256 in self._failed or self._load_cached(release):  # failed before: it would again
             self._answer_waiting()
         else:
             self._fetch(release)
 
     def _load_cached(self, release: Release) -> bool:
+        """Load the cached artifact: True if one was there intact (loaded, or failed verification)."""
         path = self.artifact_path(release.sha256)
         if not path.exists():
             return False
@@ -204,12 +241,28 @@ class LiteClient(DeviceSession):
             log.warning("%s: cached artifact %s is damaged; fetching it again", self.client_id, path)
             path.unlink()
             return False
-        self._load(body, release.sha256)
+        self._load(body, release)
         return True
 
-    def _load(self, body: bytes, sha256: str) -> None:
-        self._extractor = FeatureExtractor(body, self.providers)
-        self._body, self._loaded = body, sha256
+    def _load(self, body: bytes, release: Release) -> bool:
+        """Load verified bytes with onnxruntime; False (and the release failed) when it refuses them."""
+        try:
+            self._extractor = FeatureExtractor(body, self.providers)
+        except ValueError as exc:  # RepresentationError: not a model, or not a representation
+            self._fail(release, str(exc))
+            return False
+        self._body, self._loaded = body, release.sha256
+        return True
+
+    def _fail(self, release: Release, reason: str) -> None:
+        """`release` failed verification: say so once, never deploy it, drop it if loaded."""
+        if release.sha256 in self._failed:
+            return
+        self._failed[release.sha256] = reason
+        if self._loaded == release.sha256:
+            self._extractor = self._body = self._loaded = self._features = None
+        keeps = f"keeps release {self.deployed.describe()}" if self.deployed is not None else "nothing is deployed"
+        log.warning("%s: release %s failed verification: %s; %s", self.client_id, release.describe(), reason, keeps)
 
     def _fetch(self, release: Release, *, again: bool = False) -> None:
         """Ask for the artifact, unless a request is in flight (younger than `fetch_timeout`) and
@@ -218,8 +271,8 @@ class LiteClient(DeviceSession):
         if not again and time.monotonic() - self._fetched_at.get(sha, float("-inf")) < self.fetch_timeout:
             return
         if self._fetches[sha] >= self.max_fetches:
-            log.error("%s: artifact %s not received intact after %d requests", self.client_id, sha[:12],
-                      self._fetches[sha])
+            self._fail(release, f"artifact not received intact after {self._fetches[sha]} requests")
+            self._answer_waiting()
             return
         self._fetches[sha] += 1
         self._fetched_at[sha] = time.monotonic()
@@ -230,8 +283,8 @@ class LiteClient(DeviceSession):
         sha = envelope.config.get("sha256")
         if release is None or envelope.run_id != self.run_id or sha != release.sha256:
             raise ValidationError(Reason.UNKNOWN_ARTIFACT, f"artifact {sha!r} is not the joined run's release")
-        if self.ready:
-            return  # a second answer to a repeated FETCH
+        if self.ready or sha in self._failed:
+            return  # a second answer to a repeated FETCH, or bytes that failed verification already
         data = envelope.groups.get("artifact", {}).get("onnx")
         if data is None or data.dtype != np.uint8 or data.ndim != 1:
             raise ProtocolError(Reason.MALFORMED, "an artifact carries group 'artifact' with a uint8 vector 'onnx'")
@@ -242,9 +295,9 @@ class LiteClient(DeviceSession):
                                 f"hashing to {digest[:12]}, the manifest says {release.size}")
             self._fetch(release, again=True)
             return
-        self._load(body, release.sha256)
-        write_atomic(self.artifact_path(release.sha256), body)
-        log.info("%s: artifact %s cached", self.client_id, release.sha256[:12])
+        if self._load(body, release):
+            write_atomic(self.artifact_path(release.sha256), body)
+            log.info("%s: artifact %s cached", self.client_id, release.sha256[:12])
         self._answer_waiting()
 
     # -- global prototypes (pooled by the coordinator, sent with the final EVALUATE) ---------
@@ -281,15 +334,48 @@ class LiteClient(DeviceSession):
         if self.ready:
             self._evaluate(envelope)
             return
+        if self._answer_unverified(envelope):
+            return
         self._waiting = envelope
         log.info("%s: evaluation of round %d waits for the artifact", self.client_id, envelope.round)
-        if self.release is not None:
+        if self.release is not None and self.release.sha256 not in self._failed:
             self._fetch(self.release)  # unless a request is in flight: its answer may have been lost
 
     def _answer_waiting(self) -> None:
         request, self._waiting = self._waiting, None
-        if request is not None and request.run_id == self.run_id and not self.answered(request):
+        if request is None or request.run_id != self.run_id or self.answered(request):
+            return
+        if self.ready:
             self._evaluate(request)
+        elif not self._answer_unverified(request):
+            self._waiting = request  # nothing deployed to answer with: as before, the request waits
+
+    def _answer_unverified(self, request: Envelope) -> bool:
+        """Answer `request` with the deployed model when the release failed verification (True);
+        False when it did not fail, or nothing is deployed. The failed release scores 0: it
+        classifies nothing."""
+        release, deployed = self.release, self.deployed
+        if release is None or release.sha256 not in self._failed or deployed is None:
+            return False
+        kept = f"verification failed: {self._failed[release.sha256]}"
+        self._reply(request, 0.0, release, kept=kept)
+        return True
+
+    def _reply(self, request: Envelope, accuracy: float, release: Release, *, kept: str | None = None,
+               groups: dict[str, Any] | None = None) -> None:
+        """EVAL_RES: the accuracy of the `release` evaluated, what the device runs now and, when it
+        kept an older model, why; under DP the metrics go through `private_metrics`, without the
+        deployed model's accuracy."""
+        deployed = self.deployed
+        assert deployed is not None  # every answer follows a deployment, or keeps one
+        config = {"release": release.sha256, "runs": deployed.sha256} | ({"kept": kept} if kept else {})
+        metrics = {"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train}
+        if self.privacy is not None:
+            metrics = private_metrics(metrics, self.privacy, self.privacy.generator(self.client_id, request.round,
+                                                                                    "evaluation"))
+        else:
+            metrics["deployed_accuracy"] = deployed.accuracy
+        self.send(Kind.EVAL_RES, request.round, request=request, groups=groups or {}, metrics=metrics, config=config)
 
     def _representation(self) -> tuple[str, FeatureExtractor, bytes]:
         """The loaded representation: its sha256, its extractor and its ONNX bytes. Evaluation
@@ -311,7 +397,15 @@ class LiteClient(DeviceSession):
 
     def _evaluate(self, request: Envelope) -> None:
         sha, extractor, body = self._representation()
-        train, test = self._embedded(sha, extractor)
+        release = self.release
+        assert release is not None and release.sha256 == sha  # `ready`
+        try:
+            train, test = self._embedded(sha, extractor)
+        except Exception as exc:  # onnxruntime's run errors share no base class below Exception
+            self._fail(release, f"its feature extractor failed: {exc}")
+            if not self._answer_unverified(request):
+                self._waiting = request
+            return
         classes = self.data.task.num_classes
         head = fit_head(self.head_kind, train, self.data.train_y, num_classes=classes,
                         prototypes=self._global_prototypes(train.shape[1]), seed=self.seed)
@@ -319,17 +413,36 @@ class LiteClient(DeviceSession):
         accuracy = float(np.mean(predictions == self.data.test_y)) if self.data.num_test else 0.0
         from .compose import compose  # onnx (15 MB resident) once the embedding's and the fit's memory is freed
 
-        compose(body, head.to_onnx(train.shape[1]), self.model_path, num_classes=classes,
+        candidate = self.model_path.with_name(f".{self.model_path.name}.candidate")
+        compose(body, head.to_onnx(train.shape[1]), candidate, num_classes=classes,
                 metadata={"head": head.kind})  # compose keeps the body's metadata
+        kept = self._deploy(candidate, release, accuracy, head.kind)
         groups = {}
         if self.share_prototypes and self.privacy is None:  # under DP the class means stay home
             counts, means = class_statistics(train, self.data.train_y, classes)
             groups["prototypes"] = {"counts": counts, "means": means}
-        self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path)
+        self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path, deployed=kept is None)
         log.info("%s: %s head, accuracy %.4f on %d test examples", self.client_id, head.kind, accuracy,
                  self.data.num_test)
-        metrics = {"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train}
-        if self.privacy is not None:
-            metrics = private_metrics(metrics, self.privacy, self.privacy.generator(self.client_id, request.round,
-                                                                                    "evaluation"))
-        self.send(Kind.EVAL_RES, request.round, request=request, groups=groups, metrics=metrics)
+        self._reply(request, accuracy, release, kept=kept, groups=groups)
+
+    def _deploy(self, candidate: Path, release: Release, accuracy: float, head: str) -> str | None:
+        """Replace the deployed model with `candidate` and record it, unless the deployed one
+        scored higher and this is no rollback: then discard `candidate` and return why."""
+        deployed = self.deployed
+        kept = kept_because(deployed, release.sha256, accuracy, rollback=release.rollback,
+                            private=self.privacy is not None)
+        if kept is not None:
+            assert deployed is not None  # only a deployed model is kept
+            candidate.unlink()
+            log.warning("%s: keeps release %s (accuracy %.4f on its own data): release %s scored %.4f", self.client_id,
+                        deployed.describe(), deployed.accuracy, release.describe(), accuracy)
+            return kept
+        os.replace(candidate, self.model_path)
+        self.deployed = Deployment(release.sha256, release.version, accuracy, head, str(self.model_path))
+        write_deployment(self.deployment_path, self.deployed)
+        if deployed is not None and deployed.sha256 != release.sha256:
+            log.info("%s: deploys release %s%s (accuracy %.4f; release %s scored %.4f)", self.client_id,
+                     release.describe(), ", a rollback" if release.rollback else "", accuracy, deployed.describe(),
+                     deployed.accuracy)
+        return None

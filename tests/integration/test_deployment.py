@@ -1,6 +1,8 @@
 """The README's deployment with real processes: `edgepfl broker-config --tls` (accounts, ACLs,
 mutual TLS, signing keys), Mosquitto, a coordinator, three `edgepfl client` trainers and one
-`edgepfl lite-client`, 8 rounds of FedPer with every device selected and the body released.
+`edgepfl lite-client`, 8 rounds of FedPer with every device selected and the body released, the
+live view read mid-run; then `edgepfl release serve` answers the weak board, reinstalled after
+training with no model left.
 
 A trainer killed in round 3 and started again rejoins with its own personal state (its head);
 every other round aggregates every update it selected. The coordinator is held (SIGSTOP) from the
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import json
 import signal
+import urllib.request
 
 import pytest
 
 from brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
+from coordinator.releases.inventory import Inventory
 from coordinator.run_folder import RunFolder
 from deployments import FED, TRAINERS, WEAK, Deployment, Process, wait_for_round
 from edge_sdk.channel import Channel
@@ -31,7 +35,7 @@ ROUNDS = 8
 def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer_keeps_its_state(tmp_path):
     # Prepare: the broker set up as the README says, then the coordinator and the four devices
     require_mosquitto()
-    port = free_port()
+    port, http = free_port(), free_port()
     deployment = Deployment(tmp_path / "broker", port)
     out, state = tmp_path / "run", tmp_path / "state"
     processes: list[Process] = []
@@ -43,7 +47,7 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
                                   "--clients", "4", "--rounds", str(ROUNDS), "--fraction", "1", "--local-epochs", "1",
                                   "--min-clients", "2", "--round-timeout", "120",
                                   "--credentials", str(tmp_path / "broker" / "credentials.json"),
-                                  *deployment.tls("coordinator"), "--out", str(out))
+                                  *deployment.tls("coordinator"), "--http", str(http), "--out", str(out))
             processes.append(coordinator)
             trainers = {cid: deployment.device("client", cid, i, state, "--device", "cpu")
                         for i, cid in enumerate(TRAINERS)}
@@ -52,6 +56,8 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
 
             # Execute: after round 2, kill cam-02 and start it again, the coordinator held meanwhile
             wait_for_round(Channel(watcher, Topics(FED)), 2)
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/state.json", timeout=30) as response:
+                live = json.loads(response.read())  # the live view, mid-run
             coordinator.popen.send_signal(signal.SIGSTOP)
             trainers["cam-02"].popen.kill()
             trainers["cam-02"].popen.wait(timeout=30)
@@ -62,6 +68,17 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
             restored = restarted.wait_for_line("personal state of round")
             coordinator.finish()
             lite_output = weak.finish()
+
+            # After training: the release service answers the weak board, reinstalled (no model left)
+            service = Process("-v", "release", "serve", "--run", str(out), "--broker", deployment.url, "--federation",
+                              FED, "--credentials", str(tmp_path / "broker" / "credentials.json"),
+                              *deployment.tls("coordinator"))
+            processes.append(service)
+            service.wait_for_line("serving release 1")
+            reinstalled = deployment.device("lite-client", WEAK, 3, tmp_path / "reinstalled", "--head", "lr")
+            processes.append(reinstalled)
+            late = reinstalled.wait_for_line(f"{WEAK}: lr head, accuracy")
+            service.wait_for_line(f"{WEAK} evaluated release 1")
         finally:
             watcher.close()
             for process in processes:
@@ -76,6 +93,14 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
     assert report["rounds"][-1]["participants"] == 3
     assert "restored" in restored and int(restored.split("round ")[1].split()[0]) >= 2
     assert set(report["final"]["per_client"]) == {*TRAINERS, WEAK}
+    assert {d["id"]: d["kind"] for d in live["devices"]} == {**dict.fromkeys(TRAINERS, "trainer"), WEAK: "lite"}
+    assert live["run"]["completed"] >= 2 and len(live["rounds"]) == live["run"]["completed"]
     assert report["final"]["per_client"][WEAK]["kind"] == "lite"
     assert sum(report["rejections"].values()) == 0, report["rejections"]
     assert "Traceback" not in lite_output
+    # the reinstalled board personalized on release 1 from the release service, and is in the inventory
+    assert (tmp_path / "reinstalled" / WEAK / f"personalized-{WEAK}.onnx").is_file()
+    entry = Inventory(out).devices[WEAK]
+    assert entry["runs"] == 1 and entry["accuracy"] == pytest.approx(float(late.split("accuracy ")[1].split()[0]),
+                                                                      abs=1e-4)
+    assert entry["reported"] > report["event_log"][-1]["time"]

@@ -13,6 +13,8 @@ from coordinator.events import (DeviceOffline, DeviceOnline, DevicesRegistered, 
 from coordinator.observe.http import ObserveServer
 from coordinator.observe.live import LiveState
 from coordinator.observe.view import add_view_routes, page
+from coordinator.releases.inventory import Inventory
+from coordinator.releases.store import ReleaseStore
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import ChannelSnapshot
 
@@ -174,6 +176,28 @@ def test_the_state_of_a_finished_run_comes_from_its_folder(tmp_path):
     assert devices["dev0"]["selected"] is None and devices["dev0"]["last_seen"] == 2.0
     assert [(e["event"], e["device"]) for e in shown["events"]] == [
         ("online", "dev0"), ("online", "dev1"), ("online", "weak0"), ("offline", "dev1"), ("released", None)]
+
+
+def test_the_folder_view_shows_which_release_each_weak_device_runs(tmp_path):
+    # Prepare: the run's release inventory, one device of it online only after training
+    folder = _write_run_folder(tmp_path / "run")
+    ReleaseStore(folder.path).add(b"body", {"feature_dim": 4}, {"run_id": "run-9", "round": 2}, None, "released")
+    inventory = Inventory(folder.path)
+    inventory.record("weak0", runs=1, runs_sha256="a" * 64, accuracy=0.75, evaluated=2, evaluated_accuracy=0.6,
+                     kept="scored 0.6000 < 0.7500 on its own data")
+    inventory.record("weak7", runs=1, runs_sha256="a" * 64, accuracy=0.8, evaluated=1, evaluated_accuracy=0.8,
+                     kept=None)
+
+    # Execute
+    shown = LiveState.from_folder(folder).to_json()
+
+    # Assert
+    devices = {d["id"]: d for d in shown["devices"]}
+    assert shown["run"]["release"] == 1
+    assert (devices["weak0"]["release"], devices["weak0"]["accuracy"]) == (1, 0.75)
+    assert "own data" in devices["weak0"]["kept"]
+    assert (devices["weak7"]["kind"], devices["weak7"]["release"], devices["weak7"]["kept"]) == ("lite", 1, None)
+    assert devices["dev0"]["release"] is None
 
 
 def test_a_run_still_going_shows_its_rounds_without_a_report(tmp_path):

@@ -166,11 +166,14 @@ function renderDevices(state) {
     return el("tr", { "data-device": d.id, "data-kind": d.kind, "data-state": stateName,
                       "data-accuracy": d.accuracy === null ? "" : d.accuracy, "data-selected": d.selected,
                       "data-replied": d.replied, "data-late": d.late, "data-missing": d.missing,
-                      "data-refused": d.refused, "data-rejections": reasons.map((e) => e.join(":")).join(",") },
+                      "data-refused": d.refused, "data-rejections": reasons.map((e) => e.join(":")).join(","),
+                      "data-release": d.release === null ? "" : d.release },
               el("td", {}, d.id), el("td", {}, kind), el("td", {}, el("span", { class: "state" }), stateName),
               el("td", {}, ago(d.last_seen, state.now)), cell(d.selected), cell(d.replied), cell(d.late, d.late),
               cell(d.missing, d.missing), cell(d.refused, d.refused),
               el("td", { class: "num", title: d.accuracy_round ? `round ${d.accuracy_round}` : "" }, fixed(d.accuracy, 4)),
+              el("td", { class: d.kept ? "num warn" : "num", title: d.kept ? `kept: ${d.kept}` : "" },
+                 d.release === null ? "–" : String(d.release)),
               el("td", { class: rejections ? "warn" : "" }, rejections || "–"));
   });
   document.querySelector("#devices tbody").replaceChildren(...rows);
@@ -179,7 +182,7 @@ function renderDevices(state) {
 function renderEvents(state) {
   const items = state.events.slice().reverse().map((e) => {
     const details = [e.round ? `round ${e.round}` : "", e.reason || ""].filter(Boolean).join(", ");
-    return el("li", { "data-event": e.event },
+    return el("li", { "data-event": e.event, "data-time": e.time },
               el("span", { class: "when" }, ago(e.time, state.now)),
               el("span", { class: `what-${e.event}` }, e.event), " ", e.device || "",
               details ? ` (${details})` : "");
