@@ -66,7 +66,8 @@ class SecureRound:
     (ProtocolError `secagg_invalid` for one the round cannot take), `partial()` the result."""
 
     def __init__(self, settings: SecAggSettings, run_id: str, round_: int, selected: list[str],
-                 spec: dict[str, ArraySpec], examples: dict[str, int]):
+                 spec: dict[str, ArraySpec], examples: dict[str, int], *,
+                 private: tuple[float, float] | None = None):
         participants = tuple(sorted(selected))
         if len(participants) < MIN_PARTICIPANTS:
             raise SecAggError(f"round {round_}: {len(participants)} devices selected; secure aggregation needs at "
@@ -76,9 +77,12 @@ class SecureRound:
         self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree),
                                     settings.secagg_degree, secrets.token_bytes(GRAPH_SEED_BYTES), self.layout.length)
         self.server = SecAggServer(self.context)
-        self.clip = settings.secagg_clip
-        self.largest = max(examples.values())
-        self.quantizer = FixedPoint(max(self.clip, 1.0), len(participants))
+        self.private = private
+        """Under distributed DP: (each coordinate's bound, the fixed denominator); the devices upload
+        their change clipped and noised by DP, unweighted, and the sum is divided by the denominator."""
+        self.clip = settings.secagg_clip if private is None else private[0]
+        self.largest = max(examples.values()) if private is None else 1
+        self.quantizer = FixedPoint(max(self.clip, 1.0) if private is None else self.clip, len(participants))
         self.record = SecureRoundRecord(len(participants))
 
     # -- what the requests carry -----------------------------------------------------------
@@ -89,7 +93,7 @@ class SecureRound:
             return {stages.PARTICIPANTS: list(context.participants), stages.THRESHOLD: context.threshold,
                     stages.DEGREE: context.degree, stages.GRAPH_SEED: context.graph_seed,
                     stages.LENGTH: context.vector_length, stages.CLIP: self.clip, stages.LARGEST: self.largest,
-                    stages.SUMMANDS: len(context.participants)}
+                    stages.SUMMANDS: len(context.participants), stages.PRIVATE: self.private is not None}
         if stage == stages.SHARE:
             self.record.advertised = len(self.server.advertised)
             return {stages.ADVERTS: {peer: advert.to_wire() for peer, advert in
@@ -144,7 +148,8 @@ class SecureRound:
         (edge_sdk.secagg) when too few shares arrived to unmask it."""
         sums, total_weight = self.layout.decode(self.quantizer.decode_sum(self.server.result()))
         count = len(self.server.survivors)
-        return {group: PartialSum(arrays, total_weight, count) for group, arrays in sums.items()}
+        weight = total_weight if self.private is None else self.private[1]
+        return {group: PartialSum(arrays, weight, count) for group, arrays in sums.items()}
 
 
 def _plain_bytes(ciphertexts: Any) -> dict[str, bytes]:
@@ -169,7 +174,9 @@ def check_secure_run(config: RunConfig, algorithm: type[ServerAlgorithm]) -> Non
         (config.round.max_update_norm > 0, "max_update_norm",
          "the coordinator cannot check the norm of an update it cannot see: the devices clip to secagg_clip instead"),
         (config.round.shards > 0, "shards", "secure aggregation within shards is not offered yet: use shards 0"),
-        (config.privacy.enabled, "dp", "DP under secure aggregation is not offered yet: use one of the two"),
+        (config.privacy.enabled and config.privacy.dp != "distributed", "dp",
+         f"{config.privacy.dp}: under secure aggregation the devices add the noise in shares before masking: use "
+         "dp distributed"),
         (config.training.upload_codec != "fp32", "upload_codec",
          "the masked vector is the upload (fixed point in 32 bits): use fp32"),
         (config.round.late_updates != "discard", "late_updates",

@@ -133,6 +133,7 @@ class Coordinator:
         self.late = LateUpdates(config.round.late_updates)
         self.nacks = NackLimiter(clock)
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
+        self._eligible = 0  # trainers the round's sample was drawn from (DP's population)
         self._started = time.time()
         history = self._resume()
         self.algorithm.state, self.init_from = warm_start.apply(config.run.init_from, self.algorithm.state,
@@ -447,10 +448,12 @@ class Coordinator:
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         self._refusals.clear()
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
+        self._eligible = len(candidates)
         if self.privacy is not None:
             self.privacy.check_budget(len(candidates))
             selected = self.privacy.select(candidates, round_)
-            self.algorithm.private_mean = self.privacy.aggregator(len(candidates), round_)
+            if not self.privacy.distributed:  # distributed: the secure sum over the fixed denominator
+                self.algorithm.private_mean = self.privacy.aggregator(len(candidates), round_)
         else:
             selected = select_clients(candidates, self.config.round.fraction, self.config.training.seed, round_)
         self.events.emit(RoundStarted(round_, tuple(selected)))
@@ -529,7 +532,7 @@ class Coordinator:
         groups = self.algorithm.task_groups(round_)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
                         config={"selected": selected, **self.algorithm.task_config(round_),
-                                **(self.privacy.task_config() if self.privacy is not None else {})})
+                                **(self.privacy.task_config(self._eligible) if self.privacy is not None else {})})
         grace, timeout = self._windows()
         collector = RoundCollector(
             round_,
@@ -576,8 +579,12 @@ class Coordinator:
 
         self.algorithm.begin_round(round_)
         try:
+            private = None
+            if self.privacy is not None:  # distributed DP: the fixed-denominator mean of clipped, noised changes
+                private = (self.privacy.share_bound(self._eligible), self.privacy.expected(self._eligible))
             secure = SecureRound(self.config.secagg, self.run_id, round_, selected, self.algorithm.update_spec(round_),
-                                 {device: self.registry.devices[device].num_examples for device in selected})
+                                 {device: self.registry.devices[device].num_examples for device in selected},
+                                 private=private)
         except SecAggError as exc:  # too few devices online for a sum that hides each of them
             log.warning("round %d not played: %s", round_, exc)
             return (self._collector_for(round_, selected, quorum=len(selected)), Outcome.DEADLINE, False,
@@ -595,7 +602,8 @@ class Coordinator:
                                       config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
                         groups=self.algorithm.task_groups(round_),
-                        config={"selected": sorted(shared), stages.SECURE: True, **self.algorithm.task_config(round_)})
+                        config={"selected": sorted(shared), stages.SECURE: True, **self.algorithm.task_config(round_),
+                                **(self.privacy.task_config(self._eligible) if self.privacy is not None else {})})
         # fewer masked vectors than MIN_PARTICIPANTS and their sum would tell each survivor the others'
         collector = self._collector_for(round_, shared, quorum=max(self.config.round.min_clients, MIN_PARTICIPANTS))
 
@@ -627,6 +635,8 @@ class Coordinator:
             log.warning("round %d: the secure sum could not be unmasked (%s); nothing aggregated, global state "
                         "unchanged", round_, exc)
             return False
+        if self.privacy is not None:
+            self.privacy.note_secure_sum(len(survivors))
         aggregating = self.clock()
         self.algorithm.fold_partial(round_, partial)
         self.algorithm.close_round(round_)

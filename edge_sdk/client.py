@@ -222,10 +222,10 @@ class EdgeClient(DeviceSession):
         groups, metrics = result.groups, result.metrics
         if self.dp_sgd is not None:  # the measured loss is a figure of the records: it stays here
             metrics = released_fit_metrics(metrics, self._epsilon()[DP_SGD_EPSILON])
-        if self.privacy is not None:  # clipped (and, local DP, noised); no figure of the data goes up
+        if self.privacy is not None:  # clipped (and, local or distributed DP, noised); no figure of the data goes up
             rng = self.privacy.generator(self.client_id, envelope.round, "upload")
             clip = round_clip(envelope.config, self.privacy)
-            groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip)
+            groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip, envelope.config)
             metrics = {WITHIN_CLIP: float(norm <= clip)} if ROUND_CLIP in envelope.config else {}
         if secure:
             self._secure_upload(envelope, groups)

@@ -46,6 +46,7 @@ MECHANISM_PY, RUN_PRIVACY_PY = "coordinator/privacy/mechanism.py", "coordinator/
 DPSGD_PY = "edge_sdk/privacy/dpsgd.py"
 SECAGG_CLIENT_PY, SECAGG_SERVER_PY = "edge_sdk/secagg/client.py", "edge_sdk/secagg/server.py"
 SECAGG = ("tests/unit/test_secagg_protocol.py", "tests/unit/test_secagg_adversary.py")
+DISTRIBUTED_DP = ("tests/unit/test_loopback_distributed_dp.py",)
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
 PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
 PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
@@ -288,8 +289,8 @@ MUTATIONS = (
     Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
              (("            self.privacy.restore(saved.history[\"privacy\"])\n", ""),), PRIVACY_LOOPBACK_BUDGET),
     Mutation("dp: the sampled rounds left out of a run's epsilon", RUN_PRIVACY_PY,
-             (("            self.accountant.add_round(population, self._sample(population), self.noise)\n",
-               "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
+             (("            self.accountant.add_round(population, self._sample(population), "
+               "self._round_noise(population))\n", "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
     Mutation("dp: adaptive clipping moves C the wrong way", RUN_PRIVACY_PY,
              (("(share - self.settings.dp_clip_quantile)", "(self.settings.dp_clip_quantile - share)"),),
              PRIVACY_LOOPBACK_ADAPTIVE),
@@ -312,6 +313,12 @@ MUTATIONS = (
              (("        if both:\n", "        if False:\n"),), SECAGG),
     Mutation("secagg: the server unmasks below the threshold", SECAGG_SERVER_PY,
              (("            if len(got) < self.context.threshold:", "            if len(got) < 1:"),), SECAGG),
+    # distributed DP under secure aggregation: each device's share of the noise, dropout-aware accounting
+    Mutation("dp distributed: each device adds the whole noise", UPSTREAM_PY,
+             (("return self.noise * clip / math.sqrt(shares)", "return self.noise * clip"),), DISTRIBUTED_DP),
+    Mutation("dp distributed: a round with dropouts accounted with the full noise", RUN_PRIVACY_PY,
+             (("return self.noise * math.sqrt(min(self.summed, expected) / expected)", "return self.noise"),),
+             DISTRIBUTED_DP),
 )
 
 

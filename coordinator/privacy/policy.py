@@ -11,8 +11,8 @@ other messages of a run are treated here once for every algorithm:
 - the weak devices' class prototypes: not pooled (they are withheld, nothing is asked);
 - the release's BatchNorm statistics (algorithms that keep them personal): refused;
 - rules that break the guarantee's arithmetic: robust aggregation, sharded sums, late updates
-  folded into a later round, a norm cap under local noise; and `distributed` noise, which only
-  hides an update under secure aggregation.
+  folded into a later round, a norm cap under local noise; and `distributed` noise without
+  secure aggregation, the only place where a share of the noise hides an update.
 Record-level DP-SGD (`--dp-sgd`) is refused for an algorithm whose local loss is not a mean of
 per-example terms, or a model with BatchNorm (`check_dp_sgd_run`).
 """
@@ -48,10 +48,9 @@ def check_private_run(config: RunConfig, algorithm: ServerAlgorithm, *, needs_bo
     privacy = config.privacy
     if not privacy.enabled:
         return
-    if privacy.dp == "distributed":
-        raise ConfigError("dp distributed: each device adds a share of the noise, which hides its update only "
-                          "under secure aggregation, and edgepfl does not offer DP under secure aggregation yet; use "
-                          "dp central or local")
+    if privacy.dp == "distributed" and not config.secagg.secure_aggregation:
+        raise ConfigError("dp distributed: each device's share of the noise hides its update only under secure "
+                          "aggregation: add --secure-aggregation, or use dp central or local")
     refusals = [
         (config.aggregation.rule != "mean", "aggregation",
          f"{config.aggregation.rule}: DP needs the fixed-denominator mean (mean)"),
@@ -63,6 +62,8 @@ def check_private_run(config: RunConfig, algorithm: ServerAlgorithm, *, needs_bo
         (privacy.dp == "local" and privacy.dp_adaptive_clip, "dp_adaptive_clip",
          "needs the coordinator to noise the devices' count (dp central); under dp local each device's report "
          "would need noise of its own"),
+        (privacy.dp == "distributed" and privacy.dp_adaptive_clip, "dp_adaptive_clip",
+         "needs each device's within-clip report, which a masked upload does not carry: off under dp distributed"),
     ]
     for refused, key, why in refusals:
         if refused:

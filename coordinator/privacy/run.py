@@ -10,6 +10,11 @@ operating system's entropy. `epsilon_fleet` holds against the other devices, whi
 TRAIN's list of selected devices: no amplification, the noise composed over the rounds the most
 selected device took part in. Under local DP only the second exists (every upload is seen), and
 it is the run's `epsilon`.
+
+Under distributed DP (with secure aggregation) each device adds N(0, z^2 C^2 / m) for the round's
+m expected participants before masking, so the sum the coordinator unmasks carries N(0, z^2 C^2)
+when all m are in it. Fewer devices in the sum (dropouts) carry less noise: a round summed over s
+devices is accounted with the multiplier z sqrt(min(s, m) / m), the noise it really holds.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy import PrivacySettings
-from edge_sdk.privacy.upstream import ROUND_CLIP, WITHIN_CLIP
+from edge_sdk.privacy.upstream import NOISE_SHARES, ROUND_CLIP, WITHIN_CLIP
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..rounds import select_clients
@@ -33,6 +38,9 @@ from .mechanism import PrivateMean, noised_mean
 from .policy import BudgetSpent
 
 log = logging.getLogger(__name__)
+
+SHARE_TAILS = 7.0
+"""Standard deviations of a device's noise share its coordinates may reach in the secure sum."""
 
 
 class RunPrivacy:
@@ -55,6 +63,8 @@ class RunPrivacy:
         self.within: list[float] = []  # this round's devices: 1 when their change was within C
         self.uploads: dict[str, set[str]] = {}  # this round's distinct uploads (message ids) by device
         self.count_noise = settings.dp_clip_count_noise or self.expected(population) / 20
+        self.summed: int | None = None
+        """Under distributed DP, the devices in this round's unmasked sum (None: not summed yet)."""
         self._check_std(population)
         spread = settings.dp_eval_noise / max(1, population)
         if settings.dp_evaluation == "private" and spread > 0.05:
@@ -81,6 +91,11 @@ class RunPrivacy:
     @property
     def local(self) -> bool:
         return self.settings.dp == "local"
+
+    @property
+    def distributed(self) -> bool:
+        """The devices add the noise in shares, under secure aggregation."""
+        return self.settings.dp == "distributed"
 
     def _calibrated(self, population: int, rounds: int, evaluations: int) -> float:
         """z that spends `dp_epsilon` over the planned rounds and evaluation releases."""
@@ -143,9 +158,24 @@ class RunPrivacy:
                                expected=self.expected(population), rng=self._generator(round_, "aggregate"))
         return make
 
-    def task_config(self) -> dict[str, Any]:
-        """What TRAIN carries of the round's DP: the clip bound, under adaptive clipping."""
-        return {ROUND_CLIP: self.clip} if self.settings.dp_adaptive_clip else {}
+    def task_config(self, population: int) -> dict[str, Any]:
+        """What TRAIN carries of the round's DP for `population` eligible devices: the clip bound,
+        under adaptive clipping; m, the expected participants the noise is shared over, under
+        distributed DP."""
+        config: dict[str, Any] = {ROUND_CLIP: self.clip} if self.settings.dp_adaptive_clip else {}
+        if self.distributed:
+            config[NOISE_SHARES] = self.expected(population)
+        return config
+
+    def share_bound(self, population: int) -> float:
+        """Under distributed DP, the largest magnitude a coordinate of a device's noised upload is
+        given in the secure sum: C plus SHARE_TAILS standard deviations of its noise share (a
+        coordinate beyond it is clamped, with probability below 3e-12)."""
+        return self.clip * (1.0 + SHARE_TAILS * self.noise / math.sqrt(self.expected(population)))
+
+    def note_secure_sum(self, count: int) -> None:
+        """Under distributed DP: the round's unmasked sum holds the noise shares of `count` devices."""
+        self.summed = count
 
     def note_upload(self, client_id: str, msg_id: str) -> None:
         """Count an upload of the open round, accepted or not: a device that trained twice for
@@ -167,7 +197,8 @@ class RunPrivacy:
         part (a device that uploaded twice, twice) and, under adaptive clipping, move C by the
         noised share of changes within it."""
         if population:  # no eligible device, no sample: nothing was released
-            self.accountant.add_round(population, self._sample(population), self.noise)
+            self.accountant.add_round(population, self._sample(population), self._round_noise(population))
+        self.summed = None
         taken = Counter(dict.fromkeys(participants, 1))
         for client_id, uploads in self.uploads.items():
             taken[client_id] = max(taken[client_id], len(uploads))
@@ -179,6 +210,14 @@ class RunPrivacy:
             share = (sum(self.within) + noise) / self.expected(population)
             self.clip *= math.exp(-self.settings.dp_clip_lr * (share - self.settings.dp_clip_quantile))
         self.within = []
+
+    def _round_noise(self, population: int) -> float:
+        """The noise multiplier the round's release carries: z, or under distributed DP with s
+        devices summed (fewer than the m expected: dropouts) z sqrt(s / m)."""
+        if not self.distributed or self.summed is None:
+            return self.noise
+        expected = self.expected(population)
+        return self.noise * math.sqrt(min(self.summed, expected) / expected)
 
     def release_accuracy(self, accuracies: list[float], round_: int) -> float | None:
         """The devices' accuracies released as one noised mean (private evaluation), composed."""

@@ -4,9 +4,11 @@ What a trainer uploads under `--dp` is its change from what came down, clipped a
 (every floating array of every group together) to the L2 bound C: that bound is the
 sensitivity every DP guarantee of the run rests on. Under local DP the device then adds
 Gaussian noise of standard deviation z*C to every coordinate itself, so nobody (broker,
-coordinator, other devices) sees its clipped change in the clear. Integer arrays (BatchNorm's
-batch counters) carry no gradient: they go up as they came down, so they say nothing of the
-data. The coordinator clips again under central DP: it does not rely on a device's honesty.
+coordinator, other devices) sees its clipped change in the clear. Under distributed DP it adds
+its share, of standard deviation z*C/sqrt(m) for the round's m expected participants, before its
+upload is masked (secure aggregation): only the sum of m shares, N(0, z^2 C^2), is ever seen.
+Integer arrays (BatchNorm's batch counters) carry no gradient: they go up as they came down, so
+they say nothing of the data. The coordinator clips again under central DP: it does not rely on a device's honesty.
 No torch here: weak devices import this package.
 """
 
@@ -30,6 +32,9 @@ ROUND_CLIP = "dp_clip"
 """The TRAIN config key of the round's clip bound under adaptive clipping."""
 WITHIN_CLIP = "dp_within_clip"
 """The TRAIN_RES metric under adaptive clipping: 1 when the device's change was within the bound, else 0."""
+NOISE_SHARES = "dp_shares"
+"""The TRAIN config key under distributed DP: m, the round's expected participants, over which
+the noise is shared (each device adds N(0, z^2 C^2 / m))."""
 
 
 class UploadRefused(ValueError):
@@ -66,6 +71,25 @@ class UploadPrivacy:
         """The device adds the noise itself (local DP)."""
         return self.mode == "local"
 
+    @property
+    def distributed(self) -> bool:
+        """The device adds a share of the noise, hidden by secure aggregation (distributed DP)."""
+        return self.mode == "distributed"
+
+    def noise_std(self, clip: float, config: dict[str, Any]) -> float:
+        """The standard deviation of the noise this device adds to each coordinate of a round's
+        upload clipped to `clip`, whose TRAIN carries `config`: z*C (local), z*C/sqrt(m) (distributed,
+        m from the TRAIN), 0 (central: the coordinator adds it)."""
+        if self.local:
+            return self.noise * clip
+        if not self.distributed:
+            return 0.0
+        shares = config.get(NOISE_SHARES)
+        if isinstance(shares, bool) or not isinstance(shares, (int, float)) or not math.isfinite(shares) or shares <= 0:
+            raise ValueError(f"TRAIN config {NOISE_SHARES} must be a positive number under distributed DP, got "
+                             f"{shares!r}")
+        return self.noise * clip / math.sqrt(shares)
+
     def generator(self, client_id: str, round_: int, purpose: str) -> np.random.Generator:
         """Where this device's noise comes from: the operating system's entropy, or (reproducible
         runs) a generator of the run's seed, the device and the round."""
@@ -100,15 +124,17 @@ def round_clip(config: dict[str, Any], privacy: UploadPrivacy) -> float:
 
 
 def privatize(groups: dict[str, ArrayGroup], received: dict[str, ArrayGroup], privacy: UploadPrivacy,
-              rng: np.random.Generator, clip: float | None = None) -> tuple[dict[str, ArrayGroup], float]:
+              rng: np.random.Generator, clip: float | None = None,
+              config: dict[str, Any] | None = None) -> tuple[dict[str, ArrayGroup], float]:
     """`groups` as they go up under `privacy`, and the norm of their change before clipping:
     every floating array's change from `received` scaled so that all of them together have an
-    L2 norm of at most `clip` (default: the run's C); under local DP plus N(0, (z C)^2) per
-    coordinate. Raises UploadRefused for an integer array with no value that came down."""
+    L2 norm of at most `clip` (default: the run's C); plus, per coordinate, N(0, (z C)^2) under
+    local DP or the device's share N(0, (z C)^2 / m) under distributed DP (`config`: the TRAIN's,
+    which carries m). Raises UploadRefused for an integer array with no value that came down."""
     bound = privacy.clip if clip is None else clip
     norm = change_norm(groups, received)
     scale = min(1.0, bound / norm) if norm > 0 else 1.0
-    std = privacy.noise * bound if privacy.local else 0.0
+    std = privacy.noise_std(bound, config or {})
     out: dict[str, ArrayGroup] = {}
     for group, arrays in groups.items():
         out[group] = {}

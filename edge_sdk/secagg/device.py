@@ -2,14 +2,16 @@
 by the coordinator's SECAGG stages, and the masked upload that replaces the plain TRAIN_RES.
 
 The device trains when TRAIN arrives, as in any round; what it uploads is its change as one
-vector (vector.py: clipped to the round's bound, scaled by its weight), quantized into the ring
-(fixedpoint.py) and masked (client.py). Masking needs the shares its neighbours sent (the
-`shares` delivery), which may arrive after TRAIN: the trained vector then waits for them.
+vector (vector.py: clipped to the round's bound, scaled by its weight; under distributed DP as DP
+clipped and noised it, unweighted), quantized into the ring (fixedpoint.py) and masked
+(client.py). Masking needs the shares its neighbours sent (the `shares` delivery), which may
+arrive after TRAIN: the trained vector then waits for them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,9 +137,13 @@ class SecureUploads:
             clip, largest, summands = (self._announced[key] for key in (stages.CLIP, stages.LARGEST,
                                                                        stages.SUMMANDS))
             layout = VectorLayout({group: spec_of(arrays) for group, arrays in groups.items()})
-            weight = min(1.0, self.examples / largest)
-            values = layout.encode(groups, request.groups, float(clip), weight)
-            ring = FixedPoint(max(float(clip), 1.0), int(summands)).encode(values, self.rng)
+            if self._announced.get(stages.PRIVATE) is True:  # clipped and noised by DP: unweighted, as it is
+                values = layout.encode(groups, request.groups, math.inf, 1.0)
+                quantizer = FixedPoint(float(clip), int(summands))
+            else:
+                values = layout.encode(groups, request.groups, float(clip), min(1.0, self.examples / largest))
+                quantizer = FixedPoint(max(float(clip), 1.0), int(summands))
+            ring = quantizer.encode(values, self.rng)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise _malformed(f"secure upload of round {request.round}: {exc}") from None
         if ring.size != client.context.vector_length:

@@ -26,6 +26,9 @@ VERSION = 1
 # the advertise stage's parameters
 PARTICIPANTS, THRESHOLD, DEGREE, GRAPH_SEED, LENGTH = "participants", "threshold", "degree", "graph_seed", "length"
 CLIP, LARGEST, SUMMANDS = "clip", "largest", "summands"
+PRIVATE = "private"
+"""True under distributed DP: the upload was clipped and noised by DP on the device; it goes into
+the sum unweighted and not clipped again, each coordinate within `CLIP`."""
 # the later stages' payloads
 ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED = "adverts", "ciphertexts", "survivors", "dropped"
 ADVERT, RESPONSE = "advert", "response"
