@@ -26,7 +26,6 @@ from edge_sdk.secagg import stages
 from edge_sdk.secagg.context import GRAPH_SEED_BYTES, RoundContext
 from edge_sdk.secagg.errors import SecAggError
 from edge_sdk.secagg.fixedpoint import FixedPoint
-from edge_sdk.secagg.graph import effective_degree
 from edge_sdk.secagg.messages import KeyAdvertisement, UnmaskResponse
 from edge_sdk.secagg.server import SecAggServer
 from edge_sdk.secagg.vector import VectorLayout
@@ -73,9 +72,9 @@ class SecureRound:
             raise SecAggError(f"round {round_}: {len(participants)} devices selected; secure aggregation needs at "
                               f"least {MIN_PARTICIPANTS}")
         self.layout = VectorLayout(spec)
-        degree = effective_degree(len(participants), settings.secagg_degree)
-        self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree),
-                                    settings.secagg_degree, secrets.token_bytes(GRAPH_SEED_BYTES), self.layout.length)
+        degree = settings.degree_for(len(participants))
+        self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree), degree,
+                                    secrets.token_bytes(GRAPH_SEED_BYTES), self.layout.length)
         self.server = SecAggServer(self.context)
         self.private = private
         """Under distributed DP: (each coordinate's bound, the fixed denominator); the devices upload

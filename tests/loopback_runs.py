@@ -132,6 +132,15 @@ class LoopbackFederation:
         will.publish(self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
         will.close()
 
+    def lose_when_parked(self, parked: BlockingLock, client_id: str) -> None:
+        """Announce `client_id` offline (its Last Will) once it is parked inside its training by
+        `parked`: a device lost mid-round, after it shared its secure-aggregation keys."""
+        def announce() -> None:
+            parked.entered.wait(60)
+            self.announce_offline(client_id)
+
+        threading.Thread(target=announce, daemon=True).start()
+
     def coordinator(self, config):
         from coordinator.server import Coordinator
 

@@ -5,8 +5,6 @@ private this way is refused by name."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -66,12 +64,7 @@ def test_a_round_with_a_device_lost_is_accounted_with_the_noise_its_sum_holds(fe
     for i in range(DEVICES - 1):
         federation.start_device(i, DEVICES, secagg_keys=keys[i])
     lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
-
-    def announce_lost() -> None:
-        parked.entered.wait(60)
-        federation.announce_offline(lost)
-
-    threading.Thread(target=announce_lost, daemon=True).start()
+    federation.lose_when_parked(parked, lost)
 
     # Execute
     report = coordinator.run()

@@ -72,14 +72,7 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     for i in range(DEVICES - 1):
         federation.start_device(i, DEVICES, secagg_keys=keys[i])
     lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
-
-    def announce_lost() -> None:
-        parked.entered.wait(60)
-        federation.announce_offline(lost)
-
-    import threading
-
-    threading.Thread(target=announce_lost, daemon=True).start()
+    federation.lose_when_parked(parked, lost)
 
     # Execute
     report = coordinator.run()
