@@ -41,6 +41,16 @@ def mosquitto_version() -> str | None:
     return first[0].strip() if first else None
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Terminate `process` and wait for it; killed if it does not end within `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=timeout)
+
+
 class Mosquitto:
     """A Mosquitto process on a free loopback port; `extra` config lines are appended."""
 
@@ -77,12 +87,7 @@ class Mosquitto:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+            stop_process(self.process)
             self.process = None
 
     def __enter__(self) -> Mosquitto:

@@ -29,6 +29,13 @@ over a Mosquitto started here (or `--broker`), FedAvg on digits, `--workers` dev
   one poll interval plus a fetch and a render; the page's own fetches of /state.json (resource
   timing) give the measured interval and fetch time.
 
+- **Work** (`--clients` devices, `--rounds` synthetic rounds): the CPU seconds the live view
+  adds to a coordinator process, measured in this process with the coordinator's own observers
+  (`observing`: the Prometheus exporter and the page's state): per event handled on the round
+  loop's thread, and per poll of /state.json and /metrics (client included: an upper bound).
+  With the cost part's round time it bounds the slowdown, as if all of that work held up the
+  round loop: a figure that the machine's load does not blur, unlike the round times.
+
 Writes observe.json and observe.md to --out.
 """
 
@@ -58,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from ._brokers import RunningBroker, broker, machine_info
+from ._brokers import RunningBroker, broker, machine_info, stop_process
 from ._flags import add_output_flags, add_run_flags, run_settings
 from ._runs import log, setup_logging, write_outputs
 
@@ -322,12 +329,7 @@ class Chromium:
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_process(self.process, timeout=20)
 
     def page_socket(self) -> str:
         """The websocket address of the blank page, once Chromium listens."""
@@ -417,6 +419,67 @@ def summarize_delay(watched: dict[str, Any], refusing: int, load_before: list[fl
             "load_after": load_average()}
 
 
+# -- the work: what the live view adds to the coordinator process, in CPU seconds ----------------
+def synthetic_round(round_: int, devices: list[str]) -> list[Any]:
+    """The events one round of `devices` emits, as the coordinator emits them."""
+    from coordinator.events import RoundAggregated, RoundDevices, RoundEnded, RoundEvaluated, RoundStarted, \
+        UpdateAccepted
+    from edge_sdk.channel import ChannelSnapshot
+
+    record = {"round": round_, "selected": len(devices), "participants": len(devices), "outcome": "all",
+              "seconds": 1.0, "bytes_up": 10**6, "bytes_down": 10**6, "late": 0, "missing": 0, "refused": 0,
+              "personalized_accuracy": {"mean": 0.9, "std": 0.05, "min": 0.8, "count": len(devices)}}
+    channel = ChannelSnapshot(messages={}, bytes={}, rejections={}, duplicates=0, send_seconds=0.0,
+                              accept_seconds=0.0, peak_pending_blobs=0, peak_pending_bytes=0)
+    return [RoundStarted(round_, tuple(devices)),
+            *(UpdateAccepted(round_, device, 10**6, 0.5, 0.001, 0.001) for device in devices),
+            RoundAggregated(round_, len(devices), 0.01), RoundEvaluated(round_, len(devices), 0.9, 0.1),
+            RoundEnded(round_, record, channel, RoundDevices(replied=tuple(devices),
+                                                           accuracy=dict.fromkeys(devices, 0.9)))]
+
+
+def work_part(devices: int, rounds: int, polls: int, workdir: Path) -> dict[str, Any]:
+    """CPU seconds the live view adds to a coordinator process of a run of `devices`: per event
+    (the Prometheus exporter and the page's state, on the round loop's thread) and per poll of
+    /state.json and /metrics (the server's threads; the client's urllib counts too, in this same
+    process, so the figure is an upper bound), over `rounds` synthetic rounds."""
+    from coordinator.config import RunConfig
+    from coordinator.events import DeviceOnline, RunStarted
+    from coordinator.observe.session import observing
+
+    names = [f"dev{i:03d}" for i in range(devices)]
+    port = free_port()
+    config = RunConfig.of(http=f"127.0.0.1:{port}", out=str(workdir / "work"), clients=devices, rounds=rounds)
+    with observing(config) as observation:
+        events = [RunStarted("run-work", 0, rounds), *(DeviceOnline(d, "trainer", i + 1, devices)
+                                                       for i, d in enumerate(names))]
+        events += [event for round_ in range(1, rounds + 1) for event in synthetic_round(round_, names)]
+        started = time.process_time()
+        for event in events:
+            observation.on_event(event)
+        per_event = (time.process_time() - started) / len(events)
+        polled = {}
+        for path in ("/state.json", "/metrics"):
+            url = f"http://127.0.0.1:{port}{path}"
+            size = len(urllib.request.urlopen(url, timeout=10).read())
+            started = time.process_time()
+            for _ in range(polls):
+                urllib.request.urlopen(url, timeout=10).read()
+            polled[path] = {"cpu_ms": 1000 * (time.process_time() - started) / polls, "bytes": size}
+    per_round = (len(events) - 1 - devices) / rounds
+    return {"devices": devices, "rounds": rounds, "polls": polls, "events": len(events),
+            "events_per_round": per_round, "cpu_us_per_event": 1e6 * per_event,
+            "cpu_ms_per_round_of_events": 1000 * per_event * per_round, "polled": polled}
+
+
+def work_bound(work: dict[str, Any], seconds_per_round: float) -> float:
+    """The most the live view can slow a round of `seconds_per_round`: its events' CPU and one
+    /state.json poll a second, as if all of it held up the round loop."""
+    polls = seconds_per_round / POLL_SECONDS
+    added = work["cpu_ms_per_round_of_events"] / 1000 + polls * work["polled"]["/state.json"]["cpu_ms"] / 1000
+    return added / seconds_per_round
+
+
 # -- the report ----------------------------------------------------------------------------------
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
@@ -447,6 +510,22 @@ def markdown(result: dict[str, Any]) -> str:
                   "fetches failed, the run's server gone at its end). "
                   f"Rounds after each run's first; 1-minute load average around the runs {min(loads)}-{max(loads)}.",
                   ""]
+    work = result.get("work")
+    if work:
+        state, metrics = work["polled"]["/state.json"], work["polled"]["/metrics"]
+        lines += [f"## The work it adds ({work['devices']} devices, {work['rounds']} synthetic rounds, {work['polls']} "
+                  "polls, CPU seconds of this process)", "",
+                  f"Per event (exporter and page state, on the round loop's thread): "
+                  f"{work['cpu_us_per_event']:.1f} us; {work['events_per_round']:.0f} events a round: "
+                  f"{work['cpu_ms_per_round_of_events']:.2f} ms a round. "
+                  f"Per poll: /state.json {state['cpu_ms']:.2f} ms ({state['bytes'] / 1000:.1f} KB), /metrics "
+                  f"{metrics['cpu_ms']:.2f} ms ({metrics['bytes'] / 1000:.1f} KB), client included."]
+        if cost and "arms" in cost:
+            seconds = cost["arms"]["plain"]["median_round_seconds"]
+            lines.append(f"At the plain arm's {seconds:.3f} s a round and one poll a second, the live view adds at "
+                         f"most **{100 * work_bound(work, seconds):.2f}%** to a round (goal <= "
+                         f"{100 * (TARGET_RATIO - 1):.0f}%), if all of its work held up the round loop.")
+        lines.append("")
     delay = result.get("delay")
     if delay:
         d = delay["delay"]
@@ -479,13 +558,14 @@ def main() -> None:
     parser.add_argument("--page-rounds", type=int, help=f"rounds of the page's run (default {FULL['page_rounds']})")
     parser.add_argument("--page-refusing", type=int,
                         help=f"devices of the page's run that upload NaN (default {FULL['page_refusing']})")
-    parser.add_argument("--parts", default="cost,delay", help="comma-separated: cost, delay (default both)")
+    parser.add_argument("--parts", default="cost,work,delay",
+                        help="comma-separated: cost, work, delay (default all three)")
     args = parser.parse_args()
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else (QUICK if args.quick else FULL)[key]
              for key in QUICK}
     parts = [p for p in args.parts.split(",") if p]
-    if not parts or set(parts) - {"cost", "delay"}:
-        raise SystemExit(f"error: --parts: {args.parts!r} (cost, delay)")
+    if not parts or set(parts) - {"cost", "work", "delay"}:
+        raise SystemExit(f"error: --parts: {args.parts!r} (cost, work, delay)")
     if sizes["page_refusing"] >= sizes["page_clients"]:
         raise SystemExit("error: --page-refusing must be below --page-clients")
     args.clients, args.rounds = sizes["clients"], sizes["rounds"]
@@ -505,6 +585,8 @@ def main() -> None:
         if "cost" in parts:
             save(cost=cost_part(settings, sizes["repeats"], Path(workdir), running,
                                 lambda runs: save(cost={"runs": runs})))
+        if "work" in parts:
+            save(work=work_part(settings["clients"], settings["rounds"], 20 if args.quick else 200, Path(workdir)))
         if "delay" in parts:
             page_settings = {**settings, "clients": sizes["page_clients"], "rounds": sizes["page_rounds"]}
             save(delay=delay_part(page_settings, sizes["page_refusing"], Path(workdir), running))
