@@ -1,7 +1,7 @@
 """The README's deployment with real processes: `edgepfl broker-config --tls` (accounts, ACLs,
 mutual TLS, signing keys), Mosquitto, a coordinator, three `edgepfl client` trainers and one
 `edgepfl lite-client`, 8 rounds of FedPer with every device selected and the body released, the
-live view read mid-run; then `edgepfl release serve` answers the weak board, reinstalled after
+live view and /metrics read mid-run, the rounds tracked to TensorBoard; then `edgepfl release serve` answers the weak board, reinstalled after
 training with no model left.
 
 A trainer killed in round 3 and started again rejoins with its own personal state (its head);
@@ -47,7 +47,8 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
                                   "--clients", "4", "--rounds", str(ROUNDS), "--fraction", "1", "--local-epochs", "1",
                                   "--min-clients", "2", "--round-timeout", "120",
                                   "--credentials", str(tmp_path / "broker" / "credentials.json"),
-                                  *deployment.tls("coordinator"), "--http", str(http), "--out", str(out))
+                                  *deployment.tls("coordinator"), "--http", str(http), "--track", "tensorboard",
+                                  "--out", str(out))
             processes.append(coordinator)
             trainers = {cid: deployment.device("client", cid, i, state, "--device", "cpu")
                         for i, cid in enumerate(TRAINERS)}
@@ -58,6 +59,8 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
             wait_for_round(Channel(watcher, Topics(FED)), 2)
             with urllib.request.urlopen(f"http://127.0.0.1:{http}/state.json", timeout=30) as response:
                 live = json.loads(response.read())  # the live view, mid-run
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=30) as response:
+                metrics = response.read().decode()  # what Prometheus scrapes
             coordinator.popen.send_signal(signal.SIGSTOP)
             trainers["cam-02"].popen.kill()
             trainers["cam-02"].popen.wait(timeout=30)
@@ -95,6 +98,13 @@ def test_tls_deployment_aggregates_every_selected_update_and_a_restarted_trainer
     assert set(report["final"]["per_client"]) == {*TRAINERS, WEAK}
     assert {d["id"]: d["kind"] for d in live["devices"]} == {**dict.fromkeys(TRAINERS, "trainer"), WEAK: "lite"}
     assert live["run"]["completed"] >= 2 and len(live["rounds"]) == live["run"]["completed"]
+    assert f'edgepfl_round{{federation="{FED}"}}' in metrics and "edgepfl_devices_online" in metrics
+    # every round's figures in the TensorBoard log, read back with TensorBoard's reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("mb_up")] == list(range(1, ROUNDS + 1))
     assert report["final"]["per_client"][WEAK]["kind"] == "lite"
     assert sum(report["rejections"].values()) == 0, report["rejections"]
     assert "Traceback" not in lite_output

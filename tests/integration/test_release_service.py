@@ -1,7 +1,7 @@
 """A release's life over a real Mosquitto, with no training run up: `ReleaseService` answers weak
 devices that come online after training, stages new releases to canaries, promotes one whose
-accuracy holds, rolls back one that does not (the reason on record), survives its own restart,
-and an operator's rollback reaches the fleet.
+accuracy holds, rolls back one that does not (the reason on record), survives its own restart
+and the broker's, and an operator's rollback reaches the fleet.
 
 The releases are small onnx.helper bodies (tests/onnx_bodies.py) on digits: random features of
 128 and 256 dimensions score well with a logistic-regression head; one of 2 dimensions cannot,
@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from brokers import Mosquitto
 from nats_cluster import wait_until
 from onnx_bodies import dense_body
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 FEDERATION = "releases"
 RUN = "run-released"
-DEVICES = 4
+DEVICES = 5
 WAIT = 120.0
 TASK = BUILTIN_TASKS["digits"]
 
@@ -38,8 +39,8 @@ TASK = BUILTIN_TASKS["digits"]
 class Fleet:
     """The release service and weak devices, each in its own thread, over one broker."""
 
-    def __init__(self, url: str, run_dir: Path, tmp_path: Path):
-        self.url, self.run_dir, self.tmp_path = url, run_dir, tmp_path
+    def __init__(self, broker: Mosquitto, run_dir: Path, tmp_path: Path):
+        self.broker, self.url, self.run_dir, self.tmp_path = broker, broker.url, run_dir, tmp_path
         self.stops: list[threading.Event] = []
         self.threads: list[threading.Thread] = []
         self.service_stop: threading.Event | None = None
@@ -99,7 +100,7 @@ def fleet(mosquitto, tmp_path):
     store = ReleaseStore(run_dir)
     store.add(dense_body(TASK, hidden=128, seed=0), {"feature_dim": 128}, {"run_id": RUN, "round": 3}, None,
               "released by the training run")
-    fleet = Fleet(mosquitto.url, run_dir, tmp_path)
+    fleet = Fleet(mosquitto, run_dir, tmp_path)
     yield fleet
     fleet.close()
 
@@ -108,7 +109,7 @@ def test_devices_that_come_online_after_training_personalize_and_releases_roll_o
     run_dir = fleet.run_dir
     store = ReleaseStore(run_dir)
     fleet.start_service()
-    devices = [fleet.start_device(i) for i in range(DEVICES - 1)]
+    devices = [fleet.start_device(i) for i in range(3)]
     names = [d.client_id for d in devices]
     wait_until(lambda: reported(run_dir, 1, names), WAIT, lambda: f"inventory: {Inventory(run_dir).devices}")
     inventory = Inventory(run_dir).devices
@@ -145,14 +146,22 @@ def test_devices_that_come_online_after_training_personalize_and_releases_roll_o
     assert ("promoted", better.version) in history(run_dir)
 
     # a device that comes online now deploys the current release
-    late = fleet.start_device(DEVICES - 1)
+    late = fleet.start_device(3)
     wait_until(lambda: reported(run_dir, better.version, [late.client_id]), WAIT,
                lambda: f"inventory: {Inventory(run_dir).devices}")
     assert Inventory(run_dir).devices[late.client_id]["runs"] == better.version
 
+    # the broker restarts, its retained messages lost: the service announces itself and the release
+    # again, and a device that comes online after the outage still gets them
+    fleet.broker.stop()
+    fleet.broker.start()
+    later = fleet.start_device(4)
+    wait_until(lambda: reported(run_dir, better.version, [later.client_id]), WAIT,
+               lambda: f"inventory: {Inventory(run_dir).devices}")
+
     # the operator rolls back: every online device is sent release 1 again and follows it
     assert store.roll_back("test rollback") == 1
-    everyone = [*names, late.client_id]
+    everyone = [*names, late.client_id, later.client_id]
     wait_until(lambda: all(Inventory(run_dir).devices[n]["runs"] == 1 for n in everyone), WAIT,
                lambda: f"inventory: {Inventory(run_dir).devices}")
     assert ("rolled back", better.version) in history(run_dir)
