@@ -111,11 +111,18 @@ class ReleaseService:
         self.outbox.send(self.topics.broadcast(Kind.STATUS), status, retain=True)
         self._publish_current()
 
-    def _publish_current(self, *, rollback: bool = False) -> None:
+    def _publish_current(self) -> None:
         current = self._current()
         manifest = Envelope(Kind.RELEASE, COORDINATOR, run_id=self.run_id, round=current.version,
-                            config=current.manifest(rollback=rollback))
+                            config=current.manifest(rollback=self._rolled_back()))
         self.outbox.send(self.topics.broadcast(Kind.RELEASE), manifest, retain=True)
+
+    def _rolled_back(self) -> bool:
+        """Whether the current release is older than one the fleet was given before: its manifest
+        then says `rollback`, so that devices follow it even where it scores lower (after a
+        restart of the service too)."""
+        promoted = [entry["version"] for entry in self.state.history if entry["action"] == "promoted"]
+        return self.state.current is not None and any(version > self.state.current for version in promoted)
 
     def _current(self) -> ReleaseVersion:
         assert self.state.current is not None  # checked at construction; never unset after
@@ -293,9 +300,8 @@ class ReleaseService:
         state = self.store.read_state()
         if state.current != self.state.current:
             log.warning("release %s is current now (was %s)", state.current, self.state.current)
-            older = state.current is not None and self.state.current is not None and state.current < self.state.current
             self.state = state
-            self._to_fleet(rollback=older)
+            self._to_fleet()
         elif self.state.rollout is not None and state.rollout is None:  # rolled back by the operator
             canaries = self.state.rollout.canaries
             self.state = state
@@ -308,10 +314,11 @@ class ReleaseService:
         elif rollout is not None and self._rollout_deadline is not None and self.clock() > self._rollout_deadline:
             self._decide()
 
-    def _to_fleet(self, *, rollback: bool) -> None:
-        """The current release to every online weak device that has not evaluated it."""
-        self._publish_current(rollback=rollback)
-        current = self._current()
+    def _to_fleet(self) -> None:
+        """The current release to every online weak device that has not evaluated it (to every
+        one after a rollback: each follows it)."""
+        self._publish_current()
+        current, rollback = self._current(), self._rolled_back()
         for device in self.registry.online("lite"):
             if self._needs(device, current) or rollback:
                 self._ask(device, current, rollback=rollback)
@@ -369,6 +376,6 @@ class ReleaseService:
             self.state = state
         log.warning("release %d %s: %s", rollout.candidate, "promoted" if promote else "rolled back", reason)
         if promote:
-            self._to_fleet(rollback=False)
+            self._to_fleet()
         else:
             self._back_to_current(rollout.canaries)
