@@ -305,7 +305,7 @@ MUTATIONS = (
                "idx = torch.randperm(n, generator=generator)[:batch_size]"),), ("tests/unit/test_dpsgd.py",)),
     # secure aggregation (SecAgg+): the masks cancel, the shares revealed, the consistency rule, the threshold
     Mutation("secagg: both ends of a pair add the pairwise mask", SECAGG_CLIENT_PY,
-             (("            if self.client_id < peer:  # sign rule", "            if True:  # sign rule"),), SECAGG),
+             (("masks.append((seed, self.client_id > peer))", "masks.append((seed, False))"),), SECAGG),
     Mutation("secagg: the self-mask shares of the dropped revealed", SECAGG_CLIENT_PY,
              (("b_shares = {peer: self._held_b[peer] for peer in survivors}",
                "b_shares = {peer: self._held_b[peer] for peer in survivors | dropped}"),), SECAGG),

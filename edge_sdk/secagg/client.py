@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from .context import RoundContext, canonical
 from .errors import SecAggError
 from .identity import IdentityKey, Roster
-from .masks import SEED_BYTES, derive_key, expand, pairwise_seed, private_raw, public_raw, shared_secret
+from .masks import SEED_BYTES, add_masks, derive_key, pairwise_seed, private_raw, public_raw, shared_secret
 from .messages import NONCE_BYTES, KeyAdvertisement, UnmaskResponse
 from .shamir import SHARE_BYTES, split
 
@@ -152,15 +152,12 @@ class SecAggClient:
                 self.context.vector_length,):
             raise SecAggError(f"update must be a uint32 vector of length {self.context.vector_length}")
         self._enter("mask")
-        length = self.context.vector_length
-        masked = update + expand(self._self_seed, length)
+        masks = [(self._self_seed, False)]
         for peer in sorted(self.shared_with):
             seed = pairwise_seed(self._s_private, self._peer_adverts[peer].s_public, self.context.bytes())
-            pairwise = expand(seed, length)
-            if self.client_id < peer:  # sign rule: the smaller id adds the pairwise mask, the larger subtracts it
-                masked += pairwise
-            else:
-                masked -= pairwise
+            masks.append((seed, self.client_id > peer))  # sign rule: the smaller id adds the pairwise mask
+        masked = update.copy()
+        add_masks(masked, masks)
         return masked
 
     def unmask(self, survivors: Collection[str], dropped: Collection[str]) -> UnmaskResponse:

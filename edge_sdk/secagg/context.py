@@ -83,11 +83,16 @@ class RoundContext:
             raise SecAggError(f"threshold {self.threshold} must satisfy {degree}/2 < threshold <= {degree} "
                               f"(the graph degree used with {len(self.participants)} participants)")
 
-    def bytes(self) -> bytes:
-        """The canonical encoding of every field: signature payload prefix, AEAD data and HKDF info."""
+    @cached_property
+    def _encoded(self) -> bytes:
         return canonical(DOMAIN, self.run_id.encode(), struct.pack(">QQQQ", self.round, self.threshold, self.degree,
                                                                   self.vector_length),
                          self.graph_seed, *(p.encode() for p in self.participants))
+
+    def bytes(self) -> bytes:
+        """The canonical encoding of every field: signature payload prefix, AEAD data and HKDF info
+        (encoded once: every signature, share and pairwise seed of the round binds it)."""
+        return self._encoded
 
     @cached_property
     def graph(self) -> dict[str, frozenset[str]]:

@@ -45,12 +45,16 @@ class FixedPoint:
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Clip, scale and stochastically round `values` into uint32 (two's complement)."""
-        scaled = np.clip(np.asarray(values, dtype=np.float64), -self.bound, self.bound) * self.scale
+        scaled = np.array(values, dtype=np.float64)  # a copy, worked on in place
+        np.clip(scaled, -self.bound, self.bound, out=scaled)
+        scaled *= self.scale
         if not np.all(np.isfinite(scaled)):
             raise SecAggError("values to encode must be finite")
-        lower = np.floor(scaled)
-        rounded = lower + (rng.random(scaled.shape) < scaled - lower)
-        return rounded.astype(np.int64).astype(np.uint32)
+        rounded = np.floor(scaled)
+        fraction = np.subtract(scaled, rounded, out=scaled)
+        rounded += rng.random(scaled.shape) < fraction
+        # |rounded| <= ceil(scale * bound) < 2**31 (see __init__): int32 holds it, and its bits are the uint32
+        return rounded.astype(np.int32).view(np.uint32)
 
     def decode_sum(self, total: np.ndarray) -> np.ndarray:
         """The float sum that the uint32 ring sum `total` of encodings stands for."""

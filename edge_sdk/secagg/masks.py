@@ -9,10 +9,13 @@ exactly one mask, so a (key, nonce) pair is never used for two different streams
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import SecAggError
@@ -23,17 +26,59 @@ MASK_INFO = b"edgepfl-secagg-mask"
 _ZERO_NONCE = bytes(16)
 # ChaCha20's 32-bit block counter covers 2**32 blocks of 64 bytes: 2**36 words.
 MAX_WORDS = 1 << 36
+_BLOCK_WORDS = 1 << 15
+"""Words of keystream made at a time: a block and the slice it is added to stay in the cache."""
+_ZEROS = memoryview(bytes(4 * _BLOCK_WORDS))
+
+
+def _keystream(seed: bytes) -> CipherContext:
+    """The ChaCha20 encryptor (zero nonce) whose output on zero bytes is `seed`'s keystream."""
+    if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
+        raise SecAggError(f"mask seed must be {SEED_BYTES} bytes")
+    return Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+
+
+def _check_length(length: int) -> None:
+    if not isinstance(length, int) or not 0 <= length < MAX_WORDS:
+        raise SecAggError(f"mask length must be an int in 0..2**36-1, got {length!r}")
+
+
+def _next_words(keystream: CipherContext, out: np.ndarray) -> None:
+    """Fill the uint32 block `out` (at most _BLOCK_WORDS) with the keystream's next words, read
+    little-endian: written in place, no bytes object in between."""
+    keystream.update_into(_ZEROS[:4 * out.size], out.data.cast("B"))
+    if sys.byteorder == "big":
+        out.byteswap(inplace=True)
 
 
 def expand(seed: bytes, length: int) -> np.ndarray:
     """`length` pseudo-random uint32 words from `seed` (ChaCha20 keystream, zero nonce)."""
-    if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
-        raise SecAggError(f"mask seed must be {SEED_BYTES} bytes")
-    if not isinstance(length, int) or not 0 <= length < MAX_WORDS:
-        raise SecAggError(f"mask length must be an int in 0..2**36-1, got {length!r}")
-    encryptor = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
-    stream = encryptor.update(bytes(4 * length))
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32)
+    keystream = _keystream(seed)
+    _check_length(length)
+    words = np.empty(length, dtype=np.uint32)
+    for start in range(0, length, _BLOCK_WORDS):
+        _next_words(keystream, words[start:start + _BLOCK_WORDS])
+    return words
+
+
+def add_masks(total: np.ndarray, masks: Sequence[tuple[bytes, bool]]) -> None:
+    """For each (seed, subtract): total -= expand(seed, len(total)) if subtract, else +=, mod 2**32,
+    in place. A block of each mask at a time, so no mask is ever held whole: what masking and
+    unmasking a vector of millions of words against dozens of seeds costs is the keystream."""
+    if not isinstance(total, np.ndarray) or total.dtype != np.uint32 or total.ndim != 1:
+        raise SecAggError("masks are added to a 1-D uint32 numpy array")
+    _check_length(total.size)
+    keystreams = [(_keystream(seed), subtract) for seed, subtract in masks]
+    block = np.empty(min(total.size, _BLOCK_WORDS), dtype=np.uint32)
+    for start in range(0, total.size, _BLOCK_WORDS):
+        part = total[start:start + _BLOCK_WORDS]
+        words = block[:part.size]
+        for keystream, subtract in keystreams:
+            _next_words(keystream, words)
+            if subtract:
+                part -= words
+            else:
+                part += words
 
 
 def shared_secret(private: X25519PrivateKey, peer_public: bytes) -> bytes:

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from .context import RoundContext
 from .errors import RoundFailed, SecAggError
 from .identity import Roster
-from .masks import expand, pairwise_seed, public_raw
+from .masks import add_masks, pairwise_seed, public_raw
 from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
 from .shamir import combine
 
@@ -44,7 +44,9 @@ class SecAggServer:
         self._adverts: dict[str, KeyAdvertisement] = {}
         self._routed: dict[str, dict[str, bytes]] = {}  # recipient -> sender -> ciphertext
         self._shared: set[str] = set()
-        self._masked: dict[str, np.ndarray] = {}
+        self._survivors: set[str] = set()
+        self._masked_sum = np.zeros(context.vector_length, dtype=np.uint32)
+        """The survivors' masked vectors added up as they arrive: the sum is all unmasking needs."""
         self._responses: dict[str, UnmaskResponse] = {}
         self._result: np.ndarray | None = None
 
@@ -72,7 +74,7 @@ class SecAggServer:
     @property
     def survivors(self) -> frozenset[str]:
         """U3: the devices whose masked vector arrived (final once unmasking began)."""
-        return frozenset(self._masked)
+        return frozenset(self._survivors)
 
     @property
     def dropped(self) -> frozenset[str]:
@@ -129,18 +131,19 @@ class SecAggServer:
         self._enter("masking", "add_masked")
         if sender not in self._shared:
             raise SecAggError(f"masked vector from {sender!r}, which did not share keys")
-        if sender in self._masked:
+        if sender in self._survivors:
             raise SecAggError(f"{sender!r} already sent its masked vector")
         masked = MaskedInput(sender, vector).vector
         if masked.shape != (self.context.vector_length,):
             raise SecAggError(f"masked vector from {sender!r} has length {masked.size}, "
                               f"expected {self.context.vector_length}")
-        self._masked[sender] = masked.copy()
+        self._masked_sum += masked
+        self._survivors.add(sender)
 
     def unmask_request(self, client_id: str) -> UnmaskRequest:
         """What `client_id` (a survivor) is asked to unmask; closes the masking stage, fixing U3."""
         self._enter("unmasking", "unmask_request")
-        if client_id not in self._masked:
+        if client_id not in self._survivors:
             raise SecAggError(f"{client_id!r} is not a survivor; it gets no unmask request")
         shared_neighbours = self._participant(client_id) & self.shared
         return UnmaskRequest(tuple(shared_neighbours & self.survivors), tuple(shared_neighbours - self.survivors))
@@ -149,7 +152,7 @@ class SecAggServer:
         """Accept a survivor's shares; they must answer exactly its unmask request."""
         self._enter("unmasking", "add_unmask_response")
         sender = response.client_id
-        if sender not in self._masked:
+        if sender not in self._survivors:
             raise SecAggError(f"unmask response from {sender!r}, which is not a survivor")
         if sender in self._responses:
             raise SecAggError(f"{sender!r} already answered its unmask request")
@@ -194,26 +197,22 @@ class SecAggServer:
                 short.append(f"{owner} ({_SECRET_NAMES[kind]}: {len(got)} of {self.context.threshold} shares)")
         if short:
             raise RoundFailed("too few shares to unmask: " + ", ".join(short))
-        length = self.context.vector_length
-        total = np.zeros(length, dtype=np.uint32)
-        for owner in survivors:
-            total += self._masked[owner]
-            total -= expand(self._rebuild(owner, "b", shares[owner, "b"]), length)
+        masks = [(self._rebuild(owner, "b", shares[owner, "b"]), True) for owner in survivors]
+        context_bytes = self.context.bytes()
         for owner, kind in needed:
             if kind == "s":
-                self._remove_pairwise(total, owner, self._rebuild(owner, "s", shares[owner, "s"]))
+                masks += self._pairwise_masks(owner, self._rebuild(owner, "s", shares[owner, "s"]), context_bytes)
+        total = self._masked_sum
+        add_masks(total, masks)
         self._result = total
         return total.copy()
 
-    def _remove_pairwise(self, total: np.ndarray, dropped: str, private: bytes) -> None:
-        """Subtract the pairwise masks the survivors added against the dropped device `dropped`."""
+    def _pairwise_masks(self, dropped: str, private: bytes, context_bytes: bytes) -> list[tuple[bytes, bool]]:
+        """(seed, subtract) of the pairwise masks the survivors added against the dropped device
+        `dropped`: what takes them off the sum."""
         s_private = X25519PrivateKey.from_private_bytes(private)
         if public_raw(s_private) != self._adverts[dropped].s_public:
             raise SecAggError(f"shares of {dropped!r}'s mask key rebuild a key it did not advertise")
-        for survivor in sorted(self._participant(dropped) & self.survivors):
-            seed = pairwise_seed(s_private, self._adverts[survivor].s_public, self.context.bytes())
-            pairwise = expand(seed, self.context.vector_length)
-            if survivor < dropped:  # the survivor, the smaller id, added it: take it off
-                total -= pairwise
-            else:
-                total += pairwise
+        # the survivor with the smaller id added it (take it off), the larger subtracted it
+        return [(pairwise_seed(s_private, self._adverts[survivor].s_public, context_bytes), survivor < dropped)
+                for survivor in sorted(self._participant(dropped) & self.survivors)]

@@ -66,10 +66,12 @@ class VectorLayout:
                 raise ValueError(f"{slot.group}/{slot.key}: shape {value.shape}, the round's is {slot.shape}")
             base = received.get(slot.group, {}).get(slot.key)
             reference = None if base is None else aligned_reference(np.asarray(base), value)
-            change = flat(value).astype(np.float64)
-            if reference is not None:
-                change -= flat(reference)
-            vector[slot.start:slot.stop] = scale * change
+            change = vector[slot.start:slot.stop]  # worked out in place: no temporaries
+            if reference is None:
+                change[:] = flat(value)
+            else:
+                np.subtract(flat(value), flat(reference), out=change, dtype=np.float64)
+            change *= scale
         vector[-1] = weight
         return vector
 
