@@ -133,7 +133,6 @@ class Coordinator:
         self.late = LateUpdates(config.round.late_updates)
         self.nacks = NackLimiter(clock)
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
-        self._eligible = 0  # trainers the round's sample was drawn from (DP's population)
         self._started = time.time()
         history = self._resume()
         self.algorithm.state, self.init_from = warm_start.apply(config.run.init_from, self.algorithm.state,
@@ -448,7 +447,6 @@ class Coordinator:
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         self._refusals.clear()
         candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
-        self._eligible = len(candidates)
         if self.privacy is not None:
             self.privacy.check_budget(len(candidates))
             selected = self.privacy.select(candidates, round_)
@@ -459,10 +457,10 @@ class Coordinator:
         self.events.emit(RoundStarted(round_, tuple(selected)))
         self._status("training")
         if self.config.secagg.secure_aggregation:
-            collector, outcome, aggregated, secure = self._secure_train(round_, selected, started)
+            collector, outcome, aggregated, secure = self._secure_train(round_, selected, started, len(candidates))
             folded, sharded = 0, None
         else:
-            collector, outcome, folded, sharded = self._train(round_, selected, started)
+            collector, outcome, folded, sharded = self._train(round_, selected, started, len(candidates))
             aggregated, secure = collector.enough, None
         if self.privacy is not None:
             self.privacy.round_ended(len(candidates), selected, round_)
@@ -522,8 +520,14 @@ class Coordinator:
         settings = self.config.round
         return round_windows(settings.quorum_grace, settings.round_timeout, settings.patience, self._slowest_reply)
 
-    def _train(self, round_: int, selected: list[str],
-               started: float) -> tuple[RoundCollector, Outcome, int, ShardRound | None]:
+    def _task_config(self, round_: int, eligible: int) -> dict[str, Any]:
+        """What a round's TRAIN config carries beyond `selected`: the algorithm's keys, and the
+        round's DP (of a sample drawn from `eligible` trainers)."""
+        return {**self.algorithm.task_config(round_),
+                **(self.privacy.task_config(eligible) if self.privacy is not None else {})}
+
+    def _train(self, round_: int, selected: list[str], started: float,
+               eligible: int) -> tuple[RoundCollector, Outcome, int, ShardRound | None]:
         """Broadcast TRAIN, fold the replies in (and the previous round's late updates kept for
         this one), aggregate; returns the collector, the outcome, how many late updates were
         folded and, sharded, the round's shards. What was broadcast is let go on return, before
@@ -531,8 +535,7 @@ class Coordinator:
         self.algorithm.begin_round(round_)
         groups = self.algorithm.task_groups(round_)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_, groups=groups,
-                        config={"selected": selected, **self.algorithm.task_config(round_),
-                                **(self.privacy.task_config(self._eligible) if self.privacy is not None else {})})
+                        config={"selected": selected, **self._task_config(round_, eligible)})
         grace, timeout = self._windows()
         collector = RoundCollector(
             round_,
@@ -569,8 +572,8 @@ class Coordinator:
         self.late.close(round_, task.msg_id, groups, collector.waiting)
         return collector, outcome, len(late), sharded
 
-    def _secure_train(self, round_: int, selected: list[str],
-                      started: float) -> tuple[RoundCollector, Outcome, bool, SecureRoundRecord]:
+    def _secure_train(self, round_: int, selected: list[str], started: float,
+                      eligible: int) -> tuple[RoundCollector, Outcome, bool, SecureRoundRecord]:
         """A round under secure aggregation (coordinator/secure_rounds.py): the selected devices
         advertise keys and share secrets, those that did train and upload masked vectors, the
         survivors unmask the sum, and the algorithm folds it in as a partial sum. Returns the
@@ -581,7 +584,7 @@ class Coordinator:
         try:
             private = None
             if self.privacy is not None:  # distributed DP: the fixed-denominator mean of clipped, noised changes
-                private = (self.privacy.share_bound(self._eligible), self.privacy.expected(self._eligible))
+                private = (self.privacy.share_bound(eligible), self.privacy.expected(eligible))
             secure = SecureRound(self.config.secagg, self.run_id, round_, selected, self.algorithm.update_spec(round_),
                                  {device: self.registry.devices[device].num_examples for device in selected},
                                  private=private)
@@ -602,8 +605,7 @@ class Coordinator:
                                       config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
                         groups=self.algorithm.task_groups(round_),
-                        config={"selected": sorted(shared), stages.SECURE: True, **self.algorithm.task_config(round_),
-                                **(self.privacy.task_config(self._eligible) if self.privacy is not None else {})})
+                        config={"selected": sorted(shared), stages.SECURE: True, **self._task_config(round_, eligible)})
         # fewer masked vectors than MIN_PARTICIPANTS and their sum would tell each survivor the others'
         collector = self._collector_for(round_, shared, quorum=max(self.config.round.min_clients, MIN_PARTICIPANTS))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,42 +26,44 @@ def add_release_parser(sub: argparse._SubParsersAction) -> None:
                                              "list, publish, promote (staged) and roll back")
     commands = release.add_subparsers(dest="release_command", required=True)
 
-    serve = commands.add_parser("serve", help="answer weak devices on the current release after training ended "
-                                              "(Ctrl-C to stop; restart it any time)")
-    serve.add_argument("--run", required=True, help="the training run's --out folder")
+    def command(name: str, handler: Any, help: str, run: str = "the run's --out folder") -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help)
+        parser.add_argument("--run", required=True, help=run)
+        parser.set_defaults(handler=handler)
+        return parser
+
+    serve = command("serve", cmd_serve, "answer weak devices on the current release after training ended (Ctrl-C "
+                    "to stop; restart it any time)", run="the training run's --out folder")
     serve.add_argument("--canary-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="how long a staged rollout waits for its canaries before it decides on those that "
                             "answered (default: 600)")
     add_setting_flags(serve, "coordinator", sections=("broker",))
-    serve.set_defaults(handler=cmd_serve)
 
-    listing = commands.add_parser("list", help="the releases, the one current, the rollout and the inventory")
-    listing.add_argument("--run", required=True, help="the run's --out folder")
+    listing = command("list", cmd_list, "the releases, the one current, the rollout and the inventory")
     listing.add_argument("--json", action="store_true", help="print JSON instead of text")
-    listing.set_defaults(handler=cmd_list)
 
-    publish = commands.add_parser("publish", help="add a release: another run's current release, or an ONNX "
-                                                  "representation (it is staged with `promote`)")
-    publish.add_argument("--run", required=True, help="the run whose releases it joins")
+    publish = command("publish", cmd_publish, "add a release: another run's current release, or an ONNX "
+                      "representation (it is staged with `promote`)", run="the run whose releases it joins")
     publish.add_argument("source", metavar="SOURCE", help="a run folder (its current release) or an .onnx file")
-    publish.set_defaults(handler=cmd_publish)
 
-    promote = commands.add_parser("promote", help="roll release N out: to --fraction of the weak devices first, "
-                                                  "to all when their accuracy holds")
+    promote = command("promote", cmd_promote, "roll release N out: to --fraction of the weak devices first, to all "
+                      "when their accuracy holds")
     promote.add_argument("version", type=int, metavar="N", help="the release to roll out")
-    promote.add_argument("--run", required=True, help="the run's --out folder")
     promote.add_argument("--fraction", type=float, default=DEFAULT_FRACTION,
                          help=f"share of the online weak devices that get it first (default: {DEFAULT_FRACTION})")
     promote.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                          help="the largest drop of the canaries' mean accuracy that still promotes it "
                               f"(default: {DEFAULT_TOLERANCE})")
-    promote.set_defaults(handler=cmd_promote)
 
-    rollback = commands.add_parser("rollback", help="go back to the release current before this one (or stop the "
-                                                    "rollout under way)")
-    rollback.add_argument("--run", required=True, help="the run's --out folder")
+    rollback = command("rollback", cmd_rollback, "go back to the release current before this one (or stop the "
+                       "rollout under way)")
     rollback.add_argument("--reason", default="by the operator", help="recorded with it (default: by the operator)")
-    rollback.set_defaults(handler=cmd_rollback)
+
+
+def _say(*lines: str) -> None:
+    """The command's output on stdout (not a log line: it is what the user asked for)."""
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
+    sys.stdout.flush()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,8 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     transport.connect()
     try:
         service = ReleaseService(args.run, _channel(broker, transport), canary_timeout=args.canary_timeout, **run)
-        print(f"serving release {service.state.current} of run {run['run_id']} to weak devices of federation "
-              f"{broker.federation} (Ctrl-C to stop)", flush=True)
+        _say(f"serving release {service.state.current} of run {run['run_id']} to weak devices of federation "
+             f"{broker.federation} (Ctrl-C to stop)")
         service.run(transport.failed)
     finally:
         transport.close()
@@ -123,31 +126,32 @@ def cmd_list(args: argparse.Namespace) -> int:
     store = ReleaseStore(args.run)
     versions, state, inventory = store.versions(), store.read_state(), Inventory(args.run).devices
     if args.json:
-        print(json.dumps({"current": state.current, "versions": [vars(v) for v in versions],
-                          "rollout": state.to_json()["rollout"], "history": state.history, "inventory": inventory},
-                         indent=2))
+        _say(json.dumps({"current": state.current, "versions": [vars(v) for v in versions],
+                         "rollout": state.to_json()["rollout"], "history": state.history, "inventory": inventory},
+                        indent=2))
         return 0
     if not versions:
-        print(f"{args.run}: no release yet")
+        _say(f"{args.run}: no release yet")
         return 0
-    print("release  sha256        accuracy  source                     created")
+    lines = ["release  sha256        accuracy  source                     created"]
     for v in versions:
         mark = "*" if v.version == state.current else " "
         accuracy = "-" if v.accuracy is None else f"{v.accuracy:.4f}"
         source = v.source.get("run_id") or v.source.get("file", "")
-        print(f"{mark}{v.version:<7} {v.sha256[:12]}  {accuracy:<8}  {str(source)[:26]:<26} {_when(v.created)}")
+        lines.append(f"{mark}{v.version:<7} {v.sha256[:12]}  {accuracy:<8}  {str(source)[:26]:<26} {_when(v.created)}")
     if state.rollout is not None:
         rollout = state.rollout
-        print(f"rollout of release {rollout.candidate}: canaries {', '.join(rollout.canaries) or '(being chosen)'}; "
-              f"{len(rollout.results)} reported")
-    for entry in state.history[-5:]:
-        print(f"  {_when(entry['time'])} {entry['action']} {entry['version']}: {entry['reason']}")
+        canaries = ", ".join(rollout.canaries) or "(being chosen)"
+        lines.append(f"rollout of release {rollout.candidate}: canaries {canaries}; {len(rollout.results)} reported")
+    lines += [f"  {_when(entry['time'])} {entry['action']} {entry['version']}: {entry['reason']}"
+              for entry in state.history[-5:]]
     if inventory:
-        print("device       runs  accuracy  evaluated  kept                       reported")
+        lines.append("device       runs  accuracy  evaluated  kept                       reported")
         for device, entry in sorted(inventory.items()):
             accuracy = "-" if entry.get("accuracy") is None else f"{entry['accuracy']:.4f}"
-            print(f"{device:<12} {entry.get('runs')!s:<5} {accuracy:<9} {entry.get('evaluated')!s:<10} "
-                  f"{(entry.get('kept') or '-')[:26]:<26} {_when(entry['reported'])}")
+            lines.append(f"{device:<12} {entry.get('runs')!s:<5} {accuracy:<9} {entry.get('evaluated')!s:<10} "
+                         f"{(entry.get('kept') or '-')[:26]:<26} {_when(entry['reported'])}")
+    _say(*lines)
     return 0
 
 
@@ -158,8 +162,8 @@ def _when(seconds: float) -> str:
 def cmd_publish(args: argparse.Namespace) -> int:
     data, metadata, source = _release_source(Path(args.source))
     entry = ReleaseStore(args.run).add(data, metadata, source, None, f"published from {args.source}")
-    print(f"release {entry.version} ({entry.sha256[:12]}, {entry.size} bytes) added to {args.run}; roll it out with "
-          f"`edgepfl release promote {entry.version} --run {args.run}`")
+    _say(f"release {entry.version} ({entry.sha256[:12]}, {entry.size} bytes) added to {args.run}; roll it out with "
+         f"`edgepfl release promote {entry.version} --run {args.run}`")
     return 0
 
 
@@ -189,12 +193,12 @@ def _release_source(source: Path) -> tuple[bytes, dict[str, Any], dict[str, Any]
 
 def cmd_promote(args: argparse.Namespace) -> int:
     ReleaseStore(args.run).request_rollout(args.version, args.fraction, args.tolerance)
-    print(f"release {args.version} staged: `edgepfl release serve --run {args.run}` sends it to {args.fraction:.0%} "
-          "of the online weak devices first; `edgepfl release list` shows the outcome")
+    _say(f"release {args.version} staged: `edgepfl release serve --run {args.run}` sends it to {args.fraction:.0%} "
+         "of the online weak devices first; `edgepfl release list` shows the outcome")
     return 0
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     version = ReleaseStore(args.run).roll_back(args.reason)
-    print(f"release {version} is current in {args.run}")
+    _say(f"release {version} is current in {args.run}")
     return 0

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from edge_sdk.store import write_atomic
 
+from .store import ReleaseStore
+
 if TYPE_CHECKING:
     from ..release import Release
 
@@ -53,8 +55,6 @@ class Inventory:
 def keep_release_results(run_dir: str | Path, release: Release, final: Mapping[str, Mapping[str, Any]]) -> None:
     """What the training run's final evaluation says of its release: the weak devices' mean
     accuracy on the version's manifest, and each weak device's entry in the inventory."""
-    from .store import ReleaseStore
-
     if release.version is None:
         return
     inventory = Inventory(run_dir)

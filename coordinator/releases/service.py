@@ -33,14 +33,15 @@ from typing import Any
 import numpy as np
 
 from edge_sdk.channel import Channel, Received
-from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, new_message_id
+from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, new_message_id
 
 from ..devices import DeviceRegistry
 from ..ledger import Ledger
 from ..nacks import NackLimiter
 from ..outbox import Outbox, RunPosition, resent
-from ..release import PROTOTYPES, PrototypePool
+from ..release import PROTOTYPES
 from .inventory import Inventory
+from .prototypes import PrototypeShares
 from .store import ReleaseStore, ReleaseVersion
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class ReleaseService:
                  clock: Callable[[], float] = time.monotonic):
         self.store = ReleaseStore(run_dir)
         self.inventory = Inventory(run_dir)
+        self.prototypes = PrototypeShares(self.store.dir, num_classes)
+        self._versions: dict[int, ReleaseVersion] = {}  # read once: a version never changes
+        self._data: dict[int, bytes] = {}  # the bytes of the versions fetched, checked once
         self.channel = channel
         self.topics = channel.topics
         self.algorithm, self.settings, self.num_classes = algorithm, dict(settings), num_classes
@@ -74,7 +78,6 @@ class ReleaseService:
                                     "releases, such as repper), or `edgepfl release publish` adds one")
         self._asked: dict[str, tuple[Envelope, int]] = {}  # device -> (its open EVALUATE, the version asked)
         self._runs: dict[str, Any] = {}  # device -> the sha256 of the release it runs (its HELLO, then its evaluations)
-        self._prototypes: dict[int, dict[str, ArrayGroup]] = {}  # version -> device -> its share
         self._connections = getattr(channel.transport, "connections", 0)
         self._rollout_deadline: float | None = None
         self._next_look = 0.0  # when to read releases/state.json again
@@ -126,7 +129,7 @@ class ReleaseService:
 
     def _current(self) -> ReleaseVersion:
         assert self.state.current is not None  # checked at construction; never unset after
-        return self.store.get(self.state.current)
+        return self._release(self.state.current)
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back: the status, the manifest and the open requests again."""
@@ -174,7 +177,7 @@ class ReleaseService:
         log.info("registered weak device %s (runs release %s)", hello.sender, self.inventory.runs(hello.sender))
         rollout = self.state.rollout
         if rollout is not None and hello.sender in rollout.canaries and hello.sender not in rollout.results:
-            self._ask(hello.sender, self.store.get(rollout.candidate), canary=True)
+            self._ask(hello.sender, self._release(rollout.candidate), canary=True)
         elif self._needs(hello.sender, self._current()):
             self._ask(hello.sender, self._current())
 
@@ -199,46 +202,22 @@ class ReleaseService:
         if open_request is not None and open_request[1] == release.version:  # asked already: the same request
             self.outbox.send(self.topics.down(device, Kind.EVALUATE), resent(open_request[0]))
             return
-        groups = self._pooled(release)
+        groups = self.prototypes.pooled(release)
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=release.version, groups=groups,
                            config={"selected": [device], "final": True, "phase": "release",
                                    "version": release.version})
         self._asked[device] = (request, release.version)
         self.outbox.send(self.topics.down(device, Kind.EVALUATE), request)
 
-    def _pooled(self, release: ReleaseVersion) -> dict[str, ArrayGroup]:
-        """The class prototypes the devices pooled on `release` (none before any shared theirs)."""
-        shares = self._prototypes.get(release.version) or self._load_prototypes(release)
-        if not shares:
-            return {}
-        pool = PrototypePool(self.num_classes, int(release.metadata["feature_dim"]))
-        for share in shares.values():
-            pool.add(share, 0)
-        return {PROTOTYPES: pool.result()}
-
-    def _prototype_path(self, version: int) -> Path:
-        return self.store.dir / str(version) / "prototypes.npz"
-
-    def _load_prototypes(self, release: ReleaseVersion) -> dict[str, ArrayGroup]:
-        path = self._prototype_path(release.version)
-        shares: dict[str, ArrayGroup] = {}
-        if path.is_file():
-            with np.load(path, allow_pickle=False) as saved:
-                for key in saved.files:
-                    device, name = key.rsplit(".", 1)
-                    shares.setdefault(device, {})[name] = saved[key]
-        self._prototypes[release.version] = shares
-        return shares
-
     def _fetch(self, fetch: Envelope) -> None:
         wanted = fetch.config.get("sha256")
-        release = next((v for v in self.store.versions() if v.sha256 == wanted), None)
+        release = self._with_sha(wanted)
         if fetch.sender not in self.registry.devices:
             self.outbox.reject(fetch, Reason.UNKNOWN_DEVICE, f"FETCH from {fetch.sender}, never registered")
         elif release is None:
             self.outbox.reject(fetch, Reason.UNKNOWN_ARTIFACT, f"FETCH of {str(wanted)[:16]!r} from {fetch.sender}")
         else:
-            data = self.store.data(release.version)
+            data = self._bytes(release.version)
             artifact = Envelope(Kind.ARTIFACT, COORDINATOR, run_id=self.run_id, round=release.version,
                                 groups={"artifact": {"onnx": np.frombuffer(data, dtype=np.uint8)}},
                                 config={"sha256": release.sha256})
@@ -251,14 +230,15 @@ class ReleaseService:
             self.outbox.reject(result, Reason.STALE, f"EVAL_RES from {result.sender} answers no open request")
             return
         version = asked[1]
-        release = self.store.get(version)
+        release = self._release(version)
         accuracy = result.metrics.get("accuracy")
         if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool) or not 0.0 <= accuracy <= 1.0:
             self.outbox.reject(result, Reason.MALFORMED, f"evaluation from {result.sender}: accuracy {accuracy!r}")
             return
         if PROTOTYPES in result.groups:
             try:
-                self._pool_share(result.sender, release, result.groups[PROTOTYPES])
+                self.prototypes.add(result.sender, release, result.groups[PROTOTYPES],
+                                    self.registry.devices[result.sender].num_examples)
             except ProtocolError as err:
                 self.outbox.reject(result, err.reason, f"prototypes from {result.sender}: {err.detail}")
                 return
@@ -276,23 +256,30 @@ class ReleaseService:
         if rollout is not None and version == rollout.candidate and result.sender in rollout.canaries:
             self._canary_result(result.sender, float(accuracy), before)
 
-    def _pool_share(self, device: str, release: ReleaseVersion, share: ArrayGroup) -> None:
-        """Check and keep `device`'s class prototypes on `release` (its latest share replaces an earlier one)."""
-        pool = PrototypePool(self.num_classes, int(release.metadata["feature_dim"]))
-        pool.check(share, self.registry.devices[device].num_examples)
-        shares = self._prototypes.get(release.version) or self._load_prototypes(release)
-        shares[device] = {"counts": share["counts"].astype(np.int64), "means": share["means"].astype(np.float32)}
-        arrays = {f"{dev}.{name}": value for dev, group in shares.items() for name, value in group.items()}
-        path = self._prototype_path(release.version)
-        temporary = path.with_name(".prototypes.tmp.npz")
-        np.savez(temporary, allow_pickle=False, **arrays)
-        temporary.replace(path)
+    def _release(self, version: int) -> ReleaseVersion:
+        if version not in self._versions:
+            self._versions[version] = self.store.get(version)
+        return self._versions[version]
+
+    def _bytes(self, version: int) -> bytes:
+        if version not in self._data:
+            self._data[version] = self.store.data(version)
+        return self._data[version]
+
+    def _with_sha(self, sha256: Any) -> ReleaseVersion | None:
+        """The kept version with these bytes (the list read again for one published since)."""
+        found = next((v for v in self._versions.values() if v.sha256 == sha256), None)
+        if found is None:
+            self._versions.update((v.version, v) for v in self.store.versions())
+            found = next((v for v in self._versions.values() if v.sha256 == sha256), None)
+        return found
 
     def _version_of(self, sha256: Any, *, default: int) -> int:
-        return next((v.version for v in self.store.versions() if v.sha256 == sha256), default)
+        found = self._with_sha(sha256)
+        return default if found is None else found.version
 
     def _sha_of(self, version: int) -> str:
-        return self.store.get(version).sha256
+        return self._release(version).sha256
 
     # -- the operator's commands, through releases/state.json -------------------------------
     def _follow_state(self) -> None:
@@ -344,7 +331,7 @@ class ReleaseService:
             state.note("canaries", rollout.candidate, ", ".join(canaries))
             self.state = state
         self._rollout_deadline = self.clock() + self.canary_timeout
-        candidate = self.store.get(rollout.candidate)
+        candidate = self._release(rollout.candidate)
         log.info("rolling release %d out to %d canaries first: %s", candidate.version, len(canaries),
                  ", ".join(canaries))
         for device in canaries:

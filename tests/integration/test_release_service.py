@@ -116,8 +116,8 @@ def test_devices_that_come_online_after_training_personalize_and_releases_roll_o
     assert {inventory[name]["runs"] for name in names} == {1}
     assert all(inventory[name]["accuracy"] > 0.7 for name in names), inventory
     assert all(Path(d.model_path).is_file() for d in devices)
-    prototypes = run_dir / "releases" / "1" / "prototypes.npz"
-    assert prototypes.is_file()  # the devices' class means, pooled for the next device
+    prototypes = run_dir / "releases" / "1" / "prototypes"
+    assert sorted(path.stem for path in prototypes.glob("*.npz")) == names  # class means, pooled for the next
 
     # a worse release: its canaries score lower, so it is rolled back and they keep release 1
     worse = store.add(dense_body(TASK, hidden=2, seed=0), {"feature_dim": 2}, {"file": "worse.onnx"}, None, "test")

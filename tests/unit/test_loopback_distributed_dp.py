@@ -13,9 +13,8 @@ from coordinator.privacy.accountant import PrivacyAccountant
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy.upstream import NOISE_SHARES, UploadPrivacy
 from loopback_runs import BlockingLock
-from test_loopback_secagg import fleet_keys
+from test_loopback_secagg import DEVICES, fleet_keys, start_with_the_last_lost
 
-DEVICES = 4
 CLIP = 0.01
 NOISE = 40.0
 DELTA = 1e-9
@@ -60,11 +59,7 @@ def test_a_round_with_a_device_lost_is_accounted_with_the_noise_its_sum_holds(fe
     # Prepare: dev003 is parked in its training, then announced offline after sharing its keys
     parked = BlockingLock()
     coordinator = federation.coordinator(distributed_config(federation, min_clients=3))
-    keys = fleet_keys(DEVICES)
-    for i in range(DEVICES - 1):
-        federation.start_device(i, DEVICES, secagg_keys=keys[i])
-    lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
-    federation.lose_when_parked(parked, lost)
+    start_with_the_last_lost(federation, parked)
 
     # Execute
     report = coordinator.run()

@@ -23,6 +23,17 @@ def fleet_keys(count: int) -> list[SecAggKeys]:
     return [SecAggKeys(identity, roster) for identity in identities]
 
 
+def start_with_the_last_lost(federation, parked: BlockingLock) -> str:
+    """Start the DEVICES enrolled devices; the last is parked by `parked` inside its training and
+    announced offline then (after it shared its keys). Returns its id."""
+    keys = fleet_keys(DEVICES)
+    for i in range(DEVICES - 1):
+        federation.start_device(i, DEVICES, secagg_keys=keys[i])
+    lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
+    federation.lose_when_parked(parked, lost)
+    return lost
+
+
 def secure_config(federation, **changes):
     return federation.config(**{"clients": DEVICES, "secure_aggregation": True, "aggregation_dtype": "float64",
                                 **changes})
@@ -66,13 +77,9 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     # Prepare: dev003 is parked inside its first training, then announced offline (its Last Will)
     parked = BlockingLock()
     coordinator = federation.coordinator(secure_config(federation, rounds=1, min_clients=3))
-    keys = fleet_keys(DEVICES)
     unmask = listener(federation.broker, "spy-unmask", f"{federation.topics.prefix}/down/all/secagg",
                       federation.topics)
-    for i in range(DEVICES - 1):
-        federation.start_device(i, DEVICES, secagg_keys=keys[i])
-    lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
-    federation.lose_when_parked(parked, lost)
+    lost = start_with_the_last_lost(federation, parked)
 
     # Execute
     report = coordinator.run()
