@@ -149,8 +149,9 @@ def host_devices(config: RunConfig, indices: Sequence[int], *, start_timeout: fl
         footprint = Footprint.of(reports)
         if on_joined is not None:
             on_joined(footprint)
-        pool.join()
-        watch.join(timeout=10)  # it has seen every worker end: its causes are complete
+        # the watch alone reaps the workers: a join here could reap a killed one first, and the
+        # watch would then read no exit code and report no death
+        watch.join()
         failures = [f"{cause} ({', '.join(names)})" for cause, names in watch.causes.items()]
         failures += [f"{error} ({name})" for name, error in pool.partial_failures().items()]
         if failures:
