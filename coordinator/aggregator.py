@@ -17,7 +17,10 @@ msg_id, so its quorum and deadline work as unsharded and the device is NACKed. T
 roster answered, or when the coordinator CLOSEs the round.
 
 It holds one model-sized sum and the reference, never an update longer than it takes to fold
-it, and never a device's personal state (only shared arrays travel on the shard topic). With a
+it, and never a device's personal state (only shared arrays travel on the shard topic). Under
+secure aggregation the ROSTER gives the length of the round's masked vectors: each update is
+one, checked for its form and added mod 2^32, and the PARTIAL is their sum, still masked; the
+coordinator unmasks it with the shard's survivors' shares, which the aggregator never sees. With a
 `verifier` (the fleet's signing keys) every update must carry its device's signature, checked
 before it is decoded, as the coordinator checks them unsharded.
 """
@@ -31,9 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from edge_sdk.config import ConfigError
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id
+from edge_sdk.secagg import stages
 from edge_sdk.session import DeviceSession
 from edge_sdk.signing import Verifier
 from edge_sdk.transport import MqttSettings
@@ -41,7 +47,7 @@ from edge_sdk.transport import MqttSettings
 from . import algorithms
 from .algorithms.base import ServerAlgorithm, ServerContext
 from .robust import AggregationSettings
-from .sharding import AGGREGATOR, partial_envelope_fields
+from .sharding import AGGREGATOR, masked_partial_fields, partial_envelope_fields
 from .validation import UpdateLimits, checked_update
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,8 @@ class OpenRound:
     refused: set[str] = field(default_factory=set)
     """Devices whose latest answer was refused (one folded later leaves it)."""
     partial_sent: bool = False
+    masked_sum: np.ndarray | None = None
+    """Under secure aggregation: the sum mod 2^32 of the masked vectors folded (uint32)."""
 
     @property
     def complete(self) -> bool:
@@ -180,7 +188,11 @@ class ShardAggregator(DeviceSession):
                         self.open.round, train.round)
         devices = {str(c): int(n) for c, n in roster.config["devices"].items()}
         round_ = self.open = OpenRound(request, train.round, train.groups, devices)
-        self._algorithm().begin_partial(train.round, train.groups)
+        secure = roster.config.get(stages.SECURE)
+        if isinstance(secure, dict) and isinstance(secure.get(stages.LENGTH), int) and secure[stages.LENGTH] > 0:
+            round_.masked_sum = np.zeros(secure[stages.LENGTH], dtype=np.uint32)
+        else:
+            self._algorithm().begin_partial(train.round, train.groups)
         early, self.early = self.early, []
         for update in early:
             if round_.answered_by(update):
@@ -235,15 +247,23 @@ class ShardAggregator(DeviceSession):
 
     def _fold(self, round_: OpenRound, update: Envelope) -> None:
         """Check one update as the coordinator does, then fold it into the shard's sum (a
-        device's corrected update, after a refused one, too)."""
+        device's corrected update, after a refused one, too). Under secure aggregation the
+        update is a masked vector: checked for its form only, and added to the masked sum."""
         sender = update.sender
         try:
-            groups, weight = checked_update(self._algorithm(), round_.round, update, round_.sent, round_.roster[sender],
-                                            self.limits, self.codec)
+            if round_.masked_sum is not None:
+                masked = stages.masked_vector(update.groups, f"update from {sender}")
+                if masked.shape != round_.masked_sum.shape:
+                    raise ProtocolError(Reason.SECAGG_INVALID, f"masked vector of length {masked.size}, the round's "
+                                                               f"is {round_.masked_sum.size}")
+                round_.masked_sum += masked
+            else:
+                groups, weight = checked_update(self._algorithm(), round_.round, update, round_.sent,
+                                                round_.roster[sender], self.limits, self.codec)
+                self._algorithm().accumulate(sender, groups, update.metrics, weight)
         except ProtocolError as err:
             self._refuse(round_, update, err.reason, err.detail)
             return
-        self._algorithm().accumulate(sender, groups, update.metrics, weight)
         round_.refused.discard(sender)
         round_.folded.append(sender)
         self._notes[0].append(sender)
@@ -281,11 +301,13 @@ class ShardAggregator(DeviceSession):
     def _send_partial(self, round_: OpenRound) -> None:
         """The notes still pending, then the PARTIAL; the sums and the reference are let go."""
         self._send_note()
-        sums = self._algorithm().partial() if round_.folded else {}
-        fields = partial_envelope_fields(sums, round_.folded)
+        if round_.masked_sum is not None:
+            fields = masked_partial_fields(round_.masked_sum, round_.folded)
+        else:
+            fields = partial_envelope_fields(self._algorithm().partial() if round_.folded else {}, round_.folded)
         fields["config"].update(in_reply_to=round_.request_id, shard=self.shard)
         self.send(Kind.PARTIAL, round_.round, **fields)
-        round_.partial_sent, round_.sent = True, {}
+        round_.partial_sent, round_.sent, round_.masked_sum = True, {}, None
         self.partials_sent += 1
         log.info("%s: round %d partial sent (%d folded, %d refused of %d)", self.client_id, round_.round,
                  len(round_.folded), len(round_.refused), len(round_.roster))

@@ -57,6 +57,8 @@ class SecureRoundRecord:
     """Devices that shared keys but whose masked vector did not arrive: their masks were removed."""
     failed: str | None = None
     """Why the sum could not be unmasked (too few shares): nothing of the round was aggregated."""
+    failed_groups: list[str] = field(default_factory=list)
+    """In a sharded run whose other shards aggregated: each shard left out of the round, and why."""
 
 
 class SecureRound:
@@ -66,7 +68,7 @@ class SecureRound:
 
     def __init__(self, settings: SecAggSettings, run_id: str, round_: int, selected: list[str],
                  spec: dict[str, ArraySpec], examples: dict[str, int], *,
-                 private: tuple[float, float] | None = None):
+                 private: tuple[float, float] | None = None, largest: int | None = None):
         participants = tuple(sorted(selected))
         if len(participants) < MIN_PARTICIPANTS:
             raise SecAggError(f"round {round_}: {len(participants)} devices selected; secure aggregation needs at "
@@ -80,7 +82,8 @@ class SecureRound:
         """Under distributed DP: (each coordinate's bound, the fixed denominator); the devices upload
         their change clipped and noised by DP, unweighted, and the sum is divided by the denominator."""
         self.clip = settings.secagg_clip if private is None else private[0]
-        self.largest = max(examples.values()) if private is None else 1
+        self.largest = (largest or max(examples.values())) if private is None else 1
+        """The weights' scale, n_i / largest: the same in every group of a round (`largest` of them all)."""
         self.quantizer = FixedPoint(max(self.clip, 1.0) if private is None else self.clip, len(participants))
         self.record = SecureRoundRecord(len(participants))
 
@@ -132,23 +135,87 @@ class SecureRound:
 
     def on_masked(self, sender: str, groups: dict[str, ArrayGroup]) -> None:
         """Take `sender`'s masked vector (its TRAIN_RES carries nothing else)."""
-        masked = groups.get(stages.SECURE, {}).get(stages.MASKED) if set(groups) == {stages.SECURE} else None
-        if masked is None or set(groups[stages.SECURE]) != {stages.MASKED} or masked.dtype != np.int32:
-            raise _refused(f"update from {sender}: under secure aggregation a TRAIN_RES carries only "
-                           f"{stages.SECURE}/{stages.MASKED} (int32)")
         try:
-            self.server.add_masked(sender, np.ascontiguousarray(masked).view(np.uint32))
+            self.server.add_masked(sender, stages.masked_vector(groups, f"update from {sender}"))
         except SecAggError as exc:
             raise _refused(f"update from {sender}: {exc}") from None
 
+    def on_masked_sum(self, shard: int, senders: list[str], total: np.ndarray) -> None:
+        """Take shard `shard`'s masked sum over `senders` (its aggregator added their vectors up)."""
+        try:
+            self.server.add_masked_sum(senders, total)
+        except SecAggError as exc:
+            raise _refused(f"masked sum of shard {shard}: {exc}") from None
+
     # -- the result ------------------------------------------------------------------------
-    def partial(self) -> dict[str, PartialSum]:
+    def partial(self, share: float = 1.0) -> dict[str, PartialSum]:
         """The survivors' sum, by group, as the partial sum `fold_partial` takes. RoundFailed
-        (edge_sdk.secagg) when too few shares arrived to unmask it."""
+        (edge_sdk.secagg) when too few shares arrived to unmask it. Under distributed DP its
+        weight is `share` of the fixed denominator: the shares of a round's shards add up to 1."""
         sums, total_weight = self.layout.decode(self.quantizer.decode_sum(self.server.result()))
         count = len(self.server.survivors)
-        weight = total_weight if self.private is None else self.private[1]
+        weight = total_weight if self.private is None else share * self.private[1]
         return {group: PartialSum(arrays, weight, count) for group, arrays in sums.items()}
+
+
+
+class SecureGroups:
+    """A round's secure aggregation over groups of devices that each mask among themselves and
+    are unmasked on their own: the whole round (one group, `sharded` False), or each shard of a
+    sharded run.
+
+    Each stage is one broadcast for every group: `config(stage)` carries the one group's
+    parameters as they are, or a group per shard under `groups` (advertise); the share stage
+    carries every group's advertisements and the unmask stage every group's survivors and
+    dropped devices (a device takes those of its neighbours). Answers go to the sender's group.
+    A group that cannot go on (too few devices to hide each other, too few shares) is dropped
+    with its reason; the others go on."""
+
+    def __init__(self, round_: int, rounds: dict[int, SecureRound], selected: int, *, sharded: bool):
+        self.round = round_
+        self.rounds = dict(rounds)
+        """The groups still in the round."""
+        self._all = dict(rounds)
+        self.group_of = {device: group for group, secure in rounds.items() for device in secure.context.participants}
+        self.failed: list[str] = []
+        self.selected, self.sharded = selected, sharded
+
+    def drop(self, group: int, why: str) -> None:
+        """Leave `group` out of the rest of the round, for `why`."""
+        self.rounds.pop(group, None)
+        self.failed.append(f"shard {group}: {why}" if self.sharded else why)
+
+    def config(self, stage: str) -> dict[str, Any]:
+        """The stage-specific part of a SECAGG request's config, for every group."""
+        configs = [secure.config(stage) for _, secure in sorted(self.rounds.items())]
+        if not self.sharded:
+            return configs[0]
+        if stage == stages.ADVERTISE:
+            return {stages.GROUPS: configs}
+        if stage == stages.SHARE:
+            return {stages.ADVERTS: {peer: advert for c in configs for peer, advert in c[stages.ADVERTS].items()}}
+        return {key: sorted(device for c in configs for device in c[key]) for key in (stages.SURVIVORS, stages.DROPPED)}
+
+    def on_reply(self, stage: str, sender: str, config: dict[str, Any]) -> None:
+        """Take one SECAGG_RES of `stage` from `sender`, for its group."""
+        group = self.group_of.get(sender)
+        if group is None or group not in self.rounds:
+            raise _refused(f"SECAGG_RES ({stage}) from {sender}, which is in no group of the round")
+        self.rounds[group].on_reply(stage, sender, config)
+
+    def deliveries(self) -> dict[str, dict[str, Any]]:
+        """Per device that shared keys: the `shares` delivery's config (its group's ciphertexts to it)."""
+        return {device: delivery for secure in self.rounds.values() for device, delivery in secure.deliveries().items()}
+
+    def record(self) -> SecureRoundRecord:
+        """The round's record: every group's stages added up; `failed` when no group is left."""
+        records = [secure.record for secure in self._all.values()]
+        return SecureRoundRecord(
+            self.selected, advertised=sum(r.advertised for r in records), shared=sum(r.shared for r in records),
+            masked=sum(r.masked for r in records), unmasked=sum(r.unmasked for r in records),
+            dropped=sorted(d for r in records for d in r.dropped),
+            failed="; ".join(self.failed) if self.failed and not self.rounds else None,
+            failed_groups=list(self.failed) if self.rounds else [])
 
 
 def _plain_bytes(ciphertexts: Any) -> dict[str, bytes]:
@@ -172,7 +239,6 @@ def check_secure_run(config: RunConfig, algorithm: type[ServerAlgorithm]) -> Non
          "the coordinator cannot clip an update it cannot see: the devices clip to secagg_clip instead"),
         (config.round.max_update_norm > 0, "max_update_norm",
          "the coordinator cannot check the norm of an update it cannot see: the devices clip to secagg_clip instead"),
-        (config.round.shards > 0, "shards", "secure aggregation within shards is not offered yet: use shards 0"),
         (config.privacy.enabled and config.privacy.dp != "distributed", "dp",
          f"{config.privacy.dp}: under secure aggregation the devices add the noise in shares before masking: use "
          "dp distributed"),

@@ -31,7 +31,8 @@ from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
 from edge_sdk.privacy.upstream import PRIVACY
-from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, new_message_id
+from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id,
+                               new_message_id)
 from edge_sdk.secagg import stages
 from edge_sdk.secagg.errors import SecAggError
 
@@ -54,11 +55,11 @@ from .reporting import RoundRecord, finished_report, played_report, run_report
 from .rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients
 from .run_folder import RunFolder
 from .shard_rounds import ShardedRounds
-from .sharding import ShardRound, check_shardable, shard_of
+from .sharding import AGGREGATOR, ShardRound, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
 
 if TYPE_CHECKING:
-    from .secure_rounds import SecureRound, SecureRoundRecord
+    from .secure_rounds import SecureGroups, SecureRoundRecord
 
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
@@ -575,37 +576,36 @@ class Coordinator:
     def _secure_train(self, round_: int, selected: list[str], started: float,
                       eligible: int) -> tuple[RoundCollector, Outcome, bool, SecureRoundRecord]:
         """A round under secure aggregation (coordinator/secure_rounds.py): the selected devices
-        advertise keys and share secrets, those that did train and upload masked vectors, the
-        survivors unmask the sum, and the algorithm folds it in as a partial sum. Returns the
-        TRAIN's collector and outcome, whether the round aggregated, and how far each stage got."""
-        from .secure_rounds import MIN_PARTICIPANTS, SecureRound, SecureRoundRecord
+        advertise keys and share secrets within their group (the round's devices, or each
+        shard's), those that did train and upload masked vectors (to the coordinator, or to their
+        shard's aggregator, which sums them still masked), the survivors of each group unmask its
+        sum, and the algorithm folds each sum in as a partial sum. Returns the TRAIN's collector
+        and outcome, whether the round aggregated, and how far each stage got."""
+        from .secure_rounds import MIN_PARTICIPANTS
 
         self.algorithm.begin_round(round_)
-        try:
-            private = None
-            if self.privacy is not None:  # distributed DP: the fixed-denominator mean of clipped, noised changes
-                private = (self.privacy.share_bound(eligible), self.privacy.expected(eligible))
-            secure = SecureRound(self.config.secagg, self.run_id, round_, selected, self.algorithm.update_spec(round_),
-                                 {device: self.registry.devices[device].num_examples for device in selected},
-                                 private=private)
-        except SecAggError as exc:  # too few devices online for a sum that hides each of them
-            log.warning("round %d not played: %s", round_, exc)
-            return (self._collector_for(round_, selected, quorum=len(selected)), Outcome.DEADLINE, False,
-                    SecureRoundRecord(len(selected), failed=str(exc)))
-        advertised = self._secure_stage(secure, stages.ADVERTISE, selected)
-        shared = self._secure_stage(secure, stages.SHARE, advertised)
+        secure = self._secure_groups(round_, selected, eligible)
+        if secure.rounds:
+            self._secure_stage(secure, stages.ADVERTISE, sorted(secure.group_of))
+            advertised = sorted(d for r in secure.rounds.values() for d in r.server.advertised)
+            self._secure_stage(secure, stages.SHARE, advertised)
+        for group, part in sorted(secure.rounds.items()):
+            if len(part.server.shared) < MIN_PARTICIPANTS:
+                secure.drop(group, f"only {len(part.server.shared)} devices shared their keys; at least "
+                                   f"{MIN_PARTICIPANTS} needed")
+        shared = sorted(d for r in secure.rounds.values() for d in r.server.shared)
         log.info("round %d: %d of %d devices shared their keys; training", round_, len(shared), len(selected))
-        if len(shared) < MIN_PARTICIPANTS:
-            secure.record.failed = f"only {len(shared)} devices shared their keys; at least {MIN_PARTICIPANTS} needed"
-            log.warning("round %d not trained: %s", round_, secure.record.failed)
-            return self._collector_for(round_, shared, quorum=MIN_PARTICIPANTS), Outcome.DEADLINE, False, secure.record
+        if not secure.rounds:
+            log.warning("round %d not trained: %s", round_, "; ".join(secure.failed))
+            return (self._collector_for(round_, selected, quorum=len(selected)), Outcome.DEADLINE, False,
+                    secure.record())
         for device, delivery in secure.deliveries().items():
             self.outbox.send(self.topics.down(device, Kind.SECAGG),
                              Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
                                       config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
                         groups=self.algorithm.task_groups(round_),
-                        config={"selected": sorted(shared), stages.SECURE: True, **self._task_config(round_, eligible)})
+                        config={"selected": shared, stages.SECURE: True, **self._task_config(round_, eligible)})
         # fewer masked vectors than MIN_PARTICIPANTS and their sum would tell each survivor the others'
         collector = self._collector_for(round_, shared, quorum=max(self.config.round.min_clients, MIN_PARTICIPANTS))
 
@@ -613,49 +613,102 @@ class Coordinator:
             envelope = received.envelope
             if self._admit(received, Kind.TRAIN_RES, round_, collector):
                 try:
-                    secure.on_masked(envelope.sender, envelope.groups)
+                    secure.rounds[0].on_masked(envelope.sender, envelope.groups)
                 except ProtocolError as err:
                     self._refuse(envelope, collector, err.reason, err.detail)
                     return
                 self._slowest_reply = max(self._slowest_reply or 0.0, self.clock() - started)
                 collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
-        outcome = self._request(Kind.TRAIN, task, collector, on_update)
-        aggregated = collector.enough and self._unmask_and_fold(secure, sorted(collector.replied))
-        return collector, outcome, aggregated, secure.record
+        if secure.sharded:  # the masked vectors go to the shards' aggregators: their masked sums come here
+            sharded = self.sharding.open(round_, shared, task.msg_id, collector, secure=secure.rounds)
+            try:
+                outcome = self._request(Kind.TRAIN, task, collector, self._misrouted_update)
+                self.sharding.gather(sharded, self._windows()[1],
+                                     lambda timeout: self._serve(timeout, self._stale_reply))
+            finally:
+                self.sharding.close()
+            for shard, why in sorted(sharded.lost.items()):
+                secure.drop(shard, why)
+        else:
+            outcome = self._request(Kind.TRAIN, task, collector, on_update)
+        aggregated = collector.enough and self._unmask_and_fold(secure, collector)
+        return collector, outcome, aggregated, secure.record()
 
-    def _unmask_and_fold(self, secure: SecureRound, survivors: list[str]) -> bool:
-        """The unmask stage for the devices whose masked vector arrived, then their sum folded in
-        as a partial sum and the round's state made; False (nothing aggregated) when it cannot be
-        unmasked."""
-        round_ = secure.context.round
-        self._secure_stage(secure, stages.UNMASK, survivors)
-        try:
-            partial = secure.partial()
-        except SecAggError as exc:
-            secure.record.failed = str(exc)
-            log.warning("round %d: the secure sum could not be unmasked (%s); nothing aggregated, global state "
-                        "unchanged", round_, exc)
+    def _secure_groups(self, round_: int, selected: list[str], eligible: int) -> SecureGroups:
+        """The round's secure groups: one of every selected device, or, sharded, one per shard whose
+        aggregator is online (the devices of a shard without one sit the round out)."""
+        from .secure_rounds import SecureGroups, SecureRound
+
+        private = None
+        if self.privacy is not None:  # distributed DP: the fixed-denominator mean of clipped, noised changes
+            private = (self.privacy.share_bound(eligible), self.privacy.expected(eligible))
+        shards = self.sharding.shards
+        members: dict[int, list[str]] = {}
+        for device in selected:
+            members.setdefault(shard_of(device, shards) if shards else 0, []).append(device)
+        online = set(self.registry.online(AGGREGATOR))
+        examples = {device: self.registry.devices[device].num_examples for device in selected}
+        rounds, failed = {}, []
+        for group, devices in sorted(members.items()):
+            if shards and aggregator_id(group) not in online:
+                failed.append((group, "its aggregator is offline"))
+                continue
+            try:
+                rounds[group] = SecureRound(self.config.secagg, self.run_id, round_, devices,
+                                            self.algorithm.update_spec(round_), {d: examples[d] for d in devices},
+                                            private=private, largest=max(examples.values()))
+            except SecAggError as exc:  # too few devices online for a sum that hides each of them
+                failed.append((group, str(exc)))
+        secure = SecureGroups(round_, rounds, len(selected), sharded=shards > 0)
+        for group, why in failed:
+            secure.drop(group, why)
+            log.warning("round %d: %s", round_, secure.failed[-1])
+        return secure
+
+    def _unmask_and_fold(self, secure: SecureGroups, collector: RoundCollector) -> bool:
+        """The unmask stage for the devices whose masked vector arrived (or was summed by their
+        shard's aggregator), then each group's sum folded in as a partial sum and the round's
+        state made; False (nothing aggregated) when no group can be unmasked. The devices of a
+        group that cannot be unmasked count as missing."""
+        round_ = secure.round
+        survivors = sorted(d for r in secure.rounds.values() for d in r.server.survivors)
+        if survivors:
+            self._secure_stage(secure, stages.UNMASK, survivors)
+        for group, part in sorted(secure.rounds.items()):
+            try:
+                part.server.result()
+            except SecAggError as exc:
+                log.warning("round %d: the secure sum%s could not be unmasked (%s); not aggregated", round_,
+                            f" of shard {group}" if secure.sharded else "", exc)
+                for device in part.server.survivors:
+                    collector.lose(device)
+                secure.drop(group, str(exc))
+        if not secure.rounds:
+            log.warning("round %d: nothing aggregated, global state unchanged", round_)
             return False
+        summed = sum(len(part.server.survivors) for part in secure.rounds.values())
         if self.privacy is not None:
-            self.privacy.note_secure_sum(len(survivors))
+            self.privacy.note_secure_sum(summed)
         aggregating = self.clock()
-        self.algorithm.fold_partial(round_, partial)
+        for part in secure.rounds.values():  # under distributed DP the shares of the denominator add up to 1
+            self.algorithm.fold_partial(round_, part.partial(share=len(part.server.survivors) / summed))
         self.algorithm.close_round(round_)
-        self.events.emit(RoundAggregated(round_, len(survivors), self.clock() - aggregating))
+        self.events.emit(RoundAggregated(round_, summed, self.clock() - aggregating))
         return True
 
-    def _secure_stage(self, secure: SecureRound, stage: str, devices: Iterable[str]) -> list[str]:
+    def _secure_stage(self, secure: SecureGroups, stage: str, devices: Iterable[str]) -> list[str]:
         """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES until each answered,
         went offline or the round's timeout passed; returns those whose answer was taken."""
         expected = sorted(devices)
-        request = Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=secure.context.round,
+        round_ = secure.round
+        request = Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
                            config={stages.STAGE: stage, "selected": expected, **secure.config(stage)})
-        collector = self._collector_for(secure.context.round, expected, quorum=len(expected))
+        collector = self._collector_for(round_, expected, quorum=len(expected))
 
         def on_reply(received: Received) -> None:
             envelope = received.envelope
-            if self._admit(received, Kind.SECAGG_RES, secure.context.round, collector):
+            if self._admit(received, Kind.SECAGG_RES, round_, collector):
                 try:
                     secure.on_reply(stage, envelope.sender, envelope.config)
                 except ProtocolError as err:

@@ -15,17 +15,22 @@ aggregators.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, aggregator_id, shard_of_aggregator
+from edge_sdk.secagg import stages
 
 from .algorithms.base import ServerAlgorithm
 from .devices import DeviceRegistry
 from .ledger import Ledger
 from .outbox import Outbox
 from .rounds import RoundCollector
-from .sharding import AGGREGATOR, ShardRound, check_partial, shard_of
+from .sharding import AGGREGATOR, ShardRound, check_masked_partial, check_partial, shard_of
 from .validation import UpdateLimits
+
+if TYPE_CHECKING:
+    from .secure_rounds import SecureRound
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +49,15 @@ class ShardedRounds:
         self.clock = clock
         self.current: ShardRound | None = None
         """The training round's shards, while it is open."""
+        self.secure: Mapping[int, SecureRound] = {}
+        """Under secure aggregation, each shard's secure round: its PARTIAL is a masked sum."""
 
-    def open(self, round_: int, selected: list[str], request_id: str, collector: RoundCollector) -> ShardRound:
+    def open(self, round_: int, selected: list[str], request_id: str, collector: RoundCollector,
+             secure: Mapping[int, SecureRound] | None = None) -> ShardRound:
         """Send each shard's aggregator its ROSTER (before the TRAIN broadcast it belongs to); a
-        shard whose aggregator is offline is lost from the start. The round is `current` until `close`."""
+        shard whose aggregator is offline is lost from the start. The round is `current` until
+        `close`. Under secure aggregation (`secure`: each shard's round) the ROSTER says the
+        length of the masked vectors, and the shard's PARTIAL is their sum, still masked."""
         rosters: dict[int, dict[str, int]] = {}
         for client_id in selected:
             rosters.setdefault(shard_of(client_id, self.shards), {})[client_id] = \
@@ -59,14 +69,16 @@ class ShardedRounds:
             if aggregator_id(shard) not in online:
                 self.lose(shard, "its aggregator is offline", sharded)
                 continue
+            config: dict[str, Any] = {"request": request_id, "devices": roster}
+            if secure is not None:
+                config[stages.SECURE] = {stages.LENGTH: secure[shard].context.vector_length}
             self.outbox.send(self.outbox.topics.down(aggregator_id(shard), Kind.ROSTER),
-                             Envelope(Kind.ROSTER, COORDINATOR, run_id=run_id, round=round_,
-                                      config={"request": request_id, "devices": roster}))
-        self.current = sharded
+                             Envelope(Kind.ROSTER, COORDINATOR, run_id=run_id, round=round_, config=config))
+        self.current, self.secure = sharded, secure or {}
         return sharded
 
     def close(self) -> None:
-        self.current = None
+        self.current, self.secure = None, {}
 
     def on_message(self, envelope: Envelope) -> None:
         """A NOTE or PARTIAL: from a registered aggregator of this run, for the open training round."""
@@ -137,6 +149,14 @@ class ShardedRounds:
         """Check shard `shard`'s PARTIAL and fold it in; a refused one loses the shard's round."""
         round_ = sharded.collector.round
         try:
+            if shard in self.secure:  # unmasked with the shard's other survivors once every partial is in
+                masked = check_masked_partial(partial, shard, sharded.rosters[shard],
+                                              self.secure[shard].context.vector_length)
+                if masked.folded:
+                    self.secure[shard].on_masked_sum(shard, masked.folded, masked.total)
+                sharded.deliver(masked.shard, masked.folded, partial.msg_id, self.clock())
+                log.info("round %d: masked partial of shard %d taken (%d updates)", round_, shard, len(masked.folded))
+                return
             checked = check_partial(partial, shard, sharded.rosters[shard], self.algorithm.partial_spec(round_),
                                     self.limits.max_examples)
         except ProtocolError as err:
@@ -145,7 +165,7 @@ class ShardedRounds:
             return
         if checked.folded:
             self.algorithm.fold_partial(round_, checked.sums)
-        sharded.deliver(checked, partial.msg_id, self.clock())
+        sharded.deliver(checked.shard, checked.folded, partial.msg_id, self.clock())
         log.info("round %d: partial of shard %d folded (%d updates)", round_, shard, len(checked.folded))
 
     def aggregator_offline(self, client_id: str) -> None:

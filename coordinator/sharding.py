@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edge_sdk.config import ConfigError
+import numpy as np
+
 from edge_sdk.params import ArraySpec, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
+from edge_sdk.secagg.stages import MASKED, SECURE
 
 from .aggregate import PartialSum
 from .rounds import RoundCollector
@@ -72,19 +75,8 @@ def check_partial(envelope: Envelope, shard: int, roster: Mapping[str, int], spe
     its `roster` (selected device -> registered examples) or repeated, a count that is not theirs,
     groups, names, shapes or dtypes other than `spec`, non-finite values, a total weight that is
     not positive or exceeds its devices' registered examples (capped at `max_examples`)."""
-    config, metrics = envelope.config, envelope.metrics
-    if config.get("shard") != shard:
-        raise ValidationError(Reason.SENDER_MISMATCH, f"partial of shard {config.get('shard')!r} from shard {shard}'s "
-                                                      "aggregator")
-    folded = config.get("folded")
-    if not isinstance(folded, list) or not all(isinstance(c, str) for c in folded) or len(set(folded)) != len(folded):
-        raise ValidationError(Reason.MALFORMED, "folded must be a list of distinct device ids")
-    strangers = [c for c in folded if c not in roster]
-    if strangers:
-        raise ValidationError(Reason.NOT_SELECTED, f"folded devices not selected in shard {shard}: {strangers[:5]}")
-    count, weight = metrics.get("count"), metrics.get("total_weight")
-    if count != len(folded):
-        raise ValidationError(Reason.MALFORMED, f"count {count!r} for {len(folded)} folded devices")
+    folded = _checked_folded(envelope, shard, roster)
+    weight = envelope.metrics.get("total_weight")
     if not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ValidationError(Reason.MALFORMED, f"total_weight {weight!r}")
     if not folded:
@@ -101,6 +93,58 @@ def check_partial(envelope: Envelope, shard: int, roster: Mapping[str, int], spe
                                                 "examples of its devices")
     return ShardPartial(shard, list(folded), {g: PartialSum(envelope.groups[g], float(weight), len(folded))
                                               for g in spec})
+
+
+def _checked_folded(envelope: Envelope, shard: int, roster: Mapping[str, int]) -> list[str]:
+    """The devices a PARTIAL of shard `shard` folded: distinct, of its `roster`, as many as its count."""
+    if envelope.config.get("shard") != shard:
+        raise ValidationError(Reason.SENDER_MISMATCH, f"partial of shard {envelope.config.get('shard')!r} from "
+                                                      f"shard {shard}'s aggregator")
+    folded = envelope.config.get("folded")
+    if not isinstance(folded, list) or not all(isinstance(c, str) for c in folded) or len(set(folded)) != len(folded):
+        raise ValidationError(Reason.MALFORMED, "folded must be a list of distinct device ids")
+    strangers = [c for c in folded if c not in roster]
+    if strangers:
+        raise ValidationError(Reason.NOT_SELECTED, f"folded devices not selected in shard {shard}: {strangers[:5]}")
+    if envelope.metrics.get("count") != len(folded):
+        raise ValidationError(Reason.MALFORMED, f"count {envelope.metrics.get('count')!r} for {len(folded)} folded "
+                                                "devices")
+    return list(folded)
+
+
+@dataclass
+class MaskedPartial:
+    """A checked PARTIAL of a round under secure aggregation: the devices its shard folded and
+    the sum of their masked vectors (uint32, still masked)."""
+
+    shard: int
+    folded: list[str]
+    total: np.ndarray
+
+
+def check_masked_partial(envelope: Envelope, shard: int, roster: Mapping[str, int], length: int) -> MaskedPartial:
+    """Raise ValidationError for a masked PARTIAL of shard `shard` that must be refused: devices
+    not of its `roster` or repeated, a count that is not theirs, anything but one int32 vector of
+    the round's `length` in `secagg/masked` (none when nothing was folded)."""
+    folded = _checked_folded(envelope, shard, roster)
+    if not folded:
+        if envelope.groups:
+            raise ValidationError(Reason.UNEXPECTED_ARRAYS, "an empty partial carries no arrays")
+        return MaskedPartial(shard, [], np.zeros(length, dtype=np.uint32))
+    masked = envelope.groups.get(SECURE, {}).get(MASKED) if set(envelope.groups) == {SECURE} else None
+    if masked is None or set(envelope.groups[SECURE]) != {MASKED} or masked.dtype != np.int32 or \
+            masked.shape != (length,):
+        raise ValidationError(Reason.UNEXPECTED_ARRAYS, f"a masked partial carries only {SECURE}/{MASKED}, int32 of "
+                                                        f"length {length}")
+    return MaskedPartial(shard, folded, np.ascontiguousarray(masked).view(np.uint32))
+
+
+def masked_partial_fields(total: np.ndarray, folded: list[str]) -> dict[str, Any]:
+    """What a masked PARTIAL carries (groups, metrics, config but `in_reply_to` and `shard`): the
+    sum of the `folded` devices' masked vectors, none when nothing was folded."""
+    groups: dict[str, ArrayGroup] = {SECURE: {MASKED: total.view(np.int32)}} if folded else {}
+    return {"groups": groups, "metrics": {"total_weight": 0.0, "count": len(folded)},
+            "config": {"folded": list(folded)}}
 
 
 def partial_envelope_fields(sums: dict[str, PartialSum], folded: list[str]) -> dict[str, Any]:
@@ -141,12 +185,12 @@ class ShardRound:
         if client_id not in self.collector.replied:
             self.collector.accept(client_id, msg_id, now)
 
-    def deliver(self, partial: ShardPartial, msg_id: str, now: float) -> None:
-        """A checked PARTIAL was folded in: its devices count as replied (also those folded
-        after the round closed, before the aggregator heard it)."""
-        self.delivered[partial.shard] = partial.folded
-        for client_id in partial.folded:
-            self.folded(partial.shard, client_id, msg_id, now)
+    def deliver(self, shard: int, folded: list[str], msg_id: str, now: float) -> None:
+        """Shard `shard`'s checked PARTIAL over `folded` was taken: its devices count as replied
+        (also those folded after the round closed, before the aggregator heard it)."""
+        self.delivered[shard] = folded
+        for client_id in folded:
+            self.folded(shard, client_id, msg_id, now)
 
     def lose(self, shard: int, why: str) -> int:
         """Shard `shard` delivers nothing this round: the updates its aggregator reported folded

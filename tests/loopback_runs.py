@@ -109,6 +109,15 @@ class LoopbackFederation:
         self.run_device(client)
         return client
 
+    def start_aggregator(self, shard: int, shards: int) -> str:
+        """The aggregator of shard `shard` of `shards`, in a thread until the run ends."""
+        from coordinator.aggregator import ShardAggregator
+
+        aggregator = ShardAggregator(shard, shards, federation=self.topics.federation,
+                                     transport=self.broker.transport(f"aggregator-{shard}"))
+        self.run_device(aggregator)
+        return aggregator.client_id
+
     def run_device(self, client) -> None:
         """Run `client` (a trainer or a weak device) in a thread until the run ends. A device
         that crashes is announced offline as the broker announces a crashed process (its Last

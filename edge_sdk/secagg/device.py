@@ -106,10 +106,10 @@ class SecureUploads:
         raise _malformed(f"unknown SECAGG stage {stage!r}")
 
     def _advertise(self, envelope: Envelope) -> dict[str, Any] | None:
-        config = envelope.config
-        participants = config.get(stages.PARTICIPANTS)
-        if not isinstance(participants, list) or self.client_id not in participants:
+        config = self._own_group(envelope.config)
+        if config is None:
             return None
+        participants = config[stages.PARTICIPANTS]
         try:
             seed = config[stages.GRAPH_SEED]
             context = RoundContext(envelope.run_id, envelope.round, tuple(participants), config[stages.THRESHOLD],
@@ -121,6 +121,19 @@ class SecureUploads:
         self._client = SecAggClient(self.client_id, self.keys.identity, self.keys.roster, context)
         self._shares_received, self.pending = False, None
         return {stages.ADVERT: self._client.advertise().to_wire()}
+
+    def _own_group(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The advertise stage's parameters of the group this device is a participant of: the
+        stage's own (one group), or one of its `groups` (a sharded run: a group per shard); None
+        when it names this device in none."""
+        groups = config.get(stages.GROUPS, [config])
+        if not isinstance(groups, list):
+            raise _malformed("a SECAGG advertise stage carries its groups as a list")
+        for group in groups:
+            participants = group.get(stages.PARTICIPANTS) if isinstance(group, dict) else None
+            if isinstance(participants, list) and self.client_id in participants:
+                return group
+        return None
 
     def _client_of(self, envelope: Envelope) -> SecAggClient | None:
         """The round's client, if this device advertised keys for the round `envelope` belongs to."""

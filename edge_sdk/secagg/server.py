@@ -9,6 +9,7 @@ Stages close in order; calling a later stage's method closes the earlier ones:
   add_advertisement* -> advertisements (U1: who advertised)
   route*             -> inbox          (U2: who sent shares to all its advertised neighbours)
   add_masked*        -> unmask_request (U3: whose masked vector arrived; dropped = U2 - U3)
+  (add_masked_sum: the masked vectors of several devices at once, summed by a shard's aggregator)
   add_unmask_response* -> result
 """
 
@@ -139,6 +140,24 @@ class SecAggServer:
                               f"expected {self.context.vector_length}")
         self._masked_sum += masked
         self._survivors.add(sender)
+
+    def add_masked_sum(self, senders: list[str], total: np.ndarray) -> None:
+        """Accept the sum of `senders`' masked vectors, added up by another party (a shard's
+        aggregator): each sender counts as a survivor, as if its vector had come here."""
+        self._enter("masking", "add_masked_sum")
+        strangers = [s for s in senders if s not in self._shared]
+        if strangers:
+            raise SecAggError(f"masked sum over {strangers[0]!r}, which did not share keys")
+        repeated = [s for s in senders if s in self._survivors]
+        if repeated or len(set(senders)) != len(senders):
+            raise SecAggError(f"masked sum over {(repeated or senders)[0]!r}, whose vector is already summed")
+        if not senders:
+            raise SecAggError("a masked sum over no device")
+        length = self.context.vector_length
+        if not isinstance(total, np.ndarray) or total.dtype != np.uint32 or total.shape != (length,):
+            raise SecAggError(f"a masked sum must be a uint32 vector of length {length}")
+        self._masked_sum += total
+        self._survivors.update(senders)
 
     def unmask_request(self, client_id: str) -> UnmaskRequest:
         """What `client_id` (a survivor) is asked to unmask; closes the masking stage, fixing U3."""

@@ -11,6 +11,15 @@ answer), TRAIN (broadcast; each answers TRAIN_RES carrying only its masked vecto
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ..protocol import ProtocolError, Reason
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..protocol import ArrayGroup
+
 STAGE = "stage"
 ADVERTISE, SHARE, SHARES, UNMASK = "advertise", "share", "shares", "unmask"
 """A device answers the first, second and last with SECAGG_RES; `shares` is a delivery."""
@@ -21,14 +30,28 @@ carries the masked vector (`MASKED`, int32: the ring's words as two's complement
 MASKED = "masked"
 CAPABILITY = "secagg"
 """The HELLO config key of a device that speaks secure aggregation, with the version it speaks."""
-VERSION = 1
+VERSION = 2
+"""2: the advertise stage may carry a group per shard (`GROUPS`)."""
 
 # the advertise stage's parameters
 PARTICIPANTS, THRESHOLD, DEGREE, GRAPH_SEED, LENGTH = "participants", "threshold", "degree", "graph_seed", "length"
 CLIP, LARGEST, SUMMANDS = "clip", "largest", "summands"
+GROUPS = "groups"
+"""In a sharded run: the advertise stage's parameters, one map per shard (each with its own
+participants, graph, threshold and summands); a device takes the one that names it."""
 PRIVATE = "private"
 """True under distributed DP: the upload was clipped and noised by DP on the device; it goes into
 the sum unweighted and not clipped again, each coordinate within `CLIP`."""
 # the later stages' payloads
 ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED = "adverts", "ciphertexts", "survivors", "dropped"
 ADVERT, RESPONSE = "advert", "response"
+
+
+def masked_vector(groups: dict[str, ArrayGroup], what: str) -> np.ndarray:
+    """The masked vector (uint32 view) of a secure upload, whose only array is `SECURE/MASKED`
+    (1-D int32); ProtocolError `secagg_invalid` naming `what` otherwise."""
+    masked = groups.get(SECURE, {}).get(MASKED) if set(groups) == {SECURE} else None
+    if masked is None or set(groups[SECURE]) != {MASKED} or masked.dtype != "int32" or masked.ndim != 1:
+        raise ProtocolError(Reason.SECAGG_INVALID, f"{what}: under secure aggregation it carries only "
+                                                   f"{SECURE}/{MASKED} (1-D int32)")
+    return masked.view("uint32") if masked.flags.c_contiguous else masked.copy().view("uint32")

@@ -1,6 +1,6 @@
 """Secure aggregation end to end: `edgepfl simulate --secure-aggregation` over a real Mosquitto
-broker trains to the plain run's model within the quantization error, and the coordinator's run
-folder holds no device's update."""
+broker trains to the plain run's model within the quantization error, unsharded and with each
+shard's aggregator summing its devices' masked vectors."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from coordinator.run_folder import RunFolder
 pytestmark = pytest.mark.integration
 
 
-def simulate(out, broker, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--clients", "5",
+def simulate(out, broker, *flags: str, clients: int = 5) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--clients", str(clients),
                "--rounds", "3", "--workers", "2", "--seed", "1", "--broker", broker.url, "--out", str(out), "--quiet",
                "--aggregation-dtype", "float64", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=600,
@@ -47,3 +47,21 @@ def test_a_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto, algorith
     plain_report = json.loads(RunFolder(tmp_path / "plain").report.read_text())
     assert report["final"]["personalized_accuracy"]["mean"] == pytest.approx(
         plain_report["final"]["personalized_accuracy"]["mean"], abs=0.02)
+
+
+def test_a_sharded_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto):
+    # Execute: six devices, two shards of three (their aggregators are processes of the simulation)
+    plain = simulate(tmp_path / "plain", mosquitto, "--algorithm", "fedrep", clients=6)
+    secure = simulate(tmp_path / "secure", mosquitto, "--algorithm", "fedrep", "--secure-aggregation", "--shards", "2",
+                      clients=6)
+
+    # Assert
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert secure.returncode == 0, secure.stdout + secure.stderr
+    report = json.loads(RunFolder(tmp_path / "secure").report.read_text())
+    assert [r["secagg"]["unmasked"] for r in report["rounds"]] == [6, 6, 6]
+    assert all(r["lost_shards"] == [] and r["secagg"]["failed_groups"] == [] for r in report["rounds"])
+    expected = checkpoint.load(RunFolder(tmp_path / "plain").checkpoint).state
+    actual = checkpoint.load(RunFolder(tmp_path / "secure").checkpoint).state
+    for key, value in expected["shared"].items():
+        assert np.allclose(actual["shared"][key], value, atol=1e-4), key

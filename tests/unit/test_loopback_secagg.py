@@ -93,6 +93,72 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.UNMASK]
 
 
+def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run_s_model(federation, tmp_path):
+    # Prepare: the plain run first, then six devices in two shards of three (dev002, 3, 5 in shard 0)
+    devices, shards = 6, 2
+    plain_config = federation.config(clients=devices, rounds=1, aggregation_dtype="float64",
+                                     out=str(tmp_path / "plain"))
+    coordinator = federation.coordinator(plain_config)
+    for i in range(devices):
+        federation.start_device(i, devices)
+    coordinator.run()
+    federation.devices_exit()
+    plain = checkpoint.load(tmp_path / "plain" / "checkpoint.msgpack").state
+    federation.threads.clear()
+
+    coordinator = federation.coordinator(secure_config(federation, clients=devices, rounds=1, shards=shards))
+    partials = federation.spy(Kind.PARTIAL)
+    uploads = listener(federation.broker, "spy-shards", f"{federation.topics.prefix}/+/+/train_res",
+                       federation.topics)
+    for shard in range(shards):
+        federation.start_aggregator(shard, shards)
+    for i, keys in enumerate(fleet_keys(devices)):
+        federation.start_device(i, devices, secagg_keys=keys)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: each shard's aggregator sent one masked sum over its three devices; the coordinator
+    # unmasked both; every upload it could have read is a masked vector
+    record = report["rounds"][0]
+    assert record["participants"] == devices and record["secagg"]["unmasked"] == devices
+    assert record["secagg"]["failed"] is None and record["secagg"]["failed_groups"] == []
+    sent = {p.sender: p for p in drain(partials)}
+    assert sorted(sent) == ["aggregator-0", "aggregator-1"]
+    assert sorted(sent["aggregator-0"].config["folded"]) == ["dev002", "dev003", "dev005"]
+    for partial in sent.values():
+        assert set(partial.groups) == {stages.SECURE} and set(partial.groups[stages.SECURE]) == {stages.MASKED}
+    masked = drain(uploads)
+    assert len(masked) == devices
+    assert all(set(u.groups) == {stages.SECURE} for u in masked)
+    secure = final_state(federation)
+    for key, value in plain["shared"].items():
+        assert np.allclose(secure["shared"][key], value, atol=1e-5), key
+
+
+def test_a_shard_too_small_to_hide_its_devices_sits_the_round_out_and_the_other_aggregates(federation):
+    # Prepare: five devices in two shards: dev002 and dev003 alone in shard 0
+    devices, shards = 5, 2
+    coordinator = federation.coordinator(secure_config(federation, clients=devices, rounds=1, shards=shards,
+                                                       min_clients=3))
+    trains = listener(federation.broker, "spy-train", f"{federation.topics.prefix}/down/all/train", federation.topics)
+    for shard in range(shards):
+        federation.start_aggregator(shard, shards)
+    for i, keys in enumerate(fleet_keys(devices)):
+        federation.start_device(i, devices, secagg_keys=keys)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: shard 0's devices were never asked to train; shard 1's three were aggregated
+    record = report["rounds"][0]
+    assert record["participants"] == 3 and record["secagg"]["failed"] is None
+    assert [why.split(":")[0] for why in record["secagg"]["failed_groups"]] == ["shard 0"]
+    assert "needs at least 3" in record["secagg"]["failed_groups"][0]
+    (train,) = [t for t in drain(trains) if t.round == 1]
+    assert sorted(train.config["selected"]) == ["dev000", "dev001", "dev004"]
+
+
 def test_a_device_without_keys_is_refused_by_name(federation):
     coordinator = federation.coordinator(secure_config(federation, clients=3, rounds=1, registration_timeout=3.0))
     welcomes = listener(federation.broker, "spy-welcome", f"{federation.topics.prefix}/down/+/welcome",

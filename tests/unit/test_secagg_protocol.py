@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_sdk.secagg import FixedPoint, RoundFailed, effective_degree
-from secagg_rounds import (AFTER_ADVERTISE, AFTER_MASK, AFTER_SHARE, BEFORE_ADVERTISE, COMPLETE, Round, play,
-                           random_inputs, round_context)
+from edge_sdk.secagg import FixedPoint, RoundFailed, SecAggError, effective_degree
+from secagg_rounds import (AFTER_ADVERTISE, AFTER_MASK, AFTER_SHARE, BEFORE_ADVERTISE, COMPLETE, Round, advertise, play,
+                           random_inputs, round_context, share_keys, start_round, unmask)
 
 FATES = [BEFORE_ADVERTISE, AFTER_ADVERTISE, AFTER_SHARE, AFTER_MASK] + [COMPLETE] * 20
 
@@ -98,3 +98,37 @@ def test_float_updates_aggregate_through_fixed_point():
 
     # Assert
     np.testing.assert_allclose(mean, np.mean(list(floats.values()), axis=0), atol=codec.max_error_per_summand)
+
+
+def test_a_masked_sum_summed_elsewhere_unmasks_to_its_devices_exact_sum():
+    # Prepare: a shard's aggregator adds the masked vectors up (mod 2^32); dev04 dropped after sharing
+    context = round_context(count=8, threshold=4, degree=6, length=1500)
+    trial = start_round(context, random_inputs(context, np.random.default_rng(5)))
+    shared = share_keys(trial, list(context.participants), advertise(trial, list(context.participants)))
+    summed = [device for device in shared if device != "dev04"]
+    total = np.zeros(context.vector_length, dtype=np.uint32)
+    for device in summed:
+        total += trial.clients[device].mask(trial.inputs[device])
+
+    # Execute
+    trial.server.add_masked_sum(summed, total)
+    unmask(trial, summed)
+
+    # Assert
+    assert trial.server.survivors == set(summed) and trial.server.dropped == {"dev04"}
+    np.testing.assert_array_equal(trial.server.result(), trial.expected_sum())
+
+
+def test_a_masked_sum_over_a_device_that_did_not_share_or_twice_over_one_is_refused():
+    context = round_context(count=6, threshold=3, degree=4, length=100)
+    trial = start_round(context, random_inputs(context, np.random.default_rng(6)))
+    devices = list(context.participants)
+    share_keys(trial, devices[:-1], advertise(trial, devices[:-1]))
+    zeros = np.zeros(context.vector_length, dtype=np.uint32)
+    with pytest.raises(SecAggError, match=f"{devices[-1]}'?, which did not share keys"):
+        trial.server.add_masked_sum(devices[-2:], zeros)
+    trial.server.add_masked_sum(devices[:2], zeros)
+    with pytest.raises(SecAggError, match="already summed"):
+        trial.server.add_masked_sum(devices[1:3], zeros)
+    with pytest.raises(SecAggError, match="uint32 vector of length 100"):
+        trial.server.add_masked_sum(devices[3:4], np.zeros(99, dtype=np.uint32))

@@ -19,6 +19,7 @@ from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.channel import Channel, SenderBudget
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
+from edge_sdk.secagg import stages
 from edge_sdk.signing import Signer, Verifier, new_key
 
 FED = "unitshards"
@@ -251,3 +252,28 @@ def test_with_the_fleets_keys_an_unsigned_update_is_dropped_unread(stand):
 def test_a_bad_shard_flag_is_refused_by_name(text):
     with pytest.raises(ValueError, match="--shard"):
         parse_shard(text)
+
+
+def test_under_secure_aggregation_the_partial_is_the_exact_sum_of_the_masked_vectors(stand):
+    # Prepare: a secure round's ROSTER gives the masked vectors' length
+    train, length = stand.train(1), 5
+    stand.send("all", Kind.TRAIN, train)
+    stand.send("aggregator-0", Kind.ROSTER, Envelope(Kind.ROSTER, COORDINATOR, run_id="run1", round=1, config={
+        "request": train.msg_id, "devices": {"a": 10, "b": 10, "c": 10}, stages.SECURE: {stages.LENGTH: length}}))
+    vectors = {"a": np.array([1, 2, 3, 2**32 - 1, 7], dtype=np.uint32),
+               "b": np.array([2**31, 5, 0, 3, 2**32 - 2], dtype=np.uint32)}
+
+    # Execute: a and b upload masked vectors; c a plain update, which a secure round cannot take
+    for client_id, vector in vectors.items():
+        stand.devices[client_id].send(stand.topics.shard(0, client_id, Kind.TRAIN_RES), Envelope(
+            Kind.TRAIN_RES, client_id, run_id="run1", round=1, config={"in_reply_to": train.msg_id},
+            groups={stages.SECURE: {stages.MASKED: vector.view(np.int32)}}))
+    stand.update("c", train, 1.0, examples=10)
+    partial = stand.next_up(Kind.PARTIAL)
+
+    # Assert: the sum mod 2^32, still masked, over a and b; c's update refused by name
+    assert partial.config["folded"] == ["a", "b"] and partial.metrics == {"total_weight": 0.0, "count": 2}
+    assert set(partial.groups) == {stages.SECURE} and set(partial.groups[stages.SECURE]) == {stages.MASKED}
+    np.testing.assert_array_equal(partial.groups[stages.SECURE][stages.MASKED].view(np.uint32),
+                                  vectors["a"] + vectors["b"])
+    assert stand.aggregator.channel.rejections["secagg_invalid"] == 1
