@@ -60,7 +60,8 @@ DEFAULT_CACHE = "benchmarks/results/runs"
 NAMES = {
     "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
     "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
-    "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
+    "cd2_pfed": "CD2-pFed", "fedios": "FediOS", "fedbn": "FedBN", "fedbabu": "FedBABU", "ditto": "Ditto",
+    "apfl": "APFL", "fedrod": "FedRoD",
 }
 """Algorithm ids as the tables name them."""
 

@@ -45,6 +45,8 @@ ACCOUNTANT_PY, UPSTREAM_PY = "coordinator/privacy/accountant.py", "edge_sdk/priv
 MECHANISM_PY, RUN_PRIVACY_PY = "coordinator/privacy/mechanism.py", "coordinator/privacy/run.py"
 DPSGD_PY = "edge_sdk/privacy/dpsgd.py"
 SECAGG_CLIENT_PY, SECAGG_SERVER_PY = "edge_sdk/secagg/client.py", "edge_sdk/secagg/server.py"
+APFL_PY, APFL = "edge_sdk/algorithms/apfl.py", ("tests/unit/test_apfl_objective.py",)
+FEDROD_PY, FEDROD = "edge_sdk/algorithms/fedrod.py", ("tests/unit/test_fedrod_objective.py",)
 SECAGG = ("tests/unit/test_secagg_protocol.py", "tests/unit/test_secagg_adversary.py")
 DISTRIBUTED_DP = ("tests/unit/test_loopback_distributed_dp.py",)
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
@@ -313,12 +315,92 @@ MUTATIONS = (
              (("        if both:\n", "        if False:\n"),), SECAGG),
     Mutation("secagg: the server unmasks below the threshold", SECAGG_SERVER_PY,
              (("            if len(got) < self.context.threshold:", "            if len(got) < 1:"),), SECAGG),
+    # secure aggregation within shards: one weight scale for every shard, the aggregator's sum mod 2^32
+    Mutation("secagg shards: each shard weights by its own largest device", "coordinator/server.py",
+             (("private=private, largest=max(examples.values()))", "private=private)"),),
+             ("tests/unit/test_loopback_secagg.py",)),
+    Mutation("secagg shards: the aggregator keeps only the last masked vector", "coordinator/aggregator.py",
+             (("                round_.masked_sum += masked\n", "                round_.masked_sum[:] = masked\n"),),
+             ("tests/unit/test_shard_aggregator.py",)),
+    Mutation("secagg shards: a masked sum over a device that did not share keys is taken", SECAGG_SERVER_PY,
+             (("        strangers = [s for s in senders if s not in self._shared]",
+               "        strangers: list[str] = []"),), SECAGG),
     # distributed DP under secure aggregation: each device's share of the noise, dropout-aware accounting
     Mutation("dp distributed: each device adds the whole noise", UPSTREAM_PY,
              (("return self.noise * clip / math.sqrt(shares)", "return self.noise * clip"),), DISTRIBUTED_DP),
     Mutation("dp distributed: a round with dropouts accounted with the full noise", RUN_PRIVACY_PY,
              (("return self.noise * math.sqrt(min(self.summed, expected) / expected)", "return self.noise"),),
              DISTRIBUTED_DP),
+    # APFL: w as FedAvg, v on F_k(alpha v + (1 - alpha) w), alpha learned and kept in [0, 1]; FedRoD: the
+    # balanced softmax for the shared body and generic head, a personal head on detached features
+    Mutation("apfl: w not detached in v_bar", APFL_PY,
+             (("(1 - alpha) * w[name].detach()", "(1 - alpha) * w[name]"),), APFL),
+    Mutation("apfl: mixture weights swapped", APFL_PY,
+             (("alpha * v + (1 - alpha) * w[name].detach()", "(1 - alpha) * v + alpha * w[name].detach()"),), APFL),
+    Mutation("apfl: v descends F_k(v), not F_k(v_bar)", APFL_PY,
+             (("self.objective(self.mixed)", "self.objective(self.personal)"),), APFL),
+    Mutation("apfl: w not trained", APFL_PY,
+             (("return lambda xb, yb: global_loss(xb, yb) + personal_loss(xb, yb)",
+               "return lambda xb, yb: personal_loss(xb, yb)"),), APFL),
+    Mutation("apfl: alpha never steps", APFL_PY,
+             (('"params": [alpha], "lr": lr,', '"params": [alpha], "lr": 0.0,'),), APFL),
+    Mutation("apfl: alpha not projected onto [0, 1]", APFL_PY,
+             (("alpha.clamp_(0.0, 1.0)", "alpha.clamp_(-1e9, 1e9)"),), APFL),
+    Mutation("apfl: a fixed alpha steps", APFL_PY,
+             (("self.mixed.alpha.requires_grad_(self.hyper.adaptive)", "self.mixed.alpha.requires_grad_(True)"),
+              ("        if self.hyper.adaptive:\n            alpha = self.mixed.alpha",
+               "        if True:\n            alpha = self.mixed.alpha")), APFL),
+    Mutation("apfl: a new client keeps its initial v", APFL_PY,
+             (("global_accuracy = self.test_accuracy(self.model)\n        if not self.trained:\n"
+               "            self.start_personal()", "global_accuracy = self.test_accuracy(self.model)"),), APFL),
+    Mutation("apfl: deploys w", APFL_PY,
+             (('"accuracy": self.test_accuracy(self.mixed)', '"accuracy": self.test_accuracy(self.model)'),), APFL),
+    Mutation("apfl: a restart forgets alpha", APFL_PY,
+             (("self.mixed.alpha.fill_(alpha)", "self.mixed.alpha.fill_(self.hyper.alpha)"),), APFL),
+    Mutation("fedrod: no class prior", FEDROD_PY,
+             (("F.cross_entropy(generic + prior, yb)", "F.cross_entropy(generic, yb)"),), FEDROD),
+    Mutation("fedrod: prior of the present classes only", FEDROD_PY,
+             (("return (counts / counts.sum()).log()", "return (counts > 0).float().log()"),), FEDROD),
+    Mutation("fedrod: personal loss reaches the body", FEDROD_PY,
+             (("model.personal_head(z.detach())", "model.personal_head(z)"),), FEDROD),
+    Mutation("fedrod: personal loss reaches the generic head", FEDROD_PY,
+             (("generic.detach() + model.personal_head", "generic + model.personal_head"),), FEDROD),
+    Mutation("fedrod: personal head without the generic logits", FEDROD_PY,
+             (("generic.detach() + model.personal_head(z.detach())", "model.personal_head(z.detach())"),), FEDROD),
+    Mutation("fedrod: personal head starts random", FEDROD_PY,
+             (("        nn.init.zeros_(self.personal_head.weight)\n", ""),), FEDROD),
+    Mutation("fedrod: deploys the generic head alone", FEDROD_PY,
+             (("return self.head(z) + self.personal_head(z)", "return self.head(z)"),), FEDROD),
+    Mutation("fedrod: personal head shared", FEDROD_PY,
+             (('shared_parts = ("body", "head")', 'shared_parts = ("body", "head", "personal_head")'),), FEDROD),
+    # Ditto: a personal model on h_k(v; w^t) anchored at the global model that came down, deployed
+    Mutation("ditto: the personal model anchored at the device's updated global model", "edge_sdk/algorithms/ditto.py",
+             (("        anchor = self.received_global()\n        loss = self.train_locally(task)\n",
+               "        loss = self.train_locally(task)\n        anchor = self.received_global()\n"),),
+             ("tests/unit/test_ditto_objective.py",)),
+    Mutation("ditto: no proximal term in the personal objective", "edge_sdk/algorithms/ditto.py",
+             (("return 0.5 * lam * sum(", "return 0.0 * lam * sum("),), ("tests/unit/test_ditto_objective.py",)),
+    Mutation("ditto: the global model deployed", "edge_sdk/algorithms/ditto.py",
+             (('return {"accuracy": self.test_accuracy(self.personal),', 'return {"accuracy": global_accuracy,'),),
+             ("tests/unit/test_ditto_objective.py",)),
+    Mutation("fedbn: BatchNorm layers uploaded and overwritten", "edge_sdk/algorithms/fedbn.py",
+             (("share_batchnorm = False", "share_batchnorm = True"),), ("tests/unit/test_fedbn_objective.py",)),
+    # FedBABU: the body trained over a fixed random head; the whole model fine-tuned for the score
+    Mutation("fedbabu: head trained during federated training", "edge_sdk/algorithms/fedbabu.py",
+             (("self.train_parts(self.model, BODY,", "self.train_parts(self.model, WHOLE,"),),
+             ("tests/unit/test_fedbabu_objective.py",)),
+    Mutation("fedbabu: head uploaded and averaged", "edge_sdk/algorithms/fedbabu.py",
+             (("shared_parts = BODY", "shared_parts = WHOLE"),), ("tests/unit/test_fedbabu_objective.py",)),
+    Mutation("fedbabu: scored without fine-tuning", "edge_sdk/algorithms/fedbabu.py",
+             (('"accuracy": self.test_accuracy(tuned),', '"accuracy": self.test_accuracy(self.model),'),),
+             ("tests/unit/test_fedbabu_objective.py",)),
+    Mutation("fedbabu: head-only fine-tuning", "edge_sdk/algorithms/fedbabu.py",
+             (("self.train_parts(tuned, WHOLE,", 'self.train_parts(tuned, ("head",),'),),
+             ("tests/unit/test_fedbabu_objective.py",)),
+    Mutation("fedbabu: the device's own model fine-tuned", "edge_sdk/algorithms/fedbabu.py",
+             (("tuned = copy.deepcopy(self.model)", "tuned = self.model"),), ("tests/unit/test_fedbabu_objective.py",)),
+    Mutation("fedbabu: default tau_f not the paper's", "edge_sdk/algorithms/hyper/fedbabu.py",
+             (("finetune_epochs: int = 5", "finetune_epochs: int = 10"),), ("tests/unit/test_fedbabu_objective.py",)),
 )
 
 

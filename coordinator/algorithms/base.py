@@ -65,8 +65,12 @@ class ServerAlgorithm(ABC):
                                                              seed=self.context.seed))
 
     def shares_body(self) -> bool:
-        """Whether the global state holds the body's parameters: only then can it be released."""
-        return any(key.startswith("body.") for group in self.state.values() for key in group)
+        """Whether the global state holds every parameter of the model's body: only then can it be
+        released (LG-FedAvg keeps the whole body personal, FedBN its BatchNorm layers)."""
+        model = build_model(self.context.model, self.context.task, seed=self.context.seed)
+        body = {f"body.{name}" for name, _ in model.get_submodule("body").named_parameters()}
+        held = {key for group in self.state.values() for key in group}
+        return bool(body) and body <= held
 
     def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
         """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one

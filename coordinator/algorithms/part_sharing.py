@@ -37,7 +37,8 @@ class PartSharingServer(ServerAlgorithm):
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         model = build_model(self.context.model, self.context.task, seed=self.context.seed)
-        partition = model_partition(model, self.device.shared_parts, self.device.share_statistics)
+        partition = model_partition(model, self.device.shared_parts, self.device.share_statistics,
+                                    self.device.share_batchnorm)
         return {SHARED: state_arrays(model, partition.shared)}
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:

@@ -27,7 +27,8 @@ class PartSharingDevice(TorchDevice):
     """A model whose `shared_parts` are federated and whose other parts are personal."""
 
     accepts_training_step = True
-    dp_sgd_refusal = None  # cross-entropy is a mean of per-example terms (FedProx adds a parameter-only term)
+    dp_sgd_refusal: ClassVar[str | None] = None
+    """None: cross-entropy is a mean of per-example terms (FedProx adds a parameter-only term)."""
     deploys_global_model: ClassVar[bool] = False
     model: PartedNet  # the factory's network: `build_network` is not overridden
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models import ModelSpec, PartedNet, build_model, check_capabilities, statistics_keys
 from ..models.capabilities import COMMON
@@ -28,19 +29,31 @@ SHARED = "shared"
 """The group name of the shared parameters, down (global) and up (local update)."""
 
 
-def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...], share_statistics: bool = False) -> Partition:
-    """Shared parts' keys are shared; BatchNorm running statistics only with `share_statistics`."""
-    statistics = () if share_statistics else statistics_keys(model)
-    return partition_by_parts(model.state_dict().keys(), shared_parts, statistics)
+def model_partition(model: torch.nn.Module, shared_parts: tuple[str, ...], share_statistics: bool = False,
+                    share_batchnorm: bool = True) -> Partition:
+    """Shared parts' keys are shared; BatchNorm running statistics only with `share_statistics`,
+    and nothing of a BatchNorm layer (weight, bias, statistics) without `share_batchnorm` (FedBN)."""
+    kept = set() if share_statistics else statistics_keys(model)
+    if not share_batchnorm:
+        kept |= batchnorm_keys(model)
+    return partition_by_parts(model.state_dict().keys(), shared_parts, kept)
+
+
+def batchnorm_keys(model: torch.nn.Module) -> set[str]:
+    """The `state_dict` keys of every BatchNorm layer (found by module type, as `statistics_keys`)."""
+    return {f"{prefix}.{key}" if prefix else key for prefix, sub in model.named_modules()
+            if isinstance(sub, _BatchNorm) for key in sub.state_dict()}
 
 
 class TorchDevice(DeviceAlgorithm):
     """A device algorithm on one PyTorch network whose `shared_parts` travel and whose other
-    parts (and BatchNorm statistics, unless `share_statistics`) stay on the device."""
+    parts (and BatchNorm statistics, unless `share_statistics`; whole BatchNorm layers, unless
+    `share_batchnorm`) stay on the device."""
 
     requires = COMMON
     shared_parts: ClassVar[tuple[str, ...]] = ("body", "head")
     share_statistics: ClassVar[bool] = False
+    share_batchnorm: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,7 +61,7 @@ class TorchDevice(DeviceAlgorithm):
         base = self.base_model()
         check_capabilities(type(self), base)
         self.model = place(self.build_network(base), self.device)
-        self.partition = model_partition(self.model, self.shared_parts, self.share_statistics)
+        self.partition = model_partition(self.model, self.shared_parts, self.share_statistics, self.share_batchnorm)
         self.shared_spec = spec_of(state_arrays(self.model, self.partition.shared))
         self.train_x = to_device(self.data.train_x, self.device)
         self.train_y = to_device(self.data.train_y, self.device)

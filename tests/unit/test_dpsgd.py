@@ -35,7 +35,8 @@ from edge_sdk.store import PersonalState, PersonalStore
 from edge_sdk.training import cross_entropy_loss, run_epochs
 from user_models import tiny_cnn, tiny_mlp
 
-ALLOWED = {"local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "fedios"}
+ALLOWED = {"local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "fedios", "fedbn", "fedbabu",
+           "ditto"}
 DELTA = 1e-5
 
 
