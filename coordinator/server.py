@@ -697,9 +697,10 @@ class Coordinator:
         self.events.emit(RoundAggregated(round_, summed, self.clock() - aggregating))
         return True
 
-    def _secure_stage(self, secure: SecureGroups, stage: str, devices: Iterable[str]) -> list[str]:
-        """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES until each answered,
-        went offline or the round's timeout passed; returns those whose answer was taken."""
+    def _secure_stage(self, secure: SecureGroups, stage: str, devices: Iterable[str]) -> None:
+        """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES (each group's
+        `SecureRound` keeps those it took) until each answered, went offline or the round's
+        timeout passed."""
         expected = sorted(devices)
         round_ = secure.round
         request = Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
@@ -717,7 +718,6 @@ class Coordinator:
                 collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         self._request(Kind.SECAGG, request, collector, on_reply)
-        return sorted(collector.replied)
 
     def _collector_for(self, round_: int, devices: Iterable[str], *, quorum: int) -> RoundCollector:
         """A collector of `devices`' replies with the round's windows, waiting for `quorum` of them."""

@@ -34,6 +34,14 @@ def start_with_the_last_lost(federation, parked: BlockingLock) -> str:
     return lost
 
 
+def start_sharded_fleet(federation, devices: int, shards: int) -> None:
+    """The shards' aggregators, then `devices` enrolled devices."""
+    for shard in range(shards):
+        federation.start_aggregator(shard, shards)
+    for i, keys in enumerate(fleet_keys(devices)):
+        federation.start_device(i, devices, secagg_keys=keys)
+
+
 def secure_config(federation, **changes):
     return federation.config(**{"clients": DEVICES, "secure_aggregation": True, "aggregation_dtype": "float64",
                                 **changes})
@@ -110,10 +118,7 @@ def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run
     partials = federation.spy(Kind.PARTIAL)
     uploads = listener(federation.broker, "spy-shards", f"{federation.topics.prefix}/+/+/train_res",
                        federation.topics)
-    for shard in range(shards):
-        federation.start_aggregator(shard, shards)
-    for i, keys in enumerate(fleet_keys(devices)):
-        federation.start_device(i, devices, secagg_keys=keys)
+    start_sharded_fleet(federation, devices, shards)
 
     # Execute
     report = coordinator.run()
@@ -142,10 +147,7 @@ def test_a_shard_too_small_to_hide_its_devices_sits_the_round_out_and_the_other_
     coordinator = federation.coordinator(secure_config(federation, clients=devices, rounds=1, shards=shards,
                                                        min_clients=3))
     trains = listener(federation.broker, "spy-train", f"{federation.topics.prefix}/down/all/train", federation.topics)
-    for shard in range(shards):
-        federation.start_aggregator(shard, shards)
-    for i, keys in enumerate(fleet_keys(devices)):
-        federation.start_device(i, devices, secagg_keys=keys)
+    start_sharded_fleet(federation, devices, shards)
 
     # Execute
     report = coordinator.run()
