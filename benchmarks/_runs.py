@@ -61,7 +61,8 @@ NAMES = {
     "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
     "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
     "cd2_pfed": "CD2-pFed", "fedios": "FediOS", "fedbn": "FedBN", "fedbabu": "FedBABU", "ditto": "Ditto",
-    "apfl": "APFL", "fedrod": "FedRoD",
+    "apfl": "APFL", "fedrod": "FedRoD", "fedala": "FedALA",
+    "fedproto": "FedProto",
 }
 """Algorithm ids as the tables name them."""
 

@@ -25,7 +25,8 @@ PAPERS = {
     "fedper": "Arivazhagan et al. 2019", "fedrep": "Collins et al. 2021", "lg_fedavg": "Liang et al. 2020",
     "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL", "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
     "fedbn": "Li et al. 2021", "fedbabu": "Oh et al. 2022", "ditto": "Li et al. 2021b", "apfl": "Deng et al. 2020",
-    "fedrod": "Chen and Chao 2022",
+    "fedrod": "Chen and Chao 2022", "fedala": "Zhang et al. 2023",
+    "fedproto": "Tan et al. 2022",
 }
 
 

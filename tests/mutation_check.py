@@ -47,6 +47,9 @@ DPSGD_PY = "edge_sdk/privacy/dpsgd.py"
 SECAGG_CLIENT_PY, SECAGG_SERVER_PY = "edge_sdk/secagg/client.py", "edge_sdk/secagg/server.py"
 APFL_PY, APFL = "edge_sdk/algorithms/apfl.py", ("tests/unit/test_apfl_objective.py",)
 FEDROD_PY, FEDROD = "edge_sdk/algorithms/fedrod.py", ("tests/unit/test_fedrod_objective.py",)
+FEDALA_PY, FEDALA = "edge_sdk/algorithms/fedala.py", ("tests/unit/test_fedala_objective.py",)
+FEDPROTO = ("tests/unit/test_fedproto_objective.py",)
+FEDPROTO_PY, FEDPROTO_SERVER_PY = "edge_sdk/algorithms/fedproto.py", "coordinator/algorithms/fedproto.py"
 SECAGG = ("tests/unit/test_secagg_protocol.py", "tests/unit/test_secagg_adversary.py")
 DISTRIBUTED_DP = ("tests/unit/test_loopback_distributed_dp.py",)
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
@@ -373,6 +376,59 @@ MUTATIONS = (
              (("return self.head(z) + self.personal_head(z)", "return self.head(z)"),), FEDROD),
     Mutation("fedrod: personal head shared", FEDROD_PY,
              (('shared_parts = ("body", "head")', 'shared_parts = ("body", "head", "personal_head")'),), FEDROD),
+    # FedALA: theta_hat = theta_i + (theta^t - theta_i) * W on the top layers, W's clipped steps, the first
+    # aggregation until the loss settles and one iteration later, FedAvg's upload from theta_hat
+    Mutation('fedala: W ascends the loss', FEDALA_PY,
+             (('w.sub_(self.hyper.eta * g)', 'w.add_(self.hyper.eta * g)'),), FEDALA),
+    Mutation('fedala: eta ignored', FEDALA_PY,
+             (('w.sub_(self.hyper.eta * g)', 'w.sub_(g)'),), FEDALA),
+    Mutation('fedala: W not clipped into [0, 1]', FEDALA_PY,
+             (('.clamp_(0.0, 1.0)', '.clamp_(-1e9, 1e9)'),), FEDALA),
+    Mutation("fedala: W weighs the local model's side", FEDALA_PY,
+             (('self.local[name] + self.differences[name] * w ', 'self.local[name] + self.differences[name] * (1 - w) '),), FEDALA),
+    Mutation('fedala: every layer aggregated, not the top ones', FEDALA_PY,
+             (('for name, p in named[-self.hyper.layers:]}', 'for name, p in named}'),), FEDALA),
+    Mutation('fedala: the first aggregation takes one iteration', FEDALA_PY,
+             (('iterations = self.hyper.max_iterations if stage == LOCAL else 1', 'iterations = 1'),), FEDALA),
+    Mutation('fedala: every aggregation iterates until settled', FEDALA_PY,
+             (('iterations = self.hyper.max_iterations if stage == LOCAL else 1', 'iterations = self.hyper.max_iterations'),), FEDALA),
+    Mutation('fedala: a device without a local model runs ALA against its initial model', FEDALA_PY,
+             (('            self.stage = LOCAL\n            return []\n', '            self.stage = LOCAL\n'),), FEDALA),
+    Mutation('fedala: deploys the global model', FEDALA_PY,
+             (('if self.stage != FRESH:\n            self.adapt(', 'if self.stage == -1:\n            self.adapt('),), FEDALA),
+    Mutation('fedala: a restart forgets W', FEDALA_PY,
+             (('torch.as_tensor(np.array(w), device=self.device) for name', 'torch.ones_like(torch.as_tensor(np.array(w))) for name'),), FEDALA),
+    Mutation('fedala: trains from the global model (no ALA in fit)', FEDALA_PY,
+             (('        self.initialize_local_model(task)\n        loss = self.train_locally(task)', '        self.load_shared(task)\n        loss = self.train_locally(task)'),), FEDALA),
+    Mutation("fedala: a release's body statistics overwrite theta_i", FEDALA_PY,
+             (('        finally:\n            load_arrays(self.model, local)', '        finally:\n            pass'),), FEDALA),
+    # FedProto: Eq. (7) with the MSE L_R, local prototypes (Eq. 3), count-weighted global prototypes (Eq. 6)
+    Mutation("fedproto: prototype term without its lambda", FEDPROTO_PY,
+             (("value = value + self.hyper.lam * squared.sum() / z.numel()",
+               "value = value + squared.sum() / z.numel()"),), FEDPROTO),
+    Mutation("fedproto: prototype term also for classes without a prototype", FEDPROTO_PY,
+             (("squared = ((z - centres[yb]) ** 2).sum(dim=1) * has_prototype[yb]",
+               "squared = ((z - centres[yb]) ** 2).sum(dim=1)"),), FEDPROTO),
+    Mutation("fedproto: prototype term summed over the features, not averaged (MSE)", FEDPROTO_PY,
+             (("squared.sum() / z.numel()", "squared.sum() / len(yb)"),), FEDPROTO),
+    Mutation("fedproto: prototypes of the body in training mode", FEDPROTO_PY,
+             (("with torch.no_grad(), eval_mode(self.model):", "with torch.no_grad():"),), FEDPROTO),
+    Mutation("fedproto: feature sums not divided by the device's examples", FEDPROTO_PY,
+             (('"feature_sums": (sums / total).astype(np.float32)', '"feature_sums": sums.astype(np.float32)'),),
+             FEDPROTO),
+    Mutation("fedproto: the nearest prototype deployed", FEDPROTO_PY,
+             (('metrics["prototype_accuracy"] = self.prototype_accuracy(*prototypes)',
+               'metrics["accuracy"] = metrics["prototype_accuracy"] = self.prototype_accuracy(*prototypes)'),),
+             FEDPROTO),
+    Mutation("fedproto: server weighs every device alike, not by its examples", FEDPROTO_SERVER_PY,
+             (("self._sums.add(groups[PROTOTYPES], weight)", "self._sums.add(groups[PROTOTYPES], 1.0)"),), FEDPROTO),
+    Mutation("fedproto: server gives a prototype to a class nobody has", FEDPROTO_SERVER_PY,
+             (("has_prototype = shares > 0", "has_prototype = shares >= 0"),), FEDPROTO),
+    Mutation("fedproto: server keeps classes of earlier rounds", FEDPROTO_SERVER_PY,
+             (('"has_prototype": has_prototype}}',
+               '"has_prototype": has_prototype | self.state[GLOBAL_PROTOTYPES]["has_prototype"]}}'),), FEDPROTO),
+    Mutation("fedproto: shard partial sums not folded", FEDPROTO_SERVER_PY,
+             (("self._sums.add_partial(partial[PROTOTYPES], dtypes)", "del dtypes"),), FEDPROTO),
     # Ditto: a personal model on h_k(v; w^t) anchored at the global model that came down, deployed
     Mutation("ditto: the personal model anchored at the device's updated global model", "edge_sdk/algorithms/ditto.py",
              (("        anchor = self.received_global()\n        loss = self.train_locally(task)\n",

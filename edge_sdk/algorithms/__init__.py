@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 ALGORITHM_IDS: tuple[str, ...] = (
     "local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg",
     "repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios", "ditto", "fedbn", "fedbabu",
-    "apfl", "fedrod",
+    "apfl", "fedrod", "fedproto", "fedala",
 )
 
 

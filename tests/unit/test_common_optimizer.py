@@ -37,7 +37,7 @@ def sgd(lr: float, momentum: float, weight_decay: float = 0.0, nesterov: bool = 
 PAPER = {
     **{a: {sgd(0.037, 0.9)} for a in ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "lg_fedavg", "dc_pfl",
                                       "fedios", "fedbn", "fedbabu", "ditto", "apfl",
-                                      "fedrod")},
+                                      "fedrod", "fedala", "fedproto")},
     "fedrep": {sgd(0.037, 0.5)},
     "dualfed": {sgd(0.01, 0.5)},
     "cd2_pfed": {sgd(0.037, 0.9, 5e-4, nesterov=True)},

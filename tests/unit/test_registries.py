@@ -13,7 +13,7 @@ from coordinator.algorithms.part_sharing import PartSharingServer
 from edge_sdk.algorithms.base import DeviceAlgorithm
 
 SPEC_IDS = ("local fedavg fedavg_ft fedprox fedper fedrep lg_fedavg repper dualfed dc_pfl cd2_pfed fedios "
-            "fedbn fedbabu ditto apfl fedrod").split()
+            "fedbn fedbabu ditto apfl fedrod fedala fedproto").split()
 
 
 def test_both_registries_list_the_specified_ids():
