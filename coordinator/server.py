@@ -115,8 +115,8 @@ class Coordinator:
                                 config.run.clients, config.aggregation)
         self.algorithm = algorithm_cls(self.hyper, context)
         if config.run.release and not self.algorithm.shares_body():
-            raise ConfigError(f"release: {config.run.algorithm} keeps the body personal, there is no global "
-                              "representation to release")
+            raise ConfigError(f"release: {config.run.algorithm} keeps the body personal (all of it or some of its "
+                              "layers or channels), there is no whole global representation to release")
         check_dp_sgd_run(config, self.model)
         self.privacy = private_run(config, self.algorithm, self.model, self._record())
         self.limits = UpdateLimits(config.round.max_examples, config.round.max_update_norm,

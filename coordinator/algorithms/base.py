@@ -65,12 +65,13 @@ class ServerAlgorithm(ABC):
                                                              seed=self.context.seed))
 
     def shares_body(self) -> bool:
-        """Whether the global state holds every parameter of the model's body: only then can it be
-        released (LG-FedAvg keeps the whole body personal, FedBN its BatchNorm layers)."""
+        """Whether the global state holds every parameter of the model's body, whole: only then can
+        it be released (LG-FedAvg keeps the whole body personal, FedBN its BatchNorm layers,
+        CD2-pFed each layer's personal channels)."""
         model = build_model(self.context.model, self.context.task, seed=self.context.seed)
-        body = {f"body.{name}" for name, _ in model.get_submodule("body").named_parameters()}
-        held = {key for group in self.state.values() for key in group}
-        return bool(body) and body <= held
+        body = {f"body.{name}": tuple(p.shape) for name, p in model.get_submodule("body").named_parameters()}
+        held = {key: tuple(array.shape) for group in self.state.values() for key, array in group.items()}
+        return bool(body) and all(held.get(key) == shape for key, shape in body.items())
 
     def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
         """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one

@@ -34,5 +34,10 @@ class CD2PFedServer(PartSharingServer):
         fraction = personal_fraction(self.hyper.p, round_, self.context.rounds, self.hyper.ramp)
         return {SHARED: upload_spec(self.shapes, fraction)}
 
+    def shares_body(self) -> bool:
+        """The global state holds each layer's shared channels only from round 1 on (p_t > 0): a
+        body with personal channels has nothing whole to release, unless `p` is 0."""
+        return self.hyper.p == 0 and super().shares_body()
+
 
 SERVER = CD2PFedServer
