@@ -158,7 +158,6 @@ class SecureRound:
         return {group: PartialSum(arrays, weight, count) for group, arrays in sums.items()}
 
 
-
 class SecureGroups:
     """A round's secure aggregation over groups of devices that each mask among themselves and
     are unmasked on their own: the whole round (one group, `sharded` False), or each shard of a

@@ -12,6 +12,9 @@ applies quorum, grace and deadline as it does unsharded. The coordinator adds th
 update (`WeightedMean`), the same figure as unsharded (in float64 mode, to the last bit in
 practice: the summands are exact in float64).
 
+Under secure aggregation a shard's PARTIAL is the sum of its devices' masked vectors, still
+masked (`check_masked_partial`); the coordinator unmasks it (coordinator/secure_rounds.py).
+
 A shard whose aggregator goes offline, or whose PARTIAL is refused or does not come, is lost
 for the round: its updates are not aggregated and the round record names it (`lost_shards`,
 `lost_updates`); the other shards aggregate if the quorum allows.
@@ -25,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge_sdk.config import ConfigError
 import numpy as np
 
+from edge_sdk.config import ConfigError
 from edge_sdk.params import ArraySpec, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 from edge_sdk.secagg.stages import MASKED, SECURE
