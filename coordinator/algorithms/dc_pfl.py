@@ -41,13 +41,14 @@ from edge_sdk.algorithms.dc_pfl import (
 )
 from edge_sdk.algorithms.hyper.dc_pfl import Hyper as DcPflHyper
 from edge_sdk.algorithms.torch_device import SHARED
-from edge_sdk.models import build_body, build_model, check_capabilities, describe, seeded_init
+from edge_sdk.models import seeded_init
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..aggregate import pool_class_stats
 from ..privacy.policy import CLASS_STATISTICS
 from .base import ServerAlgorithm, ServerContext
+from .body_models import BodyModels
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +116,9 @@ class DcPflServer(ServerAlgorithm):
                    "features drawn from all of them at once")
 
     def __init__(self, hyper: DcPflHyper, context: ServerContext):
-        task = context.task
-        self.num_classes = task.num_classes
-        self.dim = build_body(context.model, task)[1]
-        for name in hyper.body_model_names():
-            body_model = build_model(name, task)
-            check_capabilities(DcPflDevice, body_model)
-            if body_model.feature_dim != self.dim:
-                raise ValueError(f"body_models: {name} has feature dimension {body_model.feature_dim}, the run's "
-                                 f"model {describe(context.model)} {self.dim}")
-        self._registration: dict[str, int] = {}
+        self.num_classes = context.task.num_classes
+        self.bodies = BodyModels(hyper.body_model_names(), DcPflDevice, context)
+        self.dim = self.bodies.dim
         self._reports: dict[str, ArrayGroup] = {}
         super().__init__(hyper, context)
 
@@ -142,11 +136,7 @@ class DcPflServer(ServerAlgorithm):
         return {SHARED: self.state[SHARED]}
 
     def assignment(self, client_id: str) -> dict[str, str]:
-        names = self.hyper.body_model_names()
-        if not names:
-            return {}
-        index = self._registration.setdefault(client_id, len(self._registration))
-        return {"model": names[index % len(names)]}
+        return self.bodies.assignment(client_id)
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {STATS: stats_spec(self.num_classes, self.dim, self.hyper.mode, self.hyper.wire_dtype)}

@@ -45,13 +45,13 @@ from edge_sdk.algorithms.fedproto import (
     prototypes_spec,
 )
 from edge_sdk.algorithms.hyper.fedproto import Hyper as FedProtoHyper
-from edge_sdk.models import build_body, build_model, check_capabilities, describe
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..aggregate import PartialSum, WeightedMean
 from ..privacy.policy import CLASS_STATISTICS
 from .base import ServerAlgorithm, ServerContext
+from .body_models import BodyModels
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +67,9 @@ class FedProtoServer(ServerAlgorithm):
     unshardable = None
 
     def __init__(self, hyper: FedProtoHyper, context: ServerContext):
-        task = context.task
-        self.num_classes = task.num_classes
-        self.dim = build_body(context.model, task)[1]
-        for name in hyper.body_model_names():
-            model = build_model(name, task)
-            check_capabilities(FedProtoDevice, model)
-            if model.feature_dim != self.dim:
-                raise ValueError(f"body_models: {name} has feature dimension {model.feature_dim}, the run's "
-                                 f"model {describe(context.model)} {self.dim}")
-        self._registration: dict[str, int] = {}
+        self.num_classes = context.task.num_classes
+        self.bodies = BodyModels(hyper.body_model_names(), FedProtoDevice, context)
+        self.dim = self.bodies.dim
         self._sums = WeightedMean(dtype="float64")
         super().__init__(hyper, context)
 
@@ -86,11 +79,7 @@ class FedProtoServer(ServerAlgorithm):
                                     "has_prototype": np.zeros(self.num_classes, bool)}}
 
     def assignment(self, client_id: str) -> dict[str, str]:
-        names = self.hyper.body_model_names()
-        if not names:
-            return {}
-        index = self._registration.setdefault(client_id, len(self._registration))
-        return {"model": names[index % len(names)]}
+        return self.bodies.assignment(client_id)
 
     def update_spec(self, round_: int) -> dict[str, ArraySpec]:
         return {PROTOTYPES: prototypes_spec(self.num_classes, self.dim)}
