@@ -46,9 +46,9 @@ from torch import nn
 
 from ..models import ModelSpec, PartedNet, describe
 from ..models.capabilities import COMMON, LINEAR_HEAD
-from ..params import ArraySpec, check_arrays
+from ..params import ArraySpec
 from ..protocol import ArrayGroup
-from ..training import LossFn, eval_mode, predict, run_epochs, to_device
+from ..training import LossFn, eval_mode, predict, run_epochs
 from .base import FitResult, Task
 from .hyper.dc_pfl import CovarianceMode, Hyper
 from .torch_device import TorchDevice
@@ -167,13 +167,7 @@ class DcPflDevice(TorchDevice):
     # -- what travels ----------------------------------------------------------------------
     def global_means(self, task: Task) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(means [C, d], has_mean [C]) on the device, or None when no class has a mean yet."""
-        group = task.groups.get(GLOBAL_MEANS)
-        if group is None:
-            return None
-        check_arrays(GLOBAL_MEANS, group, self.means_spec)
-        if not np.asarray(group["has_mean"]).any():
-            return None
-        return to_device(np.array(group["means"]), self.device), to_device(np.array(group["has_mean"]), self.device)
+        return self.class_values(task, GLOBAL_MEANS, self.means_spec)
 
     # -- local work ------------------------------------------------------------------------
     def local_loss(self, means: tuple[torch.Tensor, torch.Tensor] | None) -> LossFn:

@@ -42,9 +42,9 @@ from torch import nn
 
 from ..models import ModelSpec, PartedNet, describe
 from ..models.capabilities import COMMON
-from ..params import ArraySpec, check_arrays
+from ..params import ArraySpec
 from ..protocol import ArrayGroup
-from ..training import LossFn, eval_mode, predict, run_epochs, to_device
+from ..training import LossFn, eval_mode, predict, run_epochs
 from .base import FitResult, Task
 from .hyper.fedproto import Hyper
 from .torch_device import TorchDevice
@@ -115,14 +115,7 @@ class FedProtoDevice(TorchDevice):
     # -- what travels ----------------------------------------------------------------------
     def global_prototypes(self, task: Task) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(prototypes [C, d], has_prototype [C]) on the device, or None when no class has one yet."""
-        group = task.groups.get(GLOBAL_PROTOTYPES)
-        if group is None:
-            return None
-        check_arrays(GLOBAL_PROTOTYPES, group, self.global_spec)
-        if not np.asarray(group["has_prototype"]).any():
-            return None
-        return (to_device(np.array(group["prototypes"]), self.device),
-                to_device(np.array(group["has_prototype"]), self.device))
+        return self.class_values(task, GLOBAL_PROTOTYPES, self.global_spec)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """f(x) of the body in evaluation mode, without gradients."""

@@ -14,12 +14,13 @@ import copy
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models import ModelSpec, PartedNet, build_model, check_capabilities, statistics_keys
 from ..models.capabilities import COMMON
-from ..params import Partition, check_arrays, partition_by_parts, spec_of
+from ..params import ArraySpec, Partition, check_arrays, partition_by_parts, spec_of
 from ..protocol import ArrayGroup
 from ..training import (accuracy, eval_mode, load_arrays, pick_device, place, recalibrate_batchnorm, state_arrays,
                         to_device)
@@ -115,6 +116,19 @@ class TorchDevice(DeviceAlgorithm):
         body = copy.deepcopy(self.model.get_submodule("body"))
         recalibrate_batchnorm(body, self.train_x)
         return {f"body.{key}": value for key, value in state_arrays(body, sorted(statistics_keys(body))).items()}
+
+    def class_values(self, task: Task, group: str, spec: ArraySpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A per-class group that came down, checked against `spec` (its values [C, d], then its
+        mask [C] of the classes that have one): both on the device, or None when the group did not
+        come or no class has a value yet (DC-PFL's global means, FedProto's global prototypes)."""
+        arrays = task.groups.get(group)
+        if arrays is None:
+            return None
+        check_arrays(group, arrays, spec)
+        values, mask = (np.array(arrays[key]) for key in spec)
+        if not mask.any():
+            return None
+        return to_device(values, self.device), to_device(mask, self.device)
 
     # -- what stays ------------------------------------------------------------------------
     def personal_state(self) -> ArrayGroup:
