@@ -89,12 +89,12 @@ PERSONAL_BODY = {"lg_fedavg"}
 TARGET_ALGORITHMS = ("fedper", "fedrep", "repper", "dualfed")
 TARGET_MARGIN = 0.05
 PFLLIB = {
-    "source": "PFLlib benchmark (Zhang et al., JMLR 2025; pfllib.com/benchmark.html), as quoted in issue 5",
+    "source": "PFLlib benchmark (Zhang et al., JMLR 2025; pfllib.com/benchmark.html), its published table",
     "setting": "Fashion-MNIST, 20 clients, Dirichlet 0.1, 4-layer CNN, 2,000 rounds",
     "accuracy": {"FedAvg": 85.85, "FedPer": 97.44, "FedRep": 97.56, "FedRoD": 97.52, "FedProto": 97.40},
 }
 PAPERS_NOTE = (
-    "None of the five seed papers (RepPer, DualFed, DC-PFL, CD2-pFed, FediOS; /work/shared/papers) reports "
+    "None of the five seed papers (RepPer, DualFed, DC-PFL, CD2-pFed, FediOS) reports "
     "Fashion-MNIST. Their nearest tables: RepPer Table 2 (CIFAR-10, 20 clients, C=0.2, E=10, 100 rounds, "
     "ResNet-34): FedAvg 72.58/66.56, FedAvg+FT 72.62/69.41, FedRep 67.04/61.08, LG-FedAvg 75.67/73.62, "
     "RepPer 84.98/81.04 (alpha 1/0.5); RepPer Table 3 (heads on CIFAR-10, MLP/SVM/LR): FedAvg "
