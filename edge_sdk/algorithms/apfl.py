@@ -60,7 +60,7 @@ from torch.func import functional_call
 from ..params import check_arrays, spec_of
 from ..protocol import ArrayGroup
 from ..training import LossFn, load_arrays, run_epochs, state_arrays
-from .base import FitResult, Task
+from .base import Task
 from .hyper.apfl import Hyper as ApflHyper
 from .part_sharing import PartSharingDevice
 
@@ -108,7 +108,6 @@ class ApflDevice(PartSharingDevice):
         self.mixed = MixedNet(copy.deepcopy(self.model), self.model, self.hyper.alpha)
         """v_bar; `self.mixed.personal` is v, `self.mixed.alpha` is alpha."""
         self.mixed.alpha.requires_grad_(self.hyper.adaptive)
-        self.trained = False
 
     @property
     def personal(self) -> nn.Module:
@@ -152,11 +151,6 @@ class ApflDevice(PartSharingDevice):
         return run_epochs(self.local_loss(task), self.local_optimizer_of_round(), self.train_x, self.train_y,
                           epochs=self.settings.local_epochs, batch_size=self.settings.batch_size,
                           generator=self.generator(task.round))
-
-    def fit(self, task: Task) -> FitResult:
-        result = super().fit(task)
-        self.trained = True
-        return result
 
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)

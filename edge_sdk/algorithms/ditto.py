@@ -58,7 +58,6 @@ class DittoDevice(PartSharingDevice):
         super().__init__(*args, **kwargs)
         self.personal = copy.deepcopy(self.model)
         """v: the personal model, the deployed one."""
-        self.trained = False
 
     def personal_loss(self, anchor: list[torch.Tensor]) -> LossFn:
         """h_k(v; w^t) = F_k(v) + lambda/2 * ||v - w^t||^2 over every parameter of v, `anchor` being

@@ -32,6 +32,12 @@ class PartSharingDevice(TorchDevice):
     deploys_global_model: ClassVar[bool] = False
     model: PartedNet  # the factory's network: `build_network` is not overridden
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = False
+        """Whether this device has trained since it started: one that has not (a new client, or a
+        restarted one) is scored after whatever its algorithm does for new clients."""
+
     # -- the training step -----------------------------------------------------------------
     def optimizer(self, params=None, *, lr: float | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
         """SGD over `params` (default: the whole model) at `lr` (default: the run's); subclasses with
@@ -106,6 +112,7 @@ class PartSharingDevice(TorchDevice):
     def fit(self, task: Task) -> FitResult:
         self.load_shared(task)
         loss = self.train_locally(task)
+        self.trained = True
         return FitResult({SHARED: self.shared_state()}, {"num_examples": len(self.train_y), "loss": loss})
 
     def evaluate(self, task: Task) -> dict[str, float]:
@@ -132,18 +139,9 @@ class PersonalHeadDevice(PartSharingDevice):
 
     shared_parts = ("body",)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trained = False
-
     def new_client_head_epochs(self) -> int:
         """Head epochs of a new client: 10, FedRep's tau_h default (FedRep uses its `head_epochs`)."""
         return 10
-
-    def fit(self, task: Task) -> FitResult:
-        result = super().fit(task)
-        self.trained = True
-        return result
 
     def evaluate(self, task: Task) -> dict[str, float]:
         self.load_shared(task)
