@@ -204,13 +204,14 @@ class CD2PFedDevice(TorchDevice):
         return personal_masks(self.shapes, self.fraction(round_), self.device)
 
     # -- what travels ----------------------------------------------------------------------
-    def load_shared(self, task: Task) -> None:
-        """Load the global shared slices (of the last aggregated round) into the leading entries."""
+    def load_shared(self, task: Task, model: torch.nn.Module | None = None) -> None:
+        """Load the global shared slices (of the last aggregated round) into the leading entries
+        of `model` (default: the device's)."""
         arrays = task.groups.get(SHARED)
         if arrays is None:
             return
         check_arrays(SHARED, arrays, self._broadcast_spec(arrays))
-        params = dict(self.model.named_parameters())
+        params = dict((self.model if model is None else model).named_parameters())
         with torch.no_grad():
             for key, value in arrays.items():
                 shape = self.shapes[key]

@@ -185,9 +185,7 @@ class FedAlaDevice(PartSharingDevice):
 
     def evaluate(self, task: Task) -> dict[str, float]:
         deployed = copy.deepcopy(self.model)
-        if SHARED in task.groups:
-            check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
-            load_arrays(deployed, task.groups[SHARED])
+        self.load_shared(task, deployed)
         global_accuracy = self.test_accuracy(deployed)
         if self.stage != FRESH:
             self.adapt(deployed, self.top_layers(), self.stage, task.round)

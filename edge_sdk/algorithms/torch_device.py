@@ -98,11 +98,12 @@ class TorchDevice(DeviceAlgorithm):
         return own(params)
 
     # -- what travels ----------------------------------------------------------------------
-    def load_shared(self, task: Task) -> None:
-        """Load the round's shared arrays (if any came down) after checking them exactly."""
+    def load_shared(self, task: Task, model: torch.nn.Module | None = None) -> None:
+        """Load the round's shared arrays (if any came down) into `model` (default: the device's)
+        after checking them exactly."""
         if SHARED in task.groups:
             check_arrays(SHARED, task.groups[SHARED], self.shared_spec)
-            load_arrays(self.model, task.groups[SHARED])
+            load_arrays(self.model if model is None else model, task.groups[SHARED])
 
     def shared_state(self) -> ArrayGroup:
         return state_arrays(self.model, self.partition.shared)
