@@ -647,7 +647,7 @@ class Coordinator:
         members: dict[int, list[str]] = {}
         for device in selected:
             members.setdefault(shard_of(device, shards) if shards else 0, []).append(device)
-        online = set(self.registry.online(AGGREGATOR))
+        online = set(self.registry.online(AGGREGATOR)) if shards else set()
         examples = {device: self.registry.devices[device].num_examples for device in selected}
         rounds, failed = {}, []
         for group, devices in sorted(members.items()):
