@@ -90,6 +90,14 @@ class RoundCollector:
             self.quorum_at = None
         return int(accepted)
 
+    def rejoined(self, client_id: str) -> bool:
+        """`client_id` said HELLO again while the round is open (it reconnected, and may have
+        missed the request): waited for again if selected, and True when it still owes its reply."""
+        owes = client_id in self.selected and client_id not in self.replied and client_id not in self.refused
+        if owes:
+            self.offline.discard(client_id)
+        return owes
+
     def mark_offline(self, client_id: str) -> None:
         if client_id in self.selected and client_id not in self.replied:
             self.offline.add(client_id)

@@ -303,13 +303,18 @@ class Coordinator:
             self.sharding.on_message(envelope)
 
     def _hello(self, hello: Envelope) -> None:
-        """Register the sender (`Registration.on_hello`); a registration refreshes its Device."""
+        """Register the sender (`Registration.on_hello`); a registration refreshes its Device.
+        A device the open request still waits for gets that request again on its own topic: it
+        says HELLO after a reconnection, and a broadcast published while it was away is lost."""
         before = self.registry.devices.get(hello.sender)
         self.registration.on_hello(hello)
         after = self.registry.devices.get(hello.sender)
         if after is not None and after is not before:
             self.events.emit(DeviceOnline(hello.sender, after.kind, len(self.registry.online()),
                                           self.registration.device_count()))
+            if self._outstanding is not None and self._collector is not None and self._collector.rejoined(hello.sender):
+                request = self._outstanding[1]
+                self.outbox.send(self.topics.down(hello.sender, request.kind), resent(request))
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back, publish what devices may have missed."""

@@ -17,7 +17,7 @@ import pytest
 from coordinator.run_folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.channel import Channel
-from edge_sdk.loopback import LoopbackBroker
+from edge_sdk.loopback import LoopbackBroker, LoopbackTransport
 from edge_sdk.protocol import Envelope, Kind, Topics
 
 WAIT = 10.0  # seconds any single expected message may take
@@ -80,9 +80,9 @@ class LoopbackFederation:
         return self.folder.device_state(client_id)
 
     def start_device(self, index: int, clients: int, compute_lock=None, attack: str | None = None,
-                     wrap=None, secagg_keys=None) -> str:
+                     wrap=None, secagg_keys=None, transport_type: type[LoopbackTransport] = LoopbackTransport) -> str:
         """Device `index` of `clients` on its digits partition (`wrap(data)` when given), with
-        secure-aggregation keys when given."""
+        secure-aggregation keys when given, connected through a `transport_type`."""
         from edge_sdk.client import EdgeClient
         from edge_sdk.data import load_client_data
 
@@ -92,7 +92,7 @@ class LoopbackFederation:
         data = data if wrap is None else wrap(data)
         client = EdgeClient(client_id, data, federation=self.topics.federation, state_dir=self.state_dir(client_id),
                             device="cpu", compute_lock=compute_lock or self.lock, attack=attack,
-                            transport=self.broker.transport(client_id, will=will), secagg_keys=secagg_keys)
+                            transport=transport_type(self.broker, client_id, will=will), secagg_keys=secagg_keys)
         self.run_device(client)
         return client_id
 

@@ -272,7 +272,7 @@ def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
     participants = [r["participants"] for r in report["rounds"]]
     assert report["rounds_completed"] == rounds
     assert [m["round"] for m in metrics if m["event"] == "round"] == list(range(1, rounds + 1)), "each round once"
-    assert participants[:2] == [DEVICES] * 2
+    assert participants[:2] == [DEVICES] * 2, f"before the kill: {report['rounds'][:2]}"
     assert participants[2] == DEVICES - len(on_killed), "round 3 closed without the devices of the killed node"
     assert participants[-1] == DEVICES, "the devices of the restarted node rejoined and trained again"
     assert all(r["participants"] <= r["selected"] <= DEVICES for r in report["rounds"]), "no update applied twice"

@@ -9,6 +9,8 @@ import threading
 
 import pytest
 
+from edge_sdk.loopback import LoopbackTransport
+from edge_sdk.protocol import BROADCAST, Kind
 from edge_sdk.store import PersonalStore
 from loopback_runs import BlockingLock
 
@@ -42,6 +44,37 @@ def test_a_device_killed_mid_round_is_not_waited_for(federation):
     assert victim not in result["final"]["per_client"]
     assert rounds[0]["seconds"] < config.round.quorum_grace  # closed by the Last Will, not by the grace period
 
+
+
+class MissesTheFirstTrain(LoopbackTransport):
+    """A connection lost as round 1's TRAIN is broadcast (one frame: digits' model is far below
+    the chunk size) and made again at once: the broadcast is gone, as for an MQTT client with a
+    clean session, and the device sees a new connection, so it says HELLO again."""
+
+    connections = 1
+
+    def deliver(self, topic: str, payload: bytes) -> None:
+        if self.connections == 1 and topic.endswith(f"/down/{BROADCAST}/{Kind.TRAIN.value}"):
+            self.connections = 2
+            return
+        super().deliver(topic, payload)
+
+
+def test_a_device_back_mid_round_gets_the_open_request_again(federation):
+    # Prepare: the grace after the quorum of 2 is longer than the test waits for a run
+    config = federation.config(min_clients=2, quorum_grace=60.0, round_timeout=60.0)
+    coordinator = federation.coordinator(config)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, transport_type=MissesTheFirstTrain)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: dev002 trained in round 1 from the request sent to it again after its HELLO
+    rounds = report["rounds"]
+    assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 3, "complete")] * 2
+    assert rounds[0]["seconds"] < config.round.quorum_grace
 
 
 def test_a_device_whose_update_is_rejected_is_not_waited_for(federation):
