@@ -83,6 +83,7 @@ class RunConfig:
         from edge_sdk.codecs import CODECS
         from edge_sdk.data import BUILTIN_TASKS, PARTITIONS
 
+        from .availability import parse_availability
         from .device_ranges import parse_shards
 
         run, simulation = self.run, self.simulation
@@ -103,6 +104,7 @@ class RunConfig:
             if not ok:
                 raise ConfigError(f"{key} must be {what}, got {value!r}")
         parse_shards(simulation.local_aggregators, self.round.shards, "local_aggregators")  # refused by its key
+        parse_availability(simulation.availability, run.clients)  # so is a bad trace file, by its line
         if self.lite_devices >= run.clients:
             raise ConfigError(f"lite_fraction {simulation.lite_fraction} leaves no trainer device among {run.clients}")
         trainers = run.clients - self.lite_devices

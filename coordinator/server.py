@@ -452,7 +452,7 @@ class Coordinator:
         channel0 = self.channel.counters.snapshot()
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         self._refusals.clear()
-        candidates = [c for c in self.registry.online("trainer") if c not in self.holdout]
+        candidates = self._await_trainers(max(1, self.config.round.min_clients))
         if self.privacy is not None:
             self.privacy.check_budget(len(candidates))
             selected = self.privacy.select(candidates, round_)
@@ -520,6 +520,21 @@ class Coordinator:
                                accuracy={d: m["accuracy"] for d, m in sorted((evaluation or {}).items())
                                          if isinstance(m.get("accuracy"), (int, float))})
         self.events.emit(RoundEnded(round_, entry, channel, devices))
+
+    def _await_trainers(self, wanted: int) -> list[str]:
+        """The online trainers a round may select, once `wanted` of them are online or the round
+        timeout passed: in a fleet whose devices come and go, a round waits for a quorum to be
+        there instead of closing at once with nobody selected."""
+        deadline = self.clock() + self._windows()[1]
+
+        def candidates() -> list[str]:
+            return [c for c in self.registry.online("trainer") if c not in self.holdout]
+
+        if len(candidates()) < wanted:
+            log.info("waiting for %d online trainers (%d now) before the next round", wanted, len(candidates()))
+        while len(candidates()) < wanted and (left := deadline - self.clock()) > 0:
+            self._serve(min(1.0, left), self._stale_reply)
+        return candidates()
 
     def _windows(self) -> tuple[float, float]:
         """(grace, timeout) of the next request, from the settings and the replies measured."""

@@ -147,6 +147,14 @@ class SimulationSettings:
     adversaries: int = setting(0, defines=DEFINES,
                                help="this many devices corrupt their uploads (robustness experiments)")
     attack: str = setting("sign_flip", defines=DEFINES, help="sign_flip | noise | nan | mixed (what adversaries do)")
+    availability: str = setting("always", defines=DEFINES_IF_SET,
+                                help="when each device is online: always | random:P[:PERIOD] (online a share P of "
+                                     "the time, an online and an offline spell lasting PERIOD s together on average, "
+                                     "60 unless given; seeded per device) | a CSV trace file device,offline,online "
+                                     "(seconds)")
+    speed_spread: float = setting(1.0, defines=DEFINES_IF_SET,
+                                  help="trainers compute 1 to this many times slower than the machine (log-uniform, "
+                                       "seeded per device); 1: all at the machine's speed")
     local_aggregators: str = setting("all", help="the shard aggregators (--shards) this command hosts, a process "
                                                  "each: shards like 0-1 or 0,2, all, or none (those left out run "
                                                  "on other hosts with `edgepfl aggregator --shard k/K`)")
@@ -156,3 +164,4 @@ class SimulationSettings:
         check(0 <= self.lite_fraction < 1, "lite_fraction", "in [0, 1)", self.lite_fraction)
         check(self.head in HEADS, "head", "svm, lr, mlp or ncm", self.head)
         check(self.adversaries >= 0, "adversaries", "between 0 and clients", self.adversaries)
+        check(self.speed_spread >= 1, "speed_spread", "1 (all at the machine's speed) or more", self.speed_spread)

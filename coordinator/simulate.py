@@ -51,9 +51,10 @@ from edge_sdk.config import ConfigError
 from edge_sdk.lifecycle import run_until_done
 from edge_sdk.protocol import aggregator_id
 from edge_sdk.settings import BrokerSettings, TrainSettings
-from edge_sdk.transport import MqttSettings, TransportError
+from edge_sdk.transport import MqttSettings, MqttTransport, TransportError
 
 from .algorithms import hyperparameters
+from .availability import AvailabilityDriver, SlowedLock, offline_spells, parse_availability, speed_factor
 from .config import RunConfig
 from .device_ranges import client_id_for, describe_indices
 from .events import Event
@@ -193,8 +194,8 @@ def _host_devices(spec: WorkerSpec, hosting: Connection) -> list[str]:
 
     lock = threading.Lock()
     threads: list[threading.Thread] = []
+    clients: dict[int, DeviceSession] = {}
     failures: list[str] = []
-    joined = 0
     before = resident_bytes()
     for index in spec.indices:
         try:
@@ -205,10 +206,18 @@ def _host_devices(spec: WorkerSpec, hosting: Connection) -> list[str]:
             log.debug("%s's failure", client_id_for(index), exc_info=True)
             continue
         threads.append(thread)
-        joined += client.joined
-    hosting.send_bytes(Hosting(joined, before, resident_bytes()).to_bytes())
+        clients[index] = client
+    hosting.send_bytes(Hosting(sum(c.joined for c in clients.values()), before, resident_bytes()).to_bytes())
+    ended = threading.Event()
+    availability = parse_availability(spec.simulation.availability, spec.run.clients)
+    if availability is not None:
+        seed = spec.training.seed
+        AvailabilityDriver([(client, transport, offline_spells(availability, seed, index))
+                            for index, client in clients.items()
+                            if isinstance(transport := client.channel.transport, MqttTransport)], ended).start()
     for thread in threads:
         thread.join()
+    ended.set()
     return failures
 
 
@@ -235,8 +244,10 @@ def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
 
             folder = RunFolder(spec.out)
             keys = SecAggKeys.load(folder.device_identity(client_id), folder.secagg_roster)
+        factor = speed_factor(spec.simulation.speed_spread, spec.training.seed, index)
         client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
-                            compute_lock=lock, attack=spec.attacks[index], secagg_keys=keys, **session)
+                            compute_lock=SlowedLock(lock, factor) if factor > 1 else lock, attack=spec.attacks[index],
+                            secagg_keys=keys, **session)
     thread = threading.Thread(target=_run_device, args=(client, failures), name=client_id, daemon=True)
     thread.start()
     while thread.is_alive() and not client.joined:

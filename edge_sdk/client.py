@@ -16,9 +16,8 @@ and variances of activations, like the class means weak devices share; never the
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,7 +66,7 @@ class EdgeClient(DeviceSession):
         data: ClientData,
         *,
         device: str = "auto",
-        compute_lock: threading.Lock | None = None,
+        compute_lock: AbstractContextManager[Any] | None = None,
         attack: str | None = None,
         amp: bool = False,
         model: ModelSpec | None = None,

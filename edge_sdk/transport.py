@@ -23,6 +23,11 @@ Closing flushes: `close` first waits (up to `FLUSH_SECONDS`) until the broker ac
 QoS 1 publication, those paho still holds back behind its in-flight window included, so a
 process that publishes its last message and exits (the coordinator's final STATUS) loses none.
 
+A simulated fleet's devices go offline and come back (`drop_connection`, `reconnect`; see
+coordinator/availability.py): the connection ends without a DISCONNECT, as when a device loses
+its network, so the broker publishes its Last Will; until `reconnect` nothing is received and
+publications are dropped (counted in `dropped_offline`), as a device without network loses them.
+
 Received payloads are read-only views of the buffer paho read the packet into, not copies:
 paho's own PUBLISH decoder slices the packet three or four times (each a full copy), so a 4 MB
 update briefly took 16 MB; `decode_publish_in_place` replaces it (paho 2.2; a paho without
@@ -248,6 +253,9 @@ class MqttTransport:
         self.refused_subscriptions = 0
         """SUBACKs that refused a subscription (each one tried again, see the module docstring)."""
         self._unconfirmed: set[str] = set()  # topic filters this connection has no granting SUBACK for
+        self._dropped = False  # `drop_connection` ended the connection; `reconnect` makes a new one
+        self.dropped_offline = 0
+        """Publications dropped while the connection was dropped (`drop_connection`)."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
@@ -364,6 +372,30 @@ class MqttTransport:
                 client.loop_stop()
         self.connected.clear()
 
+    def drop_connection(self) -> None:
+        """End the connection without a DISCONNECT, as a device that loses its network: the broker
+        publishes the Last Will. No reconnection follows until `reconnect`; publications until
+        then are dropped. For simulated availability: a real device loses its network by itself."""
+        client, self._client = self._client, None
+        self._dropped = True
+        self.connected.clear()
+        if client is None:
+            return
+        client.loop_stop()  # first: paho's network thread would reconnect at once
+        sock = client.socket()
+        if isinstance(sock, socket.socket):  # ssl.SSLSocket too
+            with contextlib.suppress(OSError):  # the broker may have closed it already
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def reconnect(self) -> None:
+        """A new connection after `drop_connection`: a new session (clean), the subscriptions
+        made again and `connections` counted up, as after any reconnection."""
+        if not self._dropped:
+            return
+        self._connect_once()
+        self._dropped = False
+
     def _flush(self) -> None:
         """Wait, while connected, until the broker acknowledged every QoS 1 publication still in flight."""
         deadline = time.monotonic() + FLUSH_SECONDS
@@ -409,13 +441,17 @@ class MqttTransport:
 
     def publish(self, topic: str, payload: bytes | bytearray | memoryview, *, qos: int = 1,
                 retain: bool = False) -> None:
-        if self._client is None:
+        client = self._client
+        if client is None and not self._dropped:
             raise TransportError("publish before connect")
         if not isinstance(payload, (bytes, bytearray)):
             payload = bytes(payload)  # paho takes bytes or bytearray only
         if self.failure is not None:
             raise self.failure
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        info = client.publish(topic, payload, qos=qos, retain=retain) if client is not None else None
+        if info is None or self._dropped:  # a connection dropped before, or while, publishing
+            self.dropped_offline += 1
+            return
         if qos and self.settings.give_up_when_denied:
             self._sent_topics[info.mid] = topic  # for the message of a denial
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

@@ -126,3 +126,25 @@ def test_simulate_refuses_a_model_that_does_not_resolve_by_name(tmp_path):
 
     assert result.returncode == 2
     assert "nosuchpkg.nets:tiny_mlp" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_simulate_takes_devices_offline_and_back_on_a_trace(tmp_path):
+    # Prepare: dev001 offline for its first second, every device up to 3x slower than the machine
+    out, trace = tmp_path / "run", tmp_path / "trace.csv"
+    trace.write_text("device,offline,online\ndev001,0,1\n")
+    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", "fedavg", "--dataset", "digits",
+               "--clients", "3", "--rounds", "10", "--workers", "1", "--min-clients", "2", "--quorum-grace", "2",
+               "--availability", str(trace), "--speed-spread", "3", "--out", str(out), "--quiet"]
+
+    # Execute
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    # Assert: its Last Will reached the coordinator, it registered again and the run went on
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(RunFolder(out).report.read_text())
+    assert report["rounds_completed"] == 10
+    moves = [(e["event"], e["device"]) for e in report["event_log"] if e["event"] in ("offline", "rejoined")]
+    assert moves[:2] == [("offline", "dev001"), ("rejoined", "dev001")], moves
+    assert {device for _, device in moves} == {"dev001"}, "only the traced device went offline"
+    assert "dev001" in report["final"]["per_client"]

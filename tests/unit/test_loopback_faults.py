@@ -5,6 +5,7 @@ them, nothing they send leaks into the model, and the run still ends with its re
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -174,3 +175,50 @@ def test_a_run_whose_only_device_dies_still_finishes(federation):
     assert [r["outcome"] for r in result["rounds"]] == ["aborted", "aborted"]
     assert [r["participants"] for r in result["rounds"]] == [0, 0]
 
+
+
+class Logged(logging.Handler):
+    """Sets `seen` once a record containing `text` is logged."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.seen = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+def test_a_round_waits_for_its_quorum_of_trainers_to_be_online(federation, caplog):
+    from coordinator.events import UpdateAccepted
+
+    # Prepare: a quorum of all 3; dev002 is lost once its round-1 update is in, and comes back
+    # only once the coordinator waits for it before round 2
+    config = federation.config(min_clients=3, quorum_grace=30.0, round_timeout=60.0)
+    coordinator = federation.coordinator(config)
+    waiting = Logged("online trainers")
+    caplog.set_level(logging.INFO, logger="coordinator.server")
+    logging.getLogger("coordinator.server").addHandler(waiting)
+
+    def on_update(event) -> None:
+        if (event.round, event.device) == (1, "dev002"):
+            federation.broker.kill("dev002")
+
+    def come_back() -> None:
+        if waiting.seen.wait(60):
+            federation.start_device(2, 3)
+
+    coordinator.subscribe(on_update, UpdateAccepted)
+    for index in range(3):
+        federation.start_device(index, 3)
+    threading.Thread(target=come_back, daemon=True).start()
+
+    # Execute
+    try:
+        report = coordinator.run()
+    finally:
+        logging.getLogger("coordinator.server").removeHandler(waiting)
+
+    # Assert: round 2 started once dev002 was back, and selected it
+    assert waiting.seen.is_set()
+    assert [(r["selected"], r["participants"]) for r in report["rounds"]] == [(3, 3), (3, 3)]
