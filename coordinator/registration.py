@@ -65,14 +65,16 @@ class Registration:
     # -- the fleet -------------------------------------------------------------------------
     def await_fleet(self, serve: Callable[[float], None], clock: Callable[[], float],
                     events: EventBus) -> frozenset[str]:
-        """Handle messages (`serve(timeout)`) until `clients` devices and every shard's
-        aggregator are online or the registration timeout passed; raise `RegistrationTimeout`
-        without an aggregator or below `min_clients` trainers. Returns the held-out trainers."""
+        """Handle messages (`serve(timeout)`) until `clients` devices have registered and every
+        shard's aggregator is online, or the registration timeout passed; raise
+        `RegistrationTimeout` without an aggregator or below `min_clients` trainers online.
+        Returns the held-out trainers. A device that registered and went offline since counts:
+        in a fleet whose devices come and go, all of them are seldom online at once."""
         settings = self.config.round
         opened = clock()
         events.emit(RegistrationOpened(self.config.run.clients))
         deadline = opened + settings.registration_timeout
-        while ((len(self.registry.online()) < self.config.run.clients or self.aggregators_missing())
+        while ((self.device_count() < self.config.run.clients or self.aggregators_missing())
                and clock() < deadline):
             serve(min(1.0, deadline - clock()))
         missing = self.aggregators_missing()

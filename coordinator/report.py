@@ -91,8 +91,8 @@ def participation_line(record: dict[str, Any]) -> str | None:
     """'round 3: 1 of 4 selected devices aggregated, 3 late' for a round that did not aggregate
     every selected device (None for one that did)."""
     selected, aggregated = record["selected"], record["participants"]
-    if aggregated == selected and record["outcome"] != "aborted":
-        return None
+    if (aggregated == selected or record.get("asynchronous")) and record["outcome"] != "aborted":
+        return None  # an async step aggregates arrivals, not a selection
     parts = [f"{record.get(key, 0)} {key}" for key in ("late", "missing", "refused") if record.get(key, 0)]
     if record["outcome"] == "aborted":
         parts.insert(0, f"nothing aggregated ({record.get('replied', 0)} replied, below the quorum)")
@@ -101,6 +101,33 @@ def participation_line(record: dict[str, Any]) -> str | None:
     if record.get("late_folded"):
         parts.append(f"{record['late_folded']} late updates of round {record['round'] - 1} folded in")
     return f"round {record['round']}: " + ", ".join(parts)
+
+
+def async_summary(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run's aggregation steps under `mode async` (its rounds carry `asynchronous`): steps,
+    arrivals folded, devices asked, updates refused as too stale, and the staleness histogram
+    with its mean and maximum; None for a run of synchronous rounds."""
+    steps = [r["asynchronous"] for r in rounds if r.get("asynchronous")]
+    if not steps:
+        return None
+    histogram: dict[int, int] = {}
+    for step in steps:
+        for staleness, count in step["staleness"].items():
+            histogram[int(staleness)] = histogram.get(int(staleness), 0) + count
+    arrivals = sum(histogram.values())
+    return {"steps": len(steps), "arrivals": arrivals, "dispatched": sum(s["dispatched"] for s in steps),
+            "too_stale": sum(s["too_stale"] for s in steps),
+            "staleness": {str(k): histogram[k] for k in sorted(histogram)},
+            "staleness_mean": sum(k * n for k, n in histogram.items()) / arrivals if arrivals else None,
+            "staleness_max": max(histogram) if histogram else None}
+
+
+def async_line(summary: dict[str, Any]) -> str:
+    """'12 steps, 48 arrivals (staleness mean 1.3, max 4), 2 refused as too stale' for a report's `asynchronous`."""
+    mean = summary["staleness_mean"]
+    staleness = "" if mean is None else f" (staleness mean {mean:.2f}, max {summary['staleness_max']})"
+    return (f"{summary['steps']} steps, {summary['arrivals']} arrivals{staleness} of {summary['dispatched']} "
+            f"trainings asked, {summary['too_stale']} refused as too stale")
 
 
 def secagg_line(rounds: list[dict[str, Any]]) -> str | None:

@@ -20,7 +20,7 @@ from .config import RunConfig
 from .devices import Device
 from .ledger import Ledger
 from .release import Release
-from .report import data_report, read_report, summarize
+from .report import async_summary, data_report, read_report, summarize
 from .run_folder import RunFolder
 
 
@@ -62,6 +62,9 @@ class RoundRecord:
     """Under DP: epsilon spent so far (and at what delta, noise, clip), `RunPrivacy.record`."""
     secagg: dict | None = None
     """Under secure aggregation: how far the devices got through its stages (`SecureRoundRecord`)."""
+    asynchronous: dict | None = None
+    """Under `mode async`, the aggregation step's arrivals, their staleness and the updates refused
+    as too stale (`async_steps.StepRecord`)."""
 
 
 def finished_report(config: RunConfig) -> dict[str, Any] | None:
@@ -157,6 +160,7 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
         **({"privacy": privacy} if privacy is not None else {}),
         **({"dp_sgd": dp_sgd_report(config, final)} if config.privacy.dp_sgd else {}),
         **({"stopped": stopped} if stopped is not None else {}),
+        **({"asynchronous": steps} if (steps := async_summary(rounds)) is not None else {}),
     }
 
 

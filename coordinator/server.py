@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from edge_sdk.channel import Channel, Received
@@ -38,6 +38,7 @@ from edge_sdk.secagg.errors import SecAggError
 
 from . import algorithms, checkpoint, warm_start
 from .algorithms.base import ServerContext
+from .async_steps import AsyncSteps, StepRecord, check_async_run, rebase, staleness_factor
 from .config import RunConfig
 from .devices import DeviceRegistry
 from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed, RoundAggregated, RoundDevices,
@@ -67,6 +68,22 @@ log = logging.getLogger(__name__)
 
 REPLY_KINDS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES, Kind.SECAGG: Kind.SECAGG_RES}
 """The reply kind of each request kind."""
+
+
+@dataclass(frozen=True)
+class TrainedRound:
+    """What a round's training (or an async aggregation step) gave its record: devices asked,
+    updates aggregated, how it ended, and who replied, was refused, late or missing."""
+
+    selected: int
+    participants: int
+    outcome: str
+    replied: int
+    devices: RoundDevices
+    folded: int = 0
+    sharded: ShardRound | None = None
+    secure: SecureRoundRecord | None = None
+    step: StepRecord | None = None
 
 
 class Coordinator:
@@ -106,6 +123,7 @@ class Coordinator:
         self.registry = DeviceRegistry()
         algorithm_cls = algorithms.load(config.run.algorithm)
         check_shardable(algorithm_cls, config.aggregation.rule, config.round.shards)
+        check_async_run(config, algorithm_cls)
         if config.secagg.secure_aggregation:  # cryptography loads with a secure run only
             from .secure_rounds import check_secure_run
 
@@ -136,6 +154,14 @@ class Coordinator:
         self._slowest_reply: float | None = None  # seconds from a round's start to an accepted update
         self._started = time.time()
         history = self._resume()
+        settings = config.round
+        self.steps = AsyncSteps(buffer=settings.buffer, max_staleness=settings.max_staleness,
+                                concurrency=settings.concurrency, exponent=settings.staleness_exponent,
+                                seed=config.training.seed, version=self.completed) if settings.mode == "async" else None
+        """Under `mode async`: the devices in flight and the versions they train on (None: rounds)."""
+        self._step_open = False  # async: the algorithm's accumulators take the next step's arrivals
+        self._step_replied: list[str] = []  # async: the devices whose updates the open step folded, in order
+        self._step_missing: set[str] = set()  # async: devices in flight that went offline during the step
         self.algorithm.state, self.init_from = warm_start.apply(config.run.init_from, self.algorithm.state,
                                                                 history)
         """What a run with `init_from` started from (`WarmStart.record`); None for a cold start."""
@@ -294,6 +320,8 @@ class Coordinator:
                                                               f"{envelope.run_id!r}")
             elif envelope.sender not in self.registry.devices:
                 self.outbox.reject(envelope, Reason.UNKNOWN_DEVICE, f"{envelope.sender} never registered")
+            elif envelope.kind is Kind.TRAIN_RES and self.steps is not None:
+                self._arrival(received)
             elif envelope.kind is Kind.TRAIN_RES and self.late.expects(envelope.sender, envelope.round,
                                                                       envelope.config.get("in_reply_to")):
                 self._late_update(envelope)
@@ -382,6 +410,9 @@ class Coordinator:
             self.events.emit(DeviceOffline(client_id, len(self.registry.online())))
         if self._collector is not None:
             self._collector.mark_offline(client_id)
+        if self.steps is not None and client_id in self.steps.flights:
+            self.steps.lost(client_id)
+            self._step_missing.add(client_id)
         self.sharding.aggregator_offline(client_id)
 
     # -- requests and their replies --------------------------------------------------------
@@ -452,6 +483,62 @@ class Coordinator:
         channel0 = self.channel.counters.snapshot()
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         self._refusals.clear()
+        if self.steps is not None:
+            trained = self._async_step(round_, started)
+        else:
+            trained = self._synchronous_round(round_, started)
+        evaluation = None
+        accuracy: dict[str, float] | None = None
+        if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
+            evaluating = self.clock()
+            evaluation = self.ledger.final = self._evaluate(round_)
+            accuracy = self._accuracy(evaluation)
+            self.events.emit(RoundEvaluated(round_, len(evaluation), (accuracy or {}).get("mean"),
+                                            self.clock() - evaluating))
+        sent1, received1 = self.channel.counter.snapshot()
+        channel = self.channel.counters.snapshot() - channel0
+        global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
+        sharded = trained.sharded
+        record = RoundRecord(
+            round=round_,
+            selected=trained.selected,
+            participants=trained.participants,
+            outcome=trained.outcome,
+            personalized_accuracy=accuracy,
+            global_accuracy=(summarize(global_accuracies) or {}).get("mean"),
+            bytes_up=received1 - received0,
+            bytes_down=sent1 - sent0,
+            seconds=self.clock() - started,
+            rejections=channel.rejections,
+            replied=trained.replied,
+            refused=len(trained.devices.refused),
+            late=len(trained.devices.late),
+            missing=len(trained.devices.missing),
+            late_folded=trained.folded,
+            late_discarded=self.late.discarded - discarded0,
+            bytes_down_delivered=self.ledger.delivered_total() - delivered0,
+            lost_shards=sorted(sharded.lost) if sharded else [],
+            lost_updates=sharded.lost_updates if sharded else 0,
+            privacy=self.privacy.record() if self.privacy else None,
+            secagg=asdict(trained.secure) if trained.secure is not None else None,
+            asynchronous=trained.step.to_plain() if trained.step is not None else None,
+        )
+        entry = asdict(record)
+        self.position.completed = round_
+        self.ledger.rounds.append(entry)
+        self._checkpoint()
+        self.metrics.append({"event": "round", **entry})
+        acc = (record.personalized_accuracy or {}).get("mean")
+        log.info("%s %d/%d: %s, %d of %d selected aggregated (%d late, %d missing, %d refused), accuracy %s, "
+                 "%.2f MB, %.1f s", "step" if self.steps is not None else "round", round_, self.config.training.rounds,
+                 record.outcome, record.participants, record.selected, record.late, record.missing, record.refused,
+                 f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
+        devices = dataclasses.replace(trained.devices, accuracy={d: m["accuracy"] for d, m in sorted(
+            (evaluation or {}).items()) if isinstance(m.get("accuracy"), (int, float))})
+        self.events.emit(RoundEnded(round_, entry, channel, devices))
+
+    def _synchronous_round(self, round_: int, started: float) -> TrainedRound:
+        """Select the round's devices, train them (securely if asked) and aggregate."""
         candidates = self._await_trainers(max(1, self.config.round.min_clients))
         if self.privacy is not None:
             self.privacy.check_budget(len(candidates))
@@ -470,56 +557,104 @@ class Coordinator:
             aggregated, secure = collector.enough, None
         if self.privacy is not None:
             self.privacy.round_ended(len(candidates), selected, round_)
-        evaluation = None
-        accuracy: dict[str, float] | None = None
-        if round_ % self.config.round.eval_every == 0 or round_ == self.config.training.rounds:
-            evaluating = self.clock()
-            evaluation = self.ledger.final = self._evaluate(round_)
-            accuracy = self._accuracy(evaluation)
-            self.events.emit(RoundEvaluated(round_, len(evaluation), (accuracy or {}).get("mean"),
-                                            self.clock() - evaluating))
-        sent1, received1 = self.channel.counter.snapshot()
-        channel = self.channel.counters.snapshot() - channel0
-        global_accuracies = [m["global_accuracy"] for m in (evaluation or {}).values() if "global_accuracy" in m]
-        record = RoundRecord(
-            round=round_,
-            selected=len(selected),
-            participants=len(collector.replied) if aggregated else 0,
-            outcome=outcome.value if aggregated else "aborted",
-            personalized_accuracy=accuracy,
-            global_accuracy=(summarize(global_accuracies) or {}).get("mean"),
-            bytes_up=received1 - received0,
-            bytes_down=sent1 - sent0,
-            seconds=self.clock() - started,
-            rejections=channel.rejections,
-            replied=len(collector.replied),
-            refused=len(collector.refused),
-            late=len(collector.waiting),
-            missing=len(collector.offline),
-            late_folded=folded,
-            late_discarded=self.late.discarded - discarded0,
-            bytes_down_delivered=self.ledger.delivered_total() - delivered0,
-            lost_shards=sorted(sharded.lost) if sharded else [],
-            lost_updates=sharded.lost_updates if sharded else 0,
-            privacy=self.privacy.record() if self.privacy else None,
-            secagg=asdict(secure) if secure is not None else None,
-        )
-        entry = asdict(record)
-        self.position.completed = round_
-        self.ledger.rounds.append(entry)
-        self._checkpoint()
-        self.metrics.append({"event": "round", **entry})
-        acc = (record.personalized_accuracy or {}).get("mean")
-        log.info("round %d/%d: %s, %d of %d selected aggregated (%d late, %d missing, %d refused), accuracy %s, "
-                 "%.2f MB, %.1f s", round_, self.config.training.rounds, record.outcome, record.participants,
-                 record.selected, record.late, record.missing, record.refused,
-                 f"{acc:.4f}" if acc is not None else "-", (record.bytes_up + record.bytes_down) / 1e6, record.seconds)
         devices = RoundDevices(replied=tuple(sorted(collector.replied)),
                                refused={d: self._refusals.get(d, "refused") for d in sorted(collector.refused)},
                                late=tuple(sorted(collector.waiting)), missing=tuple(sorted(collector.offline)),
-                               accuracy={d: m["accuracy"] for d, m in sorted((evaluation or {}).items())
-                                         if isinstance(m.get("accuracy"), (int, float))})
-        self.events.emit(RoundEnded(round_, entry, channel, devices))
+                               accuracy={})
+        return TrainedRound(len(selected), len(collector.replied) if aggregated else 0,
+                            outcome.value if aggregated else "aborted", len(collector.replied), devices,
+                            folded=folded, sharded=sharded, secure=secure)
+
+    # -- one asynchronous aggregation step ---------------------------------------------------
+    def _async_step(self, step: int, started: float) -> TrainedRound:
+        """Keep up to `concurrency` devices training on the latest state, fold arrivals in as
+        they come (`_arrival`), and close the step once `buffer` of them are in, or at the
+        timeout with those in (aborted with none)."""
+        steps = self.steps
+        assert steps is not None
+        if step == self.completed + 1 and not self._step_open:  # the first step of this process
+            self.algorithm.begin_round(step)
+            self._step_open = True
+        self._status("training")
+        deadline = started + self._windows()[1]
+        while not steps.full and (left := deadline - self.clock()) > 0:
+            for device in steps.expired(self.clock(), self._windows()[1]):
+                log.info("step %d: %s has trained for longer than the timeout; asked again", step, device)
+            self._dispatch(step)
+            self._serve(min(1.0, left), self._stale_reply)
+        arrivals = steps.step.arrivals
+        if arrivals:
+            aggregating = self.clock()
+            self.algorithm.close_round(step)
+            self.events.emit(RoundAggregated(step, arrivals, self.clock() - aggregating))
+        else:
+            log.warning("step %d: no update arrived within %.0f s; global state unchanged", step, self._windows()[1])
+        record = steps.close_step()
+        self.algorithm.begin_round(step + 1)  # arrivals from now on, during the evaluation too, go to the next step
+        replied, missing = tuple(self._step_replied), tuple(sorted(self._step_missing))
+        self._step_replied, self._step_missing = [], set()
+        outcome = "aborted" if not arrivals else ("complete" if arrivals >= steps.buffer else Outcome.DEADLINE.value)
+        devices = RoundDevices(replied=replied, refused=dict(sorted(self._refusals.items())), missing=missing)
+        return TrainedRound(record.dispatched, arrivals, outcome, arrivals, devices, step=record)
+
+    def _dispatch(self, step: int) -> None:
+        """Send the current state to the idle online trainers that may start now: one TRAIN, on
+        each one's own topic, so that no device downloads a model it was not asked to train."""
+        steps = self.steps
+        assert steps is not None
+        devices = steps.to_dispatch([c for c in self.registry.online("trainer") if c not in self.holdout])
+        if not devices:
+            return
+        groups = self.algorithm.task_groups(step)
+        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=step, groups=groups,
+                        config={"selected": devices, "version": steps.version, **self._task_config(step, len(devices))})
+        steps.dispatched(devices, task.msg_id, groups, self.clock())
+        self.events.emit(RoundStarted(step, tuple(devices)))
+        for device in devices:
+            self.outbox.send(self.topics.down(device, Kind.TRAIN), task)
+
+    def _arrival(self, received: Received) -> None:
+        """An update under `mode async`: it must end the flight its device is on; too stale, it is
+        refused (`too_stale`); else checked against what its version sent, rebased on the
+        current state with its staleness weight and folded into the open step."""
+        steps = self.steps
+        assert steps is not None
+        envelope = received.envelope
+        flight = steps.flight_of(envelope.sender, envelope.config.get("in_reply_to"))
+        if flight is None:
+            self.outbox.reject(envelope, Reason.STALE, f"update from {envelope.sender} answers no request it is "
+                                                       "training on")
+            return
+        if steps.version >= self.config.training.rounds:  # it was training when the last step closed
+            steps.land(flight)
+            self.late.discard(envelope.sender)
+            log.info("update from %s arrived after the last aggregation step; discarded", envelope.sender)
+            return
+        staleness, sent = steps.land(flight)
+        if sent is None:
+            self._refusals[envelope.sender] = Reason.TOO_STALE.value
+            self.outbox.reject(envelope, Reason.TOO_STALE, f"update from {envelope.sender} of version "
+                                                           f"{flight.version}, {staleness} behind (max_staleness "
+                                                           f"{steps.max_staleness})")
+            return
+        registered = self.registry.devices[envelope.sender].num_examples
+        try:
+            groups, weight = checked_update(self.algorithm, envelope.round, envelope, sent, registered, self.limits,
+                                            self.config.training.upload_codec)
+        except ProtocolError as err:
+            self._refusals[envelope.sender] = err.reason.value
+            self.outbox.reject(envelope, err.reason, f"update from {envelope.sender}: {err.detail}")
+            return
+        current = self.algorithm.task_groups(steps.version)
+        self.algorithm.accumulate(envelope.sender, rebase(groups, sent, current,
+                                                          staleness_factor(staleness, steps.exponent)),
+                                  envelope.metrics, weight)
+        steps.folded(staleness)
+        self._step_replied.append(envelope.sender)
+        now = self.clock()
+        self._slowest_reply = max(self._slowest_reply or 0.0, now - flight.started)
+        self.events.emit(UpdateAccepted(self.completed + 1, envelope.sender, received.size, now - flight.started,
+                                        0.0, 0.0))
 
     def _await_trainers(self, wanted: int) -> list[str]:
         """The online trainers a round may select, once `wanted` of them are online or the round

@@ -17,6 +17,8 @@ from edge_sdk.settings import ALL_COMMANDS, DEFINES, DEFINES_IF_SET, RUN_COMMAND
 DEFAULT_DATASET = "digits"
 """The dataset of a run that names neither `dataset` nor `data`."""
 HEADS = ("svm", "lr", "mlp", "ncm")
+MODES = ("sync", "async")
+"""Synchronous rounds, or buffered asynchronous aggregation (coordinator/async_steps.py)."""
 LATE_POLICIES = ("discard", "next_round")
 """What happens to an update that arrives after its round closed (coordinator.rounds.LateUpdates)."""
 
@@ -108,6 +110,18 @@ class RoundSettings:
     registration_timeout: float = setting(300.0, help="seconds to wait for --clients devices to register")
     max_examples: int = setting(1_000_000, help="reject updates that claim more training examples than this")
     max_update_norm: float = setting(0.0, help="reject updates that move the shared state further than this (0: off)")
+    mode: str = setting("sync", defines=DEFINES_IF_SET,
+                        help="sync: rounds that wait for the devices they selected | async: buffered asynchronous "
+                             "aggregation (FedBuff): devices train whenever they are free, and every --buffer arrivals "
+                             "make a new global state; --rounds counts these aggregation steps")
+    buffer: int = setting(10, defines=DEFINES_IF_SET, help="async: arrivals folded into each new global state (K)")
+    max_staleness: int = setting(10, defines=DEFINES_IF_SET,
+                                 help="async: refuse (counted) an update computed on a global state more than this "
+                                      "many versions old")
+    concurrency: int = setting(0, help="async: most devices training at once (0: every online trainer)")
+    staleness_exponent: float = setting(0.5, defines=DEFINES_IF_SET,
+                                        help="async: an update of staleness t counts (1 + t)^-a times (FedBuff's "
+                                             "polynomial weight, a = 0.5)")
     shards: int = setting(0, help="split aggregation over this many shard aggregators, each validating and summing "
                                   "its devices' updates (0: the coordinator aggregates): `edgepfl aggregator --shard "
                                   "k/K` processes, which simulate starts itself as --local-aggregators says")
@@ -124,6 +138,11 @@ class RoundSettings:
         check(self.max_examples >= 1, "max_examples", "at least 1", self.max_examples)
         check(self.max_update_norm >= 0, "max_update_norm", "zero (off) or positive", self.max_update_norm)
         check(0 <= self.shards <= 1024, "shards", "between 0 (off) and 1024", self.shards)
+        check(self.mode in MODES, "mode", "sync or async", self.mode)
+        check(self.buffer >= 1, "buffer", "at least 1", self.buffer)
+        check(self.max_staleness >= 0, "max_staleness", "zero or more", self.max_staleness)
+        check(self.concurrency >= 0, "concurrency", "zero (every online trainer) or more", self.concurrency)
+        check(self.staleness_exponent >= 0, "staleness_exponent", "zero or more", self.staleness_exponent)
         check(not (self.shards and self.late_updates == "next_round"), "late_updates",
               "discard when sharded (a late update reaches its shard's aggregator after the round's partial left)",
               self.late_updates)

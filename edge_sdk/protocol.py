@@ -77,6 +77,7 @@ class Reason(str, Enum):
     SENDER_MISMATCH = "sender_mismatch"
     WRONG_RUN = "wrong_run"
     STALE = "stale"
+    TOO_STALE = "too_stale"
     DUPLICATE = "duplicate"
     CONFLICTING_REPLY = "conflicting_reply"
     NOT_SELECTED = "not_selected"

@@ -46,6 +46,9 @@ class ServerAlgorithm(ABC):
     Hyper: ClassVar[type[DataclassInstance]] = NoHyper
     releases_representation: ClassVar[bool] = False
     """True when the algorithm's product is a frozen representation to release after training."""
+    asynchronous: ClassVar[str | None] = "its server step is not a weighted mean of changes to what it sent"
+    """Why it cannot run buffered asynchronous aggregation (`mode async`); None when it can: its
+    updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/async_steps.py)."""
     unshardable: ClassVar[str | None] = "its server step is not a sum of per-update terms"
     """Why its aggregation cannot be split over shard aggregators (`shards`); None when it can:
     then `begin_partial`, `partial`, `partial_spec` and `fold_partial` are provided."""

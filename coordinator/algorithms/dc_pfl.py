@@ -114,6 +114,7 @@ class DcPflServer(ServerAlgorithm):
     Hyper = DcPflHyper
     unshardable = ("its server keeps every device's class statistics of the round and fits the classifier on "
                    "features drawn from all of them at once")
+    asynchronous = unshardable
 
     def __init__(self, hyper: DcPflHyper, context: ServerContext):
         self.num_classes = context.task.num_classes

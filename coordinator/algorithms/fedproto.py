@@ -65,6 +65,7 @@ class FedProtoServer(ServerAlgorithm):
     id = "fedproto"
     Hyper = FedProtoHyper
     unshardable = None
+    asynchronous = "its global prototypes pool class prototypes by class counts, not changes to what it sent"
 
     def __init__(self, hyper: FedProtoHyper, context: ServerContext):
         self.num_classes = context.task.num_classes

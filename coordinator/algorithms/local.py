@@ -15,6 +15,7 @@ from .base import ServerAlgorithm
 class LocalServer(ServerAlgorithm):
     id = "local"
     unshardable = "it aggregates nothing (there is no global state to sum)"
+    asynchronous = "it aggregates nothing: every device trains alone"
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         return {}

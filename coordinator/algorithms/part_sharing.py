@@ -34,6 +34,7 @@ class PartSharingServer(ServerAlgorithm):
 
     device: ClassVar[type[TorchDevice]]
     unshardable = None
+    asynchronous: ClassVar[str | None] = None
 
     def initial_state(self) -> dict[str, ArrayGroup]:
         model = build_model(self.context.model, self.context.task, seed=self.context.seed)

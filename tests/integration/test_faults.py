@@ -297,3 +297,39 @@ def test_chaos_kills_restarts_and_a_broker_restart(mosquitto, tmp_path):
     assert victims <= {e["device"] for e in report["event_log"] if e["event"] == "rejoined"}
     assert report["events"].get("coordinator_reconnected", 0) >= 1
     assert report["final"]["personalized_accuracy"]["mean"] > 0.8
+
+
+def test_async_steps_go_on_through_a_killed_device_and_a_killed_coordinator(mosquitto, tmp_path):
+    # Prepare: buffered asynchronous aggregation, two arrivals a step
+    out = tmp_path / "run"
+    devices = start_devices(mosquitto.url, tmp_path, 3)
+    watcher = StatusWatcher(mosquitto.url)
+    flags = {"mode": "async", "buffer": 2, "eval_every": 10, "round_timeout": 60}
+    first = start_coordinator(mosquitto.url, out, rounds=10, **flags)
+    try:
+        # Execute: a device killed and restarted, then the coordinator killed and started again
+        watcher.wait_for_round(2)
+        devices[2].send_signal(signal.SIGKILL)
+        devices[2].wait(timeout=30)
+        devices[2] = device_process(mosquitto.url, tmp_path, 2, 3)
+        status = watcher.wait_for_round(4)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        killed_after = len(recorded_rounds(out))
+        second = start_coordinator(mosquitto.url, out, rounds=10, **flags)
+        finish(second)
+        for process in devices:
+            process.wait(timeout=60)
+    finally:
+        watcher.close()
+        for process in devices:
+            process.kill()
+
+    # Assert: every step recorded once, each of exactly two arrivals, in one run
+    report = json.loads(RunFolder(out).report.read_text())
+    assert 4 <= killed_after < 10, "the kill happened mid-run"
+    assert report["run_id"] == status.run_id and report["rounds_completed"] == 10
+    assert recorded_rounds(out) == list(range(1, 11))
+    assert [r["asynchronous"]["arrivals"] for r in report["rounds"]] == [2] * 10
+    assert report["asynchronous"]["arrivals"] == 20
+    assert set(report["final"]["per_client"]) == {"dev0", "dev1", "dev2"}
