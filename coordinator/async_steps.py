@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from .config import RunConfig
 
 DISPATCH_STREAM = 0xA5E7C  # keeps the dispatch order's draws apart from the rounds' selections
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+"""BatchNorm's buffers (torch's names): estimates of the device's data, not trained parameters."""
 
 
 def check_async_run(config: RunConfig, algorithm: type[ServerAlgorithm]) -> None:
@@ -63,14 +65,17 @@ def staleness_factor(staleness: int, exponent: float) -> float:
 def rebase(update: dict[str, ArrayGroup], sent: dict[str, ArrayGroup], current: dict[str, ArrayGroup],
            factor: float) -> dict[str, ArrayGroup]:
     """`update`, computed from `sent`, as a change applied to `current`: current + factor x
-    (update - sent) for every floating-point array, in float64 and back to its dtype; other
-    arrays (counters) as uploaded."""
+    (update - sent) for every floating-point parameter, in float64 and back to its dtype. Other
+    arrays go as uploaded: counters, and BatchNorm's running statistics (`STATISTICS`), which the
+    device estimated on its data rather than trained from what it was sent (a rebased variance
+    could even turn negative); they are averaged as in a round."""
     rebased: dict[str, ArrayGroup] = {}
     for group, arrays in update.items():
         rebased[group] = {}
         for name, value in arrays.items():
             before, now = sent.get(group, {}).get(name), current.get(group, {}).get(name)
-            if before is None or now is None or not np.issubdtype(value.dtype, np.floating):
+            if (before is None or now is None or not np.issubdtype(value.dtype, np.floating)
+                    or name.rsplit(".", 1)[-1] in STATISTICS):
                 rebased[group][name] = value
                 continue
             change = value.astype(np.float64) - before.astype(np.float64)

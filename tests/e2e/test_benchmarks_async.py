@@ -21,7 +21,7 @@ def test_each_algorithm_runs_in_both_modes_with_its_curve_and_staleness(tmp_path
     result = subprocess.run([sys.executable, "-m", "benchmarks.async", "--quick", "--out", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    # Assert: four runs; the async ones fold `buffer` arrivals a step (fewer only at a step's timeout)
+    # Assert: four runs, each with its curve; the async ones with their staleness
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "async.json").read_text())
     runs = document["runs"]
@@ -36,7 +36,7 @@ def test_each_algorithm_runs_in_both_modes_with_its_curve_and_staleness(tmp_path
         if run["mode"] == "async":
             summary = run["asynchronous"]
             assert summary["steps"] == run["steps"] and summary["arrivals"] == sum(summary["staleness"].values())
-            assert all(p <= buffer for p in run["participation"])
+            assert summary["arrivals"] == sum(run["participation"]) >= run["steps"] * buffer // 2
         else:
             assert run["asynchronous"] is None
     table = (tmp_path / "async.md").read_text()

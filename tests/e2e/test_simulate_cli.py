@@ -162,11 +162,11 @@ def test_simulate_runs_async_steps_on_a_fleet_that_comes_and_goes(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    # Assert: six steps of three arrivals (or fewer at a step's timeout), the summary says how stale they were
+    # Assert: six steps that folded arrivals (three, more after an evaluation), and the summary of their staleness
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(RunFolder(out).report.read_text())
     assert report["rounds_completed"] == 6
     steps = [r["asynchronous"] for r in report["rounds"]]
-    assert all(1 <= s["arrivals"] <= 3 for s in steps)
+    assert all(s["arrivals"] >= 1 for s in steps) and sum(s["arrivals"] for s in steps) >= 6 * 3
     assert report["asynchronous"]["arrivals"] == sum(s["arrivals"] for s in steps)
     assert "asynchronous           6 steps" in result.stdout

@@ -41,6 +41,10 @@ def test_an_update_is_applied_as_its_change_scaled_on_the_current_state():
     np.testing.assert_array_equal(rebased["g"]["w"], np.array([3.5, 2.0], np.float32))
     assert rebased["g"]["w"].dtype == np.float32
     assert rebased["g"]["steps"] == 7, "a counter goes as uploaded"
+    variance = {"g": {"body.1.running_var": np.array([0.5], np.float32)}}
+    moved = {"g": {"body.1.running_var": np.array([0.1], np.float32)}}
+    assert rebase(variance, moved, variance, 1.0)["g"]["body.1.running_var"][0] == 0.5, (
+        "a statistic goes as uploaded: 0.5 + (0.5 - 0.1) would be another, and one could turn negative")
     fresh = rebase(update, sent, sent, 1.0)
     np.testing.assert_array_equal(fresh["g"]["w"], update["g"]["w"])
 
