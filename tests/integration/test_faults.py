@@ -115,6 +115,18 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> str:
     return output
 
 
+def kill_and_resume(watcher: StatusWatcher, first: subprocess.Popen, url: str, out, *, after: int, rounds: int,
+                    **flags) -> tuple:
+    """SIGKILL coordinator `first` once `after` rounds completed, then run another on the same
+    `out` to its end: (the STATUS seen before the kill, the rounds recorded at the kill)."""
+    status = watcher.wait_for_round(after)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    killed_after = len(recorded_rounds(out))
+    finish(start_coordinator(url, out, rounds=rounds, **flags))
+    return status, killed_after
+
+
 def recorded_rounds(out) -> list[int]:
     lines = RunFolder(out).metrics.read_text().splitlines()
     return [json.loads(line)["round"] for line in lines if json.loads(line)["event"] == "round"]
@@ -148,13 +160,7 @@ def test_killed_coordinator_resumes_without_repeating_a_round(mosquitto, tmp_pat
     watcher = StatusWatcher(mosquitto.url)
     first = start_coordinator(mosquitto.url, out, rounds=8)
     try:
-        status = watcher.wait_for_round(3)
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=30)
-        killed_after = len(recorded_rounds(out))
-
-        second = start_coordinator(mosquitto.url, out, rounds=8)
-        finish(second)
+        status, killed_after = kill_and_resume(watcher, first, mosquitto.url, out, after=3, rounds=8)
         for process in devices:
             process.wait(timeout=60)
     finally:
@@ -313,12 +319,7 @@ def test_async_steps_go_on_through_a_killed_device_and_a_killed_coordinator(mosq
         devices[2].send_signal(signal.SIGKILL)
         devices[2].wait(timeout=30)
         devices[2] = device_process(mosquitto.url, tmp_path, 2, 3)
-        status = watcher.wait_for_round(4)
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=30)
-        killed_after = len(recorded_rounds(out))
-        second = start_coordinator(mosquitto.url, out, rounds=10, **flags)
-        finish(second)
+        status, killed_after = kill_and_resume(watcher, first, mosquitto.url, out, after=4, rounds=10, **flags)
         for process in devices:
             process.wait(timeout=60)
     finally:

@@ -122,36 +122,21 @@ class FakeConnection:
         self.back.set()
 
 
-def test_the_driver_follows_the_spells_until_the_run_finishes():
-    # Prepare: dev000 offline at once for a moment; dev001 always online
+@pytest.mark.parametrize("back_at, waited", [(0.01, "back"), (1e9, "dropped")],
+                         ids=["back_on_its_schedule", "back_once_the_run_finished"])
+def test_the_driver_takes_a_device_offline_and_back(back_at, waited):
+    # Prepare: dev000 offline at once, until `back_at` s; dev001 always online
     away, staying = FakeDevice("dev000"), FakeDevice("dev001")
     connection = FakeConnection()
-    driver = AvailabilityDriver([(away, connection, iter([(0.0, 0.01)])), (staying, FakeConnection(), iter(()))],
+    driver = AvailabilityDriver([(away, connection, iter([(0.0, back_at)])), (staying, FakeConnection(), iter(()))],
                                 threading.Event(), poll=0.01)
 
-    # Execute
+    # Execute: the run finishes once dev000 is back, or while it is away
     driver.start()
-    assert connection.back.wait(WAIT)
+    assert getattr(connection, waited).wait(WAIT)
     staying.finished = True
     driver.join(WAIT)
 
-    # Assert
+    # Assert: it came back either way, so that it sees the run's end
     assert not driver.is_alive()
     assert connection.calls == ["drop", "reconnect"] and driver.transitions == 2
-
-
-def test_devices_still_offline_come_back_once_the_run_finished():
-    # Prepare: dev000 offline for far longer than the run
-    away, staying = FakeDevice("dev000"), FakeDevice("dev001")
-    connection = FakeConnection()
-    driver = AvailabilityDriver([(away, connection, iter([(0.0, 1e9)])), (staying, FakeConnection(), iter(()))],
-                                threading.Event(), poll=0.01)
-
-    # Execute: the run finishes while dev000 is away
-    driver.start()
-    assert connection.dropped.wait(WAIT)
-    staying.finished = True
-    driver.join(WAIT)
-
-    # Assert: it came back, so that it sees the run's end
-    assert not driver.is_alive() and connection.calls == ["drop", "reconnect"]
