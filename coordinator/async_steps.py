@@ -26,7 +26,7 @@ import numpy as np
 from numpy.random import default_rng
 
 from edge_sdk.config import ConfigError
-from edge_sdk.protocol import ArrayGroup
+from edge_sdk.protocol import ArrayGroup, Envelope
 
 if TYPE_CHECKING:
     from .algorithms.base import ServerAlgorithm
@@ -85,12 +85,16 @@ def rebase(update: dict[str, ArrayGroup], sent: dict[str, ArrayGroup], current: 
 
 @dataclass(frozen=True)
 class InFlight:
-    """A device training on `version`, asked by request `msg_id` at `started`."""
+    """A device training on `version`, asked by `request` at `started`."""
 
     device: str
-    msg_id: str
+    request: Envelope
     version: int
     started: float
+
+    @property
+    def msg_id(self) -> str:
+        return self.request.msg_id
 
 
 @dataclass
@@ -132,11 +136,11 @@ class AsyncSteps:
         order = default_rng([DISPATCH_STREAM, self.seed, self.version, self._draws]).permutation(len(idle))
         return sorted(idle[i] for i in order[:room])
 
-    def dispatched(self, devices: list[str], msg_id: str, sent: dict[str, ArrayGroup], now: float) -> None:
-        """`devices` were asked, by request `msg_id`, to train on the current version, which sent `sent`."""
-        self.sent.setdefault(self.version, sent)
+    def dispatched(self, devices: list[str], request: Envelope, now: float) -> None:
+        """`devices` were asked, by TRAIN `request`, to train on the current version (its groups)."""
+        self.sent.setdefault(self.version, request.groups)
         for device in devices:
-            self.flights[device] = InFlight(device, msg_id, self.version, now)
+            self.flights[device] = InFlight(device, request, self.version, now)
         self.step.dispatched += len(devices)
 
     def flight_of(self, device: str, in_reply_to: Any) -> InFlight | None:

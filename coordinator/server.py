@@ -343,6 +343,8 @@ class Coordinator:
             if self._outstanding is not None and self._collector is not None and self._collector.rejoined(hello.sender):
                 request = self._outstanding[1]
                 self.outbox.send(self.topics.down(hello.sender, request.kind), resent(request))
+            elif self.steps is not None and (flight := self.steps.flights.get(hello.sender)) is not None:
+                self.outbox.send(self.topics.down(hello.sender, Kind.TRAIN), resent(flight.request))
 
     def _check_reconnection(self) -> None:
         """After the broker connection came back, publish what devices may have missed."""
@@ -572,7 +574,7 @@ class Coordinator:
         timeout with those in (aborted with none)."""
         steps = self.steps
         assert steps is not None
-        if step == self.completed + 1 and not self._step_open:  # the first step of this process
+        if not self._step_open:  # the first step of this process; later ones open as the one before closes
             self.algorithm.begin_round(step)
             self._step_open = True
         self._status("training")
@@ -608,7 +610,7 @@ class Coordinator:
         groups = self.algorithm.task_groups(step)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=step, groups=groups,
                         config={"selected": devices, "version": steps.version, **self._task_config(step, len(devices))})
-        steps.dispatched(devices, task.msg_id, groups, self.clock())
+        steps.dispatched(devices, task, self.clock())
         self.events.emit(RoundStarted(step, tuple(devices)))
         for device in devices:
             self.outbox.send(self.topics.down(device, Kind.TRAIN), task)
@@ -638,6 +640,7 @@ class Coordinator:
                                                            f"{steps.max_staleness})")
             return
         registered = self.registry.devices[envelope.sender].num_examples
+        validating = self.clock()
         try:
             groups, weight = checked_update(self.algorithm, envelope.round, envelope, sent, registered, self.limits,
                                             self.config.training.upload_codec)
@@ -645,6 +648,7 @@ class Coordinator:
             self._refusals[envelope.sender] = err.reason.value
             self.outbox.reject(envelope, err.reason, f"update from {envelope.sender}: {err.detail}")
             return
+        accumulating = self.clock()
         current = self.algorithm.task_groups(steps.version)
         self.algorithm.accumulate(envelope.sender, rebase(groups, sent, current,
                                                           staleness_factor(staleness, steps.exponent)),
@@ -654,7 +658,7 @@ class Coordinator:
         now = self.clock()
         self._slowest_reply = max(self._slowest_reply or 0.0, now - flight.started)
         self.events.emit(UpdateAccepted(self.completed + 1, envelope.sender, received.size, now - flight.started,
-                                        0.0, 0.0))
+                                        accumulating - validating, now - accumulating))
 
     def _await_trainers(self, wanted: int) -> list[str]:
         """The online trainers a round may select, once `wanted` of them are online or the round

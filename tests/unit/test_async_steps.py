@@ -18,10 +18,16 @@ from coordinator.config import RunConfig
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.config import ConfigError
+from edge_sdk.protocol import COORDINATOR, Envelope, Kind
 
 ASYNCHRONOUS = {"fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "repper", "dualfed", "fedios",
                 "ditto", "fedbn", "fedbabu", "apfl", "fedrod", "fedala"}
 """The algorithms whose server averages new values of what it sent (README's async column)."""
+
+
+def train(msg_id: str, groups: dict | None = None) -> Envelope:
+    """A TRAIN of message id `msg_id` carrying `groups` (by default one empty group)."""
+    return Envelope(Kind.TRAIN, COORDINATOR, msg_id=msg_id, groups={"g": {}} if groups is None else groups)
 
 
 def test_fedbuffs_polynomial_staleness_weight():
@@ -78,7 +84,7 @@ def test_devices_are_dispatched_up_to_the_concurrency_in_a_seeded_order():
     online = [f"dev{i:03d}" for i in range(6)]
 
     first = steps.to_dispatch(online)
-    steps.dispatched(first, "m1", {}, 0.0)
+    steps.dispatched(first, train("m1"), 0.0)
 
     assert len(first) == 3 and first == AsyncSteps(buffer=2, max_staleness=1, concurrency=3, exponent=0.5,
                                                    seed=4).to_dispatch(online)
@@ -91,9 +97,9 @@ def test_devices_are_dispatched_up_to_the_concurrency_in_a_seeded_order():
 def test_an_arrival_lands_with_its_staleness_and_too_stale_ones_are_refused():
     # Prepare: dev0 and dev1 train on version 0; two steps close meanwhile with dev2's updates
     steps = AsyncSteps(buffer=1, max_staleness=1, concurrency=0, exponent=0.5, seed=0)
-    steps.dispatched(["dev0", "dev1"], "m0", {"g": {}}, 0.0)
+    steps.dispatched(["dev0", "dev1"], train("m0"), 0.0)
     steps.close_step()
-    steps.dispatched(["dev2"], "m1", {"g": {"v": 1}}, 1.0)
+    steps.dispatched(["dev2"], train("m1", {"g": {"v": np.ones(1)}}), 1.0)
 
     # Execute / Assert: dev0 one version behind is taken; a reply naming another request ends nothing
     assert steps.flight_of("dev0", "m1") is None and steps.flight_of("dev9", "m0") is None
@@ -109,8 +115,8 @@ def test_an_arrival_lands_with_its_staleness_and_too_stale_ones_are_refused():
 
 def test_flights_older_than_the_timeout_expire():
     steps = AsyncSteps(buffer=1, max_staleness=1, concurrency=0, exponent=0.5, seed=0)
-    steps.dispatched(["dev0"], "m0", {}, 0.0)
-    steps.dispatched(["dev1"], "m0", {}, 50.0)
+    steps.dispatched(["dev0"], train("m0"), 0.0)
+    steps.dispatched(["dev1"], train("m0"), 50.0)
 
     assert steps.expired(100.0, 60.0) == ["dev0"]
     assert set(steps.flights) == {"dev1"}
