@@ -10,6 +10,10 @@ With `shards` K, `edgepfl simulate` also hosts the shard aggregators (`local_agg
 unless told otherwise; the others run `edgepfl aggregator` on other hosts): an `AggregatorPool`,
 one process per shard, each a `ShardAggregator` under its own MQTT identity (`aggregator-<k>`).
 
+A worker also plays its devices' availability and speed (`availability`, `speed_spread`;
+coordinator/availability.py): once they joined, it takes each offline and back on its seeded
+schedule or trace, and each trainer waits its speed factor's extra time after computing.
+
 Runs repeat: what the coordinator hands out in order of registration (FediOS's projection
 blocks, DC-PFL's body models) it hands out in device index order before registration opens
 (the Coordinator's `roster`), so the order the HELLOs arrive in, from one host or several,
