@@ -129,11 +129,12 @@ def test_simulate_refuses_a_model_that_does_not_resolve_by_name(tmp_path):
 
 
 def test_simulate_takes_devices_offline_and_back_on_a_trace(tmp_path):
-    # Prepare: dev001 offline for its first second, every device up to 3x slower than the machine
+    # Prepare: dev001 offline for its first second, every device up to 3x slower than the machine;
+    # a quorum of all three, so that the rounds wait for dev001 to be back
     out, trace = tmp_path / "run", tmp_path / "trace.csv"
     trace.write_text("device,offline,online\ndev001,0,1\n")
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", "fedavg", "--dataset", "digits",
-               "--clients", "3", "--rounds", "10", "--workers", "1", "--min-clients", "2", "--quorum-grace", "2",
+               "--clients", "3", "--rounds", "10", "--workers", "1", "--min-clients", "3", "--quorum-grace", "2",
                "--availability", str(trace), "--speed-spread", "3", "--out", str(out), "--quiet"]
 
     # Execute

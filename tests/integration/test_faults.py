@@ -180,8 +180,11 @@ def test_frozen_device_round_closes_at_its_deadline(mosquitto, tmp_path):
     out = tmp_path / "run"
     devices = start_devices(mosquitto.url, tmp_path, 3)
     watcher = StatusWatcher(mosquitto.url)
-    # a deadline that leaves the two live devices time to answer on a loaded machine (6 s did not, once)
-    coordinator = start_coordinator(mosquitto.url, out, rounds=3, min_clients=2, round_timeout=15, quorum_grace=60)
+    # a deadline that leaves the two live devices time to answer on a loaded machine (6 s did not, once),
+    # and three rounds of it (as configured, no evaluation between them) well within the 45 s after
+    # which the broker ends the frozen connection (keepalive 30 s)
+    coordinator = start_coordinator(mosquitto.url, out, rounds=3, min_clients=2, round_timeout=10, quorum_grace=60,
+                                    patience=0, eval_every=3)
     try:
         # frozen once registered: connected but silent (no Last Will yet). Frozen any later (after
         # a status), a slow test could let it answer rounds 2 and 3 before the signal lands.
@@ -240,7 +243,9 @@ def test_broker_restart_mid_run_both_sides_reconnect_and_finish(mosquitto, tmp_p
     out = tmp_path / "run"
     devices = start_devices(mosquitto.url, tmp_path, 3)
     watcher = StatusWatcher(mosquitto.url)
-    coordinator = start_coordinator(mosquitto.url, out, rounds=6, round_timeout=60)
+    # every round waits for all three (a grace as long as the timeout): a device slowed by a loaded
+    # machine is not left out of the last round, one that never came back is
+    coordinator = start_coordinator(mosquitto.url, out, rounds=6, round_timeout=60, quorum_grace=60)
     try:
         watcher.wait_for_round(2)
         watcher.close()
