@@ -604,7 +604,7 @@ class Coordinator:
         each one's own topic, so that no device downloads a model it was not asked to train."""
         steps = self.steps
         assert steps is not None
-        devices = steps.to_dispatch([c for c in self.registry.online("trainer") if c not in self.holdout])
+        devices = steps.to_dispatch(self._trainers_online())
         if not devices:
             return
         groups = self.algorithm.task_groups(step)
@@ -665,15 +665,16 @@ class Coordinator:
         timeout passed: in a fleet whose devices come and go, a round waits for a quorum to be
         there instead of closing at once with nobody selected."""
         deadline = self.clock() + self._windows()[1]
-
-        def candidates() -> list[str]:
-            return [c for c in self.registry.online("trainer") if c not in self.holdout]
-
-        if len(candidates()) < wanted:
-            log.info("waiting for %d online trainers (%d now) before the next round", wanted, len(candidates()))
-        while len(candidates()) < wanted and (left := deadline - self.clock()) > 0:
+        if len(self._trainers_online()) < wanted:
+            log.info("waiting for %d online trainers (%d now) before the next round", wanted,
+                     len(self._trainers_online()))
+        while len(self._trainers_online()) < wanted and (left := deadline - self.clock()) > 0:
             self._serve(min(1.0, left), self._stale_reply)
-        return candidates()
+        return self._trainers_online()
+
+    def _trainers_online(self) -> list[str]:
+        """The online trainers that may train: all but the held-out ones."""
+        return [c for c in self.registry.online("trainer") if c not in self.holdout]
 
     def _windows(self) -> tuple[float, float]:
         """(grace, timeout) of the next request, from the settings and the replies measured."""

@@ -13,8 +13,7 @@ import numpy as np
 from coordinator.checkpoint import load
 from coordinator.events import RoundEnded, RoundStarted, UpdateAccepted
 from edge_sdk.protocol import Kind
-from edge_sdk.loopback import LoopbackTransport
-from loopback_runs import Gate, drain, listener, metrics_rounds
+from loopback_runs import Gate, MissesTheFirstTrain, drain, listener, metrics_rounds
 
 
 def test_every_buffer_of_arrivals_makes_a_step_and_no_update_counts_twice(federation):
@@ -109,19 +108,6 @@ def test_a_new_coordinator_resumes_the_steps_from_the_checkpoint(federation):
     assert any(not np.array_equal(resumed.state["shared"][k], v) for k, v in after_two.state["shared"].items())
 
 
-class MissesItsFirstTrain(LoopbackTransport):
-    """A connection lost as its device's first TRAIN arrives, and made again at once: the TRAIN
-    is gone (a clean session), and the device sees a new connection, so it says HELLO again."""
-
-    connections = 1
-
-    def deliver(self, topic: str, payload: bytes) -> None:
-        if self.connections == 1 and topic.endswith(f"/down/{self.client_id}/{Kind.TRAIN.value}"):
-            self.connections = 2
-            return
-        super().deliver(topic, payload)
-
-
 def test_a_device_back_while_training_gets_its_train_again(federation):
     # Prepare: dev001 loses its first TRAIN (a flight expires only after 60 s); dev000 computes
     # only once an update of dev001 was folded
@@ -132,7 +118,7 @@ def test_a_device_back_while_training_gets_its_train_again(federation):
     sent = listener(federation.broker, "spy-train", federation.topics.down("dev001", Kind.TRAIN), federation.topics)
     uploads = federation.spy(Kind.TRAIN_RES)
     federation.start_device(0, 2, compute_lock=gate)
-    federation.start_device(1, 2, transport_type=MissesItsFirstTrain)
+    federation.start_device(1, 2, transport_type=MissesTheFirstTrain)
 
     # Execute
     report = coordinator.run()

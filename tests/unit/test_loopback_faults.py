@@ -10,10 +10,8 @@ import threading
 
 import pytest
 
-from edge_sdk.loopback import LoopbackTransport
-from edge_sdk.protocol import BROADCAST, Kind
 from edge_sdk.store import PersonalStore
-from loopback_runs import BlockingLock
+from loopback_runs import BlockingLock, MissesTheFirstTrain
 
 
 def test_a_device_killed_mid_round_is_not_waited_for(federation):
@@ -45,20 +43,6 @@ def test_a_device_killed_mid_round_is_not_waited_for(federation):
     assert victim not in result["final"]["per_client"]
     assert rounds[0]["seconds"] < config.round.quorum_grace  # closed by the Last Will, not by the grace period
 
-
-
-class MissesTheFirstTrain(LoopbackTransport):
-    """A connection lost as round 1's TRAIN is broadcast (one frame: digits' model is far below
-    the chunk size) and made again at once: the broadcast is gone, as for an MQTT client with a
-    clean session, and the device sees a new connection, so it says HELLO again."""
-
-    connections = 1
-
-    def deliver(self, topic: str, payload: bytes) -> None:
-        if self.connections == 1 and topic.endswith(f"/down/{BROADCAST}/{Kind.TRAIN.value}"):
-            self.connections = 2
-            return
-        super().deliver(topic, payload)
 
 
 def test_a_device_back_mid_round_gets_the_open_request_again(federation):
