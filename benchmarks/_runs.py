@@ -43,7 +43,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from ._ledger import DEFAULT_LEDGER, RunLedger
 from ._machine import machine_info
@@ -295,12 +295,13 @@ class RunCache:
     """Finished runs under `root`, one folder per fingerprint; see the module docstring."""
 
     def __init__(self, root: str | Path, *, broker: str | None = None, fresh: bool = False,
-                 cached_only: bool = False, ledger: str | Path | None = None):
+                 cached_only: bool = False, ledger: str | Path | None = None, from_ledger: bool = True):
         if fresh and cached_only:
             raise ValueError("fresh (recompute) and cached_only (train nothing) exclude each other")
         self.root = Path(root)
         self.broker = broker
         self.ledger = RunLedger(ledger) if ledger is not None else None
+        self.from_ledger = from_ledger  # False: a run counts only with its folder (records are still written)
         self.fresh = fresh
         self.cached_only = cached_only
         self.failures: list[dict[str, Any]] = []
@@ -374,7 +375,7 @@ class RunCache:
     def _from_ledger(self, config: RunConfig, out: Path) -> RunView | None:
         """The ledger's record of this run when it ran at least the rounds asked for (not with
         `fresh`: a recomputed run replaces its record)."""
-        if self.ledger is None or self.fresh:
+        if self.ledger is None or self.fresh or not self.from_ledger:
             return None
         entry = self.ledger.get(out.name)
         if entry is None or entry["report"]["rounds_completed"] < config.training.rounds:
@@ -419,11 +420,15 @@ class RunCache:
 
 
 # -- runs side by side ---------------------------------------------------------------------------
-def _run_in_child(root: str, broker: str | None, ledger: str | None, config: RunConfig) -> list[dict[str, Any]]:
-    """A `RunPool` process: one run through a RunCache of its own; returns its failures."""
+def _run_in_child(root: str, broker: str | None, ledger: str | None, from_ledger: bool, config: RunConfig,
+                  then: Callable[[RunView], None] | None) -> list[dict[str, Any]]:
+    """A `RunPool` process: one run through a RunCache of its own, then `then` on its view (when
+    it finished cleanly); returns its failures."""
     setup_logging()
-    cache = RunCache(root, broker=broker, ledger=ledger)
-    cache.run(config)
+    cache = RunCache(root, broker=broker, ledger=ledger, from_ledger=from_ledger)
+    view = cache.run(config)
+    if view is not None and then is not None:
+        then(view)
     return cache.failures
 
 
@@ -433,13 +438,17 @@ class RunPool:
     in submission order). Runs finished in the cache return at once; a run's failure is adopted
     by `cache`, so the benchmark's sequential pass that follows reports it and does not retry it.
 
-    Runs on a GPU share it: each device worker process holds a CUDA context of its own."""
+    Runs on a GPU share it: each device worker process holds a CUDA context of its own. `then`, a
+    module-level function (it is pickled to the child), runs in the run's process on its finished
+    view: work on the run's folder that parallelizes with the run, such as fitting heads on its
+    release."""
 
-    def __init__(self, cache: RunCache, jobs: int):
+    def __init__(self, cache: RunCache, jobs: int, *, then: Callable[[RunView], None] | None = None):
         if jobs < 1:
             raise ValueError(f"jobs must be at least 1, got {jobs}")
         self.cache = cache
         self.jobs = jobs
+        self.then = then
         self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
         self._queue: list[tuple[float, int, RunConfig, Hashable]] = []
         self._running: dict[Future, tuple[RunConfig, Hashable]] = {}
@@ -472,7 +481,8 @@ class RunPool:
         while self._queue and len(self._running) < self.jobs:
             _, _, config, tag = heapq.heappop(self._queue)
             ledger = str(self.cache.ledger.root) if self.cache.ledger is not None else None
-            future = self._executor.submit(_run_in_child, str(self.cache.root), self.cache.broker, ledger, config)
+            future = self._executor.submit(_run_in_child, str(self.cache.root), self.cache.broker, ledger,
+                                           self.cache.from_ledger, config, self.then)
             self._running[future] = (config, tag)
 
     def _collect(self, future: Future, config: RunConfig) -> None:

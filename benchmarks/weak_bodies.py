@@ -6,8 +6,13 @@ released ONNX body (the global body with the BatchNorm statistics the trainers p
 the device's features through ONNX Runtime, and each weak-device head (`edge_sdk.lite.heads`:
 svm, lr, mlp, ncm on the device's own class means) is fitted on its training split and scored on
 its test split. Same data, rounds and seeds for every algorithm; runs are cached as accuracy.py's.
+`--jobs N` trains N runs side by side and fits each run's heads in its own process. The heads
+need each run's folder, so runs are read from the cache, not the run ledger (they are recorded
+there as every benchmark's runs are). The tables
+read only the last round, so `--eval-every` (default 1, as the digits table ran) can skip the
+evaluations between.
 
-    python -m benchmarks.weak_bodies --rounds 15 --settings dir0.1@1,domains@1 --seeds 0
+    python -m benchmarks.weak_bodies --rounds 15 --settings dir0.1@1,domains@1 --seeds 0 --eval-every 15 --jobs 13
     python -m benchmarks.weak_bodies --quick --out /tmp/weak-bodies      # digits, 2 rounds
 
 Writes weak_bodies.json and weak_bodies.md to --out.
@@ -37,12 +42,16 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import NAMES, RunCache, RunView, Setting, bench_config, listed, mean_std, pct, setup_logging, write_outputs
+from ._runs import (NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct, setup_logging,
+                    write_outputs)
 
 log = logging.getLogger("benchmarks")
 
 HEADS = ("svm", "lr", "mlp", "ncm")
 """The weak devices' heads (edge_sdk.lite.heads.HEADS), in the tables' order."""
+
+SETTINGS = (*RUN_SETTINGS, "eval_every")
+"""The run settings this script takes as flags: the learning benchmarks' and how often to evaluate."""
 
 
 def releasable(algorithm_ids: tuple[str, ...] | list[str], args: argparse.Namespace) -> list[str]:
@@ -50,7 +59,7 @@ def releasable(algorithm_ids: tuple[str, ...] | list[str], args: argparse.Namesp
     from coordinator import algorithms
     from coordinator.algorithms.base import ServerContext
 
-    config = bench_config(algorithm="fedavg", **run_settings(args, RUN_SETTINGS))
+    config = bench_config(algorithm="fedavg", **run_settings(args, SETTINGS))
     context = ServerContext(config.model_name, config.task(), 0, 1, config.run.clients, config.aggregation)
     return [a for a in algorithm_ids
             if algorithms.load(a)(algorithms.hyperparameters(a, {}), context).shares_body()]
@@ -59,18 +68,20 @@ def releasable(algorithm_ids: tuple[str, ...] | list[str], args: argparse.Namesp
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "digits, fedavg and fedrep, dir0.5@1, seed 0, 2 rounds")
-    add_cache_flags(parser, "other cells left empty")
+    add_cache_flags(parser, "other cells left empty", jobs=True)
     parser.add_argument("--algorithms", help="comma-separated (default: every algorithm that can release a body)")
     parser.add_argument("--settings", default="dir0.1@1,domains@1",
                         help="comma-separated dir<alpha>|shards<k>|domains|iid, each @<fraction>")
     add_seeds_flag(parser, "0")
-    add_run_flags(parser, RUN_SETTINGS, {**PROTOCOL, "rounds": 15})
+    add_run_flags(parser, SETTINGS, {**PROTOCOL, "rounds": 15})
     args = parser.parse_args(argv)
     if args.quick:
         args.dataset, args.clients, args.rounds, args.local_epochs = "digits", 6, 2, 1
         args.algorithms, args.settings, args.seeds = "fedavg,fedrep", "dir0.5@1", "0"
     finish_cache_flags(args)
-    run_settings(args, RUN_SETTINGS)  # a value the run configuration refuses exits here, naming its key
+    if args.jobs < 1:
+        raise SystemExit("--jobs: at least 1")
+    run_settings(args, SETTINGS)  # a value the run configuration refuses exits here, naming its key
     wanted = listed(args.algorithms) if args.algorithms else list(ALGORITHM_IDS)
     unknown = [a for a in wanted if a not in ALGORITHM_IDS]
     if unknown:
@@ -108,25 +119,44 @@ def device_heads(view: RunView, index: int) -> dict[str, float]:
     return scores
 
 
+def fit_all_heads(view: RunView) -> None:
+    """Every device's heads on `view`'s release (a `RunPool` child's work after its run)."""
+    for index in range(view.config.run.clients):
+        device_heads(view, index)
+
+
+def run_configs(args: argparse.Namespace) -> list[tuple[Setting, str, int, Any]]:
+    """(setting, algorithm, seed, run configuration) of every run the tables read."""
+    return [(setting, algorithm, seed,
+             bench_config(algorithm=algorithm, seed=seed, release=True, **run_settings(args, SETTINGS),
+                          **setting.fields()))
+            for setting in (Setting.parse(text) for text in listed(args.settings))
+            for algorithm in args.algorithm_list
+            for seed in (int(s) for s in listed(args.seeds))]
+
+
+def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
+    """`--jobs`: every run and its heads, `args.jobs` at a time; the tables then read the cache."""
+    pool = RunPool(cache, args.jobs, then=fit_all_heads)
+    for *_, config in run_configs(args):
+        pool.submit(config)
+    pool.run_all()
+
+
 def measure(args: argparse.Namespace, cache: RunCache) -> list[dict[str, Any]]:
     """One row per (setting, algorithm, seed): the devices' mean accuracy with each head."""
     rows = []
-    for text in listed(args.settings):
-        setting = Setting.parse(text)
-        for algorithm in args.algorithm_list:
-            for seed in (int(s) for s in listed(args.seeds)):
-                config = bench_config(algorithm=algorithm, seed=seed, release=True,
-                                      **run_settings(args, RUN_SETTINGS), **setting.fields())
-                view = cache.run(config)
-                if view is None:
-                    rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "missing"})
-                    continue
-                per_device = [device_heads(view, index) for index in range(config.run.clients)]
-                heads = {kind: float(np.nanmean([d[kind] for d in per_device])) for kind in HEADS}
-                rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "ok",
-                             "heads": heads, "in_run": view.personalized()["mean"], "run": view.out.name})
-                log.info("%s %s seed %d: %s", algorithm, setting.name, seed,
-                         ", ".join(f"{k} {v:.4f}" for k, v in heads.items()))
+    for setting, algorithm, seed, config in run_configs(args):
+        view = cache.run(config)
+        if view is None:
+            rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "missing"})
+            continue
+        per_device = [device_heads(view, index) for index in range(config.run.clients)]
+        heads = {kind: float(np.nanmean([d[kind] for d in per_device])) for kind in HEADS}
+        rows.append({"algorithm": algorithm, "setting": setting.name, "seed": seed, "status": "ok",
+                     "heads": heads, "in_run": view.personalized()["mean"], "run": view.out.name})
+        log.info("%s %s seed %d: %s", algorithm, setting.name, seed,
+                 ", ".join(f"{k} {v:.4f}" for k, v in heads.items()))
     return rows
 
 
@@ -152,11 +182,16 @@ def markdown(rows: list[dict[str, Any]], settings: list[str], algorithms: list[s
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only, ledger=args.ledger)
+    # The heads need each run's folder (its release), which a ledger record does not hold: runs are
+    # recorded in the ledger but read from the cache only.
+    cache = RunCache(args.cache, broker=args.broker, cached_only=args.cached_only, ledger=args.ledger,
+                     from_ledger=False)
+    if args.jobs > 1 and not args.cached_only:
+        train_side_by_side(args, cache)
     rows = measure(args, cache)
     settings = [Setting.parse(s).name for s in listed(args.settings)]
     document = {"benchmark": "weak_bodies", "machine": machine_info(),
-                "config": {**run_settings(args, RUN_SETTINGS), "settings": settings, "seeds": listed(args.seeds),
+                "config": {**run_settings(args, SETTINGS), "settings": settings, "seeds": listed(args.seeds),
                            "algorithms": args.algorithm_list, "heads": list(HEADS)},
                 "runs": rows, "failures": cache.failures}
     write_outputs(Path(args.out), "weak_bodies", document, markdown(rows, settings, args.algorithm_list))

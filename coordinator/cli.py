@@ -284,6 +284,16 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_secagg_key_flags(parser: argparse.ArgumentParser) -> None:
+    """--secagg-identity and --secagg-roster: a device's keys for runs under secure aggregation."""
+    parser.add_argument("--secagg-identity", metavar="FILE",
+                        help="this device's secure-aggregation identity key (`edgepfl secagg-keys`; runs with "
+                             "--secure-aggregation need it; default: none)")
+    parser.add_argument("--secagg-roster", metavar="FILE",
+                        help="every device's public identity key (roster.json of `edgepfl secagg-keys`; default: "
+                             "none)")
+
+
 def _secagg_keys(args: argparse.Namespace):
     """The device's secure-aggregation keys from --secagg-identity and --secagg-roster (both or neither)."""
     if (args.secagg_identity is None) != (args.secagg_roster is None):
@@ -390,7 +400,7 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
 
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
     client = LiteClient(args.client_id, data, head=head, providers=providers,
-                        share_prototypes=not args.no_prototypes, broker=mqtt,
+                        share_prototypes=not args.no_prototypes, broker=mqtt, secagg_keys=_secagg_keys(args),
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
     run_until_done(client, say_waiting=True)
     if client.missing_model is not None:
@@ -493,12 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "limit is smaller and that does not announce it over MQTT 5; default: 64 MiB)")
     client.add_argument("--no-label-counts", action="store_true",
                         help="do not report the training split's count per class when registering")
-    client.add_argument("--secagg-identity", metavar="FILE",
-                        help="this device's secure-aggregation identity key (`edgepfl secagg-keys`; runs with "
-                             "--secure-aggregation need it; default: none)")
-    client.add_argument("--secagg-roster", metavar="FILE",
-                        help="every device's public identity key (roster.json of `edgepfl secagg-keys`; default: "
-                             "none)")
+    _add_secagg_key_flags(client)
     client.set_defaults(handler=cmd_client)
 
     secagg_keys = sub.add_parser("secagg-keys", help="enroll devices for secure aggregation: an identity key each "
@@ -519,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     lite.add_argument("--providers", default="auto",
                       help="ONNX Runtime providers, comma-separated, or auto (default: auto)")
     lite.add_argument("--no-prototypes", action="store_true", help="do not report class counts and means")
+    _add_secagg_key_flags(lite)
     lite.set_defaults(handler=cmd_lite_client)
 
     add_conformance_parser(sub)

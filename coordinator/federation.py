@@ -110,14 +110,14 @@ class Federation:
         lock = threading.Lock()
         first_lite = config.run.clients - config.lite_devices
         keys: dict[str, Any] = {}
-        if config.secagg.secure_aggregation:  # every trainer enrolled, its identity key in its state folder
+        if config.secagg.secure_aggregation:  # every device enrolled, its identity key in its state folder
             from edge_sdk.secagg.device import SecAggKeys
             from edge_sdk.secagg.enroll import enroll
 
-            trainers = [client_id_for(i) for i in range(first_lite)]
-            enroll(trainers, self.folder.device_identity, self.folder.secagg_roster)
+            fleet = [client_id_for(i) for i in range(config.run.clients)]
+            enroll(fleet, self.folder.device_identity, self.folder.secagg_roster)
             keys = {device: SecAggKeys.load(self.folder.device_identity(device), self.folder.secagg_roster)
-                    for device in trainers}
+                    for device in fleet}
         devices: list[DeviceSession] = []
         for index in range(config.run.clients):
             client_id = client_id_for(index)
@@ -125,7 +125,7 @@ class Federation:
             session: dict[str, Any] = {"broker": config.mqtt_settings(url, account=client_id),
                        "federation": config.broker.federation, "state_dir": self.folder.device_state(client_id)}
             if index >= first_lite:
-                devices.append(LiteClient(client_id, data, head=config.simulation.head,
+                devices.append(LiteClient(client_id, data, head=config.simulation.head, secagg_keys=keys.get(client_id),
                                           model_path=self.folder.device_model(client_id), **session))
             else:
                 devices.append(EdgeClient(client_id, data, device=config.simulation.device, compute_lock=lock,

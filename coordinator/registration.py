@@ -136,7 +136,7 @@ class Registration:
             self.outbox.reject(hello, Reason.MALFORMED,
                                f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
-        if kind == "trainer" and self.config.secagg.secure_aggregation and (
+        if self.config.secagg.secure_aggregation and (
                 hello.config.get(secagg_stages.CAPABILITY) != secagg_stages.VERSION):
             refusal = (f"this run requires secure aggregation (version {secagg_stages.VERSION}), which {hello.sender} "
                        "does not speak: give the device its secure-aggregation keys (--secagg-identity, "
@@ -223,6 +223,8 @@ class Registration:
         }
         if self.privacy is not None:
             config[PRIVACY] = self.privacy
+        if self.config.secagg.secure_aggregation:  # a weak device then sends its prototypes only masked
+            config[secagg_stages.SECURE] = True
         if self.shards and self.registry.kind_of(client_id) == "trainer":
             config["shard"] = shard_of(client_id, self.shards)
         return Envelope(Kind.WELCOME, COORDINATOR, run_id=position.run_id, round=position.completed, config=config)

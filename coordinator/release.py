@@ -7,7 +7,9 @@ small retained manifest (sha256, size, metadata), so devices that join later sti
 sends the bytes to each device that asks (FETCH), chunked, on the device's own topic.
 
 What the phase gathers from devices goes through one interface, a `Pool`: each device's share
-arrives in an EVAL_RES, is checked, then added; the pooled result goes on. Two pools exist:
+arrives in an EVAL_RES, is checked, then added; the pooled result goes on. Under secure
+aggregation the coordinator sees only the sum of the shares (edge_sdk/secagg/pools.py), which
+the pool takes whole (`add_sum`). Two pools exist:
 - `StatisticsPool`: algorithms that share the body but keep its BatchNorm statistics personal
   (FedAvg, FedPer, FedRep, ...) release on request (`--release`); the trainers first compute the
   statistics of the global body on their training data, pooled into what the export needs
@@ -32,14 +34,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from edge_sdk.models import ModelSpec
-from edge_sdk.protocol import STATISTICS, ArrayGroup, Reason, ValidationError
+from edge_sdk.protocol import PROTOTYPES, STATISTICS, ArrayGroup, Reason, ValidationError
+from edge_sdk.secagg.pools import decode_prototypes, decode_statistics, prototypes_length, statistics_length
 
 from .representation import representation, run_samples
 from .run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
-PROTOTYPES = "prototypes"
 CHECK_SAMPLES = 256
 """Real samples of the run's data the released body is checked against PyTorch on."""
 
@@ -70,6 +72,14 @@ class Pool(ABC):
     @abstractmethod
     def result(self) -> ArrayGroup:
         """What was pooled."""
+
+    @abstractmethod
+    def secure_length(self) -> int:
+        """Elements of one device's share as a vector for the secure sum (edge_sdk/secagg/pools.py)."""
+
+    @abstractmethod
+    def add_sum(self, total: np.ndarray, devices: int, largest: int) -> None:
+        """Pool the secure sum `total` of `devices` devices' shares, weighted against `largest`."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class PrototypePool(Pool):
     """Global class means from devices' (counts [C], means [C, d]), weighted by the counts.
     Weak devices send them along with their evaluation; one that sends none is not pooled."""
 
-    group, phase, required, evaluates = PROTOTYPES, "prototypes", False, True
+    group, phase, required, evaluates = PROTOTYPES, PROTOTYPES, False, True
 
     def __init__(self, num_classes: int, dim: int):
         self.num_classes, self.dim = num_classes, dim
@@ -149,6 +159,15 @@ class PrototypePool(Pool):
         means = self._sums / np.maximum(self.counts, 1)[:, None]
         return {"counts": self.counts.copy(), "means": means.astype(np.float32)}
 
+    def secure_length(self) -> int:
+        return prototypes_length(self.num_classes, self.dim)
+
+    def add_sum(self, total: np.ndarray, devices: int, largest: int) -> None:
+        pooled = decode_prototypes(total, self.num_classes, self.dim, largest)
+        self.counts += pooled["counts"]
+        self._sums += pooled["counts"][:, None] * pooled["means"].astype(np.float64)
+        self.devices += devices
+
 
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
@@ -159,7 +178,8 @@ class StatisticsPool(Pool):
     Means are averaged; a variance is pooled as E[x^2] - E[x]^2 over the union of the devices'
     data (each device's variance plus the spread of its mean around the pooled one), exact for
     the first layer and the usual approximation for deeper ones. `num_batches_tracked` (unused in
-    inference) keeps the largest count. The trainers send the statistics instead of an evaluation."""
+    inference) keeps the largest count (0 when pooled securely). The trainers send the statistics
+    instead of an evaluation."""
 
     group, phase, required, evaluates = STATISTICS, STATISTICS, True, False
 
@@ -167,6 +187,7 @@ class StatisticsPool(Pool):
         self.shapes = shapes
         self._sums: dict[str, np.ndarray] = {}
         self._weight = 0.0
+        self._secure: ArrayGroup | None = None
         self.devices = 0
 
     def check(self, arrays: ArrayGroup, registered_examples: int) -> None:
@@ -200,7 +221,17 @@ class StatisticsPool(Pool):
         self._weight += weight
         self.devices += 1
 
+    def secure_length(self) -> int:
+        return statistics_length(self.shapes)
+
+    def add_sum(self, total: np.ndarray, devices: int, largest: int) -> None:
+        """The pooled statistics, whole (a secure sum is the only share of a secure release)."""
+        self._secure = decode_statistics(total, self.shapes)
+        self.devices = devices
+
     def result(self) -> ArrayGroup:
+        if self._secure is not None:
+            return dict(self._secure)
         if not self.devices or self._weight <= 0:
             raise ValueError("no statistics were pooled")
         pooled: ArrayGroup = {}

@@ -40,6 +40,16 @@ MIN_PARTICIPANTS = 3
 """Fewer devices in a round and the sum tells each of them the others' updates."""
 
 
+@dataclass(frozen=True)
+class SecurePool:
+    """A release pool summed securely (edge_sdk/secagg/pools.py): its name, the length of each
+    device's vector and the bound each coordinate is clipped to."""
+
+    name: str
+    length: int
+    bound: float
+
+
 def _refused(detail: str) -> ProtocolError:
     return ProtocolError(Reason.SECAGG_INVALID, detail)
 
@@ -64,24 +74,30 @@ class SecureRoundRecord:
 class SecureRound:
     """One round's secure aggregation: `config(stage)` is what a stage's request carries,
     `on_reply(stage, sender, config)` and `on_masked(sender, groups)` take the devices' answers
-    (ProtocolError `secagg_invalid` for one the round cannot take), `partial()` the result."""
+    (ProtocolError `secagg_invalid` for one the round cannot take), `partial()` the result.
+
+    With `pool`, the sum is a release pool's instead of a round's updates (`spec` unused): the
+    devices' vectors are their shares (pools.py) and `pool_sum()` the result."""
 
     def __init__(self, settings: SecAggSettings, run_id: str, round_: int, selected: list[str],
                  spec: dict[str, ArraySpec], examples: dict[str, int], *,
-                 private: tuple[float, float] | None = None, largest: int | None = None):
+                 private: tuple[float, float] | None = None, largest: int | None = None,
+                 pool: SecurePool | None = None):
         participants = tuple(sorted(selected))
         if len(participants) < MIN_PARTICIPANTS:
             raise SecAggError(f"round {round_}: {len(participants)} devices selected; secure aggregation needs at "
                               f"least {MIN_PARTICIPANTS}")
-        self.layout = VectorLayout(spec)
+        self.pool = pool
+        self.layout = VectorLayout(spec if pool is None else {})
         degree = settings.degree_for(len(participants))
         self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree), degree,
-                                    secrets.token_bytes(GRAPH_SEED_BYTES), self.layout.length)
+                                    secrets.token_bytes(GRAPH_SEED_BYTES),
+                                    self.layout.length if pool is None else pool.length)
         self.server = SecAggServer(self.context)
         self.private = private
         """Under distributed DP: (each coordinate's bound, the fixed denominator); the devices upload
         their change clipped and noised by DP, unweighted, and the sum is divided by the denominator."""
-        self.clip = settings.secagg_clip if private is None else private[0]
+        self.clip = pool.bound if pool is not None else settings.secagg_clip if private is None else private[0]
         self.largest = (largest or max(examples.values())) if private is None else 1
         """The weights' scale, n_i / largest: the same in every group of a round (`largest` of them all)."""
         self.quantizer = FixedPoint(max(self.clip, 1.0) if private is None else self.clip, len(participants))
@@ -95,7 +111,8 @@ class SecureRound:
             return {stages.PARTICIPANTS: list(context.participants), stages.THRESHOLD: context.threshold,
                     stages.DEGREE: context.degree, stages.GRAPH_SEED: context.graph_seed,
                     stages.LENGTH: context.vector_length, stages.CLIP: self.clip, stages.LARGEST: self.largest,
-                    stages.SUMMANDS: len(context.participants), stages.PRIVATE: self.private is not None}
+                    stages.SUMMANDS: len(context.participants), stages.PRIVATE: self.private is not None,
+                    **({stages.POOL: self.pool.name, stages.BOUND: self.pool.bound} if self.pool is not None else {})}
         if stage == stages.SHARE:
             self.record.advertised = len(self.server.advertised)
             return {stages.ADVERTS: {peer: advert.to_wire() for peer, advert in
@@ -148,6 +165,10 @@ class SecureRound:
             raise _refused(f"masked sum of shard {shard}: {exc}") from None
 
     # -- the result ------------------------------------------------------------------------
+    def pool_sum(self) -> np.ndarray:
+        """A release pool's sum over the survivors (float64). RoundFailed when it cannot be unmasked."""
+        return self.quantizer.decode_sum(self.server.result())
+
     def partial(self, share: float = 1.0) -> dict[str, PartialSum]:
         """The survivors' sum, by group, as the partial sum `fold_partial` takes. RoundFailed
         (edge_sdk.secagg) when too few shares arrived to unmask it. Under distributed DP its

@@ -60,7 +60,7 @@ from .sharding import AGGREGATOR, ShardRound, check_shardable, shard_of
 from .validation import UpdateLimits, checked_update
 
 if TYPE_CHECKING:
-    from .secure_rounds import SecureGroups, SecureRoundRecord
+    from .secure_rounds import SecureGroups, SecureRound, SecureRoundRecord
 
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
@@ -759,10 +759,7 @@ class Coordinator:
             log.warning("round %d not trained: %s", round_, "; ".join(secure.failed))
             return (self._collector_for(round_, selected, quorum=len(selected)), Outcome.DEADLINE, False,
                     secure.record())
-        for device, delivery in secure.deliveries().items():
-            self.outbox.send(self.topics.down(device, Kind.SECAGG),
-                             Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
-                                      config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
+        self._deliver_shares(secure)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=round_,
                         groups=self.algorithm.task_groups(round_),
                         config={"selected": shared, stages.SECURE: True, **self._task_config(round_, eligible)})
@@ -826,12 +823,17 @@ class Coordinator:
             log.warning("round %d: %s", round_, secure.failed[-1])
         return secure
 
-    def _unmask_and_fold(self, secure: SecureGroups, collector: RoundCollector) -> bool:
+    def _deliver_shares(self, secure: SecureGroups) -> None:
+        """The `shares` delivery: each device that shared keys gets the ciphertexts addressed to it."""
+        for device, delivery in secure.deliveries().items():
+            self.outbox.send(self.topics.down(device, Kind.SECAGG),
+                             Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=secure.round,
+                                      config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
+
+    def _unmask(self, secure: SecureGroups, lose: Callable[[str], object]) -> bool:
         """The unmask stage for the devices whose masked vector arrived (or was summed by their
-        shard's aggregator), then each group's sum folded in as a partial sum and the round's
-        state made; False (nothing aggregated) when no group can be unmasked. The devices of a
-        group that cannot be unmasked count as missing."""
-        round_ = secure.round
+        shard's aggregator); each group whose sum cannot be unmasked is dropped, its survivors
+        passed to `lose`. False when no group is left."""
         survivors = sorted(d for r in secure.rounds.values() for d in r.server.survivors)
         if survivors:
             self._secure_stage(secure, stages.UNMASK, survivors)
@@ -839,12 +841,19 @@ class Coordinator:
             try:
                 part.server.result()
             except SecAggError as exc:
-                log.warning("round %d: the secure sum%s could not be unmasked (%s); not aggregated", round_,
+                log.warning("round %d: the secure sum%s could not be unmasked (%s)", secure.round,
                             f" of shard {group}" if secure.sharded else "", exc)
                 for device in part.server.survivors:
-                    collector.lose(device)
+                    lose(device)
                 secure.drop(group, str(exc))
-        if not secure.rounds:
+        return bool(secure.rounds)
+
+    def _unmask_and_fold(self, secure: SecureGroups, collector: RoundCollector) -> bool:
+        """The unmask stage, then each group's sum folded in as a partial sum and the round's
+        state made; False (nothing aggregated) when no group can be unmasked. The devices of a
+        group that cannot be unmasked count as missing."""
+        round_ = secure.round
+        if not self._unmask(secure, collector.lose):
             log.warning("round %d: nothing aggregated, global state unchanged", round_)
             return False
         summed = sum(len(part.server.survivors) for part in secure.rounds.values())
@@ -921,11 +930,12 @@ class Coordinator:
 
     # -- evaluation ------------------------------------------------------------------------
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
-                  pool: Pool | None = None,
+                  pool: Pool | None = None, secure: SecureRound | None = None,
                   extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
         and the weak devices once a representation is released. With a `pool` (a release
-        phase), what the devices send in the pool's group is checked and pooled into it."""
+        phase), what the devices send in the pool's group is checked and pooled into it; with
+        `secure` too, each device's share is a masked vector that `secure` takes instead."""
         if targets is None:
             targets = self.registry.online() if self.release else self.registry.online("trainer")
         if not targets:
@@ -933,7 +943,8 @@ class Coordinator:
         self._status("evaluating")
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
                            groups={**self.algorithm.eval_groups(), **(extra_groups or {})},
-                           config={"selected": targets, "final": round_ >= self.config.training.rounds, "phase": phase})
+                           config={"selected": targets, "final": round_ >= self.config.training.rounds, "phase": phase,
+                                   **({stages.SECURE: True} if secure is not None else {})})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self._windows()[1], grace=0.0)
         results: dict[str, dict[str, Any]] = {}
@@ -959,7 +970,13 @@ class Coordinator:
                     result.update(holdout=holdout, accuracy=None)
                 else:
                     result.update(holdout=holdout, **envelope.metrics)
-            if pool is not None and (pool.required or pool.group in envelope.groups):
+            if pool is not None and secure is not None and (pool.required or stages.SECURE in envelope.groups):
+                try:
+                    secure.on_masked(envelope.sender, envelope.groups)
+                except ProtocolError as err:
+                    self._refuse(envelope, collector, err.reason, f"{pool.group} from {envelope.sender}: {err.detail}")
+                    return
+            elif pool is not None and (pool.required or pool.group in envelope.groups):
                 try:
                     pool.check(envelope.groups.get(pool.group, {}), examples)
                 except ProtocolError as err:
@@ -1013,7 +1030,8 @@ class Coordinator:
         self.ledger.event("released", round=self.completed, sha256=release.sha256, size=len(release.data))
         self.metrics.append({"event": "release", "round": self.completed, "sha256": release.sha256,
                              "bytes": len(release.data), "path": str(release.path)})
-        # under DP the weak devices' class prototypes stay home: no mechanism covers them
+        # under DP the weak devices' class prototypes stay home: no mechanism covers them (under
+        # secure aggregation they are summed masked, `_gather`)
         extra = phase.prototypes(self.registry.online("lite"), release) if self.privacy is None else {}
         final = self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
         self._checkpoint()
@@ -1030,5 +1048,45 @@ class Coordinator:
         return dataclasses.replace(release, version=kept.version)
 
     def _gather(self, targets: list[str], pool: Pool) -> None:
-        """Ask `targets` for the pool's phase and pool their replies."""
-        self._evaluate(self.completed, targets=targets, phase=pool.phase, pool=pool)
+        """Ask `targets` for the pool's phase and pool their replies (their sum only, under
+        secure aggregation)."""
+        if self.config.secagg.secure_aggregation:
+            self._secure_gather(targets, pool)
+        else:
+            self._evaluate(self.completed, targets=targets, phase=pool.phase, pool=pool)
+
+    def _secure_gather(self, targets: list[str], pool: Pool) -> None:
+        """A release pool under secure aggregation (edge_sdk/secagg/pools.py): the `targets`
+        advertise keys and share them, answer the pool's EVALUATE with masked vectors of their
+        shares, and the survivors unmask the sum, which the pool takes. With fewer than
+        MIN_PARTICIPANTS devices, or too few shares to unmask, nothing is pooled (logged, and
+        recorded in metrics.jsonl as `secure_pool`)."""
+        from .secure_rounds import MIN_PARTICIPANTS, SecureGroups, SecurePool, SecureRound
+
+        round_ = self.completed
+        examples = {device: self.registry.devices[device].num_examples for device in targets}
+        largest = max(examples.values(), default=1)
+        try:
+            part = SecureRound(self.config.secagg, self.run_id, round_, targets, {}, examples, largest=largest,
+                               pool=SecurePool(pool.phase, pool.secure_length(),
+                                               self.config.secagg.secagg_release_bound))
+        except SecAggError as exc:
+            log.warning("the %s pool is not gathered: %s", pool.phase, exc)
+            self.metrics.append({"event": "secure_pool", "pool": pool.phase, "selected": len(targets),
+                                 "failed": str(exc)})
+            return
+        secure = SecureGroups(round_, {0: part}, len(targets), sharded=False)
+        self._secure_stage(secure, stages.ADVERTISE, targets)
+        self._secure_stage(secure, stages.SHARE, sorted(part.server.advertised))
+        shared = sorted(part.server.shared)
+        if len(shared) < MIN_PARTICIPANTS:
+            secure.drop(0, f"only {len(shared)} devices shared their keys; at least {MIN_PARTICIPANTS} needed")
+        else:
+            self._deliver_shares(secure)
+            self._evaluate(round_, targets=shared, phase=pool.phase, pool=pool, secure=part)
+            if self._unmask(secure, lambda device: None):
+                pool.add_sum(part.pool_sum(), len(part.server.survivors), largest)
+        record = secure.record()
+        if record.failed:
+            log.warning("the %s pool is not gathered: %s", pool.phase, record.failed)
+        self.metrics.append({"event": "secure_pool", "pool": pool.phase, **asdict(record)})

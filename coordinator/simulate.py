@@ -117,7 +117,7 @@ class WorkerSpec:
     out: str  # the run folder (RunFolder)
     log_level: int
     secure_aggregation: bool = False
-    """Trainers take their secure-aggregation keys from the run folder (`RunFolder.device_identity`)."""
+    """Devices take their secure-aggregation keys from the run folder (`RunFolder.device_identity`)."""
 
     @classmethod
     def for_devices(cls, config: RunConfig, indices: tuple[int, ...], url: str) -> WorkerSpec:
@@ -236,18 +236,18 @@ def _start_device(spec: WorkerSpec, index: int, lock: threading.Lock,
     session: dict[str, Any] = {"broker": spec.connections[client_id], "federation": spec.broker.federation,
                "state_dir": RunFolder(spec.out).device_state(client_id), "chunk_size": spec.broker.upload_chunk_size}
     client: DeviceSession
+    keys = None
+    if spec.secure_aggregation:
+        from edge_sdk.secagg.device import SecAggKeys
+
+        folder = RunFolder(spec.out)
+        keys = SecAggKeys.load(folder.device_identity(client_id), folder.secagg_roster)
     if index in spec.lite_heads:
         from edge_sdk.lite import LiteClient
 
-        client = LiteClient(client_id, data, head=spec.lite_heads[index],
+        client = LiteClient(client_id, data, head=spec.lite_heads[index], secagg_keys=keys,
                             model_path=RunFolder(spec.out).device_model(client_id), **session)
     else:
-        keys = None
-        if spec.secure_aggregation:
-            from edge_sdk.secagg.device import SecAggKeys
-
-            folder = RunFolder(spec.out)
-            keys = SecAggKeys.load(folder.device_identity(client_id), folder.secagg_roster)
         factor = speed_factor(spec.simulation.speed_spread, spec.training.seed, index)
         client = EdgeClient(client_id, data, device=spec.simulation.device, amp=spec.simulation.amp,
                             compute_lock=SlowedLock(lock, factor) if factor > 1 else lock, attack=spec.attacks[index],
@@ -578,12 +578,11 @@ def run_simulation(config: RunConfig, *, local: Sequence[int] | None = None,
         from .warm_start import source_file
 
         source_file(config.run.init_from)
-    if config.secagg.secure_aggregation:  # the simulated fleet's enrollment: every trainer's identity key
+    if config.secagg.secure_aggregation:  # the simulated fleet's enrollment: every device's identity key
         from edge_sdk.secagg.enroll import enroll
 
         folder = RunFolder(config.run.out)
-        trainers = range(config.run.clients - config.lite_devices)
-        enroll([client_id_for(i) for i in trainers], folder.device_identity, folder.secagg_roster)
+        enroll([client_id_for(i) for i in range(config.run.clients)], folder.device_identity, folder.secagg_roster)
     with LocalFederation(config.replace(connect_timeout=0), "sim") as hosting:  # the broker is up: fail fast
         config, url = hosting.config, hosting.url
         aggregators = hosting.host(lambda: AggregatorPool(config, config.local_shards, url))

@@ -37,18 +37,19 @@ from .privacy.dpsgd import (ACCOUNTANT_KEY, DP_SGD_EPSILON, DpSgd, DpSgdAccounta
 from .privacy.upstream import ROUND_CLIP, WITHIN_CLIP, UploadPrivacy, private_metrics, privatize, round_clip
 from .protocol import STATISTICS, ArrayGroup, Envelope, Kind
 from .secagg import stages as secagg_stages
+from .secagg.session import SecureSession
 from .settings import TrainSettings
-from .session import DeviceSession, RegistrationRefused
+from .session import RegistrationRefused
 from .store import PersonalState, PersonalStore
 from .training import gradient_clipping, mixed_precision
 
 if TYPE_CHECKING:
-    from .secagg.device import SecAggKeys, SecureUploads
+    from .secagg.device import SecAggKeys
 
 log = logging.getLogger(__name__)
 
 
-class EdgeClient(DeviceSession):
+class EdgeClient(SecureSession):
     """One trainer device. `run()` blocks until the run finishes or `stop` is set.
 
     `model` (a factory `factory(task) -> nn.Module`, or a spec) replaces the run's model on this
@@ -57,7 +58,8 @@ class EdgeClient(DeviceSession):
     `share_label_counts` says whether HELLO reports the training split's count per class (the
     coordinator's data report); off, the device says nothing of its labels. With `secagg_keys`
     (its identity key and the fleet's roster) the device takes part in rounds under secure
-    aggregation, where it uploads only its masked vector.
+    aggregation, where it uploads only its masked vector (and, before a release, its masked
+    BatchNorm statistics).
     """
 
     def __init__(
@@ -76,7 +78,7 @@ class EdgeClient(DeviceSession):
         secagg_keys: SecAggKeys | None = None,
         **session: Any,
     ):
-        super().__init__(client_id, **session)
+        super().__init__(client_id, secagg_keys=secagg_keys, examples=data.num_train, **session)
         self.data = data
         self.device = device
         self.store = PersonalStore(self.state_dir, client_id)
@@ -96,11 +98,6 @@ class EdgeClient(DeviceSession):
         self.dp_sgd_delta = 0.0
         self.rounds_trained = 0
         self.share_label_counts = share_label_counts
-        self.secure: SecureUploads | None = None
-        if secagg_keys is not None:
-            from .secagg.device import SecureUploads
-
-            self.secure = SecureUploads(client_id, secagg_keys, data.num_train)
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
@@ -109,9 +106,7 @@ class EdgeClient(DeviceSession):
                                                                   "num_test": self.data.num_test}
         config: dict[str, Any] = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp,
                                   "torch": torch.__version__, "task": self.data.task.name,
-                                  "algorithms": list(algorithms.ALGORITHM_IDS)}
-        if self.secure is not None:
-            config[secagg_stages.CAPABILITY] = secagg_stages.VERSION
+                                  "algorithms": list(algorithms.ALGORITHM_IDS), **self.secure_capability()}
         if self.share_label_counts and not self.run_private:  # info: the coordinator reports it
             config["label_counts"] = self.data.class_counts().tolist()
         if self.model is not None:  # the coordinator checks a model of the device's own
@@ -244,29 +239,20 @@ class EdgeClient(DeviceSession):
         self.secure.vector(request, groups)
         self._send_masked()
 
-    def _send_masked(self) -> None:
-        ready = self.secure.ready() if self.secure is not None else None
-        if ready is not None:
-            request, groups = ready
-            self.send(Kind.TRAIN_RES, request.round, request=request, groups=groups)
-
-    def _on_secagg(self, envelope: Envelope) -> None:
-        """A secure-aggregation stage: answered with SECAGG_RES (keys, shares, unmasking), or the
-        shares addressed to this device, after which a waiting masked update goes up. A stage this
-        device must not answer (a bad signature, an inconsistent unmask request) is logged and
-        left unanswered: the device drops out of the round, and its secrets stay here."""
-        if self.secure is None or not self.current(envelope) or self.answered(envelope):
-            return
+    def _secure_statistics(self, request: Envelope, statistics: ArrayGroup, metrics: dict[str, float]) -> None:
+        """Under secure aggregation: the global body's BatchNorm statistics (the statistics pool's
+        EVALUATE) as a masked vector, sent once the neighbours' shares are here; a share that must
+        not go up (not finite) is logged and left unanswered."""
         from .secagg.errors import SecAggError
 
+        if self.secure is None:
+            raise RegistrationRefused(f"{self.client_id}: a release under secure aggregation, and this device has no "
+                                      "secure-aggregation keys")
         try:
-            reply = self.secure.on_stage(envelope)
+            self.secure.pool_share(request, statistics, metrics)
         except SecAggError as exc:
-            log.warning("%s: secure aggregation of round %d: %s; not answered", self.client_id, envelope.round, exc)
+            log.warning("%s: %s; not answered", self.client_id, exc)
             return
-        if reply is not None:
-            self.send(Kind.SECAGG_RES, envelope.round, request=envelope,
-                      config={secagg_stages.STAGE: envelope.config.get(secagg_stages.STAGE), **reply})
         self._send_masked()
 
     def _on_evaluate(self, envelope: Envelope) -> None:
@@ -277,8 +263,12 @@ class EdgeClient(DeviceSession):
         if envelope.config.get("phase") == STATISTICS:
             with self._compute_lock:
                 statistics = algorithm.body_statistics(task)
+            examples: dict[str, float] = {"num_examples": algorithm.data.num_train}
+            if envelope.config.get(secagg_stages.SECURE) is True:  # masked: the coordinator sees only the sum
+                self._secure_statistics(envelope, statistics, examples)
+                return
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
-                      metrics={"num_examples": algorithm.data.num_train})
+                      metrics=examples)
             return
         steps = self.dp_sgd.accountant.steps if self.dp_sgd is not None else 0
         with self._compute_lock, dp_sgd(self.dp_sgd):  # a head fitted at evaluation trains privately too

@@ -26,6 +26,8 @@ AGGREGATOR_PREFIX = "aggregator-"
 SHARD_PREFIX = "shard-"
 STATISTICS = "statistics"
 """EVALUATE phase and EVAL_RES group: the global body's BatchNorm statistics before a release."""
+PROTOTYPES = "prototypes"
+"""EVALUATE phase and group (both ways): the weak devices' class prototypes, pooled in a release."""
 
 ArrayGroup = dict[str, np.ndarray]
 """Named arrays; the names are the model's `state_dict` keys (or statistic names)."""

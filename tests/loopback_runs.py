@@ -111,8 +111,9 @@ class LoopbackFederation:
         self.run_device(client)
         return client_id
 
-    def start_lite(self, index: int, clients: int):
-        """Weak device `index` of `clients` (a LiteClient, returned) on its digits partition."""
+    def start_lite(self, index: int, clients: int, secagg_keys=None):
+        """Weak device `index` of `clients` (a LiteClient, returned) on its digits partition, with
+        secure-aggregation keys when given."""
         from edge_sdk.data import load_client_data
         from edge_sdk.lite import LiteClient
 
@@ -120,7 +121,7 @@ class LoopbackFederation:
         will = (self.topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))
         client = LiteClient(client_id, load_client_data("digits", num_clients=clients, index=index, seed=0),
                             federation=self.topics.federation, state_dir=self.state_dir(client_id),
-                            transport=self.broker.transport(client_id, will=will))
+                            transport=self.broker.transport(client_id, will=will), secagg_keys=secagg_keys)
         self.run_device(client)
         return client
 

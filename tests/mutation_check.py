@@ -328,6 +328,14 @@ MUTATIONS = (
     Mutation("secagg shards: a masked sum over a device that did not share keys is taken", SECAGG_SERVER_PY,
              (("        strangers = [s for s in senders if s not in self._shared]",
                "        strangers: list[str] = []"),), SECAGG),
+    # the release pools as secure sums: E[x^2] for the variance, each class weighted by its count
+    Mutation("secagg pools: a variance summed without its mean's square", "edge_sdk/secagg/pools.py",
+             (("            value = value + np.asarray(mean, dtype=np.float64) ** 2\n", ""),),
+             ("tests/unit/test_secagg_pools.py",)),
+    Mutation("secagg pools: class means summed unweighted", "edge_sdk/secagg/pools.py",
+             (("    terms = weights[:, None] * np.clip(means, -bound, bound)",
+               "    terms = (weights[:, None] > 0) * np.clip(means, -bound, bound)"),),
+             ("tests/unit/test_secagg_pools.py",)),
     # distributed DP under secure aggregation: each device's share of the noise, dropout-aware accounting
     Mutation("dp distributed: each device adds the whole noise", UPSTREAM_PY,
              (("return self.noise * clip / math.sqrt(shares)", "return self.noise * clip"),), DISTRIBUTED_DP),

@@ -8,7 +8,8 @@ splits, fits its personal head (the global prototypes an EVALUATE may carry help
 head), writes the
 personalized model (body + head, one ONNX file; `<state_dir>/personalized-<device id>.onnx`
 unless given, so devices may share a state folder) atomically and reports its test accuracy, with
-its class means when it shares prototypes. In a run with a validation split
+its class means when it shares prototypes (under secure aggregation only masked, in the release
+phase's secure pool: `SecureSession`). In a run with a validation split
 (`validation_fraction`, announced in WELCOME) it fits on the rest of its training data and is
 scored on the held-out share, as trainer devices are; its test split is not read. Nothing in its
 import chain imports torch, scikit-learn or scipy.
@@ -38,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -46,13 +47,17 @@ import onnxruntime as ort
 from ..config import from_mapping
 from ..data import ClientData, device_seed
 from ..privacy.upstream import UploadPrivacy, private_metrics
-from ..protocol import Envelope, Kind, ProtocolError, Reason, ValidationError
-from ..session import DeviceSession
+from ..protocol import PROTOTYPES, Envelope, Kind, ProtocolError, Reason, ValidationError
+from ..secagg import stages as secagg_stages
+from ..secagg.session import SecureSession
 from ..settings import TrainSettings
 from ..store import write_atomic
 from .deployment import Deployment, describe_release, kept_because, read_deployment, write_deployment
 from .features import FeatureExtractor
 from .heads import HEADS, Head, Prototypes, class_statistics, fit_head
+
+if TYPE_CHECKING:
+    from ..secagg.device import SecAggKeys
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +113,9 @@ class Evaluation:
     deployed: bool = True
 
 
-class LiteClient(DeviceSession):
-    """One weak device. `run()` blocks until the run finishes or `stop` is set."""
+class LiteClient(SecureSession):
+    """One weak device. `run()` blocks until the run finishes or `stop` is set. With `secagg_keys`
+    it takes part in runs under secure aggregation, where its prototypes go up only masked."""
 
     def __init__(
         self,
@@ -123,9 +129,10 @@ class LiteClient(DeviceSession):
         seed: int = 0,
         max_fetches: int = 3,
         fetch_timeout: float = 60.0,
+        secagg_keys: SecAggKeys | None = None,
         **session: Any,
     ):
-        super().__init__(client_id, **session)
+        super().__init__(client_id, secagg_keys=secagg_keys, examples=data.num_train, **session)
         if head not in HEADS:
             raise ValueError(f"unknown head {head!r}; known heads: {', '.join(HEADS)}")
         self.own_data = data
@@ -141,6 +148,8 @@ class LiteClient(DeviceSession):
         self.release: Release | None = None
         self.prototypes: Prototypes | None = None
         self.privacy: UploadPrivacy | None = None
+        self.secure_run = False
+        """The joined run is under secure aggregation: prototypes go up only masked."""
         self.evaluation: Evaluation | None = None
         self._unjoined: Envelope | None = None  # the latest RELEASE of a run not joined (yet)
         self._body: bytes | None = None
@@ -181,7 +190,8 @@ class LiteClient(DeviceSession):
         metrics: dict[str, float] = {} if self.run_private else {"num_examples": self.own_data.num_train,
                                                                   "num_test": self.own_data.num_test}
         config: dict[str, Any] = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
-                                  "onnxruntime": ort.__version__, "task": self.own_data.task.name}
+                                  "onnxruntime": ort.__version__, "task": self.own_data.task.name,
+                                  **self.secure_capability()}
         if self.share_prototypes and not self.run_private:  # as the prototypes: shared or kept
             config["label_counts"] = self.own_data.class_counts().tolist()
         if self.deployed is not None:  # a release service does not ask again for what it runs
@@ -189,7 +199,8 @@ class LiteClient(DeviceSession):
         return metrics, config
 
     def handlers(self) -> dict[Kind, Callable[[Envelope], None]]:
-        return {Kind.RELEASE: self._on_release, Kind.ARTIFACT: self._on_artifact, Kind.EVALUATE: self._on_evaluate}
+        return {Kind.RELEASE: self._on_release, Kind.ARTIFACT: self._on_artifact, Kind.EVALUATE: self._on_evaluate,
+                Kind.SECAGG: self._on_secagg}
 
     def join(self, welcome: Envelope) -> None:
         # the session records the run after `join` returns; a FETCH sent from here needs it now
@@ -197,6 +208,7 @@ class LiteClient(DeviceSession):
         settings = from_mapping(TrainSettings, welcome.config.get("settings", {}), where="settings")
         self.data = self.own_data.for_run(settings.validation_fraction, device_seed(settings.seed, self.client_id))
         _, self.privacy = UploadPrivacy.announced(welcome.config, settings.seed)
+        self.secure_run = welcome.config.get(secagg_stages.SECURE) is True
         self.release, self.prototypes, self._waiting, self._features = None, None, None, None
         early, self._unjoined = self._unjoined, None
         if early is not None and early.run_id == welcome.run_id:
@@ -302,7 +314,7 @@ class LiteClient(DeviceSession):
 
     # -- global prototypes (pooled by the coordinator, sent with the final EVALUATE) ---------
     def _parse_prototypes(self, envelope: Envelope) -> Prototypes:
-        group = envelope.groups.get("prototypes", {})
+        group = envelope.groups.get(PROTOTYPES, {})
         counts, means = group.get("counts"), group.get("means")
         classes = self.data.task.num_classes
         if counts is None or means is None:
@@ -329,7 +341,7 @@ class LiteClient(DeviceSession):
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
-        if "prototypes" in envelope.groups:
+        if PROTOTYPES in envelope.groups:
             self.prototypes = self._parse_prototypes(envelope)
         if self.ready:
             self._evaluate(envelope)
@@ -375,7 +387,28 @@ class LiteClient(DeviceSession):
                                                                                     "evaluation"))
         else:
             metrics["deployed_accuracy"] = deployed.accuracy
+        if self.secure_run and request.config.get(secagg_stages.SECURE) is True and groups:
+            self._masked_prototypes(request, groups[PROTOTYPES], metrics, config)
+            return
         self.send(Kind.EVAL_RES, request.round, request=request, groups=groups or {}, metrics=metrics, config=config)
+
+    def _masked_prototypes(self, request: Envelope, prototypes: dict[str, np.ndarray], metrics: dict[str, float],
+                           config: dict[str, Any]) -> None:
+        """Under secure aggregation: the prototypes as a masked vector in the EVAL_RES, sent once
+        the neighbours' shares are here; a device without keys, or whose share must not be sent,
+        leaves the request unanswered (and drops out of the pool)."""
+        from ..secagg.errors import SecAggError
+
+        if self.secure is None:
+            log.warning("%s: prototypes asked for under secure aggregation, and this device has no keys",
+                        self.client_id)
+            return
+        try:
+            self.secure.pool_share(request, prototypes, metrics, config)
+        except SecAggError as exc:
+            log.warning("%s: %s; not answered", self.client_id, exc)
+            return
+        self._send_masked()
 
     def _representation(self) -> tuple[str, FeatureExtractor, bytes]:
         """The loaded representation: its sha256, its extractor and its ONNX bytes. Evaluation
@@ -418,9 +451,12 @@ class LiteClient(DeviceSession):
                 metadata={"head": head.kind})  # compose keeps the body's metadata
         kept = self._deploy(candidate, release, accuracy, head.kind)
         groups = {}
-        if self.share_prototypes and self.privacy is None:  # under DP the class means stay home
+        # under DP the class means stay home; under secure aggregation they go up only masked, when
+        # the release phase's secure pool asks for them
+        secure_pool = request.config.get(secagg_stages.SECURE) is True
+        if self.share_prototypes and self.privacy is None and (not self.secure_run or secure_pool):
             counts, means = class_statistics(train, self.data.train_y, classes)
-            groups["prototypes"] = {"counts": counts, "means": means}
+            groups[PROTOTYPES] = {"counts": counts, "means": means}
         self.evaluation = Evaluation(request.round, accuracy, head, predictions, self.model_path, deployed=kept is None)
         log.info("%s: %s head, accuracy %.4f on %d test examples", self.client_id, head.kind, accuracy,
                  self.data.num_test)

@@ -43,6 +43,11 @@ class SecAggSettings:
     secagg_clip: float = setting(10.0, defines=DEFINES_IF_SET,
                                  help="the L2 bound each device clips its change to before it is quantized (the "
                                       "coordinator cannot check a masked upload's norm)")
+    secagg_release_bound: float = setting(1000.0, defines=DEFINES_IF_SET,
+                                          help="the bound each value of a release-phase share is clipped to before "
+                                               "it is quantized: a trainer's BatchNorm means and E[x^2], a weak "
+                                               "device's class means of the released features (pooled securely "
+                                               "too)")
 
     def __post_init__(self) -> None:
         check(self.secagg_degree >= 2, "secagg_degree", "at least 2", self.secagg_degree)
@@ -50,6 +55,8 @@ class SecAggSettings:
         check(0.5 <= self.secagg_threshold < 1, "secagg_threshold", "in [0.5, 1)", self.secagg_threshold)
         check(math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip", "a positive finite norm",
               self.secagg_clip)
+        check(math.isfinite(self.secagg_release_bound) and self.secagg_release_bound > 0, "secagg_release_bound",
+              "a positive finite bound", self.secagg_release_bound)
 
     def degree_for(self, count: int) -> int:
         """The degree of a round of `count` devices: --secagg-degree as used (even, at most count - 1),

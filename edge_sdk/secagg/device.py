@@ -5,21 +5,22 @@ The device trains when TRAIN arrives, as in any round; what it uploads is its ch
 vector (vector.py: clipped to the round's bound, scaled by its weight; under distributed DP as DP
 clipped and noised it, unweighted), quantized into the ring (fixedpoint.py) and masked
 (client.py). Masking needs the shares its neighbours sent (the `shares` delivery), which may
-arrive after TRAIN: the trained vector then waits for them.
+arrive after TRAIN: the trained vector then waits for them. A release pool's share (pools.py)
+goes the same way, in the EVAL_RES that answers the pool's EVALUATE.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..params import spec_of
-from ..protocol import ArrayGroup, Envelope, ProtocolError, Reason
+from ..protocol import PROTOTYPES, STATISTICS, ArrayGroup, Envelope, ProtocolError, Reason
 from . import stages
 from .client import SecAggClient
 from .context import RoundContext
@@ -27,6 +28,7 @@ from .errors import SecAggError
 from .fixedpoint import FixedPoint
 from .identity import IdentityKey, Roster
 from .messages import EncryptedShares, KeyAdvertisement
+from .pools import encode_prototypes, encode_statistics
 from .vector import VectorLayout
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,24 @@ def _malformed(detail: str) -> ProtocolError:
 
 @dataclass
 class PendingUpload:
-    """A trained round's ring vector, waiting for the neighbours' shares to be masked."""
+    """A ring vector waiting for the neighbours' shares to be masked: a trained round's (answered
+    with TRAIN_RES) or a release pool's share (answered with EVAL_RES, `metrics` and `config` beside it)."""
 
     request: Envelope
     vector: np.ndarray
+    metrics: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MaskedReply:
+    """What a device sends once its vector is masked: the reply to `request`, whose groups carry
+    only the masked vector."""
+
+    request: Envelope
+    groups: dict[str, ArrayGroup]
+    metrics: dict[str, float]
+    config: dict[str, Any]
 
 
 class SecureUploads:
@@ -142,10 +158,7 @@ class SecureUploads:
     def vector(self, request: Envelope, groups: dict[str, ArrayGroup]) -> None:
         """Turn a trained upload of the round `request` (TRAIN, whose groups came down) into its
         ring vector and keep it until it can be masked (`ready`)."""
-        client = self._client_of(request)
-        if client is None:
-            raise SecAggError(f"{self.client_id}: TRAIN of round {request.round} under secure aggregation, but this "
-                              "device advertised no keys for it")
+        client = self._keyed_client(request, "TRAIN")
         try:
             clip, largest, summands = (self._announced[key] for key in (stages.CLIP, stages.LARGEST,
                                                                        stages.SUMMANDS))
@@ -159,16 +172,52 @@ class SecureUploads:
             ring = quantizer.encode(values, self.rng)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise _malformed(f"secure upload of round {request.round}: {exc}") from None
-        if ring.size != client.context.vector_length:
-            raise SecAggError(f"{self.client_id}: the round's vector has {ring.size} elements, the announced "
-                              f"length is {client.context.vector_length}")
-        self.pending = PendingUpload(request, ring)
+        self._keep(client, PendingUpload(request, ring))
 
-    def ready(self) -> tuple[Envelope, dict[str, ArrayGroup]] | None:
-        """(the TRAIN, the groups of its TRAIN_RES) once the pending vector can be masked, else None."""
+    def pool_share(self, request: Envelope, arrays: ArrayGroup, metrics: dict[str, float],
+                   config: dict[str, Any] | None = None) -> None:
+        """Turn this device's share of the release pool the advertise stage named (an EVALUATE of
+        that pool's phase) into its ring vector and keep it, with the EVAL_RES's `metrics` and
+        `config`, until it can be masked (`ready`). SecAggError for a share this device must not
+        send (not finite, counts above the stage's largest): it drops out of the pool."""
+        client = self._keyed_client(request, "a release pool's EVALUATE")
+        announced = self._announced
+        try:
+            pool, bound, largest, summands = (announced[key] for key in (stages.POOL, stages.BOUND, stages.LARGEST,
+                                                                          stages.SUMMANDS))
+            bound, largest = float(bound), int(largest)
+            if pool == STATISTICS:
+                values = encode_statistics(arrays, self.examples, largest, bound)
+            elif pool == PROTOTYPES:
+                values = encode_prototypes(arrays["counts"], arrays["means"], largest, bound)
+            else:
+                raise ValueError(f"unknown pool {pool!r}")
+            ring = FixedPoint(max(bound, 1.0), int(summands)).encode(values, self.rng)
+        except (KeyError, TypeError) as exc:
+            raise _malformed(f"secure pool share of round {request.round}: {exc}") from None
+        except ValueError as exc:
+            raise SecAggError(f"{self.client_id}: its share of the {announced.get(stages.POOL)} pool: {exc}") from None
+        self._keep(client, PendingUpload(request, ring, metrics, config or {}))
+
+    def _keyed_client(self, request: Envelope, what: str) -> SecAggClient:
+        client = self._client_of(request)
+        if client is None:
+            raise SecAggError(f"{self.client_id}: {what} of round {request.round} under secure aggregation, but this "
+                              "device advertised no keys for it")
+        return client
+
+    def _keep(self, client: SecAggClient, pending: PendingUpload) -> None:
+        if pending.vector.size != client.context.vector_length:
+            raise SecAggError(f"{self.client_id}: the vector has {pending.vector.size} elements, the announced "
+                              f"length is {client.context.vector_length}")
+        self.pending = pending
+
+    def ready(self) -> MaskedReply | None:
+        """The reply to send once the pending vector can be masked, else None."""
         client = self._client_of(self.pending.request) if self.pending is not None else None
         if self.pending is None or client is None or not self._shares_received:
             return None
         pending, self.pending = self.pending, None
         masked = client.mask(pending.vector)
-        return pending.request, {stages.SECURE: {stages.MASKED: masked.view(np.int32)}}
+        return MaskedReply(pending.request, {stages.SECURE: {stages.MASKED: masked.view(np.int32)}}, pending.metrics,
+                           pending.config)

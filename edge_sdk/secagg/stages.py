@@ -7,6 +7,10 @@ with its signed keys), SECAGG `share` (broadcast: every advertisement; each answ
 ciphertexts for its neighbours), SECAGG `shares` (per device: the ciphertexts addressed to it, no
 answer), TRAIN (broadcast; each answers TRAIN_RES carrying only its masked vector), and SECAGG
 `unmask` (broadcast: who survived and who dropped; each survivor answers with its shares).
+
+The release phase pools sums the same way (pools.py): the advertise stage names the pool
+(`POOL`), the EVALUATE of the pool's phase takes TRAIN's place and each EVAL_RES carries the
+masked vector of the device's share instead of the share.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ carries the masked vector (`MASKED`, int32: the ring's words as two's complement
 MASKED = "masked"
 CAPABILITY = "secagg"
 """The HELLO config key of a device that speaks secure aggregation, with the version it speaks."""
-VERSION = 2
-"""2: the advertise stage may carry a group per shard (`GROUPS`)."""
+VERSION = 3
+"""2: the advertise stage may carry a group per shard (`GROUPS`); 3: it may name a release pool
+(`POOL`), whose shares weak devices mask too."""
 
 # the advertise stage's parameters
 PARTICIPANTS, THRESHOLD, DEGREE, GRAPH_SEED, LENGTH = "participants", "threshold", "degree", "graph_seed", "length"
@@ -42,13 +47,16 @@ participants, graph, threshold and summands); a device takes the one that names 
 PRIVATE = "private"
 """True under distributed DP: the upload was clipped and noised by DP on the device; it goes into
 the sum unweighted and not clipped again, each coordinate within `CLIP`."""
+POOL, BOUND = "pool", "bound"
+"""In the release phase: the pool summed (`statistics` or `prototypes`), and the bound each
+coordinate of a device's share is clipped to (pools.py)."""
 # the later stages' payloads
 ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED = "adverts", "ciphertexts", "survivors", "dropped"
 ADVERT, RESPONSE = "advert", "response"
 
 
 def masked_vector(groups: dict[str, ArrayGroup], what: str) -> np.ndarray:
-    """The masked vector (uint32 view) of a secure upload, whose only array is `SECURE/MASKED`
+    """The masked vector (uint32 view) of a secure upload or pool share, whose only array is `SECURE/MASKED`
     (1-D int32); ProtocolError `secagg_invalid` naming `what` otherwise."""
     masked = groups.get(SECURE, {}).get(MASKED) if set(groups) == {SECURE} else None
     if masked is None or set(groups[SECURE]) != {MASKED} or masked.dtype != "int32" or masked.ndim != 1:

@@ -1,5 +1,6 @@
 """benchmarks/weak_bodies.py --quick: the weak devices' heads on each algorithm's released body
-(digits, FedAvg and FedRep, 2 rounds, embedded broker), and the refusal of a personal body."""
+(digits, FedAvg and FedRep, 2 rounds, embedded broker, trained side by side), and the refusal of
+a personal body."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def weak_bodies(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_every_head_is_scored_on_each_released_body_and_a_rerun_reads_the_same_figures(tmp_path):
-    # Execute
-    first = weak_bodies("--quick", "--out", str(tmp_path))
+    # Execute: the runs side by side, each fitting its heads in its own process; then the tables
+    # again from the cache alone
+    first = weak_bodies("--quick", "--jobs", "2", "--out", str(tmp_path))
     again = weak_bodies("--quick", "--cached-only", "--out", str(tmp_path / "again"), "--cache", str(tmp_path / "runs"))
 
     # Assert: a row per algorithm, every head an accuracy, the run's own figure beside them

@@ -72,3 +72,24 @@ def test_a_sharded_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto):
     assert [r["secagg"]["unmasked"] for r in report["rounds"]] == [6]
     assert all(r["lost_shards"] == [] and r["secagg"]["failed_groups"] == [] for r in report["rounds"])
     assert_same_model(tmp_path / "plain", tmp_path / "secure", atol=1e-6)
+
+
+def test_repper_with_weak_devices_releases_from_secure_sums_to_the_plain_run_s_accuracy(tmp_path, mosquitto):
+    # Execute: seven devices, three of them weak (ONNX Runtime and a head), two rounds
+    flags = ("--algorithm", "repper", "--lite-fraction", "0.43")
+    plain = simulate(tmp_path / "plain", mosquitto, *flags, clients=7, rounds=2)
+    secure = simulate(tmp_path / "secure", mosquitto, *flags, "--secure-aggregation", clients=7, rounds=2)
+
+    # Assert: the weak devices' prototypes were one secure sum over the three; every device,
+    # weak ones included, scores what it scores in the plain run
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert secure.returncode == 0, secure.stdout + secure.stderr
+    metrics = [json.loads(line) for line in RunFolder(tmp_path / "secure").metrics.read_text().splitlines()]
+    pools = {m["pool"]: m for m in metrics if m.get("event") == "secure_pool"}
+    assert pools["prototypes"]["unmasked"] == 3 and pools["prototypes"]["failed"] is None
+    reports = {kind: json.loads(RunFolder(tmp_path / kind).report.read_text()) for kind in ("plain", "secure")}
+    for device in ("dev004", "dev005", "dev006"):
+        assert reports["secure"]["final"]["per_client"][device]["kind"] == "lite"
+    for device, result in reports["plain"]["final"]["per_client"].items():
+        assert reports["secure"]["final"]["per_client"][device]["accuracy"] == pytest.approx(result["accuracy"],
+                                                                                            abs=0.03), device

@@ -1,15 +1,21 @@
 """Runs under secure aggregation over the loopback broker (tests/loopback_runs.py): the global
 model is the plain run's within the quantization error, nobody upstream sees an update in the
-clear, a device lost after sharing its keys is unmasked away, and what cannot run is refused."""
+clear, a device lost after sharing its keys is unmasked away, and what cannot run is refused.
+A release pools the trainers' BatchNorm statistics and the weak devices' prototypes as secure
+sums too."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from coordinator import checkpoint
+from coordinator.run_folder import RunFolder
 from edge_sdk.config import ConfigError
-from edge_sdk.protocol import Kind
+from edge_sdk.data import load_client_data
+from edge_sdk.protocol import PROTOTYPES, STATISTICS, Kind
 from edge_sdk.secagg import IdentityKey, Roster, stages
 from edge_sdk.secagg.device import SecAggKeys
 from loopback_runs import BlockingLock, drain, listener
@@ -186,3 +192,86 @@ def test_a_device_without_keys_is_refused_by_name(federation):
 def test_what_needs_single_updates_is_refused_by_name(federation, change, key):
     with pytest.raises(ConfigError, match=f"secure_aggregation: {key}"):
         federation.coordinator(secure_config(federation, **change))
+
+
+def release_run(federation, out, *, secure: bool, weak: int = 3, lose_a_weak_device: bool = False):
+    """FedAvg with --release, four trainers and `weak` weak devices, one round; under secure
+    aggregation every device enrolled; the last weak device lost after it shared its keys, when
+    asked. Returns (report, the EVAL_RES spy, the final EVALUATE)."""
+    first_lite = 4
+    devices = first_lite + weak
+    changes = {"clients": devices, "rounds": 1, "release": True, "lite_fraction": weak / devices,
+               "aggregation_dtype": "float64", "out": str(out)}
+    coordinator = federation.coordinator(federation.config(**changes, secure_aggregation=secure))
+    up = federation.spy(Kind.EVAL_RES)
+    down = listener(federation.broker, f"spy-evaluate-{out.name}", f"{federation.topics.prefix}/down/all/evaluate",
+                    federation.topics)
+    keys = fleet_keys(devices) if secure else [None] * devices
+    for i in range(first_lite):
+        federation.start_device(i, devices, secagg_keys=keys[i])
+    lites = [federation.start_lite(i, devices, secagg_keys=keys[i]) for i in range(first_lite, devices)]
+    if lose_a_weak_device:  # it answers the key stages, then is lost instead of masking its prototypes
+        lost = lites[-1].client_id
+        lites[-1]._masked_prototypes = lambda *args: federation.announce_offline(lost)
+    report = coordinator.run()
+    federation.devices_exit()
+    federation.threads.clear()
+    final = [e for e in drain(down) if e.config.get("phase") == "final"]
+    return report, drain(up), final[0]
+
+
+def secure_pools(out) -> dict[str, dict]:
+    lines = [json.loads(line) for line in RunFolder(out).metrics.read_text().splitlines()]
+    return {line["pool"]: line for line in lines if line.get("event") == "secure_pool"}
+
+
+def test_a_secure_release_pools_statistics_and_prototypes_as_sums_only(federation, tmp_path):
+    # Prepare: the plain run's pooled statistics and prototypes as the reference
+    _, _, plain_final = release_run(federation, tmp_path / "plain", secure=False)
+    plain_statistics = np.load(RunFolder(tmp_path / "plain").body_statistics)
+
+    # Execute
+    report, uploads, final = release_run(federation, tmp_path / "secure", secure=True)
+
+    # Assert: no EVAL_RES carried statistics or prototypes in the clear; each pool was one secure
+    # sum over all its devices; what it pooled is the plain run's within the rounding (the model
+    # itself differs from the plain one by the training round's quantization)
+    assert uploads and all(STATISTICS not in e.groups and PROTOTYPES not in e.groups for e in uploads)
+    masked = [e for e in uploads if stages.SECURE in e.groups]
+    assert sorted(e.sender for e in masked) == [f"dev{i:03d}" for i in range(7)]
+    pools = secure_pools(tmp_path / "secure")
+    assert pools["statistics"]["unmasked"] == 4 and pools["statistics"]["failed"] is None
+    assert pools["prototypes"]["unmasked"] == 3 and pools["prototypes"]["failed"] is None
+    statistics = np.load(RunFolder(tmp_path / "secure").body_statistics)
+    for key in plain_statistics.files:
+        if key.endswith("num_batches_tracked"):  # unused in inference; not in the secure sum
+            assert statistics[key] == 0
+        else:
+            assert np.allclose(statistics[key], plain_statistics[key], atol=1e-3, rtol=1e-3), key
+    assert np.array_equal(final.groups[PROTOTYPES]["counts"], plain_final.groups[PROTOTYPES]["counts"])
+    assert np.allclose(final.groups[PROTOTYPES]["means"], plain_final.groups[PROTOTYPES]["means"], atol=1e-2)
+    assert all(report["final"]["per_client"][f"dev{i:03d}"]["accuracy"] > 0.5 for i in range(4, 7))
+
+
+def test_a_weak_device_lost_before_masking_its_prototypes_is_unmasked_away(federation, tmp_path):
+    # Execute: five weak devices (degree 4, threshold 3), dev008 lost after sharing its keys
+    _, _, final = release_run(federation, tmp_path / "secure", secure=True, weak=5, lose_a_weak_device=True)
+
+    # Assert: the four survivors' prototypes pooled, exactly their class counts
+    pool = secure_pools(tmp_path / "secure")["prototypes"]
+    assert pool["dropped"] == ["dev008"] and pool["unmasked"] == 4 and pool["failed"] is None
+    counts = sum(load_client_data("digits", num_clients=9, index=i, seed=0).class_counts() for i in range(4, 8))
+    assert np.array_equal(final.groups[PROTOTYPES]["counts"], counts)
+
+
+def test_a_prototype_pool_below_the_threshold_fails_cleanly_and_the_run_ends(federation, tmp_path):
+    # Execute: three weak devices (degree 2, threshold 2), one lost after sharing its keys
+    report, uploads, final = release_run(federation, tmp_path / "secure", secure=True, lose_a_weak_device=True)
+
+    # Assert: the pool failed and says why; nothing of a device's prototypes went out or came
+    # back; the weak devices were still evaluated on their own class means
+    pool = secure_pools(tmp_path / "secure")["prototypes"]
+    assert pool["unmasked"] == 0 and "too few shares to unmask" in pool["failed"]
+    assert PROTOTYPES not in final.groups
+    assert all(PROTOTYPES not in e.groups for e in uploads)
+    assert all(report["final"]["per_client"][f"dev{i:03d}"]["accuracy"] > 0.5 for i in (4, 5))

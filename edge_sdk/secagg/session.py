@@ -1,0 +1,64 @@
+"""A device session that speaks secure aggregation: trainers (their updates, their BatchNorm
+statistics before a release) and weak devices (their class prototypes) alike.
+
+It answers the SECAGG stages with its `SecureUploads` (device.py) and sends a masked reply once
+the neighbours' shares are here: TRAIN_RES for a round, EVAL_RES for a release pool. Nothing here
+imports `cryptography` until a device is given keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..protocol import Envelope, Kind
+from ..session import DeviceSession
+from . import stages
+
+if TYPE_CHECKING:
+    from .device import SecAggKeys, SecureUploads
+
+log = logging.getLogger(__name__)
+
+
+class SecureSession(DeviceSession):
+    """A DeviceSession with secure-aggregation keys (or None: it says it cannot take part)."""
+
+    def __init__(self, client_id: str, *, secagg_keys: SecAggKeys | None, examples: int, **session: Any):
+        super().__init__(client_id, **session)
+        self.secure: SecureUploads | None = None
+        if secagg_keys is not None:
+            from .device import SecureUploads
+
+            self.secure = SecureUploads(client_id, secagg_keys, examples)
+
+    def secure_capability(self) -> dict[str, Any]:
+        """The HELLO config entry of a device that speaks secure aggregation (empty without keys)."""
+        return {stages.CAPABILITY: stages.VERSION} if self.secure is not None else {}
+
+    def _on_secagg(self, envelope: Envelope) -> None:
+        """A secure-aggregation stage: answered with SECAGG_RES (keys, shares, unmasking), or the
+        shares addressed to this device, after which a waiting masked reply goes up. A stage this
+        device must not answer (a bad signature, an inconsistent unmask request) is logged and
+        left unanswered: the device drops out of the round, and its secrets stay here."""
+        if self.secure is None or not self.current(envelope) or self.answered(envelope):
+            return
+        from .errors import SecAggError
+
+        try:
+            reply = self.secure.on_stage(envelope)
+        except SecAggError as exc:
+            log.warning("%s: secure aggregation of round %d: %s; not answered", self.client_id, envelope.round, exc)
+            return
+        if reply is not None:
+            self.send(Kind.SECAGG_RES, envelope.round, request=envelope,
+                      config={stages.STAGE: envelope.config.get(stages.STAGE), **reply})
+        self._send_masked()
+
+    def _send_masked(self) -> None:
+        """Send the pending masked reply once it can be masked (its neighbours' shares are here)."""
+        ready = self.secure.ready() if self.secure is not None else None
+        if ready is not None:
+            kind = Kind.EVAL_RES if ready.request.kind is Kind.EVALUATE else Kind.TRAIN_RES
+            self.send(kind, ready.request.round, request=ready.request, groups=ready.groups, metrics=ready.metrics,
+                      config=ready.config)
