@@ -745,14 +745,7 @@ class Coordinator:
 
         self.algorithm.begin_round(round_)
         secure = self._secure_groups(round_, selected, eligible)
-        if secure.rounds:
-            self._secure_stage(secure, stages.ADVERTISE, sorted(secure.group_of))
-            advertised = sorted(d for r in secure.rounds.values() for d in r.server.advertised)
-            self._secure_stage(secure, stages.SHARE, advertised)
-        for group, part in sorted(secure.rounds.items()):
-            if len(part.server.shared) < MIN_PARTICIPANTS:
-                secure.drop(group, f"only {len(part.server.shared)} devices shared their keys; at least "
-                                   f"{MIN_PARTICIPANTS} needed")
+        self._share_keys(secure)
         shared = sorted(d for r in secure.rounds.values() for d in r.server.shared)
         log.info("round %d: %d of %d devices shared their keys; training", round_, len(shared), len(selected))
         if not secure.rounds:
@@ -822,6 +815,20 @@ class Coordinator:
             secure.drop(group, why)
             log.warning("round %d: %s", round_, secure.failed[-1])
         return secure
+
+    def _share_keys(self, secure: SecureGroups) -> None:
+        """The advertise and share stages; a group in which fewer than MIN_PARTICIPANTS devices
+        shared their keys is dropped (its sum would tell each device the others')."""
+        from .secure_rounds import MIN_PARTICIPANTS
+
+        if secure.rounds:
+            self._secure_stage(secure, stages.ADVERTISE, sorted(secure.group_of))
+            advertised = sorted(d for r in secure.rounds.values() for d in r.server.advertised)
+            self._secure_stage(secure, stages.SHARE, advertised)
+        for group, part in sorted(secure.rounds.items()):
+            if len(part.server.shared) < MIN_PARTICIPANTS:
+                secure.drop(group, f"only {len(part.server.shared)} devices shared their keys; at least "
+                                   f"{MIN_PARTICIPANTS} needed")
 
     def _deliver_shares(self, secure: SecureGroups) -> None:
         """The `shares` delivery: each device that shared keys gets the ciphertexts addressed to it."""
@@ -1061,7 +1068,7 @@ class Coordinator:
         shares, and the survivors unmask the sum, which the pool takes. With fewer than
         MIN_PARTICIPANTS devices, or too few shares to unmask, nothing is pooled (logged, and
         recorded in metrics.jsonl as `secure_pool`)."""
-        from .secure_rounds import MIN_PARTICIPANTS, SecureGroups, SecurePool, SecureRound
+        from .secure_rounds import SecureGroups, SecurePool, SecureRound
 
         round_ = self.completed
         examples = {device: self.registry.devices[device].num_examples for device in targets}
@@ -1076,14 +1083,10 @@ class Coordinator:
                                  "failed": str(exc)})
             return
         secure = SecureGroups(round_, {0: part}, len(targets), sharded=False)
-        self._secure_stage(secure, stages.ADVERTISE, targets)
-        self._secure_stage(secure, stages.SHARE, sorted(part.server.advertised))
-        shared = sorted(part.server.shared)
-        if len(shared) < MIN_PARTICIPANTS:
-            secure.drop(0, f"only {len(shared)} devices shared their keys; at least {MIN_PARTICIPANTS} needed")
-        else:
+        self._share_keys(secure)
+        if secure.rounds:
             self._deliver_shares(secure)
-            self._evaluate(round_, targets=shared, phase=pool.phase, pool=pool, secure=part)
+            self._evaluate(round_, targets=sorted(part.server.shared), phase=pool.phase, pool=pool, secure=part)
             if self._unmask(secure, lambda device: None):
                 pool.add_sum(part.pool_sum(), len(part.server.survivors), largest)
         record = secure.record()

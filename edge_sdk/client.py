@@ -239,22 +239,6 @@ class EdgeClient(SecureSession):
         self.secure.vector(request, groups)
         self._send_masked()
 
-    def _secure_statistics(self, request: Envelope, statistics: ArrayGroup, metrics: dict[str, float]) -> None:
-        """Under secure aggregation: the global body's BatchNorm statistics (the statistics pool's
-        EVALUATE) as a masked vector, sent once the neighbours' shares are here; a share that must
-        not go up (not finite) is logged and left unanswered."""
-        from .secagg.errors import SecAggError
-
-        if self.secure is None:
-            raise RegistrationRefused(f"{self.client_id}: a release under secure aggregation, and this device has no "
-                                      "secure-aggregation keys")
-        try:
-            self.secure.pool_share(request, statistics, metrics)
-        except SecAggError as exc:
-            log.warning("%s: %s; not answered", self.client_id, exc)
-            return
-        self._send_masked()
-
     def _on_evaluate(self, envelope: Envelope) -> None:
         if not self.current(envelope) or self.answered(envelope):
             return
@@ -265,7 +249,7 @@ class EdgeClient(SecureSession):
                 statistics = algorithm.body_statistics(task)
             examples: dict[str, float] = {"num_examples": algorithm.data.num_train}
             if envelope.config.get(secagg_stages.SECURE) is True:  # masked: the coordinator sees only the sum
-                self._secure_statistics(envelope, statistics, examples)
+                self._send_pool_share(envelope, statistics, examples)
                 return
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
                       metrics=examples)

@@ -388,27 +388,9 @@ class LiteClient(SecureSession):
         else:
             metrics["deployed_accuracy"] = deployed.accuracy
         if self.secure_run and request.config.get(secagg_stages.SECURE) is True and groups:
-            self._masked_prototypes(request, groups[PROTOTYPES], metrics, config)
+            self._send_pool_share(request, groups[PROTOTYPES], metrics, config)
             return
         self.send(Kind.EVAL_RES, request.round, request=request, groups=groups or {}, metrics=metrics, config=config)
-
-    def _masked_prototypes(self, request: Envelope, prototypes: dict[str, np.ndarray], metrics: dict[str, float],
-                           config: dict[str, Any]) -> None:
-        """Under secure aggregation: the prototypes as a masked vector in the EVAL_RES, sent once
-        the neighbours' shares are here; a device without keys, or whose share must not be sent,
-        leaves the request unanswered (and drops out of the pool)."""
-        from ..secagg.errors import SecAggError
-
-        if self.secure is None:
-            log.warning("%s: prototypes asked for under secure aggregation, and this device has no keys",
-                        self.client_id)
-            return
-        try:
-            self.secure.pool_share(request, prototypes, metrics, config)
-        except SecAggError as exc:
-            log.warning("%s: %s; not answered", self.client_id, exc)
-            return
-        self._send_masked()
 
     def _representation(self) -> tuple[str, FeatureExtractor, bytes]:
         """The loaded representation: its sha256, its extractor and its ONNX bytes. Evaluation

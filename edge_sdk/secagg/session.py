@@ -55,6 +55,25 @@ class SecureSession(DeviceSession):
                       config={stages.STAGE: envelope.config.get(stages.STAGE), **reply})
         self._send_masked()
 
+    def _send_pool_share(self, request: Envelope, arrays: dict[str, Any], metrics: dict[str, float],
+                         config: dict[str, Any] | None = None) -> None:
+        """This device's share of a release pool (the pool's EVALUATE under secure aggregation) as a
+        masked vector in the EVAL_RES, sent once the neighbours' shares are here; a device without
+        keys, or whose share must not go up (not finite, implausible counts), logs it and leaves
+        the request unanswered (it drops out of the pool)."""
+        from .errors import SecAggError
+
+        if self.secure is None:
+            log.warning("%s: a release pool asked for under secure aggregation, and this device has no keys",
+                        self.client_id)
+            return
+        try:
+            self.secure.pool_share(request, arrays, metrics, config)
+        except SecAggError as exc:
+            log.warning("%s: %s; not answered", self.client_id, exc)
+            return
+        self._send_masked()
+
     def _send_masked(self) -> None:
         """Send the pending masked reply once it can be masked (its neighbours' shares are here)."""
         ready = self.secure.ready() if self.secure is not None else None

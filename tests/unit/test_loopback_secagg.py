@@ -212,7 +212,7 @@ def release_run(federation, out, *, secure: bool, weak: int = 3, lose_a_weak_dev
     lites = [federation.start_lite(i, devices, secagg_keys=keys[i]) for i in range(first_lite, devices)]
     if lose_a_weak_device:  # it answers the key stages, then is lost instead of masking its prototypes
         lost = lites[-1].client_id
-        lites[-1]._masked_prototypes = lambda *args: federation.announce_offline(lost)
+        lites[-1]._send_pool_share = lambda *args: federation.announce_offline(lost)
     report = coordinator.run()
     federation.devices_exit()
     federation.threads.clear()
