@@ -3,7 +3,9 @@
 Pure logic with an injected clock, so quorum, deadline, stale and duplicate handling are unit
 tested without a broker. A round is over when every selected device still online answered (a
 reply that was rejected is an answer: the device sends no other), or when a quorum replied and
-the grace period since the quorum passed, or at the deadline.
+the grace period since the quorum passed, or at the deadline. While the quorum still needs a
+selected device that went offline before answering, the round waits `rejoin` seconds for it: a
+device whose connection dropped reconnects, says HELLO and gets the request again.
 
 How long a round waits scales with what was measured (`round_windows`), and an update that
 arrives after its round closed goes where the run's late-update policy says (`LateUpdates`).
@@ -55,6 +57,11 @@ class RoundCollector:
     refused: dict[str, str] = field(default_factory=dict)  # client id -> id of its rejected reply
     offline: set[str] = field(default_factory=set)
     quorum_at: float | None = None
+    rejoin: float = 0.0
+    """Seconds a device that went offline before answering is still waited for, while the quorum
+    needs it (0: not waited for)."""
+    offline_since: dict[str, float] = field(default_factory=dict)
+    """When each device of `offline` that may come back went offline (not those of a lost shard)."""
 
     def check(self, client_id: str, msg_id: str) -> Reason | None:
         """Why a reply from `client_id` must not be applied, or None if it may be."""
@@ -69,7 +76,7 @@ class RoundCollector:
     def accept(self, client_id: str, msg_id: str, now: float) -> None:
         self.replied[client_id] = msg_id
         self.refused.pop(client_id, None)
-        self.offline.discard(client_id)
+        self._back(client_id)
         if self.quorum_at is None and len(self.replied) >= self.min_replies:
             self.quorum_at = now
 
@@ -77,7 +84,7 @@ class RoundCollector:
         """The device's reply was rejected: it counts for no quorum and is not waited for, but
         another reply from it (a new message id) may still be accepted."""
         self.refused[client_id] = msg_id
-        self.offline.discard(client_id)
+        self._back(client_id)
 
     def lose(self, client_id: str) -> int:
         """A selected device whose reply will not be aggregated after all (its shard's aggregator
@@ -86,6 +93,7 @@ class RoundCollector:
             return 0
         accepted = self.replied.pop(client_id, None) is not None
         self.offline.add(client_id)
+        self.offline_since.pop(client_id, None)
         if len(self.replied) < self.min_replies:
             self.quorum_at = None
         return int(accepted)
@@ -95,20 +103,34 @@ class RoundCollector:
         missed the request): waited for again if selected, and True when it still owes its reply."""
         owes = client_id in self.selected and client_id not in self.replied and client_id not in self.refused
         if owes:
-            self.offline.discard(client_id)
+            self._back(client_id)
         return owes
 
-    def mark_offline(self, client_id: str) -> None:
+    def mark_offline(self, client_id: str, now: float) -> None:
+        """`client_id` went offline (its Last Will) at `now`: not waited for, unless the quorum
+        needs it, and then for `rejoin` seconds."""
         if client_id in self.selected and client_id not in self.replied:
             self.offline.add(client_id)
+            self.offline_since[client_id] = now
+
+    def _back(self, client_id: str) -> None:
+        self.offline.discard(client_id)
+        self.offline_since.pop(client_id, None)
+
+    def _rejoin_pending(self, now: float) -> bool:
+        """The quorum is not in, and the devices that went offline less than `rejoin` seconds
+        ago could still bring it in by coming back."""
+        returning = sum(now < since + self.rejoin for since in self.offline_since.values())
+        return not self.enough and returning > 0 and len(self.replied) + returning >= self.min_replies
 
     def outcome(self, now: float) -> Outcome:
         waiting = self.selected - set(self.replied) - set(self.refused) - self.offline
-        if not waiting and self.replied:
+        rejoin_pending = self._rejoin_pending(now)
+        if not waiting and self.replied and not rejoin_pending:
             return Outcome.COMPLETE
         if self.quorum_at is not None and now >= self.quorum_at + self.grace:
             return Outcome.QUORUM
-        if now >= self.deadline or not waiting:
+        if now >= self.deadline or (not waiting and not rejoin_pending):
             return Outcome.DEADLINE
         return Outcome.OPEN
 
@@ -117,6 +139,9 @@ class RoundCollector:
         until = self.deadline
         if self.quorum_at is not None:
             until = min(until, self.quorum_at + self.grace)
+        for since in self.offline_since.values():
+            if since + self.rejoin > now:
+                until = min(until, since + self.rejoin)
         return max(0.0, until - now)
 
     @property

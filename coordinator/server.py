@@ -411,7 +411,7 @@ class Coordinator:
         if was_online:
             self.events.emit(DeviceOffline(client_id, len(self.registry.online())))
         if self._collector is not None:
-            self._collector.mark_offline(client_id)
+            self._collector.mark_offline(client_id, self.clock())
         if self.steps is not None and client_id in self.steps.flights:
             self.steps.lost(client_id)
             self._step_missing.add(client_id)
@@ -704,6 +704,7 @@ class Coordinator:
             min_replies=max(1, min(self.config.round.min_clients, len(selected))),
             deadline=self.clock() + timeout,
             grace=grace,
+            rejoin=self.config.round.quorum_grace,
         )
         sharded: ShardRound | None = None
         on_update: Callable[[Received], None]

@@ -100,7 +100,8 @@ class RoundSettings:
     min_clients: int = setting(1, help="quorum: replies needed to aggregate a round")
     holdout_clients: int = setting(0, defines=DEFINES,
                                    help="devices never selected for training (they only personalize at evaluation)")
-    quorum_grace: float = setting(10.0, help="seconds to wait for stragglers once the quorum replied")
+    quorum_grace: float = setting(10.0, help="seconds to wait for stragglers once the quorum replied, and for a "
+                                             "device that went offline mid-round while the quorum needs it")
     patience: float = setting(3.0, help="the grace and the timeout grow to this many times the slowest reply "
                                         "measured so far, and round 1 waits for every selected device up to the "
                                         "timeout (0: the configured times as they are)")

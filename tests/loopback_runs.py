@@ -70,6 +70,22 @@ class MissesTheFirstTrain(LoopbackTransport):
         super().deliver(topic, payload)
 
 
+class DropsItsFirstUpdate(LoopbackTransport):
+    """A connection that fails as its device sends its first update (TRAIN_RES): the update is
+    lost, the broker publishes the device's Last Will, and the connection is made again at once
+    (a new connection: the device says HELLO again)."""
+
+    connections = 1
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if self.connections == 1 and topic.endswith(f"/{Kind.TRAIN_RES.value}"):
+            self.broker._detach(self, send_will=True)
+            self.connections = 2
+            self.broker._attach(self)
+            return
+        super().publish(topic, payload, qos=qos, retain=retain)
+
+
 class LoopbackFederation:
     """A LoopbackBroker with a Coordinator and EdgeClient threads of one federation."""
 

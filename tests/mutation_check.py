@@ -465,6 +465,16 @@ MUTATIONS = (
              (("tuned = copy.deepcopy(self.model)", "tuned = self.model"),), ("tests/unit/test_fedbabu_objective.py",)),
     Mutation("fedbabu: default tau_f not the paper's", "edge_sdk/algorithms/hyper/fedbabu.py",
              (("finetune_epochs: int = 5", "finetune_epochs: int = 10"),), ("tests/unit/test_fedbabu_objective.py",)),
+    # Round ends: a device that dropped off is waited for while the quorum needs it
+    Mutation("rounds: a device that dropped off not waited for while the quorum needs it", SERVER_PY,
+             (("            rejoin=self.config.round.quorum_grace,\n", ""),),
+             ("tests/unit/test_loopback_faults.py::test_a_device_that_drops_off_is_waited_for_while_the_quorum_needs_it",
+              "tests/unit/test_rounds.py")),
+    Mutation("rounds: the collector closes below its quorum while a dropped device may come back",
+             "coordinator/rounds.py",
+             (("        if not waiting and self.replied and not rejoin_pending:",
+               "        if not waiting and self.replied:"),),
+             ("tests/unit/test_rounds.py",)),
 )
 
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from edge_sdk.store import PersonalStore
-from loopback_runs import BlockingLock, MissesTheFirstTrain
+from loopback_runs import BlockingLock, DropsItsFirstUpdate, MissesTheFirstTrain
 
 
 def test_a_device_killed_mid_round_is_not_waited_for(federation):
@@ -57,6 +57,25 @@ def test_a_device_back_mid_round_gets_the_open_request_again(federation):
     report = coordinator.run()
 
     # Assert: dev002 trained in round 1 from the request sent to it again after its HELLO
+    rounds = report["rounds"]
+    assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 3, "complete")] * 2
+    assert rounds[0]["seconds"] < config.round.quorum_grace
+
+
+def test_a_device_that_drops_off_is_waited_for_while_the_quorum_needs_it(federation):
+    # Prepare: every device is needed (quorum 3 of 3); dev002's connection fails as it uploads
+    # its round-1 update, and its Last Will reaches the coordinator before the others' updates can
+    config = federation.config(min_clients=3, quorum_grace=60.0, round_timeout=120.0)
+    coordinator = federation.coordinator(config)
+    federation.start_device(0, 3)
+    federation.start_device(1, 3)
+    federation.start_device(2, 3, transport_type=DropsItsFirstUpdate)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: round 1 waited for dev002, which came back, got the request again and answered
+    # with its cached update; without the wait the round would close with 2 of 3 and abort
     rounds = report["rounds"]
     assert [(r["selected"], r["participants"], r["outcome"]) for r in rounds] == [(3, 3, "complete")] * 2
     assert rounds[0]["seconds"] < config.round.quorum_grace

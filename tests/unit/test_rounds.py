@@ -50,8 +50,9 @@ def test_no_devices_selects_none():
 # -- RoundCollector ------------------------------------------------------------------------
 
 
-def _collector(selected=("a", "b", "c"), min_replies=2, deadline=100.0, grace=10.0) -> RoundCollector:
-    return RoundCollector(1, frozenset(selected), min_replies=min_replies, deadline=deadline, grace=grace)
+def _collector(selected=("a", "b", "c"), min_replies=2, deadline=100.0, grace=10.0, rejoin=0.0) -> RoundCollector:
+    return RoundCollector(1, frozenset(selected), min_replies=min_replies, deadline=deadline, grace=grace,
+                          rejoin=rejoin)
 
 
 def test_complete_when_all_selected_replied():
@@ -90,15 +91,15 @@ def test_deadline_closes_a_round_without_quorum():
     assert not collector.enough
 
 
-def test_offline_device_is_not_waited_for():
+def test_offline_device_is_not_waited_for_once_the_quorum_is_in():
     # Prepare
-    collector = _collector(grace=50.0)
+    collector = _collector(grace=50.0, rejoin=20.0)
     collector.accept("a", "m-a", now=1.0)
     collector.accept("b", "m-b", now=2.0)
     assert collector.outcome(3.0) is Outcome.OPEN
 
     # Execute
-    collector.mark_offline("c")
+    collector.mark_offline("c", now=3.0)
 
     # Assert
     assert collector.outcome(3.0) is Outcome.COMPLETE
@@ -136,8 +137,8 @@ def test_offline_marks_for_unselected_or_replied_devices_are_ignored():
     collector.accept("a", "m-a", now=1.0)
 
     # Execute
-    collector.mark_offline("a")
-    collector.mark_offline("zzz")
+    collector.mark_offline("a", now=2.0)
+    collector.mark_offline("zzz", now=2.0)
 
     # Assert
     assert collector.offline == set()
@@ -146,7 +147,7 @@ def test_offline_marks_for_unselected_or_replied_devices_are_ignored():
 def test_a_device_that_comes_back_and_replies_counts():
     # Prepare
     collector = _collector()
-    collector.mark_offline("c")
+    collector.mark_offline("c", now=0.5)
 
     # Execute
     for name in ("a", "b", "c"):
@@ -162,11 +163,64 @@ def test_everyone_offline_without_replies_does_not_wait_for_the_deadline():
 
     # Execute
     for name in ("a", "b", "c"):
-        collector.mark_offline(name)
+        collector.mark_offline(name, now=0.5)
 
     # Assert
     assert collector.outcome(1.0) is Outcome.DEADLINE
     assert not collector.enough
+
+
+def test_a_device_offline_before_answering_is_waited_for_while_the_quorum_needs_it():
+    # Prepare: a quorum of all three; c drops off at t=5 after a and b answered
+    collector = _collector(min_replies=3, rejoin=10.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=2.0)
+    collector.mark_offline("c", now=5.0)
+
+    # Execute / Assert: open until t=15, when the wait for it ends
+    assert collector.outcome(6.0) is Outcome.OPEN
+    assert collector.time_left(6.0) == pytest.approx(9.0)
+    assert collector.waiting == frozenset()  # not late if the round closes now
+    assert collector.rejoined("c")
+    collector.accept("c", "m-c", now=8.0)
+    assert collector.outcome(8.0) is Outcome.COMPLETE and collector.enough
+
+
+def test_a_device_that_does_not_come_back_in_time_ends_the_round_below_its_quorum():
+    # Prepare
+    collector = _collector(min_replies=3, rejoin=10.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=2.0)
+    collector.mark_offline("c", now=5.0)
+
+    # Execute / Assert
+    assert collector.outcome(14.9) is Outcome.OPEN
+    assert collector.outcome(15.0) is Outcome.COMPLETE and not collector.enough
+
+
+def test_no_wait_for_devices_that_cannot_bring_the_quorum_in_or_were_lost():
+    # Prepare: a quorum of 3 of 4; b refused, d lost with its shard, c offline
+    collector = _collector(selected=("a", "b", "c", "d"), min_replies=3, rejoin=10.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.refuse("b", "m-b")
+    collector.lose("d")
+    collector.mark_offline("c", now=2.0)
+
+    # Execute / Assert: a and c make 2 of 3 even if c comes back
+    assert collector.outcome(2.0) is Outcome.COMPLETE and not collector.enough
+
+
+def test_a_lost_device_is_not_waited_for():
+    # Prepare
+    collector = _collector(min_replies=3, rejoin=10.0)
+    collector.accept("a", "m-a", now=1.0)
+    collector.accept("b", "m-b", now=1.0)
+
+    # Execute
+    collector.lose("c")
+
+    # Assert
+    assert collector.outcome(2.0) is Outcome.COMPLETE and collector.time_left(2.0) == pytest.approx(98.0)
 
 
 def test_duplicate_conflicting_and_unselected_replies():
@@ -212,7 +266,7 @@ def test_waiting_lists_the_selected_devices_neither_answered_nor_gone():
     # Execute
     collector.accept("a", "m1", now=1.0)
     collector.refuse("b", "m2")
-    collector.mark_offline("c")
+    collector.mark_offline("c", now=1.0)
 
     # Assert
     assert collector.waiting == frozenset({"d"})
