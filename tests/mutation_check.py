@@ -468,7 +468,7 @@ MUTATIONS = (
     # Round ends: a device that dropped off is waited for while the quorum needs it
     Mutation("rounds: a device that dropped off not waited for while the quorum needs it", SERVER_PY,
              (("            rejoin=self.config.round.quorum_grace,\n", ""),),
-             ("tests/unit/test_loopback_faults.py::test_a_device_that_drops_off_is_waited_for_while_the_quorum_needs_it",
+             ("tests/unit/test_loopback_faults.py::test_a_device_back_mid_round_gets_the_open_request_again_and_counts",
               "tests/unit/test_rounds.py")),
     Mutation("rounds: the collector closes below its quorum while a dropped device may come back",
              "coordinator/rounds.py",

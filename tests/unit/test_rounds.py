@@ -170,12 +170,18 @@ def test_everyone_offline_without_replies_does_not_wait_for_the_deadline():
     assert not collector.enough
 
 
-def test_a_device_offline_before_answering_is_waited_for_while_the_quorum_needs_it():
-    # Prepare: a quorum of all three; c drops off at t=5 after a and b answered
+def _c_dropped_off_at_5_while_the_quorum_of_3_needs_it() -> RoundCollector:
+    """A quorum of all three, a 10 s wait for a device that drops off; c does at t=5, after a and b answered."""
     collector = _collector(min_replies=3, rejoin=10.0)
     collector.accept("a", "m-a", now=1.0)
     collector.accept("b", "m-b", now=2.0)
     collector.mark_offline("c", now=5.0)
+    return collector
+
+
+def test_a_device_offline_before_answering_is_waited_for_while_the_quorum_needs_it():
+    # Prepare
+    collector = _c_dropped_off_at_5_while_the_quorum_of_3_needs_it()
 
     # Execute / Assert: open until t=15, when the wait for it ends
     assert collector.outcome(6.0) is Outcome.OPEN
@@ -188,10 +194,7 @@ def test_a_device_offline_before_answering_is_waited_for_while_the_quorum_needs_
 
 def test_a_device_that_does_not_come_back_in_time_ends_the_round_below_its_quorum():
     # Prepare
-    collector = _collector(min_replies=3, rejoin=10.0)
-    collector.accept("a", "m-a", now=1.0)
-    collector.accept("b", "m-b", now=2.0)
-    collector.mark_offline("c", now=5.0)
+    collector = _c_dropped_off_at_5_while_the_quorum_of_3_needs_it()
 
     # Execute / Assert
     assert collector.outcome(14.9) is Outcome.OPEN
