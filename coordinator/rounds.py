@@ -121,16 +121,15 @@ class RoundCollector:
         """The quorum is not in, and the devices that went offline less than `rejoin` seconds
         ago could still bring it in by coming back."""
         returning = sum(now < since + self.rejoin for since in self.offline_since.values())
-        return not self.enough and returning > 0 and len(self.replied) + returning >= self.min_replies
+        return not self.enough and len(self.replied) + returning >= self.min_replies
 
     def outcome(self, now: float) -> Outcome:
-        waiting = self.selected - set(self.replied) - set(self.refused) - self.offline
-        rejoin_pending = self._rejoin_pending(now)
-        if not waiting and self.replied and not rejoin_pending:
+        settled = not self.waiting and not self._rejoin_pending(now)  # nobody left to wait for
+        if settled and self.replied:
             return Outcome.COMPLETE
         if self.quorum_at is not None and now >= self.quorum_at + self.grace:
             return Outcome.QUORUM
-        if now >= self.deadline or (not waiting and not rejoin_pending):
+        if now >= self.deadline or settled:
             return Outcome.DEADLINE
         return Outcome.OPEN
 
@@ -139,9 +138,8 @@ class RoundCollector:
         until = self.deadline
         if self.quorum_at is not None:
             until = min(until, self.quorum_at + self.grace)
-        for since in self.offline_since.values():
-            if since + self.rejoin > now:
-                until = min(until, since + self.rejoin)
+        rejoin_ends = (since + self.rejoin for since in self.offline_since.values())
+        until = min([until, *(end for end in rejoin_ends if end > now)])
         return max(0.0, until - now)
 
     @property

@@ -79,9 +79,9 @@ class DropsItsFirstUpdate(LoopbackTransport):
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         if self.connections == 1 and topic.endswith(f"/{Kind.TRAIN_RES.value}"):
-            self.broker._detach(self, send_will=True)
+            self.broker.kill(self.client_id)
             self.connections = 2
-            self.broker._attach(self)
+            self.connect()
             return
         super().publish(topic, payload, qos=qos, retain=retain)
 

@@ -472,8 +472,8 @@ MUTATIONS = (
               "tests/unit/test_rounds.py")),
     Mutation("rounds: the collector closes below its quorum while a dropped device may come back",
              "coordinator/rounds.py",
-             (("        if not waiting and self.replied and not rejoin_pending:",
-               "        if not waiting and self.replied:"),),
+             (("        settled = not self.waiting and not self._rejoin_pending(now)",
+               "        settled = not self.waiting"),),
              ("tests/unit/test_rounds.py",)),
 )
 
