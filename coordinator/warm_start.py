@@ -154,7 +154,7 @@ def overlay(state: dict[str, ArrayGroup], arrays: dict[str, np.ndarray],
             if given.shape != fresh.shape or given.dtype.kind != fresh.dtype.kind:
                 raise ConfigError(f"{KEY}: {name!r} is {given.dtype}{list(given.shape)} in {source} but the run's "
                                   f"model has {fresh.dtype}{list(fresh.shape)} (a source of another model?)")
-            overlaid[group][name] = np.ascontiguousarray(given, dtype=fresh.dtype)
+            overlaid[group][name] = np.array(given, dtype=fresh.dtype, order="C")  # keeps a 0-d array 0-d
     matched = {name for named in state.values() for name in named if name in arrays}
     if not matched:
         raise ConfigError(f"{KEY}: {source} has no array in common with the run's global state (source: "

@@ -145,6 +145,18 @@ def test_another_kind_of_dtype_is_refused_and_another_precision_is_cast():
         overlay(state, {"n": np.float32(1.0)}, "src")
 
 
+def test_a_scalar_array_keeps_its_shape():
+    # Prepare: BatchNorm's num_batches_tracked is 0-d; an algorithm whose statistics travel broadcasts it
+    state: dict[str, dict[str, np.ndarray]] = {SHARED: {"body.1.num_batches_tracked": np.zeros((), np.int64)}}
+
+    # Execute
+    overlaid, _, _ = overlay(state, {"body.1.num_batches_tracked": np.array(7, np.int64)}, "src")
+
+    # Assert: still 0-d, so a device's shape check accepts the broadcast
+    loaded = overlaid[SHARED]["body.1.num_batches_tracked"]
+    assert loaded.shape == () and loaded.dtype == np.int64 and int(loaded) == 7
+
+
 def test_a_file_with_nothing_in_common_is_refused(federation, tmp_path):
     # Prepare
     np.savez(tmp_path / "unrelated.npz", x=np.zeros((4, 2)), y=np.zeros(4))
