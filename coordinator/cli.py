@@ -397,11 +397,13 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
     data = _device_data(args)
     from edge_sdk.lifecycle import run_until_done
     from edge_sdk.lite import LiteClient
+    from edge_sdk.lite.client import show_releases
 
     providers = args.providers if args.providers == "auto" else args.providers.split(",")
     client = LiteClient(args.client_id, data, head=head, providers=providers,
                         share_prototypes=not args.no_prototypes, broker=mqtt, secagg_keys=_secagg_keys(args),
                         federation=broker.federation, state_dir=args.state_dir or f"edgepfl-state/{args.client_id}")
+    show_releases()
     run_until_done(client, say_waiting=True)
     if client.missing_model is not None:
         print(f"edgepfl lite-client: {client.missing_model}", file=sys.stderr)
@@ -582,7 +584,20 @@ def build_parser() -> argparse.ArgumentParser:
                                help="the runs' --shards K: accounts aggregator-0..K-1 and the shard topics in the "
                                     "ACL (default: 0, no sharded aggregation)")
     broker_config.set_defaults(handler=cmd_broker_config)
+    _verbosity_after_commands(parser)
     return parser
+
+
+def _verbosity_after_commands(parser: argparse.ArgumentParser) -> None:
+    """Accept -v after a command's name too (`edgepfl simulate ... -v`), as users type it: every
+    command parser, nested ones included, takes it; absent there, the value before the name stands."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for command in action.choices.values():
+            command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                 help="more logging (-v info, -vv debug)")
+            _verbosity_after_commands(command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,15 @@ if TYPE_CHECKING:
     from ..secagg.device import SecAggKeys
 
 log = logging.getLogger(__name__)
+release_log = logging.getLogger(f"{__name__}.releases")
+"""One line per release the device takes or keeps: `edgepfl lite-client` shows it without -v."""
+
+
+def show_releases() -> None:
+    """Show the release lines at any log level (a device run on its own, as `edgepfl lite-client`)."""
+    if not release_log.isEnabledFor(logging.INFO):
+        release_log.setLevel(logging.INFO)
+
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -453,14 +462,16 @@ class LiteClient(SecureSession):
         if kept is not None:
             assert deployed is not None  # only a deployed model is kept
             candidate.unlink()
-            log.warning("%s: keeps release %s (accuracy %.4f on its own data): release %s scored %.4f", self.client_id,
-                        deployed.describe(), deployed.accuracy, release.describe(), accuracy)
+            release_log.info("%s: keeps release %s (accuracy %.4f on its own data) at %s: release %s scored %.4f",
+                             self.client_id, deployed.describe(), deployed.accuracy, self.model_path,
+                             release.describe(), accuracy)
             return kept
         os.replace(candidate, self.model_path)
         self.deployed = Deployment(release.sha256, release.version, accuracy, head, str(self.model_path))
         write_deployment(self.deployment_path, self.deployed)
-        if deployed is not None and deployed.sha256 != release.sha256:
-            log.info("%s: deploys release %s%s (accuracy %.4f; release %s scored %.4f)", self.client_id,
-                     release.describe(), ", a rollback" if release.rollback else "", accuracy, deployed.describe(),
-                     deployed.accuracy)
+        replaced = ("" if deployed is None or deployed.sha256 == release.sha256
+                    else f"; release {deployed.describe()} scored {deployed.accuracy:.4f}")
+        release_log.info("%s: deploys release %s%s (accuracy %.4f on its own data) to %s%s", self.client_id,
+                         release.describe(), ", a rollback" if release.rollback else "", accuracy, self.model_path,
+                         replaced)
         return None

@@ -134,3 +134,14 @@ def test_every_flag_has_help_that_shows_its_default(command):
             assert "default" in action.help, f"{command} {action.option_strings[0]} does not show its default"
         assert action.nargs != "?", f"{command} {action.option_strings[0]} shows an optional placeholder"
     assert "[RELEASE]" not in text and "[AMP]" not in text
+
+
+@pytest.mark.parametrize("argv, verbosity", [
+    (["simulate", "--algorithm", "fedavg"], 0),
+    (["-v", "simulate", "--algorithm", "fedavg"], 1),
+    (["simulate", "--algorithm", "fedavg", "-v"], 1),
+    (["simulate", "-vv"], 2),
+    (["release", "list", "--run", "runs/r1", "-v"], 1),
+])
+def test_the_verbosity_flag_works_before_and_after_the_command(argv, verbosity):
+    assert build_parser().parse_args(argv).verbose == verbosity

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from onnx_bodies import dense_body
 from edge_sdk.channel import Channel
 from edge_sdk.data import BUILTIN_TASKS, load_client_data
 from edge_sdk.lite import LiteClient
-from edge_sdk.lite.client import Release
+from edge_sdk.lite.client import Release, release_log, show_releases
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Topics
 
@@ -98,12 +99,13 @@ def record(state_dir: Path) -> dict:
     return json.loads((state_dir / "deployed-dev0.json").read_text())
 
 
-def test_the_first_release_is_deployed_and_recorded(stand_in, tmp_path):
+def test_the_first_release_is_deployed_and_recorded(stand_in, tmp_path, caplog):
     # Prepare
     device = stand_in.device(tmp_path)
 
     # Execute
-    reply = stand_in.offer(device, GOOD, version=1)
+    with caplog.at_level("INFO", logger=release_log.name):
+        reply = stand_in.offer(device, GOOD, version=1)
 
     # Assert
     assert reply.config["release"] == reply.config["runs"] == sha(GOOD) and "kept" not in reply.config
@@ -112,6 +114,25 @@ def test_the_first_release_is_deployed_and_recorded(stand_in, tmp_path):
     assert device.model_path.is_file() and device.missing_model is None
     assert record(tmp_path) == {"sha256": sha(GOOD), "version": 1, "accuracy": reply.metrics["accuracy"],
                                 "head": "lr", "model_path": str(device.model_path)}
+    accuracy = reply.metrics["accuracy"]
+    assert f"deploys release 1 ({sha(GOOD)[:12]}) (accuracy {accuracy:.4f} on its own data) to {device.model_path}" \
+        in caplog.text
+
+
+def test_the_release_lines_show_at_the_default_log_level():
+    # Prepare: the command line's default, WARNING
+    saved = release_log.level
+    release_log.setLevel(logging.NOTSET)
+    try:
+        assert not release_log.isEnabledFor(logging.INFO) or logging.getLogger().isEnabledFor(logging.INFO)
+
+        # Execute
+        show_releases()
+
+        # Assert
+        assert release_log.isEnabledFor(logging.INFO)
+    finally:
+        release_log.setLevel(saved)
 
 
 def test_a_newer_release_that_scores_lower_is_not_deployed(stand_in, tmp_path, caplog):
@@ -121,7 +142,7 @@ def test_a_newer_release_that_scores_lower_is_not_deployed(stand_in, tmp_path, c
     deployed_bytes = device.model_path.read_bytes()
 
     # Execute
-    with caplog.at_level("WARNING", logger="edge_sdk.lite.client"):
+    with caplog.at_level("INFO", logger=release_log.name):
         reply = stand_in.offer(device, POOR, version=2)
 
     # Assert: the model file, the record and the reply all say release 1
@@ -134,7 +155,8 @@ def test_a_newer_release_that_scores_lower_is_not_deployed(stand_in, tmp_path, c
     assert reply.metrics["deployed_accuracy"] == good
     assert record(tmp_path)["sha256"] == sha(GOOD) and record(tmp_path)["version"] == 1
     assert device.evaluation is not None and not device.evaluation.deployed
-    assert f"keeps release 1 ({sha(GOOD)[:12]}) (accuracy {good:.4f}" in caplog.text
+    kept_line = f"keeps release 1 ({sha(GOOD)[:12]}) (accuracy {good:.4f} on its own data) at {device.model_path}"
+    assert kept_line in caplog.text
     assert f"release 2 ({sha(POOR)[:12]}) scored {poor:.4f}" in caplog.text
 
 
