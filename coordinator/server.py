@@ -46,7 +46,8 @@ from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
-from .privacy.policy import BudgetSpent, check_dp_sgd_run, private_run
+from .privacy.budget import BudgetSpent
+from .privacy.policy import check_dp_sgd_run, private_run
 from .registration import Registration, RegistrationTimeout
 from .release import Pool, Release, ReleasePhase
 from .releases.inventory import keep_release_results

@@ -37,10 +37,6 @@ CLASS_STATISTICS = "class statistics"
 TREATED = (PARAMETERS,)
 
 
-class BudgetSpent(RuntimeError):
-    """The next round would spend more than the run's privacy budget: the run stops."""
-
-
 def check_private_run(config: RunConfig, algorithm: ServerAlgorithm, *, needs_body_statistics: bool) -> None:
     """Refuse, before anything starts, a `--dp` run with a message no mechanism covers, naming
     it (ConfigError); a run without DP passes. `needs_body_statistics`: the release would pool

@@ -35,7 +35,7 @@ from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 from ..rounds import select_clients
 from .accountant import PrivacyAccountant, calibrate_noise, local_epsilon
 from .mechanism import PrivateMean, noised_mean
-from .policy import BudgetSpent
+from .budget import BudgetSpent
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .parted import ModelError
 
-if TYPE_CHECKING:
-    from ..algorithms.base import DeviceAlgorithm
 
 CHANNEL_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, _BatchNorm, nn.GroupNorm, nn.LayerNorm,
                   nn.modules.instancenorm._InstanceNorm)
@@ -84,7 +82,15 @@ COMMON: tuple[Capability, ...] = (PARTS, FLAT_FEATURES)
 """What every algorithm needs."""
 
 
-def check_capabilities(algorithm_cls: type[DeviceAlgorithm], model: nn.Module) -> None:
+class NeedsCapabilities(Protocol):
+    """What `check_capabilities` reads of an algorithm: its id and what it requires of a model
+    (a device algorithm's class; typed here, not imported, so models never import algorithms)."""
+
+    id: ClassVar[str]
+    requires: ClassVar[tuple[Capability, ...]]
+
+
+def check_capabilities(algorithm_cls: type[NeedsCapabilities], model: nn.Module) -> None:
     """Raise ModelCapabilityError for the first capability in `algorithm_cls.requires` that
     `model` (a built model with parts and `feature_dim`) lacks."""
     for capability in algorithm_cls.requires:

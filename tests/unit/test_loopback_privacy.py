@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
-from coordinator.privacy.policy import BudgetSpent
+from coordinator.privacy.budget import BudgetSpent
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy.upstream import change_norm
 from edge_sdk.protocol import Kind
