@@ -422,6 +422,8 @@ class Coordinator:
     def _request(self, kind: Kind, envelope: Envelope, collector: RoundCollector,
                  on_reply: Callable[[Received], None]) -> Outcome:
         """Broadcast a request and collect the replies until the collector says the round is over."""
+        if kind in (Kind.TRAIN, Kind.EVALUATE):
+            self.algorithm.check_outgoing(f"the {kind.value} of round {envelope.round}", envelope.groups)
         self._outstanding = (self.topics.broadcast(kind), envelope)
         self._collector = collector
         self.outbox.send(*self._outstanding)
@@ -609,6 +611,7 @@ class Coordinator:
         if not devices:
             return
         groups = self.algorithm.task_groups(step)
+        self.algorithm.check_outgoing(f"the train of step {step}", groups)
         task = Envelope(Kind.TRAIN, COORDINATOR, run_id=self.run_id, round=step, groups=groups,
                         config={"selected": devices, "version": steps.version, **self._task_config(step, len(devices))})
         steps.dispatched(devices, task, self.clock())

@@ -16,11 +16,12 @@ from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import NoHyper
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.models import ModelSpec, build_model, check_capabilities
-from edge_sdk.params import ArraySpec
+from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
 
 from ..aggregate import PartialSum
 from ..robust import AggregationSettings, Aggregator, make_aggregator
+from .outgoing import check_outgoing
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -49,6 +50,9 @@ class ServerAlgorithm(ABC):
     asynchronous: ClassVar[str | None] = "its server step is not a weighted mean of changes to what it sent"
     """Why it cannot run buffered asynchronous aggregation (`mode async`); None when it can: its
     updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/async_steps.py)."""
+    sliced_broadcast: ClassVar[bool] = False
+    """True when what goes down carries leading slices of the model's parameters (CD2-pFed): the
+    check before sending (`check_outgoing`) then accepts each array's slice of the model's shape."""
     unshardable: ClassVar[str | None] = "its server step is not a sum of per-update terms"
     """Why its aggregation cannot be split over shard aggregators (`shards`); None when it can:
     then `begin_partial`, `partial`, `partial_spec` and `fold_partial` are provided."""
@@ -58,6 +62,8 @@ class ServerAlgorithm(ABC):
         self.context = context
         self.check_model()
         self.state: dict[str, ArrayGroup] = self.initial_state()
+        self.model_spec = {group: spec_of(arrays) for group, arrays in self.state.items()}
+        """The initial state's names, shapes and dtypes: what a device's model accepts."""
         self.private_mean: Callable[[ArrayGroup], Aggregator] | None = None
         """Under DP, the round's aggregate (`coordinator.privacy`), set by the round loop."""
 
@@ -75,6 +81,11 @@ class ServerAlgorithm(ABC):
         body = {f"body.{name}": tuple(p.shape) for name, p in model.get_submodule("body").named_parameters()}
         held = {key: tuple(array.shape) for group in self.state.values() for key, array in group.items()}
         return bool(body) and all(held.get(key) == shape for key, shape in body.items())
+
+    def check_outgoing(self, what: str, groups: dict[str, ArrayGroup]) -> None:
+        """Refuse to send `groups` (in the request `what`) when every device would refuse them
+        (`outgoing.OutgoingError`, naming the array): the run stops instead of waiting them out."""
+        check_outgoing(what, groups, self.model_spec, sliced=self.sliced_broadcast)
 
     def new_aggregator(self, reference: ArrayGroup | None = None) -> Aggregator:
         """The run's aggregation rule (mean, median, trimmed mean, optionally clipped) for one

@@ -24,6 +24,7 @@ class CD2PFedServer(PartSharingServer):
     id = "cd2_pfed"
     Hyper = CD2PFedHyper
     device = CD2PFedDevice
+    sliced_broadcast = True
     asynchronous = ("its upload holds the channels that the round's personal fraction p_t leaves shared, so an "
                     "update of an older state has other arrays")
 
