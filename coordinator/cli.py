@@ -139,6 +139,10 @@ def _summary(report: dict[str, Any], out: str) -> str:
     if late.get("folded") or late.get("discarded"):
         lines.insert(-3, f"late updates           {late['policy']}: {late['folded']} folded into the next round, "
                          f"{late['discarded']} discarded")
+    refusals = report.get("device_refusals") or {}
+    if refusals:
+        by_reason = ", ".join(f"{reason}: {count}" for reason, count in refusals.items())
+        lines.insert(-1, f"refused by devices     {sum(refusals.values())} requests ({by_reason})")
     return "\n".join(lines)
 
 

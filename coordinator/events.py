@@ -104,6 +104,17 @@ class RoundDevices:
 
 
 @dataclass(frozen=True)
+class DeviceRefused:
+    """A device said it cannot take a request of round `round` (its model or settings do not fit
+    what was sent): the reason code and its detail."""
+
+    round: int
+    client_id: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class RoundEnded:
     """The round is checkpointed; `record` is its line in metrics.jsonl, `channel` what the
     coordinator's channel did during the round (messages, bytes, rejections, seconds), `devices`
@@ -145,7 +156,8 @@ class ReleaseServed:
     """Its number among the run's releases."""
 
 
-Event = (RunStarted | RegistrationOpened | DevicesRegistered | RoundStarted | UpdateAccepted | RoundAggregated
+Event = (RunStarted | RegistrationOpened | DevicesRegistered | RoundStarted | UpdateAccepted | DeviceRefused
+         | RoundAggregated
          | RoundEvaluated | RoundEnded | DeviceOnline | DeviceOffline | ReleaseServed)
 
 

@@ -9,6 +9,7 @@ Writing and reading the files is `coordinator.report`'s.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ class RoundRecord:
     """Valid updates received in time (more than `participants` in a round below its quorum)."""
     refused: int = 0
     """Selected devices whose update was rejected."""
+    device_refusals: dict[str, int] = field(default_factory=dict)
+    """Requests of the round (its TRAIN, its evaluation) that devices refused themselves, by reason."""
     late: int = 0
     """Selected devices still training, online, when the round closed."""
     missing: int = 0
@@ -153,6 +156,7 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
             "by_kind": {"up": traffic["received"], "down": traffic["sent"], "down_delivered": delivered},
         },
         "rejections": ledger.rejections(),
+        "device_refusals": device_refusals(ledger.rounds),
         "duplicates_dropped": ledger.duplicates(),
         "events": ledger.event_counts(),
         "event_log": ledger.events,
@@ -171,3 +175,11 @@ def dp_sgd_report(config: RunConfig, final: dict[str, dict[str, Any]]) -> dict[s
     reported = [m["dp_sgd_epsilon"] for m in final.values() if isinstance(m.get("dp_sgd_epsilon"), (int, float))]
     return {"noise_multiplier": privacy.dp_sgd_noise, "clip": privacy.dp_sgd_clip, "delta": privacy.dp_sgd_delta,
             "epsilon_max": max(reported) if reported else None, "devices_reporting": len(reported)}
+
+
+def device_refusals(rounds: list[dict[str, Any]]) -> dict[str, int]:
+    """The requests devices refused themselves over the run's rounds, by reason."""
+    totals: Counter[str] = Counter()
+    for record in rounds:
+        totals.update(record.get("device_refusals", {}))
+    return dict(sorted(totals.items()))

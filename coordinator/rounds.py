@@ -13,13 +13,33 @@ arrives after its round closed goes where the run's late-update policy says (`La
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from numpy.random import Generator, default_rng  # numpy loads it lazily: with the coordinator, not in round 1
 
-from edge_sdk.protocol import ArrayGroup, Reason
+from edge_sdk.config import ConfigError
+from edge_sdk.protocol import ArrayGroup, Reason, Refusal
+
+
+class EveryDeviceRefused(ConfigError):
+    """Every device asked refused a request itself (its model or settings do not fit what was
+    sent) and none answered it: the run stops, naming the reason, instead of playing on."""
+
+
+def every_device_refused(what: str, round_: int, asked: Iterable[str], answered: Iterable[str],
+                         refusals: Mapping[str, Refusal]) -> EveryDeviceRefused | None:
+    """The stop to raise when each of `asked` refused (`refusals`) and none of them is in
+    `answered`; None otherwise."""
+    asked = sorted(asked)
+    if not asked or set(answered) & set(asked) or any(device not in refusals for device in asked):
+        return None
+    reasons = sorted({refusals[device].reason.value for device in asked})
+    first = refusals[asked[0]]
+    return EveryDeviceRefused(f"round {round_}: every device asked ({len(asked)}) refused the {what} "
+                              f"({', '.join(reasons)}); {asked[0]}: {first.detail}")
 
 
 def select_clients(available: list[str], fraction: float, seed: int, round_: int, *, minimum: int = 1,

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,8 +32,8 @@ from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
 from edge_sdk.privacy.upstream import PRIVACY
-from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id,
-                               new_message_id)
+from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, Refusal,
+                               aggregator_id, new_message_id, refusal_of)
 from edge_sdk.secagg import stages
 from edge_sdk.secagg.errors import SecAggError
 
@@ -41,8 +42,8 @@ from .algorithms.base import ServerContext
 from .async_steps import AsyncSteps, StepRecord, check_async_run, rebase, staleness_factor
 from .config import RunConfig
 from .devices import DeviceRegistry
-from .events import (DeviceOffline, DeviceOnline, Event, EventBus, ReleaseServed, RoundAggregated, RoundDevices,
-                     RoundEnded, RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
+from .events import (DeviceOffline, DeviceOnline, DeviceRefused, Event, EventBus, ReleaseServed, RoundAggregated,
+                     RoundDevices, RoundEnded, RoundEvaluated, RoundStarted, RunStarted, UpdateAccepted)
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition, resent
@@ -54,7 +55,7 @@ from .releases.inventory import keep_release_results
 from .releases.store import ReleaseStore
 from .report import MetricsLog, summarize, write_report
 from .reporting import RoundRecord, finished_report, played_report, run_report
-from .rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients
+from .rounds import LateUpdates, Outcome, RoundCollector, every_device_refused, round_windows, select_clients
 from .run_folder import RunFolder
 from .shard_rounds import ShardedRounds
 from .sharding import AGGREGATOR, ShardRound, check_shardable, shard_of
@@ -146,6 +147,7 @@ class Coordinator:
         self.holdout: frozenset[str] = frozenset()
         self._collector: RoundCollector | None = None
         self._refusals: dict[str, str] = {}  # device -> why its answer was rejected, this round
+        self._device_refusals: dict[str, Refusal] = {}  # device -> why it refused the request, this round
         self._outstanding: tuple[str, Envelope] | None = None  # the request being collected
         self._status_state = "registering"
         self._connections = getattr(channel.transport, "connections", 0)
@@ -451,7 +453,41 @@ class Coordinator:
         if reason is not None:
             self.outbox.reject(envelope, reason, f"{envelope.kind.value} from {envelope.sender} in round {round_}")
             return False
+        return not self._device_refused(envelope, collector)
+
+    def _device_refused(self, envelope: Envelope, collector: RoundCollector | None) -> bool:
+        """A reply that says its device refused the request it answers (`refused`, `detail`):
+        that device's answer, counted and logged under its reason (and, with the open request's
+        `collector`, not waited for); True if it was one. A malformed refusal is refused as such."""
+        try:
+            refusal = refusal_of(envelope)
+        except ProtocolError as err:
+            detail = f"{envelope.kind.value} from {envelope.sender}: {err.detail}"
+            if collector is not None:
+                self._refuse(envelope, collector, err.reason, detail)
+            else:
+                self._refusals[envelope.sender] = err.reason.value
+                self.outbox.reject(envelope, err.reason, detail)
+            return True
+        if refusal is None:
+            return False
+        log.warning("%s refused the %s of round %d (%s): %s", envelope.sender,
+                    "train" if envelope.kind is Kind.TRAIN_RES else "evaluate", envelope.round, refusal.reason.value,
+                    refusal.detail)
+        if collector is not None:
+            collector.refuse(envelope.sender, envelope.msg_id)
+        self._refusals[envelope.sender] = refusal.reason.value
+        self._device_refusals[envelope.sender] = refusal
+        self.events.emit(DeviceRefused(envelope.round, envelope.sender, refusal.reason.value, refusal.detail))
         return True
+
+    def _stop_if_every_device_refused(self, what: str, round_: int, asked: Iterable[str],
+                                      answered: Iterable[str]) -> None:
+        """Stop the run (`EveryDeviceRefused`) when every device asked refused the request itself
+        and none answered it: the next round would send the same and be refused the same."""
+        stop = every_device_refused(what, round_, asked, answered, self._device_refusals)
+        if stop is not None:
+            raise stop
 
     def _refuse(self, envelope: Envelope, collector: RoundCollector, reason: Reason, detail: str) -> None:
         """Reject a device's answer to the open request; it sends no other, so it is not waited for."""
@@ -488,6 +524,7 @@ class Coordinator:
         channel0 = self.channel.counters.snapshot()
         delivered0, discarded0 = self.ledger.delivered_total(), self.late.discarded
         self._refusals.clear()
+        self._device_refusals.clear()
         if self.steps is not None:
             trained = self._async_step(round_, started)
         else:
@@ -517,6 +554,7 @@ class Coordinator:
             rejections=channel.rejections,
             replied=trained.replied,
             refused=len(trained.devices.refused),
+            device_refusals=dict(sorted(Counter(r.reason.value for r in self._device_refusals.values()).items())),
             late=len(trained.devices.late),
             missing=len(trained.devices.missing),
             late_folded=trained.folded,
@@ -562,6 +600,7 @@ class Coordinator:
             aggregated, secure = collector.enough, None
         if self.privacy is not None:
             self.privacy.round_ended(len(candidates), selected, round_)
+        self._stop_if_every_device_refused("train", round_, selected, collector.replied)
         devices = RoundDevices(replied=tuple(sorted(collector.replied)),
                                refused={d: self._refusals.get(d, "refused") for d in sorted(collector.refused)},
                                late=tuple(sorted(collector.waiting)), missing=tuple(sorted(collector.offline)),
@@ -587,6 +626,8 @@ class Coordinator:
                 log.info("step %d: %s has trained for longer than the timeout; asked again", step, device)
             self._dispatch(step)
             self._serve(min(1.0, left), self._stale_reply)
+            if not steps.step.arrivals:
+                self._stop_if_every_device_refused("train", step, self._trainers_online(), ())
         arrivals = steps.step.arrivals
         if arrivals:
             aggregating = self.clock()
@@ -637,6 +678,8 @@ class Coordinator:
             log.info("update from %s arrived after the last aggregation step; discarded", envelope.sender)
             return
         staleness, sent = steps.land(flight)
+        if self._device_refused(envelope, None):
+            return
         if sent is None:
             self._refusals[envelope.sender] = Reason.TOO_STALE.value
             self.outbox.reject(envelope, Reason.TOO_STALE, f"update from {envelope.sender} of version "
@@ -999,6 +1042,7 @@ class Coordinator:
             collector.accept(envelope.sender, envelope.msg_id, self.clock())
 
         self._request(Kind.EVALUATE, request, collector, on_result)
+        self._stop_if_every_device_refused("evaluate", round_, targets, results)
         if private and (pool is None or pool.evaluates) and self.privacy is not None:
             self.privacy.release_accuracy(released, round_)
         missing = set(targets) - set(results)

@@ -64,6 +64,13 @@ SHARD_KINDS = frozenset({Kind.TRAIN_RES})
 """What travels on a shard topic (`edgepfl/<fed>/shard-<k>/<id>/<kind>`): a device's update, to its aggregator."""
 NACK_FIELDS = ("in_reply_to", "refused_kind", "reason")
 """A NACK's config, every value a str: the refused message's msg_id, its kind and the reason code."""
+REFUSED, REFUSAL_DETAIL = "refused", "detail"
+"""The config keys of a device's refusal: a reply (the request's reply kind, `in_reply_to` its
+msg_id) that carries no groups or metrics, only the reason code and a detail of at most
+`MAX_REFUSAL_DETAIL` characters."""
+MAX_REFUSAL_DETAIL = 500
+REPLY_KINDS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES}
+"""The requests a device refuses upward, each with the kind of its reply."""
 
 
 class Reason(str, Enum):
@@ -96,6 +103,12 @@ class Reason(str, Enum):
     BAD_SIGNATURE = "bad_signature"
     OVER_BUDGET = "over_budget"
     SECAGG_INVALID = "secagg_invalid"
+
+
+REPORTED_REFUSALS = frozenset({Reason.MALFORMED, Reason.BAD_DTYPE, Reason.BAD_SHAPE, Reason.UNEXPECTED_ARRAYS,
+                               Reason.NON_FINITE, Reason.MODEL_MISMATCH})
+"""Why a device refuses a request of its run addressed to it and says so upward: what it was
+sent does not fit its model or what it implements. Every other refusal stays silent."""
 
 
 class ProtocolError(Exception):
@@ -145,6 +158,31 @@ class Envelope:
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _FEDERATION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A device's word that it cannot take the request its reply answers: the reason code and why."""
+
+    reason: Reason
+    detail: str
+
+
+def refusal_of(envelope: Envelope) -> Refusal | None:
+    """The refusal a reply carries (`REFUSED`, `REFUSAL_DETAIL`), None when it carries none.
+    ProtocolError `malformed` when it is not one: a reason that is no reason code, a detail that is
+    no text or is longer than `MAX_REFUSAL_DETAIL`, or groups or metrics beside it."""
+    reason = envelope.config.get(REFUSED)
+    if reason is None:
+        return None
+    detail = envelope.config.get(REFUSAL_DETAIL)
+    if not isinstance(reason, str) or reason not in Reason._value2member_map_:
+        raise ProtocolError(Reason.MALFORMED, f"a refusal's reason {reason!r} is not a reason code")
+    if not isinstance(detail, str) or len(detail) > MAX_REFUSAL_DETAIL:
+        raise ProtocolError(Reason.MALFORMED, f"a refusal's detail is text of at most {MAX_REFUSAL_DETAIL} characters")
+    if envelope.groups or envelope.metrics:
+        raise ProtocolError(Reason.MALFORMED, "a refusal carries no arrays and no metrics")
+    return Refusal(Reason(reason), detail)
 
 
 def aggregator_id(shard: int) -> str:

@@ -34,7 +34,8 @@ from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .privacy.upstream import PRIVACY
-from .protocol import NACK_FIELDS, SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id
+from .protocol import (MAX_REFUSAL_DETAIL, NACK_FIELDS, REFUSAL_DETAIL, REFUSED, REPLY_KINDS, REPORTED_REFUSALS,
+                       SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id)
 from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
 
@@ -166,8 +167,24 @@ class DeviceSession:
             handler(envelope)
         except ProtocolError as err:
             self.channel.reject(err.reason, f"{envelope.kind.value} round {envelope.round}: {err.detail}")
+            self._refuse_upward(envelope, err.reason, err.detail)
         except (ValueError, KeyError, TypeError) as exc:  # e.g. a WELCOME naming an unknown algorithm
             self.channel.reject(Reason.MALFORMED, f"{envelope.kind.value}: {type(exc).__name__}: {exc}")
+            self._refuse_upward(envelope, Reason.MALFORMED, f"{type(exc).__name__}: {exc}")
+
+    def _refuse_upward(self, request: Envelope, reason: Reason, detail: str) -> None:
+        """Tell the coordinator this device cannot take `request` (a TRAIN or EVALUATE of its run
+        that selects it, refused for a reason in `REPORTED_REFUSALS`): a reply of the request's
+        reply kind with only the reason and the detail, so the round stops waiting for it. Other
+        refusals stay silent: a request of another run, or not for this device, is none of its business."""
+        reply_kind = REPLY_KINDS.get(request.kind)
+        selected = request.config.get("selected")
+        if (reply_kind is None or reason not in REPORTED_REFUSALS or not self.joined or request.run_id != self.run_id
+                or not isinstance(selected, list) or self.client_id not in selected
+                or request.msg_id in self._replies):
+            return
+        self.send(reply_kind, request.round, request=request, topic=self.topics.up(self.client_id, reply_kind),
+                  config={REFUSED: reason.value, REFUSAL_DETAIL: detail[:MAX_REFUSAL_DETAIL]})
 
     def handle(self, envelope: Envelope) -> None:
         """Act on one downstream envelope as `run` does on receiving it (STATUS, WELCOME, then
@@ -267,13 +284,14 @@ class DeviceSession:
         log.info("%s: joined run %s", self.client_id, self.run_id)
 
     # -- requests and replies --------------------------------------------------------------
-    def send(self, kind: Kind, round_: int = 0, *, request: Envelope | None = None, **fields) -> None:
-        """Publish an envelope. A reply to `request` names it (`in_reply_to`) and is kept, so a
-        repeat of the request gets the same reply."""
+    def send(self, kind: Kind, round_: int = 0, *, request: Envelope | None = None, topic: str | None = None,
+             **fields) -> None:
+        """Publish an envelope (on `topic_for(kind)` unless `topic` is given). A reply to
+        `request` names it (`in_reply_to`) and is kept, so a repeat of the request gets the same reply."""
         if request is not None:
             fields["config"] = {**fields.get("config", {}), "in_reply_to": request.msg_id}
         envelope = Envelope(kind, self.client_id, run_id=self.run_id or "", round=round_, **fields)
-        self.channel.send(self.topic_for(kind), envelope)
+        self.channel.send(topic or self.topic_for(kind), envelope)
         if request is not None:
             self._replies[request.msg_id] = envelope
             while len(self._replies) > MAX_CACHED_REPLIES:
@@ -294,7 +312,8 @@ class DeviceSession:
         reply = self._replies.get(request.msg_id)
         if reply is None:
             return False
-        self.channel.send(self.topic_for(reply.kind), reply)
+        refusal = REFUSED in reply.config  # a refusal goes to the coordinator, in a sharded run too
+        self.channel.send(self.topics.up(self.client_id, reply.kind) if refusal else self.topic_for(reply.kind), reply)
         return True
 
     def topic_for(self, kind: Kind) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 
 from edge_sdk import signing, wire
 from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames, iter_frames
-from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ProtocolError, Reason, new_message_id
+from edge_sdk.protocol import (REFUSED, REPORTED_REFUSALS, ArrayGroup, Envelope, Kind, ProtocolError, Reason,
+                               new_message_id, refusal_of)
 
 from ..release import PrototypePool
 from .body import random_features_body, release_metadata
@@ -379,31 +380,39 @@ class Conformance:
                         "means": np.zeros((self.plan.num_classes + 1, FEATURES), np.float32)} if self.lite
                        else _grown(self.plan.train_groups(round_)["shared"]))
         other = Kind.TRAIN if self.lite else Kind.EVALUATE
+        wrong = base(round_, groups={shape_group: wrong_shape})
         bad = [
             ("of another run", base(round_, run_id="0" * 16), None),
             ("that does not select it", base(round_, config={"selected": [f"not-{self.settings.device_id}"]}), None),
-            ("with arrays of the wrong shape", base(round_, groups={shape_group: wrong_shape}), None),
+            ("with arrays of the wrong shape", wrong, None),
             (f"published on the {other.value} topic (bad_kind)", base(round_), self.peer.topics.broadcast(other)),
             ("of protocol version 2 (bad_version)", base(round_, version=2), None),
         ]
         kind = Kind.EVAL_RES if self.lite else Kind.TRAIN_RES
         start = self.peer.mark()
+        refusals: list[Envelope] = []
         for what, request, topic in bad:
             mark = self.peer.mark()
             self.peer.send(request, topic)
             barrier = self._barrier(self.run.round)
             replies = [e for e in self.peer.since(mark, kind) if answers(e, request)
                        or (not answers(e, barrier) and "in_reply_to" not in e.config)]
+            if request is wrong:  # a request of its run for it that it cannot take: refused upward, or silence
+                refusals = [e for e in replies if answers(e, request) and _reported_refusal(e)]
+                replies = [e for e in replies if e not in refusals]
             if replies:
                 raise SectionFailed(f"the device answered a {request.kind.value.upper()} {what} "
                                     f"({kind.value} msg_id {replies[0].msg_id[:12]}...)")
         self.peer.drain(self.settings.quiet_seconds)
-        late = [what for what, request, _ in bad if any(answers(e, request) for e in self.peer.since(start))]
+        late = [what for what, request, _ in bad
+                if any(answers(e, request) and e not in refusals for e in self.peer.since(start))]
         if late:
             raise SectionFailed(f"the device answered a request {late[0]} (late, after the barrier)")
         hellos = len(self.peer.since(start, Kind.HELLO))
-        return (f"no reply to {len(bad)} bad {base(round_).kind.value.upper()}s (another run, not selected, wrong "
-                f"shape, wrong topic, version 2); HELLO x{hellos} (§12: a request of another run asks for one)")
+        refused = (f"the wrong shape refused upward ({refusals[0].config[REFUSED]}, §11)" if refusals
+                   else "the wrong shape left unanswered (refusing it upward is optional, §11)")
+        return (f"no reply to {len(bad) - 1} bad {base(round_).kind.value.upper()}s (another run, not selected, wrong "
+                f"topic, version 2), {refused}; HELLO x{hellos} (§12: a request of another run asks for one)")
 
     def signing(self) -> str:
         key = self.settings.signing_key
@@ -488,6 +497,15 @@ class Conformance:
         if not kinds:
             raise SectionSkipped("the device sent nothing")
         return f"{sum(kinds.values())} messages decoded (" + ", ".join(f"{k} x{n}" for k, n in kinds.items()) + ")"
+
+
+def _reported_refusal(reply: Envelope) -> bool:
+    """A reply that is a well-formed refusal (§11) for a reason devices report."""
+    try:
+        refusal = refusal_of(reply)
+    except ProtocolError:
+        return False
+    return refusal is not None and refusal.reason in REPORTED_REFUSALS
 
 
 def _grown(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

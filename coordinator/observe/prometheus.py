@@ -16,8 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from edge_sdk.protocol import Reason
 
-from ..events import (DeviceOffline, DeviceOnline, DevicesRegistered, EventBus, ReleaseServed, RoundEnded,
-                      RoundEvaluated, RoundStarted, RunStarted)
+from ..events import (DeviceOffline, DeviceOnline, DeviceRefused, DevicesRegistered, EventBus, ReleaseServed,
+                      RoundEnded, RoundEvaluated, RoundStarted, RunStarted)
 from .http import Request, Response
 
 DIRECTIONS = {"received": "up", "sent": "down"}
@@ -29,7 +29,7 @@ class PrometheusExporter:
     """The run's metrics in `registry`, kept up to date by the events it is fed (`attach`, `on_event`)."""
 
     EVENTS = (RunStarted, DevicesRegistered, RoundStarted, RoundEvaluated, RoundEnded, DeviceOnline, DeviceOffline,
-              ReleaseServed)
+              ReleaseServed, DeviceRefused)
 
     def __init__(self, registry: CollectorRegistry, *, federation: str = "default") -> None:
         self.registry = registry
@@ -55,6 +55,9 @@ class PrometheusExporter:
                                 [*labels, "direction", "kind"], registry=registry)
         self.rejections = Counter("edgepfl_rejections", "messages the coordinator rejected, by reason",
                                   [*labels, "reason"], registry=registry)
+        self.device_refusals = Counter("edgepfl_device_refusals", "requests devices refused themselves (what was "
+                                                                  "sent does not fit their model), by reason",
+                                       [*labels, "reason"], registry=registry)
         self.devices_registered = gauge("edgepfl_devices_registered", "devices registered (shard aggregators not "
                                                                       "counted)")
         self.devices_online = gauge("edgepfl_devices_online", "registered devices online (HELLO until Last Will)")
@@ -94,6 +97,8 @@ class PrometheusExporter:
             self._round_ended(event)
         elif isinstance(event, ReleaseServed):
             self.releases_served.labels(federation).inc()
+        elif isinstance(event, DeviceRefused):
+            self.device_refusals.labels(federation, event.reason).inc()
 
     def _round_ended(self, event: RoundEnded) -> None:
         federation, record, channel = self.federation, event.record, event.channel

@@ -159,7 +159,7 @@ class UploadsPersonalState(EdgeClient):
     """Sends its personal parameters (FedAvg's BatchNorm statistics) with its update."""
 
     def send(self, kind, round_=0, *, request=None, **fields):
-        if kind is Kind.TRAIN_RES:
+        if kind is Kind.TRAIN_RES and "groups" in fields:  # not a refusal
             shared = {**fields["groups"]["shared"], **self.algorithm.personal_state()}
             fields["groups"] = {**fields["groups"], "shared": shared}
         super().send(kind, round_, request=request, **fields)

@@ -17,7 +17,7 @@ import pytest
 
 from edge_sdk import codecs, signing, wire
 from edge_sdk.chunks import Reassembler, chunk_frames, chunk_from_dict
-from edge_sdk.protocol import NACK_FIELDS, ChunkError, Kind, Reason, WireError
+from edge_sdk.protocol import NACK_FIELDS, ChunkError, Kind, Reason, Refusal, WireError, refusal_of
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 
@@ -238,3 +238,18 @@ def test_nack_vector_encodes_and_decodes_exactly():
     assert GEN.envelope_meaning(decoded) == vector["meaning"]
     assert decoded.kind is Kind.NACK
     assert tuple(decoded.config) == NACK_FIELDS
+
+
+def test_refusal_vector_encodes_and_decodes_exactly():
+    # Prepare
+    vector = _load("refusal.json")
+    data = bytes.fromhex(vector["hex"])
+
+    # Execute
+    decoded = wire.decode(data)
+
+    # Assert: the bytes, and what a coordinator reads of them
+    assert wire.encode(GEN.envelope_from_meaning(vector["meaning"])) == data
+    assert GEN.envelope_meaning(decoded) == vector["meaning"]
+    assert refusal_of(decoded) == Refusal(Reason.BAD_SHAPE, "shared/body.1.num_batches_tracked: got int64[1], "
+                                                             "want int64[]")

@@ -14,6 +14,7 @@ Files (JSON holds hex for short byte strings; long ones are `.bin` files named i
 - `codecs.json`: fp16 and int8 upload encodings of an update against the broadcast (section 8).
 - `seals.json`: a message sealed with a fixed test key, and how verification goes (section 15).
 - `nack.json`: a NACK a coordinator sends to a device whose reply it refused.
+- `refusal.json`: a device's refusal of a TRAIN whose arrays do not fit its model (section 11).
 """
 
 from __future__ import annotations
@@ -237,6 +238,16 @@ def nack_vectors() -> dict[str, Any]:
             "note": "config.in_reply_to is the msg_id of the refused message; the device logs it and goes on"}
 
 
+def refusal_vectors() -> dict[str, Any]:
+    envelope = Envelope(Kind.TRAIN_RES, "dev001", run_id=RUN_ID, round=2, msg_id=msg_id(7), timestamp=TIMESTAMP,
+                        config={"refused": "bad_shape", "detail": "shared/body.1.num_batches_tracked: got int64[1], "
+                                                                   "want int64[]", "in_reply_to": msg_id(2)})
+    return {"topic": "edgepfl/<federation>/up/dev001/train_res", "hex": wire.encode(envelope).hex(),
+            "meaning": envelope_meaning(envelope),
+            "note": "config.in_reply_to is the msg_id of the TRAIN refused; no groups and no metrics; the "
+                    "coordinator counts it as the device's answer under its reason"}
+
+
 def _json(document: Any) -> bytes:
     """JSON in insertion order: the order of map keys is part of the bytes a meaning encodes to."""
     return (json.dumps(document, indent=1) + "\n").encode()
@@ -252,6 +263,7 @@ def build_vectors() -> dict[str, bytes]:
         "codecs.json": _json(codec_vectors()),
         "seals.json": _json(seal_vectors()),
         "nack.json": _json(nack_vectors()),
+        "refusal.json": _json(refusal_vectors()),
     }
     files.update(chunk_files)
     return files
