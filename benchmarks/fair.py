@@ -396,7 +396,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines += ["", "### The papers' claims under this protocol", "",
               "Each ordering of two methods above, in each setting and under each optimizer, on the seeds both ran "
               f"(difference in points, ± its std over seeds). Verdicts: {VERDICTS}. The "
-              "ablations' claim table (benchmarks/README.md) checks each paper's own ablations.", "",
+              "ablations' claim table (benchmarks/docs/papers.md) checks each paper's own ablations.", "",
               "| claim | source | setting | common SGD: measured | reproduced? | paper optimizer: measured | "
               "reproduced? |", "|---|---|---|---|---|---|---|"]
     for claim in document["claims"]:
