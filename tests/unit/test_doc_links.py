@@ -2,8 +2,9 @@
 
 The README is split into pages under docs/ that link to each other and to the benchmarks' pages
 (benchmarks/README.md, an index, and its topic pages under benchmarks/docs/); a renamed heading or
-a moved section would otherwise leave links that open the top of a page, or nothing. Anchors are GitHub's: a heading's text, lowercased, without punctuation, spaces as
-hyphens, a repeated one suffixed -1, -2, ...
+a moved section would otherwise leave links that open the top of a page, or nothing. Anchors are
+GitHub's: a heading's text, lowercased, without punctuation, spaces as hyphens, a repeated one
+suffixed -1, -2, ...
 """
 
 from __future__ import annotations
