@@ -3,7 +3,7 @@
 Not a benchmark itself: a module of the benchmarks package the scripts share. The CPU line
 names the family and the vector extensions, because the same model name ("AMD EPYC") has
 covered machines 2-3x apart in speed, and int8 kernels behave differently with and without
-VNNI (benchmarks/README.md, edge path).
+VNNI (benchmarks/docs/devices.md, Edge path).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class Claim:
 
 CLAIMS: list[Claim] = [
     Claim("repper", "L_out > L_in", FULL, "l_in",
-          "no ordering in the paper (Eq. 5 is L_in); the reason for the default (issue 23, item 3; Khosla et al.)"),
+          "no ordering in the paper (Eq. 5 is L_in); the reason for the default (Khosla et al.)"),
     Claim("repper", "more local epochs > fewer (E 2 > 1)", "e2", FULL, "Sec. 'Effect of E', Table 1 (E 20 > 10)"),
     Claim("repper", "RepPer > FedAvg+FT", FULL, "fedavg_ft", "Table 2"),
     Claim("repper", "RepPer > FedAvg", FULL, "fedavg", "Table 2"),
@@ -295,7 +295,7 @@ def evaluation_text(eval_every: int) -> str:
 
 def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
     config, results = document["config"], document["rows"]
-    lines = ["## Ablations of the five seed papers (issue 23)", "",
+    lines = ["## Ablations of the five seed papers", "",
              f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds**, batch "
              f"{config['batch_size']}, lr {config['lr']}, each paper in its setting; mean personalized accuracy over "
              "devices at the last round (%), mean ± std over the seeds named; 'vs full': points over the paper's full "

@@ -20,7 +20,7 @@ Needs root and Debian's package tools (it installs what it needs):
    the chroot, and one FedAvg round (2 local epochs) of `edgepfl client` (cnn8, the same digits) there and on
    x86-64, each against an `edgepfl coordinator` on the host: install size, peak RSS, accuracy.
 Emulated times are not device times; the JSON records them only as how long the run took.
-Writes arm64.json to --out (benchmarks/README.md tabulates it):
+Writes arm64.json to --out (benchmarks/docs/devices.md tabulates it):
 
     sudo python -m benchmarks.arm64 --out benchmarks/results --trainer
 """

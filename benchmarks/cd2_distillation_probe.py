@@ -1,4 +1,4 @@
-"""One Fashion-MNIST `domains` device trained alone with CD2-pFed's loss in several forms (defect 1).
+"""One Fashion-MNIST `domains` device trained alone with CD2-pFed's loss in several forms.
 
 Device `--index` of 10 (`domains`, seed 0; index 0 sees its images rotated), its first `--examples`
 training images, `--rounds` rounds of one local epoch (p_t and the EMA follow the rounds as in a

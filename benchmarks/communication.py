@@ -18,7 +18,7 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
    are already there).
 
 Runs are cached by fingerprint in --cache (shared with accuracy.py: with the same rounds and local
-epochs, part 2 reuses accuracy.py's dir0.1@1 runs of --seed). The run of benchmarks/README.md
+epochs, part 2 reuses accuracy.py's dir0.1@1 runs of --seed). The run of benchmarks/docs/communication.md
 (107 minutes on a quiet 2-core machine; --algorithms and friends run subsets against the same cache):
 
     python -m benchmarks.communication --rounds 15 --local-epochs 1 --codec-algorithms fedavg \

@@ -20,7 +20,7 @@ For each setting and method:
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
 carry hyperparameters (`repper:variant=in`, several joined by `+`), so that a variant, such as
-RepPer's L_in against its default L_out (defect 3), gets the same protocol. FediOS runs
+RepPer's L_in against its default L_out, gets the same protocol. FediOS runs
 in both forms of its L_re: `fedios`, the default (Eq. 11-12 as printed, identically 0), and
 `fedios:l_re=extractors`, the reconstruction on the extractors' outputs at lam 0.1. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
@@ -125,7 +125,7 @@ CLAIMS: list[Claim] = [
     Claim("RepPer > FedAvg+FT", "repper", "fedavg_ft", "RepPer, Table 2"),
     Claim("RepPer > FedRep", "repper", "fedrep", "RepPer, Table 2"),
     Claim("RepPer: L_out > L_in", "repper", "repper:variant=in",
-          "none (Eq. 5 is L_in); the default's reason (defect 3)"),
+          "none (Eq. 5 is L_in); the default's reason"),
     Claim("DualFed > FedAvg", "dualfed", "fedavg", "DualFed, Tables 1-3"),
     Claim("DualFed > FedRep", "dualfed", "fedrep", "DualFed, Tables 1-3"),
     Claim("DualFed > FedAvg+FT", "dualfed", "fedavg_ft", UNCLAIMED),
@@ -354,7 +354,7 @@ def markdown(document: dict[str, Any]) -> str:
     labels = {name: Setting.parse(name).label for name in settings}
     header = "| method | " + " | ".join(labels.values()) + " |"
     rule = "|---|" + "---|" * len(labels)
-    lines = ["## Fair protocol (issue 23)", "",
+    lines = ["## Fair protocol", "",
              f"{config['dataset']}, {config['clients']} devices, **{config['rounds']} rounds x "
              f"{config['local_epochs']} local epoch(s)**, batch {config['batch_size']}; mean personalized accuracy "
              "over devices at the last round on the test split (%), mean ± std over seeds "
@@ -396,7 +396,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines += ["", "### The papers' claims under this protocol", "",
               "Each ordering of two methods above, in each setting and under each optimizer, on the seeds both ran "
               f"(difference in points, ± its std over seeds). Verdicts: {VERDICTS}. The "
-              "ablations' claim table (benchmarks/README.md) checks each paper's own ablations.", "",
+              "ablations' claim table (benchmarks/docs/papers.md) checks each paper's own ablations.", "",
               "| claim | source | setting | common SGD: measured | reproduced? | paper optimizer: measured | "
               "reproduced? |", "|---|---|---|---|---|---|---|"]
     for claim in document["claims"]:

@@ -2,7 +2,7 @@
 
 `edgepfl simulate --dataset fmnist --data-dir DIR` then runs on it with the built-in task and
 partitions (e.g. `domains`), so that a federation probe of a loss term fits a shared 2-core
-machine: the probes of CD2-pFed's distillation and FediOS's L_re (benchmarks/README.md).
+machine: the probes of CD2-pFed's distillation and FediOS's L_re (benchmarks/docs/papers.md).
 
     python -m benchmarks.fmnist_subset --train 6000 --test 2000 --out /tmp/fmnist-8k
 """

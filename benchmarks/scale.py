@@ -55,7 +55,7 @@ the round's participants, all folded by the aggregators), the aggregators' and N
 RSS (VmHWM) and RSS once every device registered. `--nats-consumer-replicas` and
 `--nats-consumer-memory` set how NATS keeps the JetStream consumer it makes for every QoS 1
 subscription, `--connect-rate` how many devices come online per second (default: all at once).
-On 2 cores NATS's JetStream stops between 1,000 and 2,000 devices (benchmarks/README.md).
+On 2 cores NATS's JetStream stops between 1,000 and 2,000 devices (benchmarks/docs/scale.md).
 Writes scale-cluster.{json,md,png}.
 """
 

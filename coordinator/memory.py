@@ -4,7 +4,7 @@ glibc gives allocations of 128 KiB or more mappings of their own, unmapped when 
 after the first such free it raises that threshold (up to 32 MiB) to save system calls: from
 then on the multi-megabyte buffers of a round (a received update, the broadcast's frames) come
 from its heaps, which keep freed space for reuse, per thread. The process then stays about a
-model larger than what it holds (benchmarks/README.md, Scale). Fixing the threshold keeps such
+model larger than what it holds (benchmarks/docs/scale.md, Scale). Fixing the threshold keeps such
 buffers in mappings of their own. Elsewhere than on glibc nothing is changed.
 """
 

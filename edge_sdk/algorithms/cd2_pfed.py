@@ -32,7 +32,7 @@ federated) and personal channels (w_i, never leave the device).
   `global_accuracy` 10.2-10.8% in the 20-device tables). The in-place term gives both sub-networks the
   full network's soft labels, and the Eq. (4) term keeps the mutual consistency the paper asks
   for; `"inplace"` keeps the in-place term alone. Measured (Fashion-MNIST `domains`, 10 devices x
-  10 rounds, benchmarks/README.md "CD2-pFed's distillation"): shared sub-network 65.3% with
+  10 rounds, benchmarks/docs/papers.md "CD2-pFed's distillation"): shared sub-network 65.3% with
   cyclic+inplace, 64.8% inplace, 32.9% Eq. (4) alone, 41.5% without CD; personalized accuracy
   79.5%, 80.0%, 78.8% and 79.8%: the paper's Table 5 gain of CD (1.3-1.5 points) is not
   reproduced there.

@@ -34,10 +34,10 @@ Learning", Sec. 3 and Alg. 1 (appendix); docs/ALGORITHMS.md, "FediOS".
   does not already fix (Sec. 3.2 calls them "the generic and personalized features" the loss is to
   "strengthen the orthogonality" of). The printed form is the default because the reconstruction
   measured worse than no L_re at all, against Table 7's 0.5-1.0 point gain: on Fashion-MNIST
-  `domains` (20 devices, C = 0.2, 15 rounds, seeds 0 and 1; benchmarks/README.md, "Ablations of
+  `domains` (20 devices, C = 0.2, 15 rounds, seeds 0 and 1; benchmarks/docs/papers.md, "Ablations of
   the seed papers") personalized accuracy 75.80 with the reconstruction at lambda 0.1 against
   78.44 with lambda 0 (the printed form's objective); on a 10-device, 10-round federation
-  (benchmarks/README.md, "FediOS's L_re") lambda 0 / 0.01 / 0.1 / 1 gave 77.27 / 76.03 / 74.39 /
+  (benchmarks/docs/papers.md, "FediOS's L_re") lambda 0 / 0.01 / 0.1 / 1 gave 77.27 / 76.03 / 74.39 /
   70.12 personalized and 70.81 / 71.56 / 58.50 / 10.27 global accuracy. On the unprojected features
   L_re is about 29 at initialization (cnn28, d = 512, against 3 x 2.3 of CE), and lambda = 1
   drives the generic features to nothing.

@@ -20,7 +20,7 @@ Defaults: the paper uses 10 local epochs for the head and a few for the represen
 `local_epochs`, so `--local-epochs` means the same amount of shared-part training as in FedPer.
 The optimizer is SGD with the run's lr (`lr` overrides it) and momentum 0.5, the reference
 code's momentum (its lr is 0.01), not the 0.9 of the rest of the FedAvg family. Measured on
-Fashion-MNIST, Dirichlet 0.1, 20 devices, lr 0.05 (benchmarks/README.md): with momentum 0.9 the
+Fashion-MNIST, Dirichlet 0.1, 20 devices, lr 0.05 (benchmarks/docs/accuracy.md): with momentum 0.9 the
 body trained under a frozen, confident personal head was unstable. On seed 1 the last BatchNorm
 shifted every channel negative (all ReLUs dead, constant features, each device predicting its
 majority class: 67.4% from round 4 on), and seed 2 fell from 90.0% to 44.6% at round 9 before

@@ -30,7 +30,7 @@ Decisions where the paper is open:
   minimized by the single easiest positive, the other view of the same image, so it pulls little
   on the rest of the class (Khosla et al., Sec. 3.2.2, found L_in the clearly weaker form on
   ImageNet). Fashion-MNIST, Dirichlet 0.1, 20 devices, C = 0.2, 15 rounds, seeds 0-2: 94.05 +- 0.68%
-  with "in", 95.38 +- 0.75% with "out" (benchmarks/README.md). `--set variant=in` keeps the printed
+  with "in", 95.38 +- 0.75% with "out" (benchmarks/docs/papers.md). `--set variant=in` keeps the printed
   equation.
 - BatchNorm running statistics are shared here (averaged like the weights), unlike in the other
   algorithms: the frozen body is released to weak devices (ONNX, no torch) that cannot recompute
@@ -128,7 +128,7 @@ def fit_torch_head(kind: str, features: torch.Tensor, labels: torch.Tensor, clas
     as the numpy heads do (`edge_sdk.lite.heads`). The body's raw features differ in scale by
     orders of magnitude (RepPer's is sparse), and SGD on them was ill-conditioned: on the final
     body of a Fashion-MNIST Dir 0.5 run the linear head scored 87.1% raw and 89.5% standardized,
-    a logistic regression 89.7% (benchmarks/README.md); thirty raw epochs gave 87.8%.
+    a logistic regression 89.7% (benchmarks/docs/accuracy.md); thirty raw epochs gave 87.8%.
     `optimizer` builds the head's optimizer from its parameters (default `sgd_head_optimizer(lr)`)."""
     mean = features.mean(0)
     scale = features.std(0)

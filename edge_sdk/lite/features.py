@@ -30,7 +30,7 @@ PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CP
 EMBED_BATCH = 32
 """Samples per onnxruntime call. ONNX Runtime's CPU arena grows to the largest batch's
 activations and keeps them: on 28x28 images a cnn28 body at 256 per call raised the peak RSS by
-about 45 MB, at 32 by about 2.5 MB, at no measurable cost in speed (benchmarks/README.md, weak
+about 45 MB, at 32 by about 2.5 MB, at no measurable cost in speed (benchmarks/docs/devices.md,
 device footprint). Disabling the arena instead measured worse (15-30 MB, varying from run to
 run with malloc's fragmentation), so the arena stays on and the batch stays small."""
 

@@ -1,9 +1,10 @@
 """Every relative link in the user documentation resolves: the file exists, and so does the anchor.
 
-The README is split into pages under docs/ that link to each other and to benchmarks/README.md;
-a renamed heading or a moved section would otherwise leave links that open the top of a page,
-or nothing. Anchors are GitHub's: a heading's text, lowercased, without punctuation, spaces as
-hyphens, a repeated one suffixed -1, -2, ...
+The README is split into pages under docs/ that link to each other and to the benchmarks' pages
+(benchmarks/README.md, an index, and its topic pages under benchmarks/docs/); a renamed heading or
+a moved section would otherwise leave links that open the top of a page, or nothing. Anchors are
+GitHub's: a heading's text, lowercased, without punctuation, spaces as hyphens, a repeated one
+suffixed -1, -2, ...
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "benchmarks" / "docs").glob("*.md"),
+                *(ROOT / "docs").glob("*.md")])
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)

@@ -2,7 +2,7 @@
 
 `onnx` costs about 15 MB of resident memory; the lite client imports it only to write the
 personalized model, after embedding and fitting, so it does not add to the peak of those
-steps (benchmarks/README.md, device footprint).
+steps (benchmarks/docs/devices.md, device footprint).
 """
 
 from __future__ import annotations
