@@ -12,6 +12,7 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
+from edge_sdk.privacy.disclosure import EXAMPLES_BUCKET
 from edge_sdk.store import write_atomic
 
 from .devices import Device
@@ -197,13 +198,15 @@ def data_report(devices: Iterable[Device], classes: int) -> dict[str, Any]:
         counts, malformed = checked_label_counts((device.capabilities or {}).get("label_counts"),
                                                  device.num_examples, classes)
         entry: dict[str, Any] = {"kind": device.kind, "examples": device.num_examples, "labels": counts}
+        if EXAMPLES_BUCKET in (device.capabilities or {}):  # secure aggregation: only a bound was said
+            entry |= {"examples": None, "examples_at_most": device.num_examples}
         if malformed is not None:
             log.warning("%s: label histogram ignored: %s", device.client_id, malformed)
             entry["labels_malformed"] = malformed
         if counts is not None:
             histograms.append(counts)
         per_device[device.client_id] = entry
-    examples = [entry["examples"] for entry in per_device.values()]
+    examples = [entry["examples"] for entry in per_device.values() if entry["examples"] is not None]
     return {
         "devices": len(per_device),
         "examples": sum(examples),
@@ -221,7 +224,7 @@ def data_line(data: dict[str, Any]) -> str:
     """'4 devices, 1797 examples (min 310, max 560), labels reported by 4 (skew 0.12)'."""
     if not data["devices"]:
         return "no device registered"
-    if not data["examples"]:  # under DP a device says nothing of its data
+    if not data["examples"]:  # under DP a device says nothing of its data, under secure aggregation a bound
         return f"{data['devices']} devices, none reported its examples or labels"
     line = (f"{data['devices']} devices, {data['examples']} examples (min {data['min_examples']}, "
             f"max {data['max_examples']}), labels reported by {data['labels_reported']}")

@@ -290,6 +290,8 @@ class Coordinator:
             config["settings"] = self.config.defining()
         if self.privacy is not None:  # before its HELLO, a device learns what it must keep to itself
             config[PRIVACY] = self.privacy.announcement()
+        if self.config.secagg.secure_aggregation:  # and, under secure aggregation, which counts it withholds
+            config[stages.SECURE] = True
         envelope = Envelope(Kind.STATUS, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
         self.outbox.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
