@@ -271,7 +271,7 @@ class EdgeClient(SecureSession):
         if self.privacy is not None:
             metrics = private_metrics(metrics, self.privacy,
                                       self.privacy.generator(self.client_id, envelope.round, "evaluation"))
-        metrics = evaluation_figures(metrics, secure=self.secure_run)
+        metrics = evaluation_figures(metrics, envelope.config, secure=self.secure_run)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
 
 

@@ -391,7 +391,7 @@ class LiteClient(SecureSession):
         else:
             config |= {"runs": deployed.sha256} | ({"kept": kept} if kept else {})
             metrics["deployed_accuracy"] = deployed.accuracy
-        metrics = evaluation_figures(metrics, secure=self.secure_run)
+        metrics = evaluation_figures(metrics, request.config, secure=self.secure_run)
         if self.secure_run and request.config.get(secagg_stages.SECURE) is True and groups:
             self._send_pool_share(request, groups[PROTOTYPES], metrics, config)
             return

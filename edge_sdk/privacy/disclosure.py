@@ -12,6 +12,7 @@ replies carry the accuracies and no count. No torch here: weak devices import th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 EXAMPLES_BUCKET = "examples_bucket"
 """HELLO metric under secure aggregation: b with 2^(b-1) < examples <= 2^b (0 for one example)."""
@@ -19,6 +20,10 @@ EXAMPLES_BUCKET = "examples_bucket"
 COUNTS = ("num_examples", "num_train", "num_test", "dp_sgd_epsilon")
 """The figures of a device's data that its replies withhold under secure aggregation (DP-SGD's
 epsilon is a function of the device's number of examples)."""
+
+FIGURES = "figures"
+"""EVALUATE config: False when the devices answer with no figures (under DP, an evaluation the
+budget cannot release: they still fit and deploy what they would)."""
 
 MAX_BUCKET = 62
 """The largest bucket a coordinator takes: 2^62 examples, far above any device's."""
@@ -39,6 +44,9 @@ def hello_figures(num_train: int, num_test: int, *, private: bool, secure: bool)
     return {"num_examples": num_train, "num_test": num_test}
 
 
-def evaluation_figures(metrics: dict[str, float], *, secure: bool) -> dict[str, float]:
-    """An EVAL_RES's metrics: as measured, less the data's counts under secure aggregation."""
+def evaluation_figures(metrics: dict[str, float], request: dict[str, Any], *, secure: bool) -> dict[str, float]:
+    """An EVAL_RES's metrics for the EVALUATE config `request`: none when it asks for no figures;
+    else as measured, less the data's counts under secure aggregation."""
+    if request.get(FIGURES) is False:
+        return {}
     return {k: v for k, v in metrics.items() if k not in COUNTS} if secure else metrics
