@@ -293,3 +293,47 @@ def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
 
     assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
     assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))
+
+
+def weak_device_run(federation, **changes):
+    """RepPer under DP, three trainers and a weak device (dev003), one round, then the release;
+    returns (report, the weak device, its EVAL_RES)."""
+    config = private_config(federation, algorithm="repper", clients=4, lite_fraction=0.25, rounds=1, **changes)
+    coordinator = federation.coordinator(config)
+    replies = federation.spy(Kind.EVAL_RES)
+    for i in range(3):
+        federation.start_device(i, 4)
+    lite = federation.start_lite(3, 4)
+    report = coordinator.run()
+    assert federation.devices_exit()
+    return report, lite, [e for e in drain(replies) if e.sender == "dev003"]
+
+
+def test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why(federation):
+    # Execute
+    report, lite, (reply,) = weak_device_run(federation)
+
+    # Assert: the release it evaluated (the coordinator's own) and its accuracy, nothing else
+    assert lite.evaluation is not None and lite.deployed is not None
+    assert set(reply.config) - {"in_reply_to"} == {"release"} and set(reply.metrics) == {"accuracy"}
+    assert report["privacy"]["evaluations_accounted"] == 2
+
+
+def test_a_release_evaluation_beyond_the_budget_releases_no_figures_and_the_weak_device_still_deploys(federation):
+    # Prepare: a budget that takes the round and its evaluation, not the release's evaluation
+    probe = PrivacyAccountant("rdp", "fixed", 4 ** -1.1)
+    probe.add_round(3, 3, 1.0)
+    probe.add_evaluation(10.0)
+    played = probe.epsilon()
+    probe.add_evaluation(10.0)
+
+    # Execute
+    report, lite, (reply,) = weak_device_run(federation, dp_epsilon=(played + probe.epsilon()) / 2)
+
+    # Assert: the weak device fitted and deployed its model, and said nothing; nothing was released
+    assert lite.evaluation is not None and lite.model_path.exists()
+    assert reply.metrics == {} and set(reply.config) - {"in_reply_to"} == {"release"}
+    assert report["privacy"]["evaluations_accounted"] == 1 and report["privacy"]["released_accuracy"] is None
+    lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
+    assert [line["evaluation"] for line in lines if line["event"] == "evaluation_withheld"] == [
+        "the release's evaluation"]
