@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from edge_sdk.privacy.disclosure import EXAMPLES_BUCKET
+from edge_sdk.privacy.secagg_settings import SecAggSettings
+from edge_sdk.secagg.bounds import tolerance
 from edge_sdk.store import write_atomic
 
 from .devices import Device
@@ -142,6 +144,46 @@ def secagg_line(rounds: list[dict[str, Any]]) -> str | None:
     failed = [r["failed"] for r in secure if r["failed"]]
     return (f"{unmasked} of {len(secure)} rounds unmasked, {dropped} devices lost after sharing their keys and "
             "unmasked away" + (f"; {len(failed)} rounds failed (first: {failed[0]})" if failed else ""))
+
+
+SECAGG_ADVERSARY = ("the coordinator and the broker, malicious, with colluding devices; figures hold whatever "
+                    "the colluders' and the lost devices' places on the ring (worst case), lost_at_random is "
+                    "a union bound of 1e-6")
+"""What the report's `secagg` figures are against (docs/PRIVACY.md, "The threat model")."""
+
+
+def secagg_report(settings: SecAggSettings, rounds: list[dict[str, Any]], *, sharded: bool) -> dict[str, Any]:
+    """The report's `secagg`: for each number of devices a round masked among (its selected
+    devices), the round's degree k and threshold t and what they withstand
+    (edge_sdk.secagg.bounds), with the rounds it holds for. A sharded run masks within each
+    shard, whose sizes the rounds do not record: its figures are not given."""
+    from .secure_rounds import MIN_PARTICIPANTS  # cryptography loads with a secure run only
+
+    if sharded:
+        return {"adversary": SECAGG_ADVERSARY, "sharded": True, "by_devices": None}
+    played: dict[int, list[int]] = {}
+    for record in rounds:
+        secure = record.get("secagg")
+        if secure and secure["selected"] >= MIN_PARTICIPANTS:
+            played.setdefault(secure["selected"], []).append(record["round"])
+    figures = []
+    for devices, numbers in sorted(played.items()):
+        degree = settings.degree_for(devices)
+        bounds = tolerance(devices, degree, settings.threshold_for(degree), settings.secagg_threshold)
+        figures.append({**bounds.to_plain(), "rounds": numbers})
+    return {"adversary": SECAGG_ADVERSARY, "sharded": False, "by_devices": figures}
+
+
+def secagg_bounds_line(secagg: dict[str, Any]) -> str | None:
+    """'n 10, k 9, t 6: hidden from the coordinator with up to 2 colluding devices ...' for the
+    report's `secagg` (the smallest round's figures, which are the weakest); None without figures."""
+    if not secagg.get("by_devices"):
+        return None
+    weakest = min(secagg["by_devices"], key=lambda f: (f["colluders"], f["lost"]))
+    return (f"n {weakest['devices']}, k {weakest['degree']}, t {weakest['threshold']}: each update hidden from a "
+            f"malicious coordinator with up to {weakest['colluders']} colluding devices "
+            f"({weakest['colluders_protocol_followed']} if it follows the protocol); the sum unmasks with up to "
+            f"{weakest['lost']} lost or silent ({weakest['lost_at_random']} lost at random)")
 
 
 def privacy_line(privacy: dict[str, Any]) -> str:

@@ -82,6 +82,9 @@ def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vect
     # Assert: every round aggregated all four; each update is one int32 vector, nothing else
     assert [r["participants"] for r in report["rounds"]] == [DEVICES, DEVICES]
     assert all(r["secagg"]["unmasked"] == DEVICES and not r["secagg"]["dropped"] for r in report["rounds"])
+    (figures,) = report["secagg"]["by_devices"]  # 4 devices: the complete graph, k 3, t 2
+    assert (figures["devices"], figures["degree"], figures["threshold"], figures["rounds"]) == (DEVICES, 3, 2, [1, 2])
+    assert (figures["colluders"], figures["lost"]) == (0, 1)
     for update in drain(up):
         assert set(update.groups) == {stages.SECURE} and set(update.groups[stages.SECURE]) == {stages.MASKED}
         assert update.groups[stages.SECURE][stages.MASKED].dtype == np.int32
