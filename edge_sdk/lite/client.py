@@ -195,7 +195,9 @@ class LiteClient(SecureSession):
                                   **self.secure_capability()}
         if self.share_prototypes and not (self.run_private or self.run_secure):  # as the prototypes: shared or kept
             config["label_counts"] = self.own_data.class_counts().tolist()
-        if self.deployed is not None:  # a release service does not ask again for what it runs
+        # a release service does not ask again for what a device runs; under DP that says whether it
+        # kept an older model, a comparison of accuracies on its data
+        if self.deployed is not None and not self.run_private:
             config["runs"] = self.deployed.sha256
         return metrics, config
 
