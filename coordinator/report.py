@@ -249,9 +249,11 @@ def data_report(devices: Iterable[Device], classes: int) -> dict[str, Any]:
             histograms.append(counts)
         per_device[device.client_id] = entry
     examples = [entry["examples"] for entry in per_device.values() if entry["examples"] is not None]
+    bounds = [entry["examples_at_most"] for entry in per_device.values() if "examples_at_most" in entry]
     return {
         "devices": len(per_device),
         "examples": sum(examples),
+        **({"examples_at_most": sum(bounds)} if bounds else {}),
         "min_examples": min(examples, default=None),
         "max_examples": max(examples, default=None),
         "labels_reported": len(histograms),
@@ -266,7 +268,10 @@ def data_line(data: dict[str, Any]) -> str:
     """'4 devices, 1797 examples (min 310, max 560), labels reported by 4 (skew 0.12)'."""
     if not data["devices"]:
         return "no device registered"
-    if not data["examples"]:  # under DP a device says nothing of its data, under secure aggregation a bound
+    if not data["examples"] and data.get("examples_at_most"):  # secure aggregation: powers of two only
+        return (f"{data['devices']} devices, at most {data['examples_at_most']} examples (each device's count "
+                "rounded up to a power of two), no labels reported")
+    if not data["examples"]:  # under DP a device says nothing of its data
         return f"{data['devices']} devices, none reported its examples or labels"
     line = (f"{data['devices']} devices, {data['examples']} examples (min {data['min_examples']}, "
             f"max {data['max_examples']}), labels reported by {data['labels_reported']}")

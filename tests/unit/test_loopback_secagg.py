@@ -100,7 +100,8 @@ def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vect
     for i, count in enumerate(counts):
         hello = said[f"dev{i:03d}"]
         assert hello.metrics == {EXAMPLES_BUCKET: math.ceil(math.log2(count))} and "label_counts" not in hello.config
-    assert report["data"]["examples"] == 0
+    assert report["data"]["examples"] == 0 and report["data"]["label_counts"] is None
+    assert report["data"]["examples_at_most"] == sum(2 ** math.ceil(math.log2(c)) for c in counts)
     assert [d["examples_at_most"] for d in report["data"]["per_device"].values()] == [
         2 ** math.ceil(math.log2(c)) for c in counts]
     # the evaluation replies carry the accuracies (the run's output) and no count
