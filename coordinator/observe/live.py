@@ -226,10 +226,12 @@ class LiveState:
         report.json once the run wrote it (a run still going shows its rounds only). Per-round
         participation by device is not in these files: those counts are None."""
         report = read_report(folder) or {}
+        records = _round_records(folder)
+        private = report.get("privacy") is not None or any(r.get("privacy") is not None for r in records)
         state = cls({key: report.get(key) for key in ("algorithm", "dataset", "model")}, history=history,
-                    private=report.get("privacy") is not None)
+                    private=private)
         state.source = "folder"
-        state.rounds = [round_point(r) for r in _round_records(folder)]
+        state.rounds = [round_point(r) for r in records]
         completed = report.get("rounds_completed", len(state.rounds))
         state.run.update(run_id=report.get("run_id"), completed=completed, finished=bool(report),
                          rounds=completed if report else None, phase="finished" if report else "running")

@@ -218,6 +218,23 @@ def test_the_folder_view_of_a_private_run_publishes_no_device_s_accuracy(tmp_pat
     assert all(d["accuracy"] is None and d["selected"] is None for d in shown["devices"])
 
 
+def test_the_folder_view_of_a_private_run_still_going_publishes_no_round_s_counts(tmp_path):
+    # Prepare: metrics.jsonl of a private run, no report yet
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir(parents=True)
+    folder.metrics.write_text("\n".join(json.dumps({"event": "round", **_record(r, mean=0.5, seconds=1.0,
+                                                                                   epsilon=0.1 * r)})
+                                        for r in (1, 2)) + "\n")
+
+    # Execute
+    shown = LiveState.from_folder(folder).to_json()
+
+    # Assert
+    assert shown["run"]["private"]
+    assert [(r["epsilon"], r["participants"], r["selected"]) for r in shown["rounds"]] == [(0.1, None, None),
+                                                                                           (0.2, None, None)]
+
+
 def test_the_folder_view_shows_which_release_each_weak_device_runs(tmp_path):
     # Prepare: the run's release inventory, one device of it online only after training
     folder = _write_run_folder(tmp_path / "run")
