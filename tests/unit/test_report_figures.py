@@ -83,7 +83,8 @@ def test_the_summary_of_a_secure_run_gives_what_its_weakest_round_withstands():
     from edge_sdk.privacy.secagg_settings import SecAggSettings
 
     secure = {"selected": 50, "unmasked": 50, "dropped": [], "failed": None}
-    rounds = [_round(1, 50, 50, "complete", secagg=secure), _round(2, 4, 4, "complete", secagg={**secure, "selected": 4}),
+    rounds = [_round(1, 50, 50, "complete", secagg=secure),
+              _round(2, 4, 4, "complete", secagg={**secure, "selected": 4}),
               _round(3, 50, 50, "complete", secagg=secure)]
     report = {**_report(rounds), "secagg": secagg_report(SecAggSettings(), rounds, sharded=False)}
 
