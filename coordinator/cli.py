@@ -90,7 +90,7 @@ MAX_PARTICIPATION_LINES = 8
 
 def _summary(report: dict[str, Any], out: str) -> str:
     """The figures a run ends with (docs/CONFIGURATION.md, "Report figures", defines each one)."""
-    from .report import async_line, data_line, participation_line, privacy_line, secagg_line
+    from .report import async_line, data_line, participation_line, privacy_line, secagg_bounds_line, secagg_line
 
     final = report["final"]["personalized_accuracy"]
     comm = report["communication"]
@@ -125,6 +125,9 @@ def _summary(report: dict[str, Any], out: str) -> str:
     secure = secagg_line(report["rounds"])
     if secure is not None:
         lines.insert(-4, f"secure aggregation     {secure}")
+    bounds = secagg_bounds_line(report["secagg"]) if "secagg" in report else None
+    if bounds is not None:
+        lines.insert(-4, f"secure aggregation     {bounds}")
     if "asynchronous" in report:
         lines.insert(-4, f"asynchronous           {async_line(report['asynchronous'])}")
     if "dp_sgd" in report:

@@ -21,6 +21,7 @@ from edge_sdk.config import to_plain
 from edge_sdk.models import (ModelSpec, Signature, build_model, first_mismatch, model_signature, signature_from_plain,
                              signature_to_plain)
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason, aggregator_id, check_client_id, shard_of_aggregator
+from edge_sdk.privacy.disclosure import EXAMPLES_BUCKET, MAX_BUCKET
 from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.secagg import stages as secagg_stages
 
@@ -129,6 +130,11 @@ class Registration:
             return
         if self.data_private:  # a device of a private run says nothing of its data: none of it is kept
             examples, capabilities = 0, {k: v for k, v in hello.config.items() if k != "label_counts"}
+        elif self.config.secagg.secure_aggregation:  # only a bound on its examples: the weights' scale
+            bound, capabilities = self._bucketed(hello)
+            if bound is None:
+                return
+            examples = bound
         else:
             capabilities = hello.config
         if (kind not in ("trainer", "lite") or not isinstance(examples, (int, float))
@@ -155,6 +161,18 @@ class Registration:
                           round=self.outbox.position.completed + 1)
         log.info("%s %s (%s, %d examples)", "re-registered" if known else "registered", hello.sender, kind, examples)
         self.outbox.send(self.outbox.topics.down(hello.sender, Kind.WELCOME), self.welcome(hello.sender))
+
+    def _bucketed(self, hello: Envelope) -> tuple[int | None, dict[str, Any]]:
+        """Under secure aggregation: (2^b for the HELLO's `examples_bucket` b, its config without
+        label counts); (None, {}) for a HELLO without a valid bucket, rejected and named. Exact
+        counts that arrive anyway are not kept."""
+        bucket = hello.metrics.get(EXAMPLES_BUCKET)
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket <= MAX_BUCKET:
+            self.outbox.reject(hello, Reason.MALFORMED, f"HELLO from {hello.sender}: {EXAMPLES_BUCKET} {bucket!r}, "
+                                                        f"not an int in [0, {MAX_BUCKET}] (secure aggregation)")
+            return None, {}
+        capabilities = {k: v for k, v in hello.config.items() if k != "label_counts"}
+        return 2 ** bucket, {**capabilities, EXAMPLES_BUCKET: bucket}
 
     def _register_aggregator(self, hello: Envelope) -> None:
         """A shard aggregator: `aggregator-<k>` with device_type "aggregator", for one of this

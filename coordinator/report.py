@@ -12,6 +12,9 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
+from edge_sdk.privacy.disclosure import EXAMPLES_BUCKET
+from edge_sdk.privacy.secagg_settings import SecAggSettings
+from edge_sdk.secagg.bounds import tolerance
 from edge_sdk.store import write_atomic
 
 from .devices import Device
@@ -143,6 +146,46 @@ def secagg_line(rounds: list[dict[str, Any]]) -> str | None:
             "unmasked away" + (f"; {len(failed)} rounds failed (first: {failed[0]})" if failed else ""))
 
 
+SECAGG_ADVERSARY = ("the coordinator and the broker, malicious, with colluding devices; figures hold whatever "
+                    "the colluders' and the lost devices' places on the ring (worst case), lost_at_random is "
+                    "a union bound of 1e-6")
+"""What the report's `secagg` figures are against (docs/PRIVACY.md, "The threat model")."""
+
+
+def secagg_report(settings: SecAggSettings, rounds: list[dict[str, Any]], *, sharded: bool) -> dict[str, Any]:
+    """The report's `secagg`: for each number of devices a round masked among (its selected
+    devices), the round's degree k and threshold t and what they withstand
+    (edge_sdk.secagg.bounds), with the rounds it holds for. A sharded run masks within each
+    shard, whose sizes the rounds do not record: its figures are not given."""
+    from .secure_rounds import MIN_PARTICIPANTS  # cryptography loads with a secure run only
+
+    if sharded:
+        return {"adversary": SECAGG_ADVERSARY, "sharded": True, "by_devices": None}
+    played: dict[int, list[int]] = {}
+    for record in rounds:
+        secure = record.get("secagg")
+        if secure and secure["selected"] >= MIN_PARTICIPANTS:
+            played.setdefault(secure["selected"], []).append(record["round"])
+    figures = []
+    for devices, numbers in sorted(played.items()):
+        degree = settings.degree_for(devices)
+        bounds = tolerance(devices, degree, settings.threshold_for(degree), settings.secagg_threshold)
+        figures.append({**bounds.to_plain(), "rounds": numbers})
+    return {"adversary": SECAGG_ADVERSARY, "sharded": False, "by_devices": figures}
+
+
+def secagg_bounds_line(secagg: dict[str, Any]) -> str | None:
+    """'n 10, k 9, t 6: hidden from the coordinator with up to 2 colluding devices ...' for the
+    report's `secagg` (the smallest round's figures, which are the weakest); None without figures."""
+    if not secagg.get("by_devices"):
+        return None
+    weakest = min(secagg["by_devices"], key=lambda f: (f["colluders"], f["lost"]))
+    return (f"n {weakest['devices']}, k {weakest['degree']}, t {weakest['threshold']}: each update hidden from a "
+            f"malicious coordinator with up to {weakest['colluders']} colluding devices "
+            f"({weakest['colluders_protocol_followed']} if it follows the protocol); the sum unmasks with up to "
+            f"{weakest['lost']} lost or silent ({weakest['lost_at_random']} lost at random)")
+
+
 def privacy_line(privacy: dict[str, Any]) -> str:
     """'dp central: epsilon 7.98 at delta 1e-05 (8.0 budget) ...' for a report's `privacy`."""
     fmt = lambda v: "inf" if v is None else f"{v:.3g}"  # noqa: E731  (None: no finite bound)
@@ -197,16 +240,20 @@ def data_report(devices: Iterable[Device], classes: int) -> dict[str, Any]:
         counts, malformed = checked_label_counts((device.capabilities or {}).get("label_counts"),
                                                  device.num_examples, classes)
         entry: dict[str, Any] = {"kind": device.kind, "examples": device.num_examples, "labels": counts}
+        if EXAMPLES_BUCKET in (device.capabilities or {}):  # secure aggregation: only a bound was said
+            entry |= {"examples": None, "examples_at_most": device.num_examples}
         if malformed is not None:
             log.warning("%s: label histogram ignored: %s", device.client_id, malformed)
             entry["labels_malformed"] = malformed
         if counts is not None:
             histograms.append(counts)
         per_device[device.client_id] = entry
-    examples = [entry["examples"] for entry in per_device.values()]
+    examples = [entry["examples"] for entry in per_device.values() if entry["examples"] is not None]
+    bounds = [entry["examples_at_most"] for entry in per_device.values() if "examples_at_most" in entry]
     return {
         "devices": len(per_device),
         "examples": sum(examples),
+        **({"examples_at_most": sum(bounds)} if bounds else {}),
         "min_examples": min(examples, default=None),
         "max_examples": max(examples, default=None),
         "labels_reported": len(histograms),
@@ -221,6 +268,9 @@ def data_line(data: dict[str, Any]) -> str:
     """'4 devices, 1797 examples (min 310, max 560), labels reported by 4 (skew 0.12)'."""
     if not data["devices"]:
         return "no device registered"
+    if not data["examples"] and data.get("examples_at_most"):  # secure aggregation: powers of two only
+        return (f"{data['devices']} devices, at most {data['examples_at_most']} examples (each device's count "
+                "rounded up to a power of two), no labels reported")
     if not data["examples"]:  # under DP a device says nothing of its data
         return f"{data['devices']} devices, none reported its examples or labels"
     line = (f"{data['devices']} devices, {data['examples']} examples (min {data['min_examples']}, "

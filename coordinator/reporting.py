@@ -21,7 +21,7 @@ from .config import RunConfig
 from .devices import Device
 from .ledger import Ledger
 from .release import Release
-from .report import async_summary, data_report, read_report, summarize
+from .report import async_summary, data_report, read_report, secagg_report, summarize
 from .run_folder import RunFolder
 
 
@@ -165,6 +165,8 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
         **({"dp_sgd": dp_sgd_report(config, final)} if config.privacy.dp_sgd else {}),
         **({"stopped": stopped} if stopped is not None else {}),
         **({"asynchronous": steps} if (steps := async_summary(rounds)) is not None else {}),
+        **({"secagg": secagg_report(config.secagg, rounds, sharded=config.round.shards > 0)}
+           if config.secagg.secure_aggregation else {}),
     }
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
+from edge_sdk.privacy.disclosure import FIGURES
 from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, Refusal,
                                aggregator_id, new_message_id, refusal_of)
@@ -270,7 +271,9 @@ class Coordinator:
                                      if self.privacy else None, "reason": stopped})
                 break
         if stopped is None and not self.ledger.final and self.completed >= self.config.training.rounds:
-            self.ledger.final = self._evaluate(self.completed)  # resumed after the last round
+            # resumed after the last round: its final evaluation is released only within the budget
+            self.ledger.final = self._evaluate(self.completed, figures=self._releasable("the final evaluation"))
+            self._checkpoint()  # with what its release added to the accountant
         if stopped is None and (self.config.run.release or self.algorithm.releases_representation):
             self._release_phase()
         report = run_report(self.config, self.hyper, run_id=self.run_id, completed=self.completed,
@@ -293,6 +296,8 @@ class Coordinator:
             config["settings"] = self.config.defining()
         if self.privacy is not None:  # before its HELLO, a device learns what it must keep to itself
             config[PRIVACY] = self.privacy.announcement()
+        if self.config.secagg.secure_aggregation:  # and, under secure aggregation, which counts it withholds
+            config[stages.SECURE] = True
         envelope = Envelope(Kind.STATUS, COORDINATOR, run_id=self.run_id, round=self.completed, config=config)
         self.outbox.send(self.topics.broadcast(Kind.STATUS), envelope, retain=True)
 
@@ -984,13 +989,33 @@ class Coordinator:
                                         accumulating - validating, accepted - accumulating))
 
     # -- evaluation ------------------------------------------------------------------------
+    def _releasable(self, what: str) -> bool:
+        """Whether an evaluation outside a round (`what`) may release its figures: always without
+        DP; under DP only within the budget. One that would exceed it is still played (the
+        devices fit and deploy their heads) but its devices send no figures, and it is named in
+        the log, the event log and metrics.jsonl (`evaluation_withheld`)."""
+        if self.privacy is None:
+            return True
+        try:
+            self.privacy.check_evaluation(what)
+        except BudgetSpent as spent:
+            log.warning("%s releases no figures: %s", what, spent)
+            self.privacy.released_accuracy = None  # the last mean released is not this evaluation's
+            self.ledger.event("evaluation_withheld", round=self.completed, evaluation=what)
+            self.metrics.append({"event": "evaluation_withheld", "round": self.completed, "evaluation": what,
+                                 "reason": str(spent), "privacy": self.privacy.record()})
+            return False
+        return True
+
     def _evaluate(self, round_: int, *, targets: list[str] | None = None, phase: str = "round",
                   pool: Pool | None = None, secure: SecureRound | None = None,
-                  extra_groups: dict[str, ArrayGroup] | None = None) -> dict[str, dict[str, Any]]:
+                  extra_groups: dict[str, ArrayGroup] | None = None, figures: bool = True) -> dict[str, dict[str, Any]]:
         """Devices evaluate the model they would deploy on their own test split: the trainers,
         and the weak devices once a representation is released. With a `pool` (a release
         phase), what the devices send in the pool's group is checked and pooled into it; with
-        `secure` too, each device's share is a masked vector that `secure` takes instead."""
+        `secure` too, each device's share is a masked vector that `secure` takes instead.
+        Without `figures` the devices answer with none (an evaluation the DP budget cannot
+        release): nothing is released or accounted."""
         if targets is None:
             targets = self.registry.online() if self.release else self.registry.online("trainer")
         if not targets:
@@ -999,11 +1024,13 @@ class Coordinator:
         request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=self.run_id, round=round_,
                            groups={**self.algorithm.eval_groups(), **(extra_groups or {})},
                            config={"selected": targets, "final": round_ >= self.config.training.rounds, "phase": phase,
-                                   **({stages.SECURE: True} if secure is not None else {})})
+                                   **({stages.SECURE: True} if secure is not None else {}),
+                                   **({} if figures else {FIGURES: False})})
         collector = RoundCollector(round_, frozenset(targets), min_replies=len(targets),
                                    deadline=self.clock() + self._windows()[1], grace=0.0)
         results: dict[str, dict[str, Any]] = {}
         private = self.privacy is not None and self.privacy.releases_evaluations
+        evaluates = figures and (pool is None or pool.evaluates)
         released: list[float] = []  # private evaluation: the accuracies released only as a noised mean
 
         def on_result(received: Received) -> None:
@@ -1012,7 +1039,7 @@ class Coordinator:
                 return
             examples = self.registry.devices[envelope.sender].num_examples
             result: dict[str, Any] = {"kind": self.registry.kind_of(envelope.sender)}
-            if pool is None or pool.evaluates:
+            if evaluates:
                 accuracy = envelope.metrics.get("accuracy")
                 if not self._plausible_accuracy(accuracy):
                     self._refuse(envelope, collector, Reason.MALFORMED,
@@ -1025,6 +1052,8 @@ class Coordinator:
                     result.update(holdout=holdout, accuracy=None)
                 else:
                     result.update(holdout=holdout, **envelope.metrics)
+            elif not figures:  # withheld under DP: the device deployed what it would, and said nothing
+                result.update(holdout=envelope.sender in self.holdout, accuracy=None)
             if pool is not None and secure is not None and (pool.required or stages.SECURE in envelope.groups):
                 try:
                     secure.on_masked(envelope.sender, envelope.groups)
@@ -1043,7 +1072,7 @@ class Coordinator:
 
         self._request(Kind.EVALUATE, request, collector, on_result)
         self._stop_if_every_device_refused("evaluate", round_, targets, results)
-        if private and (pool is None or pool.evaluates) and self.privacy is not None:
+        if private and evaluates and self.privacy is not None:
             self.privacy.release_accuracy(released, round_)
         missing = set(targets) - set(results)
         if missing:
@@ -1089,7 +1118,8 @@ class Coordinator:
         # under DP the weak devices' class prototypes stay home: no mechanism covers them (under
         # secure aggregation they are summed masked, `_gather`)
         extra = phase.prototypes(self.registry.online("lite"), release) if self.privacy is None else {}
-        final = self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra)
+        final = self.ledger.final = self._evaluate(self.completed, phase="final", extra_groups=extra,
+                                                   figures=self._releasable("the release's evaluation"))
         self._checkpoint()
         summary = self._accuracy(final)
         keep_release_results(self.folder.path, release, final)

@@ -32,6 +32,7 @@ from .models import (ModelSpec, Signature, build_model, first_mismatch, model_na
                      signature_from_plain, signature_to_plain)
 from .params import floats_finite
 from .privacy import PrivacySettings
+from .privacy.disclosure import evaluation_figures, hello_figures
 from .privacy.dpsgd import (ACCOUNTANT_KEY, DP_SGD_EPSILON, DpSgd, DpSgdAccountant, DpSgdRefused, check_dp_sgd, dp_sgd,
                             released_fit_metrics)
 from .privacy.upstream import ROUND_CLIP, WITHIN_CLIP, UploadPrivacy, private_metrics, privatize, round_clip
@@ -94,6 +95,8 @@ class EdgeClient(SecureSession):
         self.algorithm: DeviceAlgorithm | None = None
         self.algorithm_id: str | None = None
         self.privacy: UploadPrivacy | None = None
+        self.secure_run = False
+        """The joined run is under secure aggregation: evaluation replies carry no count."""
         self.dp_sgd: DpSgd | None = None
         self.dp_sgd_delta = 0.0
         self.rounds_trained = 0
@@ -102,12 +105,12 @@ class EdgeClient(SecureSession):
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
 
-        metrics: dict[str, float] = {} if self.run_private else {"num_examples": self.data.num_train,
-                                                                  "num_test": self.data.num_test}
+        metrics = hello_figures(self.data.num_train, self.data.num_test, private=self.run_private,
+                                secure=self.run_secure)
         config: dict[str, Any] = {"device_type": "trainer", "accelerator": self.device, "amp": self.amp,
                                   "torch": torch.__version__, "task": self.data.task.name,
                                   "algorithms": list(algorithms.ALGORITHM_IDS), **self.secure_capability()}
-        if self.share_label_counts and not self.run_private:  # info: the coordinator reports it
+        if self.share_label_counts and not (self.run_private or self.run_secure):  # the coordinator reports it
             config["label_counts"] = self.data.class_counts().tolist()
         if self.model is not None:  # the coordinator checks a model of the device's own
             config["model"] = {"name": model_name(self.model),
@@ -149,6 +152,7 @@ class EdgeClient(SecureSession):
                                   model=self.model, optimizer=self.optimizer, loss=self.loss)
         self.algorithm, self.algorithm_id = algorithm, algorithm_id
         privacy, self.privacy = UploadPrivacy.announced(welcome.config, settings.seed)
+        self.secure_run = welcome.config.get(secagg_stages.SECURE) is True
         self.dp_sgd_delta = privacy.dp_sgd_delta
         saved = self.store.restore(welcome.run_id, algorithm_id)
         personal = dict(saved.arrays) if saved is not None else {}
@@ -247,10 +251,10 @@ class EdgeClient(SecureSession):
         if envelope.config.get("phase") == STATISTICS:
             with self._compute_lock:
                 statistics = algorithm.body_statistics(task)
-            examples: dict[str, float] = {"num_examples": algorithm.data.num_train}
             if envelope.config.get(secagg_stages.SECURE) is True:  # masked: the coordinator sees only the sum
-                self._send_pool_share(envelope, statistics, examples)
+                self._send_pool_share(envelope, statistics, {})
                 return
+            examples: dict[str, float] = {"num_examples": algorithm.data.num_train}
             self.send(Kind.EVAL_RES, envelope.round, request=envelope, groups={STATISTICS: statistics},
                       metrics=examples)
             return
@@ -267,6 +271,7 @@ class EdgeClient(SecureSession):
         if self.privacy is not None:
             metrics = private_metrics(metrics, self.privacy,
                                       self.privacy.generator(self.client_id, envelope.round, "evaluation"))
+        metrics = evaluation_figures(metrics, envelope.config, secure=self.secure_run)
         self.send(Kind.EVAL_RES, envelope.round, request=envelope, metrics=metrics)
 
 

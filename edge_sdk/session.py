@@ -36,6 +36,7 @@ from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .privacy.upstream import PRIVACY
 from .protocol import (MAX_REFUSAL_DETAIL, NACK_FIELDS, REFUSAL_DETAIL, REFUSED, REPLY_KINDS, REPORTED_REFUSALS,
                        SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id)
+from .secagg.stages import SECURE as SECURE_RUN
 from .signing import Signer, Verifier
 from .transport import MqttSettings, MqttTransport
 
@@ -128,6 +129,12 @@ class DeviceSession:
         """The latest STATUS announced a run under DP: HELLO then says nothing of the device's
         data (no example or label counts), which no DP mechanism would cover."""
         return self._status is not None and bool(self._status.config.get(PRIVACY))
+
+    @property
+    def run_secure(self) -> bool:
+        """The latest STATUS announced a run under secure aggregation: HELLO then gives only a bound
+        on the device's examples, and its replies no count (privacy/disclosure.py)."""
+        return self._status is not None and self._status.config.get(SECURE_RUN) is True
 
     # -- lifecycle -------------------------------------------------------------------------
     @property

@@ -475,6 +475,34 @@ MUTATIONS = (
              (("        settled = not self.waiting and not self._rejoin_pending(now)",
                "        settled = not self.waiting"),),
              ("tests/unit/test_rounds.py",)),
+    # What a private or secure run publishes: counts withheld, evaluations outside a round budget-checked
+    Mutation("disclosure: exact counts in HELLO under secure aggregation", "edge_sdk/privacy/disclosure.py",
+             (("    if secure:\n        return {EXAMPLES_BUCKET", "    if False:\n        return {EXAMPLES_BUCKET"),),
+             ("tests/unit/test_loopback_secagg.py::test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_"
+              "masked_vectors",)),
+    Mutation("disclosure: the weights' scale below a device's examples", "edge_sdk/privacy/disclosure.py",
+             (("math.ceil(math.log2(examples))", "math.floor(math.log2(examples))"),),
+             ("tests/unit/test_loopback_secagg.py::test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_"
+              "masked_vectors",)),
+    Mutation("disclosure: counts in EVAL_RES under secure aggregation", "edge_sdk/privacy/disclosure.py",
+             (("if k not in COUNTS} if secure", "if k not in COUNTS} if False"),),
+             ("tests/unit/test_loopback_secagg.py::test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_"
+              "masked_vectors",)),
+    Mutation("live view: device counts published under DP", "coordinator/observe/live.py",
+             (("            if self.private:\n                devices",
+               "            if False:\n                devices"),),
+             ("tests/unit/test_observe_live.py",)),
+    Mutation("prometheus: round counts published under DP", "coordinator/observe/prometheus.py",
+             (("isinstance(event, RoundStarted) and not self.private", "isinstance(event, RoundStarted)"),),
+             ("tests/unit/test_observe.py",)),
+    Mutation("weak device: what it runs said under DP", "edge_sdk/lite/client.py",
+             (('config: dict[str, Any] = {"release": release.sha256}',
+               'config: dict[str, Any] = {"release": release.sha256, "runs": deployed.sha256}'),),
+             (f"{PRIVACY_LOOPBACK}test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why",)),
+    Mutation("dp: an evaluation outside a round not budget-checked", RUN_PRIVACY_PY,
+             (("        after = self._epsilon_after_evaluation()\n", "        after = 0.0\n"),),
+             (f"{PRIVACY_LOOPBACK}test_an_evaluation_outside_a_round_is_refused_by_name_when_it_would_exceed_the_budget",
+              f"{PRIVACY_LOOPBACK}test_a_resumed_run_s_final_evaluation_is_budget_checked_and_accounted")),
 )
 
 

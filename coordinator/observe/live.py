@@ -8,6 +8,9 @@ refused in, the rejections of its answers by reason, its last accuracy), one poi
 events (bounded). `to_json()` is the whole of it, which the page polls at `/state.json`.
 `from_folder` builds the same state from a run folder's report.json and metrics.jsonl (for
 `edgepfl view`); what only the events tell (who replied in which round) is then unknown (None).
+Under DP (`private`) the state publishes nothing that depends on a device's data or on who was
+sampled: no device's counts, rejections or accuracy, no per-round counts of devices or uploads
+and no spread of the accuracies, only the released mean, the epsilon, and who is online.
 The HTTP server reads the state from its own threads while the coordinator's thread feeds it,
 so both go through one lock.
 """
@@ -57,6 +60,15 @@ class DeviceView:
     """Why it kept an older release than the one it evaluated last (the inventory)."""
 
 
+DEVICE_COUNTS = ("selected", "replied", "late", "missing", "refused")
+"""A device's participation counts: under DP they would publish the sampling and its answers."""
+ROUND_COUNTS = ("selected", "participants", "late", "missing", "refused", "mb_up", "accuracy_std", "accuracy_min")
+"""A round's figures withheld under DP: counts of devices and uploads, and the accuracies' spread
+(only the released mean is inside the guarantee)."""
+DEVICE_EVENTS = frozenset({"refused", "late", "missing"})
+"""Events of a device's answers in a round, not listed under DP."""
+
+
 def round_point(record: dict[str, Any]) -> dict[str, Any]:
     """The figures the page charts for one round, from its metrics.jsonl record."""
     accuracy = record.get("personalized_accuracy") or {}
@@ -75,10 +87,12 @@ class LiveState:
               DeviceOnline, DeviceOffline, ReleaseServed)
 
     def __init__(self, run: dict[str, Any], *, folder: RunFolder | None = None, clock: Callable[[], float] = time.time,
-                 history: int = EVENT_HISTORY) -> None:
+                 history: int = EVENT_HISTORY, private: bool = False) -> None:
         """`run`: what the events do not say of the run (algorithm, dataset, model, federation);
-        `folder`: the run's folder, whose metrics.jsonl gives the rounds a resumed run played before."""
+        `folder`: the run's folder, whose metrics.jsonl gives the rounds a resumed run played before;
+        `private`: the run is under DP (what is withheld then: the module's docstring)."""
         self.folder = folder
+        self.private = private
         self.clock = clock
         self.run: dict[str, Any] = {"run_id": None, "rounds": None, "completed": 0, "current": None,
                                     "phase": "starting", "expected": None, "finished": False, **run}
@@ -179,6 +193,8 @@ class LiveState:
         return view
 
     def _note(self, device: str | None, what: str, *, at: float | None = None, **details: Any) -> None:
+        if self.private and what in DEVICE_EVENTS:
+            return
         self.events.append({"time": self.clock() if at is None else at, "device": device, "event": what, **details})
 
     def to_json(self) -> dict[str, Any]:
@@ -189,11 +205,16 @@ class LiveState:
             rounds, completed = self.run["rounds"], self.run["completed"]
             left = None if per_round is None or rounds is None else max(0, rounds - completed) * per_round
             devices = [asdict(view) for _, view in sorted(self.devices.items())]
+            rounds, rejections = list(self.rounds), dict(sorted(self.rejections.items()))
+            if self.private:
+                devices = [{**d, **dict.fromkeys(DEVICE_COUNTS), "accuracy": None, "accuracy_round": None,
+                            "rejections": {}, "kept": None} for d in devices]
+                rounds, rejections = [{**r, **dict.fromkeys(ROUND_COUNTS)} for r in rounds], {}
             return {"source": self.source, "now": self.clock(),
                     "run": {**self.run, "seconds_per_round": per_round, "seconds_left": left,
-                            "online": sum(1 for d in devices if d["online"]), "devices": len(devices)},
-                    "devices": devices, "rounds": list(self.rounds), "events": list(self.events),
-                    "rejections": dict(sorted(self.rejections.items()))}
+                            "online": sum(1 for d in devices if d["online"]), "devices": len(devices),
+                            "private": self.private},
+                    "devices": devices, "rounds": rounds, "events": list(self.events), "rejections": rejections}
 
     def to_bytes(self) -> bytes:
         """`to_json()` as JSON text; a figure that is not finite (NaN) is null."""
@@ -205,9 +226,12 @@ class LiveState:
         report.json once the run wrote it (a run still going shows its rounds only). Per-round
         participation by device is not in these files: those counts are None."""
         report = read_report(folder) or {}
-        state = cls({key: report.get(key) for key in ("algorithm", "dataset", "model")}, history=history)
+        records = _round_records(folder)
+        private = report.get("privacy") is not None or any(r.get("privacy") is not None for r in records)
+        state = cls({key: report.get(key) for key in ("algorithm", "dataset", "model")}, history=history,
+                    private=private)
         state.source = "folder"
-        state.rounds = [round_point(r) for r in _round_records(folder)]
+        state.rounds = [round_point(r) for r in records]
         completed = report.get("rounds_completed", len(state.rounds))
         state.run.update(run_id=report.get("run_id"), completed=completed, finished=bool(report),
                          rounds=completed if report else None, phase="finished" if report else "running")

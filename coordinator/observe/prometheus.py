@@ -5,6 +5,10 @@ histogram named `edgepfl_*`, each labelled with the `federation`, in the Collect
 given (not the process-wide one, so two exporters in one process never collide). Traffic and
 rejections are what the coordinator's channel counted during each round (`RoundEnded.channel`):
 received is `up`, sent is `down`. `route()` serves them at `/metrics` of an `ObserveServer`.
+Under DP (`private`) the exporter publishes nothing that depends on a device's data or on who
+was sampled: no round's selected or participating devices, no upstream traffic (its message and
+byte counts count the uploads) and no rejections; the run's progress, the fleet online, the
+released accuracy and the epsilon remain.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ class PrometheusExporter:
     EVENTS = (RunStarted, DevicesRegistered, RoundStarted, RoundEvaluated, RoundEnded, DeviceOnline, DeviceOffline,
               ReleaseServed, DeviceRefused)
 
-    def __init__(self, registry: CollectorRegistry, *, federation: str = "default") -> None:
+    def __init__(self, registry: CollectorRegistry, *, federation: str = "default", private: bool = False) -> None:
         self.registry = registry
         self.federation = federation
+        self.private = private
         labels = ["federation"]
 
         def gauge(name: str, text: str) -> Gauge:
@@ -66,7 +71,7 @@ class PrometheusExporter:
         self.epsilon = gauge("edgepfl_epsilon", "privacy budget spent so far (--dp), at the run's delta")
         self.releases_served = Counter("edgepfl_releases_served", "released representations sent to devices "
                                                                   "that fetched them", labels, registry=registry)
-        for reason in Reason:  # every reason from 0, so a rate is 0 rather than no data
+        for reason in () if private else Reason:  # every reason from 0, so a rate is 0 rather than no data
             self.rejections.labels(federation, reason.value)
         self.rounds_completed.labels(federation)
         self.releases_served.labels(federation)
@@ -89,7 +94,7 @@ class PrometheusExporter:
             self.devices_registered.labels(federation).set(event.registered)
         elif isinstance(event, DeviceOffline):
             self.devices_online.labels(federation).set(event.online)
-        elif isinstance(event, RoundStarted):
+        elif isinstance(event, RoundStarted) and not self.private:
             self.selected.labels(federation).set(len(event.selected))
         elif isinstance(event, RoundEvaluated) and event.accuracy is not None:
             self.accuracy.labels(federation).set(event.accuracy)
@@ -104,15 +109,18 @@ class PrometheusExporter:
         federation, record, channel = self.federation, event.record, event.channel
         self.rounds_completed.labels(federation).inc()
         self.round.labels(federation).set(event.round)
-        self.participants.labels(federation).set(record["participants"])
         self.round_seconds.labels(federation).observe(record["seconds"])
         for direction, name in DIRECTIONS.items():
+            if self.private and name == "up":
+                continue
             for kind, size in channel.bytes.get(direction, {}).items():
                 self.bytes.labels(federation, name, kind).inc(size)
             for kind, count in channel.messages.get(direction, {}).items():
                 self.messages.labels(federation, name, kind).inc(count)
-        for reason, count in channel.rejections.items():
-            self.rejections.labels(federation, reason).inc(count)
+        if not self.private:
+            self.participants.labels(federation).set(record["participants"])
+            for reason, count in channel.rejections.items():
+                self.rejections.labels(federation, reason).inc(count)
         epsilon = (record.get("privacy") or {}).get("epsilon")
         if epsilon is not None:
             self.epsilon.labels(federation).set(epsilon)

@@ -104,9 +104,10 @@ def _metrics_server(config: RunConfig, observation: Observation) -> ObserveServe
     from .prometheus import PrometheusExporter
     from .view import add_view_routes
 
-    exporter = PrometheusExporter(CollectorRegistry(), federation=config.broker.federation)
+    private = config.privacy.enabled  # under DP neither publishes a device's counts
+    exporter = PrometheusExporter(CollectorRegistry(), federation=config.broker.federation, private=private)
     live = LiveState({"algorithm": config.run.algorithm, "dataset": config.run.dataset, "model": config.model_name,
-                      "federation": config.broker.federation}, folder=observation.folder)
+                      "federation": config.broker.federation}, folder=observation.folder, private=private)
     observation.observers += [exporter.on_event, live.on_event]
     host, port = http_address(str(config.observe.http))
     server = ObserveServer(host, port, token=config.observe.http_token)

@@ -22,6 +22,8 @@ from ..report import read_report
 from ..run_folder import RunFolder
 
 MB = 1e6
+PRIVATE_COUNTS = ("mb_up", "participants", "selected")
+"""A round's figures a tracker does not get under DP."""
 MLFLOW_PARAM_BATCH = 100
 """MLflow takes at most 100 params in one log_batch call."""
 MLFLOW_PARAM_LENGTH = 500
@@ -31,10 +33,14 @@ MLFLOW_PARAM_LENGTH = 500
 def round_figures(record: Mapping[str, Any]) -> dict[str, float]:
     """A round's figures by name from its metrics.jsonl record: accuracy (mean personalized,
     when evaluated), global_accuracy (when the devices reported it), mb_up, mb_down,
-    participants, selected, seconds and, under DP, epsilon."""
+    participants, selected, seconds and, under DP, epsilon. Under DP (the record has `privacy`)
+    without mb_up, participants and selected: they count the round's sampled devices and uploads,
+    which a tracker would publish beside the guarantee."""
     figures = {"mb_up": record["bytes_up"] / MB, "mb_down": record["bytes_down"] / MB,
                "participants": float(record["participants"]), "selected": float(record["selected"]),
                "seconds": float(record["seconds"])}
+    if record.get("privacy") is not None:
+        figures = {key: value for key, value in figures.items() if key not in PRIVATE_COUNTS}
     optional = {"accuracy": (record.get("personalized_accuracy") or {}).get("mean"),
                 "global_accuracy": record.get("global_accuracy"),
                 "epsilon": (record.get("privacy") or {}).get("epsilon")}

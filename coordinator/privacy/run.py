@@ -19,6 +19,7 @@ devices is accounted with the multiplier z sqrt(min(s, m) / m), the noise it rea
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections import Counter
@@ -141,6 +142,27 @@ class RunPrivacy:
         if after > budget:
             raise BudgetSpent(f"privacy budget spent: epsilon {self.epsilon():.4g} of {budget:.4g} at delta "
                               f"{self.delta:.3g}, one more round would reach {after:.4g}")
+
+    def check_evaluation(self, what: str) -> None:
+        """Raise BudgetSpent, naming `what`, when releasing one more evaluation outside a round
+        (the release's, a resumed run's final one) would take epsilon over `dp_epsilon`; a round's
+        own evaluation is in its round's check. Never without a budget or a private evaluation."""
+        budget = self.settings.dp_epsilon
+        if budget <= 0 or not self.releases_evaluations:
+            return
+        after = self._epsilon_after_evaluation()
+        if after > budget:
+            raise BudgetSpent(f"privacy budget spent: epsilon {self.epsilon():.4g} of {budget:.4g} at delta "
+                              f"{self.delta:.3g}, {what} would reach {after:.4g}")
+
+    def _epsilon_after_evaluation(self) -> float:
+        if self.local:
+            return local_epsilon(self.settings.dp_sampling, self.noise, max(self.participations.values(), default=0),
+                                 self.delta, evaluations=self.accountant.evaluations + 1,
+                                 eval_noise=self.settings.dp_eval_noise)
+        ahead = copy.deepcopy(self.accountant)
+        ahead.add_evaluation(self.settings.dp_eval_noise)
+        return ahead.epsilon()
 
     def _epsilon_after_round(self, population: int) -> float:
         if self.local:

@@ -46,6 +46,7 @@ import onnxruntime as ort
 
 from ..config import from_mapping
 from ..data import ClientData, device_seed
+from ..privacy.disclosure import evaluation_figures, hello_figures
 from ..privacy.upstream import UploadPrivacy, private_metrics
 from ..protocol import PROTOTYPES, Envelope, Kind, ProtocolError, Reason, ValidationError
 from ..secagg import stages as secagg_stages
@@ -196,14 +197,16 @@ class LiteClient(SecureSession):
 
     # -- the session's hooks ---------------------------------------------------------------
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
-        metrics: dict[str, float] = {} if self.run_private else {"num_examples": self.own_data.num_train,
-                                                                  "num_test": self.own_data.num_test}
+        metrics = hello_figures(self.own_data.num_train, self.own_data.num_test, private=self.run_private,
+                                secure=self.run_secure)
         config: dict[str, Any] = {"device_type": "lite", "heads": list(HEADS), "head": self.head_kind,
                                   "onnxruntime": ort.__version__, "task": self.own_data.task.name,
                                   **self.secure_capability()}
-        if self.share_prototypes and not self.run_private:  # as the prototypes: shared or kept
+        if self.share_prototypes and not (self.run_private or self.run_secure):  # as the prototypes: shared or kept
             config["label_counts"] = self.own_data.class_counts().tolist()
-        if self.deployed is not None:  # a release service does not ask again for what it runs
+        # a release service does not ask again for what a device runs; under DP that says whether it
+        # kept an older model, a comparison of accuracies on its data
+        if self.deployed is not None and not self.run_private:
             config["runs"] = self.deployed.sha256
         return metrics, config
 
@@ -385,17 +388,21 @@ class LiteClient(SecureSession):
     def _reply(self, request: Envelope, accuracy: float, release: Release, *, kept: str | None = None,
                groups: dict[str, Any] | None = None) -> None:
         """EVAL_RES: the accuracy of the `release` evaluated, what the device runs now and, when it
-        kept an older model, why; under DP the metrics go through `private_metrics`, without the
-        deployed model's accuracy."""
+        kept an older model, why. Under DP the metrics go through `private_metrics`, without the
+        deployed model's accuracy, and the reply says neither what the device runs nor why: whether
+        it kept an older model is a comparison of accuracies on its data, which no mechanism noises.
+        Under secure aggregation the metrics carry no count of its data."""
         deployed = self.deployed
         assert deployed is not None  # every answer follows a deployment, or keeps one
-        config = {"release": release.sha256, "runs": deployed.sha256} | ({"kept": kept} if kept else {})
+        config: dict[str, Any] = {"release": release.sha256}
         metrics = {"accuracy": accuracy, "num_test": self.data.num_test, "num_train": self.data.num_train}
         if self.privacy is not None:
             metrics = private_metrics(metrics, self.privacy, self.privacy.generator(self.client_id, request.round,
                                                                                     "evaluation"))
         else:
+            config |= {"runs": deployed.sha256} | ({"kept": kept} if kept else {})
             metrics["deployed_accuracy"] = deployed.accuracy
+        metrics = evaluation_figures(metrics, request.config, secure=self.secure_run)
         if self.secure_run and request.config.get(secagg_stages.SECURE) is True and groups:
             self._send_pool_share(request, groups[PROTOTYPES], metrics, config)
             return

@@ -77,6 +77,18 @@ def test_the_data_line_of_devices_that_report_no_labels():
     assert data_line(data_report([], classes=10)) == "no device registered"
 
 
+def test_under_secure_aggregation_the_data_section_gives_each_device_s_bound_only():
+    devices = [Device("a", "trainer", 512, capabilities={"examples_bucket": 9}),
+               Device("b", "lite", 64, capabilities={"examples_bucket": 6})]
+
+    data = data_report(devices, classes=10)
+
+    assert data["per_device"]["a"] == {"kind": "trainer", "examples": None, "examples_at_most": 512, "labels": None}
+    assert (data["examples"], data["examples_at_most"], data["min_examples"]) == (0, 576, None)
+    assert data_line(data) == ("2 devices, at most 576 examples (each device's count rounded up to a power of "
+                               "two), no labels reported")
+
+
 def test_devices_say_hello_with_their_training_labels(tmp_path):
     data = load_client_data("digits", num_clients=4, index=1, seed=0, partition="dirichlet", alpha=0.5)
 

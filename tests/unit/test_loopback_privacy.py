@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
+from coordinator import checkpoint
 from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
 from coordinator.privacy.budget import BudgetSpent
 from edge_sdk.config import ConfigError
+from edge_sdk.privacy.disclosure import FIGURES
 from edge_sdk.privacy.upstream import change_norm
 from edge_sdk.protocol import Kind
 from loopback_runs import drain, listener
@@ -120,6 +123,74 @@ def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_account
         federation.coordinator(config).privacy.check_budget(3)
 
 
+def resume_for_the_final_evaluation(federation, config) -> dict:
+    """Resume the finished run in `config`'s folder as if it had stopped after its last round's
+    checkpoint and before its final evaluation; returns the resumed run's report."""
+    saved = checkpoint.load(federation.folder.checkpoint)
+    checkpoint.save(federation.folder.checkpoint, dataclasses.replace(saved, history={**saved.history, "final": None}))
+    federation.folder.report.unlink()
+    federation.devices_exit()
+    federation.threads.clear()
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+    return coordinator.run()
+
+
+def test_a_resumed_run_s_final_evaluation_is_budget_checked_and_accounted(federation):
+    # Prepare: one round and its evaluation played; a budget that takes one more evaluation, and one that does not
+    probe = PrivacyAccountant("rdp", "fixed", 3 ** -1.1)
+    probe.add_round(3, 3, 1.0)
+    probe.add_evaluation(10.0)
+    played = probe.epsilon()
+    probe.add_evaluation(10.0)
+    config = private_config(federation, rounds=1)
+    coordinator = federation.coordinator(config)
+    for i in range(3):
+        federation.start_device(i, 3)
+    assert coordinator.run()["privacy"]["evaluations_accounted"] == 1
+    evaluations = listener(federation.broker, "spy-evaluate", f"{federation.topics.prefix}/down/all/evaluate",
+                           federation.topics)
+    replies = federation.spy(Kind.EVAL_RES)
+
+    # Execute: resumed below the budget the evaluation needs, then above it
+    short = resume_for_the_final_evaluation(federation, config.replace(dp_epsilon=(played + probe.epsilon()) / 2))
+    withheld = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()
+                if json.loads(line)["event"] == "evaluation_withheld"]
+    asked, answered = drain(evaluations), drain(replies)
+    enough = resume_for_the_final_evaluation(federation, config.replace(dp_epsilon=probe.epsilon() * 2))
+
+    # Assert: below the budget the devices were asked for no figures, sent none, nothing was
+    # released or accounted, and the log names the evaluation; above it the evaluation is accounted
+    assert [w["evaluation"] for w in withheld] == ["the final evaluation"]
+    assert "privacy budget spent" in withheld[0]["reason"]
+    assert [e.config.get(FIGURES) for e in asked] == [False]
+    assert len(answered) == 3 and all(e.metrics == {} for e in answered)
+    assert short["privacy"]["evaluations_accounted"] == 1 and short["privacy"]["released_accuracy"] is None
+    assert short["privacy"]["epsilon"] == pytest.approx(played, rel=1e-9)
+    assert enough["privacy"]["evaluations_accounted"] == 2
+    assert enough["privacy"]["epsilon"] == pytest.approx(probe.epsilon(), rel=1e-9)
+    saved = PrivacyAccountant.from_state(checkpoint.load(federation.folder.checkpoint).history["privacy"]["accountant"])
+    assert saved.evaluations == 2, "a further resume continues from the evaluation released"
+
+
+def test_an_evaluation_outside_a_round_is_refused_by_name_when_it_would_exceed_the_budget():
+    from coordinator.privacy.run import RunPrivacy
+    from edge_sdk.privacy import PrivacySettings
+
+    def privacy(budget: float, evaluation: str = "private") -> RunPrivacy:
+        settings = PrivacySettings(dp="central", dp_noise=1.0, dp_epsilon=budget, dp_evaluation=evaluation,
+                                   dp_delta=1e-5)
+        return RunPrivacy(settings, devices=4, population=4, fraction=1.0, rounds=1, evaluations=1, seed=0)
+
+    once = PrivacyAccountant("rdp", "fixed", 1e-5)
+    once.add_evaluation(10.0)
+    with pytest.raises(BudgetSpent, match="the release's evaluation would reach"):
+        privacy(once.epsilon() * 0.99).check_evaluation("the release's evaluation")
+    privacy(once.epsilon() * 1.01).check_evaluation("the release's evaluation")
+    privacy(once.epsilon() * 0.5, "outside").check_evaluation("the release's evaluation")  # outside: nothing released
+
+
 def test_a_private_round_s_aggregate_is_noised_around_the_fixed_denominator_mean(federation):
     # Prepare: one round, noise drawn from the seed, so the same run is made twice
     config = private_config(federation, rounds=1, dp_noise=4.0, dp_evaluation="outside")
@@ -222,3 +293,47 @@ def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
 
     assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
     assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))
+
+
+def weak_device_run(federation, **changes):
+    """RepPer under DP, three trainers and a weak device (dev003), one round, then the release;
+    returns (report, the weak device, its EVAL_RES)."""
+    config = private_config(federation, algorithm="repper", clients=4, lite_fraction=0.25, rounds=1, **changes)
+    coordinator = federation.coordinator(config)
+    replies = federation.spy(Kind.EVAL_RES)
+    for i in range(3):
+        federation.start_device(i, 4)
+    lite = federation.start_lite(3, 4)
+    report = coordinator.run()
+    assert federation.devices_exit()
+    return report, lite, [e for e in drain(replies) if e.sender == "dev003"]
+
+
+def test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why(federation):
+    # Execute
+    report, lite, (reply,) = weak_device_run(federation)
+
+    # Assert: the release it evaluated (the coordinator's own) and its accuracy, nothing else
+    assert lite.evaluation is not None and lite.deployed is not None
+    assert set(reply.config) - {"in_reply_to"} == {"release"} and set(reply.metrics) == {"accuracy"}
+    assert report["privacy"]["evaluations_accounted"] == 2
+
+
+def test_a_release_evaluation_beyond_the_budget_releases_no_figures_and_the_weak_device_still_deploys(federation):
+    # Prepare: a budget that takes the round and its evaluation, not the release's evaluation
+    probe = PrivacyAccountant("rdp", "fixed", 4 ** -1.1)
+    probe.add_round(3, 3, 1.0)
+    probe.add_evaluation(10.0)
+    played = probe.epsilon()
+    probe.add_evaluation(10.0)
+
+    # Execute
+    report, lite, (reply,) = weak_device_run(federation, dp_epsilon=(played + probe.epsilon()) / 2)
+
+    # Assert: the weak device fitted and deployed its model, and said nothing; nothing was released
+    assert lite.evaluation is not None and lite.model_path.exists()
+    assert reply.metrics == {} and set(reply.config) - {"in_reply_to"} == {"release"}
+    assert report["privacy"]["evaluations_accounted"] == 1 and report["privacy"]["released_accuracy"] is None
+    lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
+    assert [line["evaluation"] for line in lines if line["event"] == "evaluation_withheld"] == [
+        "the release's evaluation"]

@@ -7,6 +7,7 @@ sums too."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from coordinator import checkpoint
 from coordinator.run_folder import RunFolder
 from edge_sdk.config import ConfigError
 from edge_sdk.data import load_client_data
+from edge_sdk.privacy.disclosure import COUNTS, EXAMPLES_BUCKET
 from edge_sdk.protocol import PROTOTYPES, STATISTICS, Kind
 from edge_sdk.secagg import IdentityKey, Roster, stages
 from edge_sdk.secagg.device import SecAggKeys
@@ -70,6 +72,7 @@ def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vect
 
     coordinator = federation.coordinator(secure_config(federation))
     up = federation.spy(Kind.TRAIN_RES)
+    hellos, evaluations = federation.spy(Kind.HELLO), federation.spy(Kind.EVAL_RES)
     for i, keys in enumerate(fleet_keys(DEVICES)):
         federation.start_device(i, DEVICES, secagg_keys=keys)
 
@@ -79,12 +82,31 @@ def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vect
     # Assert: every round aggregated all four; each update is one int32 vector, nothing else
     assert [r["participants"] for r in report["rounds"]] == [DEVICES, DEVICES]
     assert all(r["secagg"]["unmasked"] == DEVICES and not r["secagg"]["dropped"] for r in report["rounds"])
+    (figures,) = report["secagg"]["by_devices"]  # 4 devices: the complete graph, k 3, t 2
+    assert (figures["devices"], figures["degree"], figures["threshold"], figures["rounds"]) == (DEVICES, 3, 2, [1, 2])
+    assert (figures["colluders"], figures["lost"]) == (0, 1)
     for update in drain(up):
         assert set(update.groups) == {stages.SECURE} and set(update.groups[stages.SECURE]) == {stages.MASKED}
         assert update.groups[stages.SECURE][stages.MASKED].dtype == np.int32
     secure = final_state(federation)
     for key, value in plain["shared"].items():
         assert np.allclose(secure["shared"][key], value, atol=1e-5), key
+    # no HELLO said an exact count or the labels, only the power of two above the examples (the
+    # weights' scale: the devices' counts differ, and the mean is still the plain run's)
+    counts = [load_client_data("digits", num_clients=DEVICES, index=i, seed=0).num_train for i in range(DEVICES)]
+    assert len(set(counts)) > 1
+    said = {hello.sender: hello for hello in drain(hellos)}
+    assert sorted(said) == [f"dev{i:03d}" for i in range(DEVICES)]
+    for i, count in enumerate(counts):
+        hello = said[f"dev{i:03d}"]
+        assert hello.metrics == {EXAMPLES_BUCKET: math.ceil(math.log2(count))} and "label_counts" not in hello.config
+    assert report["data"]["examples"] == 0 and report["data"]["label_counts"] is None
+    assert report["data"]["examples_at_most"] == sum(2 ** math.ceil(math.log2(c)) for c in counts)
+    assert [d["examples_at_most"] for d in report["data"]["per_device"].values()] == [
+        2 ** math.ceil(math.log2(c)) for c in counts]
+    # the evaluation replies carry the accuracies (the run's output) and no count
+    replies = drain(evaluations)
+    assert replies and all("accuracy" in e.metrics and not set(e.metrics) & set(COUNTS) for e in replies)
 
 
 def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
@@ -237,6 +259,7 @@ def test_a_secure_release_pools_statistics_and_prototypes_as_sums_only(federatio
     # sum over all its devices; what it pooled is the plain run's within the rounding (the model
     # itself differs from the plain one by the training round's quantization)
     assert uploads and all(STATISTICS not in e.groups and PROTOTYPES not in e.groups for e in uploads)
+    assert all(not set(e.metrics) & set(COUNTS) for e in uploads), "a count would give a device's weight away"
     masked = [e for e in uploads if stages.SECURE in e.groups]
     assert sorted(e.sender for e in masked) == [f"dev{i:03d}" for i in range(7)]
     pools = secure_pools(tmp_path / "secure")

@@ -37,14 +37,14 @@ def _round_ended(round_: int, *, seconds: float, privacy: dict | None = None) ->
     return RoundEnded(round_, record, channel)
 
 
-def _fed_exporter(events):
+def _fed_exporter(events, *, private: bool = False):
     from prometheus_client import CollectorRegistry
 
     from coordinator.observe.prometheus import PrometheusExporter
 
     registry = CollectorRegistry()
     bus = EventBus()
-    PrometheusExporter(registry, federation="plant7").attach(bus)
+    PrometheusExporter(registry, federation="plant7", private=private).attach(bus)
     for event in events:
         bus.emit(event)
     return registry
@@ -95,6 +95,24 @@ def test_the_exporter_follows_devices_online_epsilon_and_releases_served():
     assert samples[("edgepfl_devices_registered", fed)] == 2
     assert samples[("edgepfl_epsilon", fed)] == 1.25
     assert samples[("edgepfl_releases_served_total", fed)] == 2
+
+
+def test_under_dp_the_exporter_publishes_no_round_s_devices_uploads_or_rejections():
+    # Prepare
+    events = [RunStarted("run-abc", 0, 5), DevicesRegistered(3, 3, 1.0), RoundStarted(1, ("dev0", "dev1", "dev2")),
+              RoundEvaluated(1, 3, 0.75, 0.1), _round_ended(1, seconds=0.7, privacy={"epsilon": 0.5})]
+    fed = (("federation", "plant7"),)
+
+    # Execute
+    samples = _samples(_fed_exporter(events, private=True))
+
+    # Assert: progress, the released accuracy, the epsilon and the downstream traffic remain
+    names = {name for name, _ in samples}
+    assert not names & {"edgepfl_round_selected", "edgepfl_round_participants", "edgepfl_rejections_total"}
+    assert not [labels for name, labels in samples if ("direction", "up") in labels]
+    assert samples[("edgepfl_round", fed)] == 1 and samples[("edgepfl_accuracy", fed)] == 0.75
+    assert samples[("edgepfl_epsilon", fed)] == 0.5
+    assert samples[("edgepfl_bytes_total", (("direction", "down"), *fed, ("kind", "train")))] == 700
 
 
 def test_two_exporters_keep_their_own_registries():

@@ -106,6 +106,31 @@ def test_the_state_follows_the_run_its_devices_rounds_and_events():
         ("released", "weak0")]
 
 
+def test_under_dp_the_state_publishes_no_device_s_counts_or_accuracy_and_no_round_s_counts():
+    # Prepare: the same run under DP
+    clock = Clock()
+    state = LiveState({"algorithm": "fedavg"}, clock=clock, private=True)
+    bus = EventBus()
+    state.attach(bus)
+
+    # Execute
+    for event in _played(clock):
+        clock.now += 1
+        bus.emit(event)
+    shown = json.loads(state.to_bytes())
+
+    # Assert: who is online, the released mean and the epsilon; nothing of who was sampled or answered
+    assert shown["run"]["private"] and (shown["run"]["devices"], shown["run"]["online"]) == (4, 4)
+    for device in shown["devices"]:
+        assert all(device[k] is None for k in ("selected", "replied", "late", "missing", "refused", "accuracy"))
+        assert device["rejections"] == {} and device["kept"] is None
+    assert [(r["round"], r["accuracy"], r["epsilon"]) for r in shown["rounds"]] == [(1, 0.5, 0.8), (2, 0.7, 1.2)]
+    assert all(r[k] is None for r in shown["rounds"]
+               for k in ("selected", "participants", "late", "missing", "refused", "mb_up", "accuracy_std"))
+    assert shown["rejections"] == {}
+    assert [e["event"] for e in shown["events"]] == ["online"] * 4 + ["offline", "reconnected", "released"]
+
+
 def test_the_event_history_is_bounded_to_the_latest():
     # Prepare
     state = LiveState({}, clock=Clock(), history=3)
@@ -176,6 +201,38 @@ def test_the_state_of_a_finished_run_comes_from_its_folder(tmp_path):
     assert devices["dev0"]["selected"] is None and devices["dev0"]["last_seen"] == 2.0
     assert [(e["event"], e["device"]) for e in shown["events"]] == [
         ("online", "dev0"), ("online", "dev1"), ("online", "weak0"), ("offline", "dev1"), ("released", None)]
+
+
+def test_the_folder_view_of_a_private_run_publishes_no_device_s_accuracy(tmp_path):
+    # Prepare: the finished run's report says it ran under DP
+    folder = _write_run_folder(tmp_path / "run")
+    report = json.loads(folder.report.read_text())
+    folder.report.write_text(json.dumps({**report, "privacy": {"epsilon": 2.0}}))
+
+    # Execute
+    shown = LiveState.from_folder(folder).to_json()
+
+    # Assert
+    assert shown["run"]["private"] and shown["rejections"] == {}
+    assert [r["accuracy"] for r in shown["rounds"]] == [0.5, 0.8]
+    assert all(d["accuracy"] is None and d["selected"] is None for d in shown["devices"])
+
+
+def test_the_folder_view_of_a_private_run_still_going_publishes_no_round_s_counts(tmp_path):
+    # Prepare: metrics.jsonl of a private run, no report yet
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir(parents=True)
+    folder.metrics.write_text("\n".join(json.dumps({"event": "round", **_record(r, mean=0.5, seconds=1.0,
+                                                                                   epsilon=0.1 * r)})
+                                        for r in (1, 2)) + "\n")
+
+    # Execute
+    shown = LiveState.from_folder(folder).to_json()
+
+    # Assert
+    assert shown["run"]["private"]
+    assert [(r["epsilon"], r["participants"], r["selected"]) for r in shown["rounds"]] == [(0.1, None, None),
+                                                                                           (0.2, None, None)]
 
 
 def test_the_folder_view_shows_which_release_each_weak_device_runs(tmp_path):

@@ -23,6 +23,18 @@ def _tracked_run(federation, **settings):
     return config, report
 
 
+def test_under_dp_a_tracker_gets_no_round_s_counts_of_devices_or_uploads():
+    from coordinator.observe.tracking import round_figures
+
+    record = {"round": 1, "bytes_up": 3_000_000, "bytes_down": 1_000_000, "participants": 3, "selected": 4,
+              "seconds": 2.0, "personalized_accuracy": {"mean": 0.5}}
+
+    plain, private = round_figures(record), round_figures({**record, "privacy": {"epsilon": 0.7}})
+
+    assert plain["participants"] == 3 and plain["mb_up"] == 3.0
+    assert private == {"mb_down": 1.0, "seconds": 2.0, "accuracy": 0.5, "epsilon": 0.7}
+
+
 def test_tensorboard_gets_every_rounds_figures_the_settings_and_the_report(federation):
     # Prepare
     pytest.importorskip("tensorboard")

@@ -75,3 +75,24 @@ def test_the_summary_says_when_the_run_was_scored_on_the_validation_split():
     # Assert
     assert "validation" not in on_test
     assert "over 20 of 20 devices, on their validation split (test split unread)" in on_validation
+
+
+def test_the_summary_of_a_secure_run_gives_what_its_weakest_round_withstands():
+    # Prepare: two secure rounds of 50 devices, one of 4
+    from coordinator.report import secagg_report
+    from edge_sdk.privacy.secagg_settings import SecAggSettings
+
+    secure = {"selected": 50, "unmasked": 50, "dropped": [], "failed": None}
+    rounds = [_round(1, 50, 50, "complete", secagg=secure),
+              _round(2, 4, 4, "complete", secagg={**secure, "selected": 4}),
+              _round(3, 50, 50, "complete", secagg=secure)]
+    report = {**_report(rounds), "secagg": secagg_report(SecAggSettings(), rounds, sharded=False)}
+
+    # Execute
+    text = _summary(report, "runs/x")
+
+    # Assert: the 4-device round (the complete graph, k 3, t 2) is the weakest
+    assert "secure aggregation     3 of 3 rounds unmasked" in text
+    assert ("secure aggregation     n 4, k 3, t 2: each update hidden from a malicious coordinator with up to 0 "
+            "colluding devices (1 if it follows the protocol); the sum unmasks with up to 1 lost or silent "
+            "(1 lost at random)") in text
