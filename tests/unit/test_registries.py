@@ -11,6 +11,7 @@ import pytest
 
 import coordinator.algorithms as server_registry
 import edge_sdk.algorithms as device_registry
+import edge_sdk.algorithms.hyper as hyper_registry
 from coordinator.algorithms.base import ServerAlgorithm
 from coordinator.algorithms.part_sharing import PartSharingServer
 from edge_sdk.algorithms.base import DeviceAlgorithm
@@ -58,6 +59,10 @@ def test_every_coordinator_module_is_the_server_of_a_known_algorithm():
 
     assert SERVER_INFRASTRUCTURE <= modules
     assert modules - SERVER_INFRASTRUCTURE <= set(ALGORITHM_IDS), "a coordinator module with no device side"
+
+
+def test_every_hyperparameter_module_is_a_known_algorithms():
+    assert {m.name for m in pkgutil.iter_modules(hyper_registry.__path__)} <= set(ALGORITHM_IDS)
 
 
 @pytest.mark.parametrize("algorithm_id", ALGORITHM_IDS)
