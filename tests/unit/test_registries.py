@@ -61,7 +61,7 @@ def test_every_coordinator_module_is_the_server_of_a_known_algorithm():
     assert modules - SERVER_INFRASTRUCTURE <= set(ALGORITHM_IDS), "a coordinator module with no device side"
 
 
-def test_every_hyperparameter_module_is_a_known_algorithms():
+def test_every_hyperparameter_module_belongs_to_a_known_algorithm():
     assert {m.name for m in pkgutil.iter_modules(hyper_registry.__path__)} <= set(ALGORITHM_IDS)
 
 
