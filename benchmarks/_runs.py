@@ -50,6 +50,7 @@ from ._machine import machine_info
 from coordinator.config import KEYS, RunConfig
 from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
+from edge_sdk.algorithms import in_table_order
 from edge_sdk.protocol import Reason
 
 log = logging.getLogger("benchmarks")
@@ -57,24 +58,22 @@ log = logging.getLogger("benchmarks")
 DEFAULT_CACHE = "benchmarks/results/runs"
 """Where finished runs are kept, shared by accuracy.py and communication.py."""
 
-NAMES = {
-    "local": "Local", "fedavg": "FedAvg", "fedavg_ft": "FedAvg+FT", "fedprox": "FedProx", "fedper": "FedPer",
-    "fedrep": "FedRep", "lg_fedavg": "LG-FedAvg", "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL",
-    "cd2_pfed": "CD2-pFed", "fedios": "FediOS", "fedbn": "FedBN", "fedbabu": "FedBABU", "ditto": "Ditto",
-    "apfl": "APFL", "fedrod": "FedRoD", "fedala": "FedALA",
-    "fedproto": "FedProto",
-}
-"""Algorithm ids as the tables name them."""
+_DEVICES = in_table_order()
+ALGORITHMS: tuple[str, ...] = tuple(cls.id for cls in _DEVICES)
+"""Every algorithm id in the tables' order (each device class's `table_rank`)."""
+NAMES = {cls.id: cls.display_name for cls in _DEVICES}
+"""Algorithm ids as the tables name them (each device class's `display_name`)."""
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#000000", "#b8860b")
-PAPER_METHODS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios")
+PAPER_METHODS = tuple(cls.id for cls in _DEVICES if cls.paper_method)
+"""The five papers' methods, in the tables' order (each device class's `paper_method`)."""
 
 
 def line_style(algorithm: str) -> dict[str, Any]:
     """Matplotlib keywords that tell the twelve algorithms apart in one plot: a colour of their own
     and solid lines for the five papers' methods, dashed for the baselines."""
-    index = list(NAMES).index(algorithm)
+    index = ALGORITHMS.index(algorithm)
     return {"color": _COLORS[index % len(_COLORS)], "linestyle": "-" if algorithm in PAPER_METHODS else "--",
             "label": NAMES[algorithm]}
 

@@ -53,12 +53,13 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (NAMES, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging, trailer,
-                    write_outputs)
+from ._runs import (NAMES, PAPER_METHODS, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging,
+                    trailer, write_outputs)
 
 log = logging.getLogger("benchmarks")
 
-PAPERS = ("repper", "dualfed", "dc_pfl", "cd2_pfed", "fedios")
+PAPERS = PAPER_METHODS
+"""The five papers whose ablations and claims this script measures (`paper_method` of their device classes)."""
 SETTINGS = {"repper": "dir0.1@0.2", "dc_pfl": "dir0.1@0.2", "dualfed": "domains@0.2", "cd2_pfed": "domains@0.2",
             "fedios": "domains@0.2"}
 """Each paper's data setting: label skew where the paper evaluates label skew, feature skew where it claims it."""

@@ -46,8 +46,6 @@ from typing import Any
 import numpy as np
 
 
-from edge_sdk.algorithms import ALGORITHM_IDS
-
 from ._flags import (
     PROTOCOL,
     RUN_SETTINGS,
@@ -60,6 +58,7 @@ from ._flags import (
 )
 from ._machine import machine_info
 from ._runs import (
+    ALGORITHMS,
     NAMES,
     RunCache,
     RunView,
@@ -107,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "digits, fedavg and repper, dir0.5@1, seed 0, 2 rounds, holdout 2")
     add_cache_flags(parser, "other cells left empty", fresh=True)
-    parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--settings", default=FULL_SETTINGS,
                         help="comma-separated dir<alpha>|shards<k>|domains|iid, each @<fraction>")
     add_seeds_flag(parser, "0,1,2")
@@ -146,8 +145,8 @@ def parse_assignments(assignments: list[str]) -> dict[str, dict[str, str]]:
         algorithm, dot, key = name.partition(".")
         if not (equals and dot and algorithm and key):
             raise SystemExit(f"--set {text!r}: expected ALGORITHM.KEY=VALUE, e.g. fedrep.momentum=0.5")
-        if algorithm not in ALGORITHM_IDS:
-            raise SystemExit(f"--set {text!r}: unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHM_IDS)}")
+        if algorithm not in ALGORITHMS:
+            raise SystemExit(f"--set {text!r}: unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
         hyper.setdefault(algorithm, {})[key.strip()] = value.strip()
     for algorithm, values in hyper.items():
         try:
@@ -653,9 +652,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     algorithms = listed(args.algorithms)
-    unknown = [a for a in algorithms + listed(args.holdout_algorithms) if a not in ALGORITHM_IDS]
+    unknown = [a for a in algorithms + listed(args.holdout_algorithms) if a not in ALGORITHMS]
     if unknown:
-        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHMS)}")
     settings = [Setting.parse(s) for s in listed(args.settings)]
     seeds = [int(s) for s in listed(args.seeds)]
     out = Path(args.out)

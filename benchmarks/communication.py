@@ -41,12 +41,11 @@ from pathlib import Path
 from typing import Any
 
 
-from edge_sdk.algorithms import ALGORITHM_IDS
-
 from ._flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
                      run_settings)
 from ._machine import machine_info
 from ._runs import (
+    ALGORITHMS,
     NAMES,
     RunCache,
     RunView,
@@ -80,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "digits only, fedavg and repper, 2 rounds")
     add_cache_flags(parser, "other rows left out", fresh=True)
-    parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--setting", default="dir0.1@1", help="data setting of parts 2-4")
     add_run_flags(parser, RUN_FLAGS, {**PROTOCOL, "rounds": 20})
     parser.add_argument("--target", type=float, default=0.90, help="mean personalized accuracy to reach")
@@ -409,9 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     algorithms = listed(args.algorithms)
-    unknown = [a for a in algorithms + listed(args.codec_algorithms) if a not in ALGORITHM_IDS]
+    unknown = [a for a in algorithms + listed(args.codec_algorithms) if a not in ALGORITHMS]
     if unknown:
-        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+        raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(ALGORITHMS)}")
     bad_codecs = [c for c in listed(args.codecs) if c not in CODECS]
     if bad_codecs:
         raise SystemExit(f"unknown codec(s) {', '.join(bad_codecs)}; known: {', '.join(CODECS)}")

@@ -16,19 +16,9 @@ import time
 from pathlib import Path
 
 from coordinator.run_folder import RunFolder
-from edge_sdk.algorithms import ALGORITHM_IDS
+from edge_sdk.algorithms import in_table_order, load
 
 from ._flags import add_output_flags, add_run_flags
-
-PAPERS = {
-    "local": "-", "fedavg": "McMahan et al. 2017", "fedavg_ft": "-", "fedprox": "Li et al. 2020",
-    "fedper": "Arivazhagan et al. 2019", "fedrep": "Collins et al. 2021", "lg_fedavg": "Liang et al. 2020",
-    "repper": "RepPer", "dualfed": "DualFed", "dc_pfl": "DC-PFL", "cd2_pfed": "CD2-pFed", "fedios": "FediOS",
-    "fedbn": "Li et al. 2021", "fedbabu": "Oh et al. 2022", "ditto": "Li et al. 2021b", "apfl": "Deng et al. 2020",
-    "fedrod": "Chen and Chao 2022", "fedala": "Zhang et al. 2023",
-    "fedproto": "Tan et al. 2022",
-}
-
 
 def run(algorithm: str, rounds: int, broker: str | None, out: Path) -> dict:
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", algorithm, "--dataset", "digits",
@@ -50,7 +40,7 @@ def run(algorithm: str, rounds: int, broker: str | None, out: Path) -> dict:
         "mb_down": report["communication"]["bytes_down"] / 1e6,
         "up_per_round_per_device": report["communication"]["by_kind"]["up"].get("train_res", 0) / rounds / 10,
         "wall_seconds": time.monotonic() - started,
-        "paper": PAPERS[algorithm],
+        "paper": load(algorithm).citation or "-",
     }
 
 
@@ -72,7 +62,7 @@ def markdown(rows: list[dict], rounds: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "2 rounds")
-    parser.add_argument("--algorithms", default=",".join(ALGORITHM_IDS))
+    parser.add_argument("--algorithms", default=",".join(cls.id for cls in in_table_order()))
     add_run_flags(parser, (), {})
     args = parser.parse_args()
     rounds = 2 if args.quick else 15

@@ -24,7 +24,7 @@ from torch import nn
 from ._flags import add_output_flags, add_run_flags
 from ._machine import machine_info
 from coordinator.federation import Federation
-from edge_sdk.algorithms import ALGORITHM_IDS
+from edge_sdk.algorithms import in_table_order
 from edge_sdk.models import ModelError, split
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     add_run_flags(parser, (), {})
     args = parser.parse_args()
     rounds, clients = (1, 3) if args.quick else (5, 10)
-    algorithms = ("repper",) if args.quick else ALGORITHM_IDS
+    algorithms = ("repper",) if args.quick else tuple(cls.id for cls in in_table_order())
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:
         for label, (factory, source) in TASKS.items():

@@ -29,8 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from edge_sdk.algorithms import ALGORITHM_IDS
-
 from ._flags import (
     PROTOCOL,
     RUN_SETTINGS,
@@ -42,8 +40,8 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct, setup_logging,
-                    write_outputs)
+from ._runs import (ALGORITHMS, NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct,
+                    setup_logging, write_outputs)
 
 log = logging.getLogger("benchmarks")
 
@@ -82,10 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.jobs < 1:
         raise SystemExit("--jobs: at least 1")
     run_settings(args, SETTINGS)  # a value the run configuration refuses exits here, naming its key
-    wanted = listed(args.algorithms) if args.algorithms else list(ALGORITHM_IDS)
-    unknown = [a for a in wanted if a not in ALGORITHM_IDS]
+    wanted = listed(args.algorithms) if args.algorithms else list(ALGORITHMS)
+    unknown = [a for a in wanted if a not in ALGORITHMS]
     if unknown:
-        raise SystemExit(f"--algorithms: unknown {', '.join(unknown)}; known: {', '.join(ALGORITHM_IDS)}")
+        raise SystemExit(f"--algorithms: unknown {', '.join(unknown)}; known: {', '.join(ALGORITHMS)}")
     args.algorithm_list = releasable(wanted, args)
     refused = [a for a in wanted if a not in args.algorithm_list]
     if args.algorithms and refused:

@@ -78,6 +78,7 @@ VALIDATION_RUN = ("tests/unit/test_loopback_validation.py::"
                   "test_a_validation_run_trains_and_scores_on_the_training_split_only",)
 TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
 CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
+ALGORITHMS_INIT_PY, REGISTRIES = "edge_sdk/algorithms/__init__.py", ("tests/unit/test_registries.py",)
 SERVER_PY, CONFIG_PY = "coordinator/server.py", "coordinator/config.py"
 LITE_CLIENT_PY, CLI_PY = "edge_sdk/lite/client.py", "coordinator/cli.py"
 LITE_VALIDATION_RUN = ("tests/unit/test_loopback_weak_devices.py::"
@@ -503,6 +504,15 @@ MUTATIONS = (
              (("        after = self._epsilon_after_evaluation()\n", "        after = 0.0\n"),),
              (f"{PRIVACY_LOOPBACK}test_an_evaluation_outside_a_round_is_refused_by_name_when_it_would_exceed_the_budget",
               f"{PRIVACY_LOOPBACK}test_a_resumed_run_s_final_evaluation_is_budget_checked_and_accounted")),
+    # The algorithm registry: the ids are the algorithm modules, the tables' metadata is on each class
+    Mutation("registry: an infrastructure module taken for an algorithm", ALGORITHMS_INIT_PY,
+             (('"part_sharing", "hyper"})', '"part_sharing"})'),), REGISTRIES),
+    Mutation("registry: the tables' order not by rank", ALGORITHMS_INIT_PY,
+             (("key=lambda cls: cls.table_rank", "key=lambda cls: cls.id"),), REGISTRIES),
+    Mutation("registry: two algorithms share a table rank", "edge_sdk/algorithms/fedala.py",
+             (("table_rank = 190", "table_rank = 180"),), REGISTRIES),
+    Mutation("registry: a device class without its display name", "edge_sdk/algorithms/fedbn.py",
+             (('    display_name = "FedBN"\n', ""),), REGISTRIES),
 )
 
 

@@ -1,4 +1,4 @@
-"""Registry of coordinator-side algorithms; the same ids as `edge_sdk.algorithms`.
+"""Registry of coordinator-side algorithms; the same ids as `edge_sdk.algorithms` (its modules).
 
 An algorithm with server logic of its own has a module here that exposes its class as
 `SERVER`. A pure part-sharing algorithm (FedAvg and the algorithms that differ from it only on

@@ -98,6 +98,9 @@ class MixedNet(nn.Module):
 
 class ApflDevice(PartSharingDevice):
     id = "apfl"
+    display_name = "APFL"
+    citation = "Deng et al. 2020"
+    table_rank = 160
     Hyper = ApflHyper
     shared_parts = ("body", "head")
     accepts_training_step = False

@@ -51,12 +51,26 @@ class TrainingStepRefused(ValueError):
 
 
 class DeviceAlgorithm(ABC):
-    """One algorithm's device side. Subclasses set `id`, the model capabilities they need
+    """One algorithm's device side. Subclasses set `id`, how the tables name and cite it
+    (`display_name`, `citation`, `table_rank`, `paper_method`), the model capabilities they need
     (`requires`) and, if they have any, `Hyper`. `model` is a factory (or spec) that replaces
     the run's `settings.model` on this device; `optimizer` and `loss` replace the local training
     step's where the algorithm allows it (`accepts_training_step`)."""
 
     id: ClassVar[str]
+    """The registry key: the module's name, the coordinator module's name, the config value."""
+    display_name: ClassVar[str]
+    """How tables, plots and docs name the algorithm ("FedAvg+FT")."""
+    citation: ClassVar[str | None]
+    """The short citation of the algorithm's paper in the measured tables ("Collins et al. 2021"; the
+    five papers' methods are cited by their names), or None for a baseline without a paper (local
+    training, FedAvg with fine-tuning)."""
+    table_rank: ClassVar[int]
+    """Position in every table and plot (colours follow it): ascending, unique, spaced by 10 so a
+    new algorithm takes a free number between its neighbours."""
+    paper_method: ClassVar[bool] = False
+    """True for the five papers' methods this project reproduces (solid lines in plots, the
+    ablations); False for the baselines."""
     Hyper: ClassVar[type[DataclassInstance]] = NoHyper
     requires: ClassVar[tuple[Capability, ...]] = ()
     accepts_training_step: ClassVar[bool] = False

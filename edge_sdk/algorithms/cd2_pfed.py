@@ -182,6 +182,10 @@ class CD2PFedDevice(TorchDevice):
     """Full network trained with CE + cyclic distillation; only the shared channels travel."""
 
     id = "cd2_pfed"
+    display_name = "CD2-pFed"
+    citation = "CD2-pFed"
+    table_rank = 110
+    paper_method = True
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD, CHANNEL_STRUCTURE)
     dp_sgd_refusal = ("its distillation runs the network with masked weights (functional passes on parameter x "

@@ -146,6 +146,10 @@ class DcPflDevice(TorchDevice):
     """Personal body, global linear head; trains with the auxiliary loss, uploads class statistics."""
 
     id = "dc_pfl"
+    display_name = "DC-PFL"
+    citation = "DC-PFL"
+    table_rank = 100
+    paper_method = True
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD)
     dp_sgd_refusal = ("its upload is per-class feature statistics (counts, means, covariances) computed directly "

@@ -51,6 +51,9 @@ PERSONAL_MODEL = "personal_model."
 
 class DittoDevice(PartSharingDevice):
     id = "ditto"
+    display_name = "Ditto"
+    citation = "Li et al. 2021b"
+    table_rank = 130
     Hyper = DittoHyper
     shared_parts = ("body", "head")
 

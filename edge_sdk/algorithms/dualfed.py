@@ -114,6 +114,10 @@ class DualFedDevice(TorchDevice):
     """Stage (a) trains the main branch, stage (b) the global classifier; both heads predict."""
 
     id = "dualfed"
+    display_name = "DualFed"
+    citation = "DualFed"
+    table_rank = 90
+    paper_method = True
     requires = (*COMMON, PROJECTOR)
     dp_sgd_refusal = ("its supervised contrastive term pairs every example with the others of its batch (and its "
                       "projector normalizes with BatchNorm), so no example has a gradient of its own to clip")

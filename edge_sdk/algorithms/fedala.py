@@ -101,6 +101,9 @@ class AggregatedNet(nn.Module):
 
 class FedAlaDevice(PartSharingDevice):
     id = "fedala"
+    display_name = "FedALA"
+    citation = "Zhang et al. 2023"
+    table_rank = 190
     Hyper = FedAlaHyper
     shared_parts = ("body", "head")
     dp_sgd_refusal = DP_SGD_REFUSAL

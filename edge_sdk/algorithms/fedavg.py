@@ -11,6 +11,9 @@ from .part_sharing import PartSharingDevice
 
 class FedAvgDevice(PartSharingDevice):
     id = "fedavg"
+    display_name = "FedAvg"
+    citation = "McMahan et al. 2017"
+    table_rank = 20
     shared_parts = ("body", "head")
     deploys_global_model = True
 

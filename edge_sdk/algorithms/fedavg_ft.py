@@ -24,6 +24,9 @@ from .part_sharing import PartSharingDevice
 
 class FedAvgFTDevice(PartSharingDevice):
     id = "fedavg_ft"
+    display_name = "FedAvg+FT"
+    citation = None
+    table_rank = 30
     Hyper = FedAvgFTHyper
     shared_parts = ("body", "head")
 

@@ -40,6 +40,9 @@ BODY, WHOLE = ("body",), ("body", "head")
 
 class FedBABUDevice(PartSharingDevice):
     id = "fedbabu"
+    display_name = "FedBABU"
+    citation = "Oh et al. 2022"
+    table_rank = 150
     Hyper = FedBABUHyper
     shared_parts = BODY
 

@@ -30,6 +30,9 @@ from .part_sharing import PartSharingDevice
 
 class FedBNDevice(PartSharingDevice):
     id = "fedbn"
+    display_name = "FedBN"
+    citation = "Li et al. 2021"
+    table_rank = 140
     shared_parts = ("body", "head")
     share_batchnorm = False
 

@@ -201,6 +201,10 @@ class FediOSDevice(TorchDevice):
     """Trains body, personal_body and head jointly; body and head travel."""
 
     id = "fedios"
+    display_name = "FediOS"
+    citation = "FediOS"
+    table_rank = 120
+    paper_method = True
     Hyper = Hyper
     requires = (*COMMON, LINEAR_HEAD, TWO_EXTRACTORS)
     dp_sgd_refusal = None  # Eq. (12): three cross-entropies and L_re, each a mean of per-example terms

@@ -18,6 +18,9 @@ from .part_sharing import PersonalHeadDevice
 
 class FedPerDevice(PersonalHeadDevice):
     id = "fedper"
+    display_name = "FedPer"
+    citation = "Arivazhagan et al. 2019"
+    table_rank = 50
 
 
 DEVICE = FedPerDevice

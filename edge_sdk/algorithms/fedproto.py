@@ -94,6 +94,9 @@ class FedProtoDevice(TorchDevice):
     """A personal model trained with the prototype term; uploads its class prototypes only."""
 
     id = "fedproto"
+    display_name = "FedProto"
+    citation = "Tan et al. 2022"
+    table_rank = 180
     Hyper = Hyper
     requires = COMMON
     dp_sgd_refusal = ("its upload is per-class feature means (prototypes) computed directly from the training "

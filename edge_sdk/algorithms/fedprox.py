@@ -23,6 +23,9 @@ from .part_sharing import PartSharingDevice
 
 class FedProxDevice(PartSharingDevice):
     id = "fedprox"
+    display_name = "FedProx"
+    citation = "Li et al. 2020"
+    table_rank = 40
     Hyper = FedProxHyper
     shared_parts = ("body", "head")
     deploys_global_model = True

@@ -40,6 +40,9 @@ from .part_sharing import PersonalHeadDevice
 
 class FedRepDevice(PersonalHeadDevice):
     id = "fedrep"
+    display_name = "FedRep"
+    citation = "Collins et al. 2021"
+    table_rank = 60
     Hyper = FedRepHyper
 
     def optimizer(self, params=None, *, lr: float | None = None,

@@ -83,6 +83,9 @@ def log_prior(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 class FedRodDevice(PartSharingDevice):
     id = "fedrod"
+    display_name = "FedRoD"
+    citation = "Chen and Chao 2022"
+    table_rank = 170
     shared_parts = ("body", "head")
     accepts_training_step = False
     dp_sgd_refusal = DP_SGD_REFUSAL

@@ -17,6 +17,9 @@ from .part_sharing import PartSharingDevice
 
 class LGFedAvgDevice(PartSharingDevice):
     id = "lg_fedavg"
+    display_name = "LG-FedAvg"
+    citation = "Liang et al. 2020"
+    table_rank = 70
     shared_parts = ("head",)
 
 

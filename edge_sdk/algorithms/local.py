@@ -16,6 +16,9 @@ from .part_sharing import PartSharingDevice
 
 class LocalDevice(PartSharingDevice):
     id = "local"
+    display_name = "Local"
+    citation = None
+    table_rank = 10
     shared_parts = ()
 
     def fit(self, task: Task) -> FitResult:

@@ -162,6 +162,10 @@ class RepPerDevice(TorchDevice):
     """Stage 1 in `fit` (contrastive body training), stage 2 in `evaluate` (personal head)."""
 
     id = "repper"
+    display_name = "RepPer"
+    citation = "RepPer"
+    table_rank = 80
+    paper_method = True
     requires = (*COMMON, PROJECTOR)
     dp_sgd_refusal = ("its supervised contrastive loss pairs every example with the others of its batch, so no "
                       "example has a gradient of its own to clip")

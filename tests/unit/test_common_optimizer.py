@@ -34,16 +34,16 @@ def sgd(lr: float, momentum: float, weight_decay: float = 0.0, nesterov: bool = 
     return ("SGD", lr, momentum, weight_decay, nesterov)
 
 
-PAPER = {
-    **{a: {sgd(0.037, 0.9)} for a in ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "lg_fedavg", "dc_pfl",
-                                      "fedios", "fedbn", "fedbabu", "ditto", "apfl",
-                                      "fedrod", "fedala", "fedproto")},
+DEFAULT = {sgd(0.037, 0.9)}
+"""The optimizer of every algorithm without one of its own: SGD at the run's lr, momentum 0.9."""
+OWN = {
     "fedrep": {sgd(0.037, 0.5)},
     "dualfed": {sgd(0.01, 0.5)},
     "cd2_pfed": {sgd(0.037, 0.9, 5e-4, nesterov=True)},
     "repper": {("Adam", 1e-3, None, 1e-4, None), sgd(0.037, 0.9)},
 }
-"""Each algorithm's own local optimizers (type, lr, momentum, weight decay, Nesterov) at lr 0.037."""
+"""The local optimizers (type, lr, momentum, weight decay, Nesterov) at lr 0.037 of the algorithms
+that have their own; every other algorithm trains with `DEFAULT`."""
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,11 @@ def test_paper_mode_keeps_each_algorithms_own_optimizer(algorithm_id, data, buil
     train_and_evaluate(algorithm_id, SETTINGS, data, built)
 
     # Assert
-    assert set(built.seen) == PAPER[algorithm_id]
+    assert set(built.seen) == OWN.get(algorithm_id, DEFAULT)
+
+
+def test_every_algorithm_with_its_own_optimizer_is_a_known_id() -> None:
+    assert set(OWN) <= set(ALGORITHM_IDS), f"OWN names unknown ids: {sorted(set(OWN) - set(ALGORITHM_IDS))}"
 
 
 def test_a_trainers_own_optimizer_is_refused_in_sgd_mode(data) -> None:
