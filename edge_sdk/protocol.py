@@ -96,6 +96,7 @@ class Reason(str, Enum):
     BAD_SIGNATURE = "bad_signature"
     OVER_BUDGET = "over_budget"
     SECAGG_INVALID = "secagg_invalid"
+    SECAGG_INCONSISTENT = "secagg_inconsistent"
 
 
 class ProtocolError(Exception):

@@ -106,24 +106,20 @@ class RoundContext:
             raise SecAggError(f"cannot {action} before the graph seed is derived from the advertisements")
         return self.graph_seed
 
-    def bytes(self) -> bytes:
-        """The canonical encoding of every field: AEAD data, HKDF info and the survivor signatures'
-        prefix (encoded once: every share, pairwise seed and signature of the round binds it).
-        SecAggError before the graph seed is derived."""
-        return self._encoded
-
     def announced_bytes(self) -> bytes:
         """The canonical encoding with an empty graph seed: what the advertisements sign, and the
         graph seed's derivation binds, before the seed exists."""
         return self._announced
 
-    def announced(self) -> RoundContext:
-        """This context without its graph seed: what a party starts the round from."""
-        return replace(self, graph_seed=None)
-
     def with_graph_seed(self, seed: bytes) -> RoundContext:
         """This context with the graph seed derived from the round's advertisements."""
         return replace(self, graph_seed=seed)
+
+    def bytes(self) -> bytes:
+        """The canonical encoding of every field: AEAD data, HKDF info and the survivor signatures'
+        prefix (encoded once: every share, pairwise seed and signature of the round binds it).
+        SecAggError before the graph seed is derived."""
+        return self._encoded
 
     @cached_property
     def graph(self) -> dict[str, frozenset[str]]:

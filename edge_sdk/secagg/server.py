@@ -198,6 +198,10 @@ class SecAggServer:
         """U4: the survivors whose signature on U3 was accepted."""
         return frozenset(self._signatures)
 
+    def signatures(self) -> dict[str, bytes]:
+        """Signer -> its signature on U3, as the unmask stage forwards them to every signer."""
+        return dict(sorted(self._signatures.items()))
+
     def unmask_request(self, client_id: str) -> UnmaskRequest:
         """What `client_id` (a survivor that signed U3) is asked to unmask: U3, U2 - U3 and the
         signatures of its neighbours; closes the confirming stage."""

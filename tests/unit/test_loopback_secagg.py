@@ -104,7 +104,7 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     assert record["participants"] == DEVICES - 1
     assert record["secagg"]["dropped"] == [lost] and record["secagg"]["failed"] is None
     stages_sent = [envelope.config[stages.STAGE] for envelope in drain(unmask)]
-    assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.UNMASK]
+    assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.CONFIRM, stages.UNMASK]
 
 
 def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run_s_model(federation, tmp_path):
