@@ -22,7 +22,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .consistency import graph_seed, survivors_payload
+from .consistency import graph_seed, survivor_set_bytes, survivors_payload
 from .context import RoundContext, canonical
 from .errors import Inconsistent, SecAggError
 from .identity import IdentityKey, Roster
@@ -198,7 +198,7 @@ class SecAggClient:
             raise Inconsistent(f"the survivor set names {sorted(withheld)[0]!r}, whose shares were withheld from "
                                f"{self.client_id!r}")
         self.signed = claimed
-        payload = survivors_payload(self.context, self.client_id, claimed)
+        payload = survivors_payload(self.context, self.client_id, survivor_set_bytes(claimed))
         return SurvivorSignature(self.client_id, self.identity.sign(payload))
 
     def unmask(self, survivors: Collection[str], dropped: Collection[str],
@@ -231,7 +231,9 @@ class SecAggClient:
             odd = sorted((dropped & self.neighbours) ^ lost)[0]
             raise Inconsistent(f"unmask request {'names' if odd in dropped else 'leaves out'} {odd!r} as dropped; "
                                f"the survivor set says otherwise")
-        payload = {peer: survivors_payload(self.context, peer, survivors) for peer in self.neighbours & set(signatures)}
+        signed_set = survivor_set_bytes(survivors)
+        payload = {peer: survivors_payload(self.context, peer, signed_set)
+                   for peer in self.neighbours & set(signatures)}
         for peer in sorted(payload):
             try:
                 self.roster.verify(peer, payload[peer], signatures[peer])

@@ -40,6 +40,11 @@ def graph_seed(context: RoundContext, adverts: Mapping[str, KeyAdvertisement]) -
     return hashlib.sha256(canonical(*parts)).digest()
 
 
-def survivors_payload(context: RoundContext, signer: str, survivors: Collection[str]) -> bytes:
-    """The bytes a survivor signature covers: lp(domain) lp(ctx) lp(signer) lp(id) ... over the sorted set."""
-    return canonical(SURVIVORS_DOMAIN, context.bytes(), signer.encode(), *(d.encode() for d in sorted(survivors)))
+def survivor_set_bytes(survivors: Collection[str]) -> bytes:
+    """The survivor set as signed: lp(id) for each id, sorted."""
+    return canonical(*(device.encode() for device in sorted(survivors)))
+
+
+def survivors_payload(context: RoundContext, signer: str, survivor_set: bytes) -> bytes:
+    """The bytes a survivor signature covers: lp(domain) lp(ctx) lp(signer) lp(`survivor_set_bytes`)."""
+    return canonical(SURVIVORS_DOMAIN, context.bytes(), signer.encode(), survivor_set)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from .consistency import graph_seed, survivors_payload
+from .consistency import graph_seed, survivor_set_bytes, survivors_payload
 from .context import RoundContext
 from .errors import RoundFailed, SecAggError
 from .identity import Roster
@@ -190,7 +190,8 @@ class SecAggServer:
         if signer in self._signatures:
             raise SecAggError(f"{signer!r} already signed the survivor set")
         if self.roster is not None:
-            self.roster.verify(signer, survivors_payload(self.context, signer, self._survivors), signature.signature)
+            payload = survivors_payload(self.context, signer, survivor_set_bytes(self._survivors))
+            self.roster.verify(signer, payload, signature.signature)
         self._signatures[signer] = signature.signature
 
     @property
