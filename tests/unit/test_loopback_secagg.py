@@ -103,6 +103,7 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     record = report["rounds"][0]
     assert record["participants"] == DEVICES - 1
     assert record["secagg"]["dropped"] == [lost] and record["secagg"]["failed"] is None
+    assert record["secagg"]["confirmed"] == DEVICES - 1 and record["secagg"]["refused"] == []
     stages_sent = [envelope.config[stages.STAGE] for envelope in drain(unmask)]
     assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.CONFIRM, stages.UNMASK]
 
