@@ -114,13 +114,13 @@ class SecAggClient:
         """
         self._enter("share_keys")
         if adverts.get(self.client_id) != self._own_advert:
-            raise SecAggError(f"the advertisements forwarded leave out or alter {self.client_id!r}'s own")
+            raise Inconsistent(f"the advertisements forwarded leave out or alter {self.client_id!r}'s own")
         for peer in sorted(adverts):
             advert = adverts[peer]
             if not isinstance(advert, KeyAdvertisement) or advert.client_id != peer:
                 raise SecAggError(f"advertisement listed under {peer!r} is not {peer!r}'s")
             if peer not in self.context.participants:
-                raise SecAggError(f"advertisement of {peer!r}, which is not a participant of this round")
+                raise Inconsistent(f"advertisement of {peer!r}, which is not a participant of this round")
             payload = KeyAdvertisement.signed_payload(self.context, peer, advert.c_public, advert.s_public)
             self.roster.verify(peer, payload, advert.signature)
         self.context = self.context.with_graph_seed(graph_seed(self.context, adverts))
