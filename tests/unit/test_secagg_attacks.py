@@ -356,3 +356,27 @@ def test_a_survivor_lost_before_signing_is_still_unmasked_by_its_neighbours():
     # Assert: its input is in the sum
     assert "dev03" in trial.server.survivors and "dev03" not in trial.server.signers
     np.testing.assert_array_equal(trial.server.result(), trial.expected_sum())
+
+
+@pytest.mark.parametrize("reach", [4, 8, 12, 16])
+def test_two_survivor_sets_split_over_the_ring_rebuild_no_update(reach):
+    # Prepare: devices within `reach` ring places of the victim are shown the set without its t partners
+    # (their mask keys), the others the true set (the victim's self-mask seed)
+    coordinator = Coordinator(40, victim_gets=THRESHOLD)
+    ring = ring_order(coordinator.trial)
+    place = ring.index(VICTIM)
+    near = {device for i, device in enumerate(ring) if min(abs(i - place), len(ring) - abs(i - place)) <= reach}
+    everyone, partners = set(coordinator.devices), set(coordinator.partners)
+    shown = {device: everyone - partners if device in near else everyone for device in coordinator.devices}
+    signatures = {device: sig for device in coordinator.devices
+                  if (sig := coordinator.sign(device, shown[device])) is not None}
+
+    # Execute
+    for device in signatures:
+        coordinator.ask(device, shown[device], partners & coordinator.graph[device] if device in near else set(),
+                        signatures)
+
+    # Assert: whatever each side revealed, no single update can be rebuilt
+    assert coordinator.exposed() == set()
+    with pytest.raises(SecAggError):
+        coordinator.rebuild_victim()
