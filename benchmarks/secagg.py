@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import logging
-import secrets
 import tempfile
 import time
 import uuid
@@ -111,8 +110,8 @@ def stage_marks() -> Iterator[StageMarks]:
 
 def stage_seconds(started: float, closed: dict[str, float], aggregated: float | None) -> dict[str, float] | None:
     """A secure round's seconds per stage: advertise (keys), share (ciphertexts), train (TRAIN to the
-    first unmask answer: training, masking, the uploads) and unmask (the survivors' shares, the
-    server's unmasking, the fold)."""
+    survivor set: training, masking, the uploads) and unmask (the survivors' signatures on the
+    survivor set, their shares, the server's unmasking, the fold)."""
     marks = [closed.get("advertising"), closed.get("sharing"), closed.get("masking"), aggregated]
     points = [started, *(mark for mark in marks if mark is not None)]
     if len(points) < 5:
@@ -278,12 +277,12 @@ def inprocess_round(devices: int, length: int, dropped: int, degree: int, thresh
     roster = Roster({device: key.public_hex() for device, key in keys.items()})
     used = effective_degree(devices, degree)
     threshold = SecAggSettings(secagg_threshold=threshold_fraction).threshold_for(used)
-    context = RoundContext("bench", 1, tuple(ids), threshold, degree, secrets.token_bytes(32), length)
+    context = RoundContext("bench", 1, tuple(ids), threshold, degree, None, length)
     server = SecAggServer(context)
     clients = {device: SecAggClient(device, keys[device], roster, context) for device in ids}
     quantizer = FixedPoint(max(clip, 1.0), devices)
     stage_seconds: dict[str, float] = {"advertise": 0.0, "share_keys": 0.0, "receive_shares": 0.0, "mask": 0.0,
-                                       "unmask": 0.0}
+                                       "confirm": 0.0, "unmask": 0.0}
 
     def timed(stage: str, call, *arguments):
         began = time.perf_counter()
@@ -305,11 +304,15 @@ def inprocess_round(devices: int, length: int, dropped: int, degree: int, thresh
     survivors = ids[:devices - dropped]
     for device in survivors:
         server.add_masked(device, timed("mask", clients[device].mask, quantized(device)))
+    listed = server.survivor_set()
+    for device in survivors:
+        server.add_signature(timed("confirm", clients[device].confirm, listed))
     refused = 0
     for device in survivors:
         request = server.unmask_request(device)
         try:
-            server.add_unmask_response(timed("unmask", clients[device].unmask, request.survivors, request.dropped))
+            server.add_unmask_response(timed("unmask", clients[device].unmask, request.survivors, request.dropped,
+                                             request.signatures))
         except SecAggError:
             refused += 1
     began = time.perf_counter()
@@ -326,7 +329,7 @@ def inprocess_round(devices: int, length: int, dropped: int, degree: int, thresh
     return {"devices": devices, "length": length, "dropped": dropped, "threshold": threshold, "degree": used,
             "failed": None, "exact": bool(np.array_equal(total, expected)), "unmask_seconds": unmask_seconds,
             "refused_unmask": refused,
-            "device_seconds": {stage: seconds / (len(survivors) if stage in ("mask", "unmask") else devices)
+            "device_seconds": {stage: seconds / (len(survivors) if stage in ("mask", "confirm", "unmask") else devices)
                                for stage, seconds in stage_seconds.items()}}
 
 

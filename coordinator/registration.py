@@ -142,11 +142,13 @@ class Registration:
             self.outbox.reject(hello, Reason.MALFORMED,
                                f"HELLO from {hello.sender}: device_type {kind!r}, examples {examples!r}")
             return
-        if self.config.secagg.secure_aggregation and (
-                hello.config.get(secagg_stages.CAPABILITY) != secagg_stages.VERSION):
+        spoken = hello.config.get(secagg_stages.CAPABILITY)
+        if self.config.secagg.secure_aggregation and spoken != secagg_stages.VERSION:
+            remedy = (f"it speaks version {spoken}: update its edgepfl" if isinstance(spoken, int) else
+                      "give the device its secure-aggregation keys (--secagg-identity, --secagg-roster) on an edgepfl "
+                      "with the secagg extra")
             refusal = (f"this run requires secure aggregation (version {secagg_stages.VERSION}), which {hello.sender} "
-                       "does not speak: give the device its secure-aggregation keys (--secagg-identity, "
-                       "--secagg-roster) on an edgepfl with the secagg extra")
+                       f"does not speak: {remedy}")
             self.outbox.reject(hello, Reason.SECAGG_INVALID, f"HELLO: {refusal}")
             self._refuse(hello.sender, refusal)
             return

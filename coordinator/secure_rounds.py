@@ -2,8 +2,10 @@
 answers must be, and the survivors' sum as the partial sum an algorithm folds in.
 
 The round's selected devices advertise keys, share their secrets with their neighbours (the
-coordinator routes ciphertexts it cannot open), train and upload masked vectors, and the
-survivors reveal the shares that remove the masks of the sum (edge_sdk/secagg). What comes out
+coordinator routes ciphertexts it cannot open), train and upload masked vectors, sign the
+survivor set, and the signers reveal the shares that remove the masks of the sum
+(edge_sdk/secagg). The coordinator chooses neither the graph (its seed comes from the
+advertisements) nor what a device reveals (only for a survivor set its neighbours signed). What comes out
 is the sum of weight x clipped change and the sum of the weights (edge_sdk/secagg/vector.py):
 the partial sum a shard aggregator would send, folded in by the algorithm's `fold_partial`, so
 any algorithm whose aggregation splits into partial sums runs under secure aggregation
@@ -12,7 +14,6 @@ unchanged. The coordinator never holds one device's update.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +24,10 @@ from edge_sdk.params import ArraySpec
 from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.protocol import ArrayGroup, ProtocolError, Reason
 from edge_sdk.secagg import stages
-from edge_sdk.secagg.context import GRAPH_SEED_BYTES, RoundContext
+from edge_sdk.secagg.context import RoundContext
 from edge_sdk.secagg.errors import SecAggError
 from edge_sdk.secagg.fixedpoint import FixedPoint
-from edge_sdk.secagg.messages import KeyAdvertisement, UnmaskResponse
+from edge_sdk.secagg.messages import KeyAdvertisement, SurvivorSignature, UnmaskResponse
 from edge_sdk.secagg.server import SecAggServer
 from edge_sdk.secagg.vector import VectorLayout
 
@@ -54,6 +55,11 @@ def _refused(detail: str) -> ProtocolError:
     return ProtocolError(Reason.SECAGG_INVALID, detail)
 
 
+class DeviceRefusal(ProtocolError):
+    """A device's SECAGG_RES refusing its stage (`refused`, `detail`): the stage contradicted what
+    the device knows or signed. Counted under its reason; the device is not NACKed (it said why)."""
+
+
 @dataclass
 class SecureRoundRecord:
     """How far a round's devices got through the stages (its `secagg` entry in metrics.jsonl)."""
@@ -62,6 +68,8 @@ class SecureRoundRecord:
     advertised: int = 0
     shared: int = 0
     masked: int = 0
+    confirmed: int = 0
+    """Survivors whose signature on the survivor set was taken."""
     unmasked: int = 0
     dropped: list[str] = field(default_factory=list)
     """Devices that shared keys but whose masked vector did not arrive: their masks were removed."""
@@ -69,6 +77,8 @@ class SecureRoundRecord:
     """Why the sum could not be unmasked (too few shares): nothing of the round was aggregated."""
     failed_groups: list[str] = field(default_factory=list)
     """In a sharded run whose other shards aggregated: each shard left out of the round, and why."""
+    refused: list[str] = field(default_factory=list)
+    """Each device that refused a stage as inconsistent (`secagg_inconsistent`): "<id> (<stage>): why"."""
 
 
 class SecureRound:
@@ -90,9 +100,9 @@ class SecureRound:
         self.pool = pool
         self.layout = VectorLayout(spec if pool is None else {})
         degree = settings.degree_for(len(participants))
-        self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree), degree,
-                                    secrets.token_bytes(GRAPH_SEED_BYTES),
+        self.context = RoundContext(run_id, round_, participants, settings.threshold_for(degree), degree, None,
                                     self.layout.length if pool is None else pool.length)
+        """The announced context (no graph seed: `server.context` has the one the advertisements fix)."""
         self.server = SecAggServer(self.context)
         self.private = private
         """Under distributed DP: (each coordinate's bound, the fixed denominator); the devices upload
@@ -105,22 +115,26 @@ class SecureRound:
 
     # -- what the requests carry -----------------------------------------------------------
     def config(self, stage: str) -> dict[str, Any]:
-        """The stage-specific part of a SECAGG request's config (advertise, share or unmask)."""
+        """The stage-specific part of a SECAGG request's config (advertise, share, confirm or unmask)."""
         context = self.context
         if stage == stages.ADVERTISE:
             return {stages.PARTICIPANTS: list(context.participants), stages.THRESHOLD: context.threshold,
-                    stages.DEGREE: context.degree, stages.GRAPH_SEED: context.graph_seed,
-                    stages.LENGTH: context.vector_length, stages.CLIP: self.clip, stages.LARGEST: self.largest,
+                    stages.DEGREE: context.degree, stages.LENGTH: context.vector_length, stages.CLIP: self.clip,
+                    stages.LARGEST: self.largest,
                     stages.SUMMANDS: len(context.participants), stages.PRIVATE: self.private is not None,
                     **({stages.POOL: self.pool.name, stages.BOUND: self.pool.bound} if self.pool is not None else {})}
         if stage == stages.SHARE:
             self.record.advertised = len(self.server.advertised)
             return {stages.ADVERTS: {peer: advert.to_wire() for peer, advert in
                                      self.server.advertisements().items()}}
-        if stage == stages.UNMASK:
+        if stage == stages.CONFIRM:
             self.record.masked = len(self.server.survivors)
             self.record.dropped = sorted(self.server.dropped)
-            return {stages.SURVIVORS: sorted(self.server.survivors), stages.DROPPED: sorted(self.server.dropped)}
+            return {stages.SURVIVORS: list(self.server.survivor_set())}
+        if stage == stages.UNMASK:
+            self.record.confirmed = len(self.server.signers)
+            return {stages.SURVIVORS: sorted(self.server.survivors), stages.DROPPED: sorted(self.server.dropped),
+                    stages.SIGNATURES: self.server.signatures()}
         raise ValueError(f"no request for the SECAGG stage {stage!r}")
 
     def deliveries(self) -> dict[str, dict[str, Any]]:
@@ -130,9 +144,13 @@ class SecureRound:
 
     # -- the devices' answers --------------------------------------------------------------
     def on_reply(self, stage: str, sender: str, config: dict[str, Any]) -> None:
-        """Take one SECAGG_RES of `stage` from `sender`."""
+        """Take one SECAGG_RES of `stage` from `sender`; DeviceRefusal when it refuses the stage."""
         if config.get(stages.STAGE) != stage:
             raise _refused(f"SECAGG_RES from {sender} answers stage {config.get(stages.STAGE)!r}, not {stage!r}")
+        if stages.REFUSED in config:
+            refusal = self._refusal(stage, sender, config)
+            self.record.refused.append(refusal.detail)
+            raise refusal
         try:
             if stage == stages.ADVERTISE:
                 advert = KeyAdvertisement.from_wire(config.get(stages.ADVERT))
@@ -141,6 +159,9 @@ class SecureRound:
                 self.server.add_advertisement(advert)
             elif stage == stages.SHARE:
                 self.server.route(sender, _plain_bytes(config.get(stages.CIPHERTEXTS)))
+            elif stage == stages.CONFIRM:
+                self.server.add_signature(SurvivorSignature.from_wire(
+                    {"client_id": sender, "signature": _plain(config.get(stages.SIGNATURE))}))
             elif stage == stages.UNMASK:
                 response = UnmaskResponse.from_wire(config.get(stages.RESPONSE))
                 if response.client_id != sender:
@@ -149,6 +170,17 @@ class SecureRound:
                 self.record.unmasked += 1
         except SecAggError as exc:
             raise _refused(f"SECAGG_RES ({stage}) from {sender}: {exc}") from None
+
+    @staticmethod
+    def _refusal(stage: str, sender: str, config: dict[str, Any]) -> ProtocolError:
+        """The refusal a SECAGG_RES with `refused` carries: DeviceRefusal under `secagg_inconsistent`,
+        or `secagg_invalid` when its reason is another or its detail not text."""
+        reason, detail = config.get(stages.REFUSED), config.get(stages.DETAIL)
+        if (reason != Reason.SECAGG_INCONSISTENT.value or not isinstance(detail, str)
+                or set(config) - {"in_reply_to"} != {stages.STAGE, stages.REFUSED, stages.DETAIL}):
+            return _refused(f"SECAGG_RES ({stage}) from {sender}: a refusal carries {stages.REFUSED} = "
+                            f"{Reason.SECAGG_INCONSISTENT.value!r} and a text {stages.DETAIL}, nothing else")
+        return DeviceRefusal(Reason.SECAGG_INCONSISTENT, f"{sender} ({stage}): {detail[:500]}")
 
     def on_masked(self, sender: str, groups: dict[str, ArrayGroup]) -> None:
         """Take `sender`'s masked vector (its TRAIN_RES carries nothing else)."""
@@ -214,7 +246,11 @@ class SecureGroups:
             return {stages.GROUPS: configs}
         if stage == stages.SHARE:
             return {stages.ADVERTS: {peer: advert for c in configs for peer, advert in c[stages.ADVERTS].items()}}
-        return {key: sorted(device for c in configs for device in c[key]) for key in (stages.SURVIVORS, stages.DROPPED)}
+        merged: dict[str, Any] = {key: sorted(device for c in configs for device in c[key])
+                                  for key in (stages.SURVIVORS, stages.DROPPED) if key in configs[0]}
+        if stage == stages.UNMASK:
+            merged[stages.SIGNATURES] = {peer: sig for c in configs for peer, sig in c[stages.SIGNATURES].items()}
+        return merged
 
     def on_reply(self, stage: str, sender: str, config: dict[str, Any]) -> None:
         """Take one SECAGG_RES of `stage` from `sender`, for its group."""
@@ -232,17 +268,23 @@ class SecureGroups:
         records = [secure.record for secure in self._all.values()]
         return SecureRoundRecord(
             self.selected, advertised=sum(r.advertised for r in records), shared=sum(r.shared for r in records),
-            masked=sum(r.masked for r in records), unmasked=sum(r.unmasked for r in records),
+            masked=sum(r.masked for r in records), confirmed=sum(r.confirmed for r in records),
+            unmasked=sum(r.unmasked for r in records), refused=[d for r in records for d in r.refused],
             dropped=sorted(d for r in records for d in r.dropped),
             failed="; ".join(self.failed) if self.failed and not self.rounds else None,
             failed_groups=list(self.failed) if self.rounds else [])
+
+
+def _plain(value: Any) -> Any:
+    """`value`, a memoryview (a long bin decodes as a view of the message) made bytes."""
+    return bytes(value) if isinstance(value, memoryview) else value
 
 
 def _plain_bytes(ciphertexts: Any) -> dict[str, bytes]:
     """The ciphertexts map with memoryviews (long bins decode as views of the message) as bytes."""
     if not isinstance(ciphertexts, dict):
         raise SecAggError("the share ciphertexts must be a map of device id to bytes")
-    return {peer: bytes(value) if isinstance(value, memoryview) else value for peer, value in ciphertexts.items()}
+    return {peer: _plain(value) for peer, value in ciphertexts.items()}
 
 
 def check_secure_run(config: RunConfig, algorithm: type[ServerAlgorithm]) -> None:

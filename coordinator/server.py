@@ -33,8 +33,8 @@ from edge_sdk.config import ConfigError
 from edge_sdk.models import ModelSpec
 from edge_sdk.privacy.disclosure import FIGURES
 from edge_sdk.privacy.upstream import PRIVACY
-from edge_sdk.protocol import (COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason, Refusal,
-                               aggregator_id, new_message_id, refusal_of)
+from edge_sdk.protocol import (COORDINATOR, REFUSABLE_REQUESTS, ArrayGroup, Envelope, Kind, ProtocolError, Reason,
+                               Refusal, aggregator_id, new_message_id, refusal_of)
 from edge_sdk.secagg import stages
 from edge_sdk.secagg.errors import SecAggError
 
@@ -464,6 +464,8 @@ class Coordinator:
         """A reply that says its device refused the request it answers (`refused`, `detail`):
         that device's answer, counted and logged under its reason (and, with the open request's
         `collector`, not waited for); True if it was one. A malformed refusal is refused as such."""
+        if envelope.kind not in REFUSABLE_REQUESTS.values():  # a SECAGG_RES says its refusal its own way (§19)
+            return False
         try:
             refusal = refusal_of(envelope)
         except ProtocolError as err:
@@ -891,12 +893,16 @@ class Coordinator:
                                       config={stages.STAGE: stages.SHARES, "selected": [device], **delivery}))
 
     def _unmask(self, secure: SecureGroups, lose: Callable[[str], object]) -> bool:
-        """The unmask stage for the devices whose masked vector arrived (or was summed by their
-        shard's aggregator); each group whose sum cannot be unmasked is dropped, its survivors
-        passed to `lose`. False when no group is left."""
+        """The confirm stage for the devices whose masked vector arrived (or was summed by their
+        shard's aggregator), then the unmask stage for those that signed the survivor set; each
+        group whose sum cannot be unmasked is dropped, its survivors passed to `lose`. False when
+        no group is left."""
         survivors = sorted(d for r in secure.rounds.values() for d in r.server.survivors)
         if survivors:
-            self._secure_stage(secure, stages.UNMASK, survivors)
+            self._secure_stage(secure, stages.CONFIRM, survivors)
+            signers = sorted(d for r in secure.rounds.values() for d in r.server.signers)
+            if signers:
+                self._secure_stage(secure, stages.UNMASK, signers)
         for group, part in sorted(secure.rounds.items()):
             try:
                 part.server.result()
@@ -929,7 +935,9 @@ class Coordinator:
     def _secure_stage(self, secure: SecureGroups, stage: str, devices: Iterable[str]) -> None:
         """Broadcast one SECAGG stage to `devices` and take their SECAGG_RES (each group's
         `SecureRound` keeps those it took) until each answered, went offline or the round's
-        timeout passed."""
+        timeout passed. A device refusing the stage as inconsistent is counted under its reason."""
+        from .secure_rounds import DeviceRefusal
+
         expected = sorted(devices)
         round_ = secure.round
         request = Envelope(Kind.SECAGG, COORDINATOR, run_id=self.run_id, round=round_,
@@ -941,6 +949,11 @@ class Coordinator:
             if self._admit(received, Kind.SECAGG_RES, round_, collector):
                 try:
                     secure.on_reply(stage, envelope.sender, envelope.config)
+                except DeviceRefusal as refusal:  # the device said why: counted, not NACKed
+                    self.channel.reject(refusal.reason, f"SECAGG_RES refusing {refusal.detail}")
+                    collector.refuse(envelope.sender, envelope.msg_id)
+                    self._refusals[envelope.sender] = refusal.reason.value
+                    return
                 except ProtocolError as err:
                     self._refuse(envelope, collector, err.reason, err.detail)
                     return

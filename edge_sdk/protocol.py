@@ -69,8 +69,9 @@ REFUSED, REFUSAL_DETAIL = "refused", "detail"
 msg_id) that carries no groups or metrics, only the reason code and a detail of at most
 `MAX_REFUSAL_DETAIL` characters."""
 MAX_REFUSAL_DETAIL = 500
-REPLY_KINDS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES}
-"""The requests a device refuses upward, each with the kind of its reply."""
+REFUSABLE_REQUESTS = {Kind.TRAIN: Kind.TRAIN_RES, Kind.EVALUATE: Kind.EVAL_RES}
+"""The requests a device refuses upward (`refusal_of`), each with the kind of its reply; a
+SECAGG stage is refused in its SECAGG_RES its own way (docs/PROTOCOL.md section 19)."""
 
 
 class Reason(str, Enum):
@@ -103,6 +104,7 @@ class Reason(str, Enum):
     BAD_SIGNATURE = "bad_signature"
     OVER_BUDGET = "over_budget"
     SECAGG_INVALID = "secagg_invalid"
+    SECAGG_INCONSISTENT = "secagg_inconsistent"
 
 
 REPORTED_REFUSALS = frozenset({Reason.MALFORMED, Reason.BAD_DTYPE, Reason.BAD_SHAPE, Reason.UNEXPECTED_ARRAYS,

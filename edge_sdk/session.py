@@ -34,7 +34,7 @@ from . import wire
 from .channel import Channel, Received
 from .chunks import DEFAULT_UPLOAD_CHUNK_SIZE
 from .privacy.upstream import PRIVACY
-from .protocol import (MAX_REFUSAL_DETAIL, NACK_FIELDS, REFUSAL_DETAIL, REFUSED, REPLY_KINDS, REPORTED_REFUSALS,
+from .protocol import (MAX_REFUSAL_DETAIL, NACK_FIELDS, REFUSAL_DETAIL, REFUSABLE_REQUESTS, REFUSED, REPORTED_REFUSALS,
                        SHARD_KINDS, Envelope, Kind, ProtocolError, Reason, Topics, check_client_id)
 from .secagg.stages import SECURE as SECURE_RUN
 from .signing import Signer, Verifier
@@ -184,7 +184,7 @@ class DeviceSession:
         that selects it, refused for a reason in `REPORTED_REFUSALS`): a reply of the request's
         reply kind with only the reason and the detail, so the round stops waiting for it. Other
         refusals stay silent: a request of another run, or not for this device, is none of its business."""
-        reply_kind = REPLY_KINDS.get(request.kind)
+        reply_kind = REFUSABLE_REQUESTS.get(request.kind)
         selected = request.config.get("selected")
         if (reply_kind is None or reason not in REPORTED_REFUSALS or not self.joined or request.run_id != self.run_id
                 or not isinstance(selected, list) or self.client_id not in selected

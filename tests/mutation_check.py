@@ -51,6 +51,7 @@ FEDALA_PY, FEDALA = "edge_sdk/algorithms/fedala.py", ("tests/unit/test_fedala_ob
 FEDPROTO = ("tests/unit/test_fedproto_objective.py",)
 FEDPROTO_PY, FEDPROTO_SERVER_PY = "edge_sdk/algorithms/fedproto.py", "coordinator/algorithms/fedproto.py"
 SECAGG = ("tests/unit/test_secagg_protocol.py", "tests/unit/test_secagg_adversary.py")
+SECAGG_ATTACKS = ("tests/unit/test_secagg_attacks.py",)
 DISTRIBUTED_DP = ("tests/unit/test_loopback_distributed_dp.py",)
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
 PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
@@ -313,12 +314,27 @@ MUTATIONS = (
     Mutation("secagg: both ends of a pair add the pairwise mask", SECAGG_CLIENT_PY,
              (("masks.append((seed, self.client_id > peer))", "masks.append((seed, False))"),), SECAGG),
     Mutation("secagg: the self-mask shares of the dropped revealed", SECAGG_CLIENT_PY,
-             (("b_shares = {peer: self._held_b[peer] for peer in survivors}",
-               "b_shares = {peer: self._held_b[peer] for peer in survivors | dropped}"),), SECAGG),
+             (("b_shares = {peer: self._held_b[peer] for peer in self.shared_with & survivors}",
+               "b_shares = {peer: self._held_b[peer] for peer in self.shared_with}"),), SECAGG),
     Mutation("secagg: a peer named both survivor and dropped is answered", SECAGG_CLIENT_PY,
              (("        if both:\n", "        if False:\n"),), SECAGG),
     Mutation("secagg: the server unmasks below the threshold", SECAGG_SERVER_PY,
              (("            if len(got) < self.context.threshold:", "            if len(got) < 1:"),), SECAGG),
+    # the consistency stage and the graph seed nobody chooses
+    Mutation("secagg: an unmask request answered without the consistency check", SECAGG_CLIENT_PY,
+             (("        if survivors != self.signed:\n", "        if False:\n"),
+              ("                self.roster.verify(peer, payload[peer], signatures[peer])\n", "                pass\n"),
+              ("        if len(payload) < self.context.threshold:\n", "        if False:\n")), SECAGG_ATTACKS),
+    Mutation("secagg: fewer than threshold neighbours' signatures accepted", SECAGG_CLIENT_PY,
+             (("        if len(payload) < self.context.threshold:\n", "        if len(payload) < 1:\n"),),
+             SECAGG_ATTACKS),
+    Mutation("secagg: a survivor set naming withheld senders signed", SECAGG_CLIENT_PY,
+             (("        if withheld:\n", "        if False:\n"),), SECAGG_ATTACKS),
+    Mutation("secagg: a device takes an advertise stage that names a graph seed", "edge_sdk/secagg/device.py",
+             (("        if stages.GRAPH_SEED in config:\n", "        if False:\n"),),
+             ("tests/unit/test_secagg_stages.py",)),
+    Mutation("secagg: the graph seed leaves out the advertisements", "edge_sdk/secagg/consistency.py",
+             (("    for device in sorted(adverts):\n", "    for device in sorted(adverts)[:0]:\n"),), SECAGG_ATTACKS),
     # secure aggregation within shards: one weight scale for every shard, the aggregator's sum mod 2^32
     Mutation("secagg shards: each shard weights by its own largest device", "coordinator/server.py",
              (("private=private, largest=max(examples.values()))", "private=private)"),),

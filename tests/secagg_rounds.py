@@ -6,7 +6,6 @@ would over MQTT, and its packed bytes are kept so tests can search them for secr
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -19,9 +18,9 @@ from edge_sdk.secagg import (EncryptedShares, IdentityKey, KeyAdvertisement, Mas
                              SecAggClient, SecAggError, SecAggServer, UnmaskRequest, UnmaskResponse)
 from edge_sdk.secagg.masks import private_raw
 
-# When a device stops: never advertises, or stops after advertising, sharing keys or masking.
-COMPLETE, BEFORE_ADVERTISE, AFTER_ADVERTISE, AFTER_SHARE, AFTER_MASK = (
-    "complete", "before_advertise", "after_advertise", "after_share", "after_mask")
+# When a device stops: never advertises, or stops after advertising, sharing keys, masking or signing the survivors.
+COMPLETE, BEFORE_ADVERTISE, AFTER_ADVERTISE, AFTER_SHARE, AFTER_MASK, AFTER_CONFIRM = (
+    "complete", "before_advertise", "after_advertise", "after_share", "after_mask", "after_confirm")
 
 
 @cache
@@ -30,11 +29,10 @@ def identities(count: int) -> tuple[dict[str, IdentityKey], Roster]:
     return keys, Roster({device: key.public_hex() for device, key in keys.items()})
 
 
-def round_context(count: int, threshold: int, degree: int, length: int, round_number: int = 1,
-                  graph_seed: bytes | None = None) -> RoundContext:
+def round_context(count: int, threshold: int, degree: int, length: int, round_number: int = 1) -> RoundContext:
+    """The announced context of a round of `count` devices (no graph seed: the advertisements fix it)."""
     participants = tuple(sorted(identities(count)[0]))
-    return RoundContext("run-a", round_number, participants, threshold, degree,
-                        graph_seed if graph_seed is not None else secrets.token_bytes(32), length)
+    return RoundContext("run-a", round_number, participants, threshold, degree, None, length)
 
 
 def over_wire(message: Any) -> Any:
@@ -86,9 +84,12 @@ def start_round(context: RoundContext, inputs: Mapping[str, np.ndarray]) -> Roun
 
 
 def advertise(trial: Round, devices: Sequence[str]) -> dict[str, KeyAdvertisement]:
+    """The advertise stage; `trial.context` is then the server's, with the graph seed the adverts fix."""
     for device in devices:
         trial.server.add_advertisement(trial.send(trial.clients[device].advertise()))
-    return {device: trial.send(advert) for device, advert in trial.server.advertisements().items()}
+    forwarded = {device: trial.send(advert) for device, advert in trial.server.advertisements().items()}
+    trial.context = trial.server.context
+    return forwarded
 
 
 def share_keys(trial: Round, devices: Sequence[str], adverts: Mapping[str, KeyAdvertisement]) -> list[str]:
@@ -125,11 +126,29 @@ def mask(trial: Round, devices: Sequence[str]) -> None:
         trial.server.add_masked(sent.client_id, sent.vector)
 
 
-def unmask(trial: Round, devices: Sequence[str]) -> None:
+def confirm(trial: Round, devices: Sequence[str]) -> list[str]:
+    """The consistency stage: each of `devices` signs the survivor set; the devices that signed."""
+    survivors = trial.server.survivor_set()
+    signed = []
     for device in devices:
+        try:
+            signature = trial.clients[device].confirm(survivors)
+        except SecAggError:
+            continue
+        trial.server.add_signature(trial.send(signature))
+        signed.append(device)
+    return signed
+
+
+def unmask(trial: Round, devices: Sequence[str], confirming: Sequence[str] | None = None) -> None:
+    """The consistency stage for `confirming` (default: `devices`), then the unmask stage for `devices`."""
+    signed = set(confirm(trial, devices if confirming is None else confirming))
+    for device in devices:
+        if device not in signed:
+            continue
         request: UnmaskRequest = trial.send(trial.server.unmask_request(device))
         try:
-            response = trial.clients[device].unmask(request.survivors, request.dropped)
+            response = trial.clients[device].unmask(request.survivors, request.dropped, request.signatures)
         except SecAggError:
             continue
         trial.packed_responses.append(msgpack.packb(response.to_wire()))
@@ -150,5 +169,6 @@ def play(context: RoundContext, inputs: Mapping[str, np.ndarray], fates: Mapping
     active = share_keys(trial, still(active, AFTER_ADVERTISE), adverts)
     active = still(active, AFTER_SHARE)
     mask(trial, active)
-    unmask(trial, still(active, AFTER_MASK))
+    active = still(active, AFTER_MASK)
+    unmask(trial, still(active, AFTER_CONFIRM), confirming=active)
     return trial

@@ -3,23 +3,29 @@ sum of the devices' vectors and nothing else about any one of them, even when de
 
 Pure protocol logic (numpy and `cryptography`; no transport): every message is a dataclass with
 `to_wire()`/`from_wire()` over plain msgpack-able values. One `RoundContext` (run, round, sorted
-participants, threshold t, graph degree k, public graph seed, vector length) is shared by all.
+participants, threshold t, graph degree k, graph seed, vector length) is shared by all; the
+seed is not announced but derived by every party from the advertisements (consistency.py).
 
 Stages, per round:
  1. advertise: each device makes two fresh X25519 key pairs, c (to encrypt shares) and s (for
     pairwise masks), and signs the public halves with its Ed25519 identity key. The server
     forwards all advertisements. It learns: public keys only.
- 2. share keys: each device checks its neighbours' signatures against the roster (so the server
-    cannot substitute keys), draws a self-mask seed b, Shamir-splits b and its s private key t-of-k
+ 2. share keys: each device checks every advertisement's signature against the roster (so the
+    server cannot substitute keys), derives the graph seed from all of them (so nobody chooses
+    its neighbours), draws a self-mask seed b, Shamir-splits b and its s private key t-of-k
     among its neighbours and sends each its two shares, AES-GCM-encrypted under an X25519(c)
     key. The server routes ciphertexts it cannot open.
  3. mask: each device sends y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv) mod 2**32, over the
     neighbours v that shared keys with it. The server sees vectors that look uniformly random.
- 4. unmask: the server tells each surviving device which neighbours survived and which dropped;
-    the device (once, and only for a consistent request) reveals its share of b for survivors and
-    of the s private key for the dropped. The server rebuilds those secrets, removes the masks and
-    gets the sum of the survivors' inputs. A device's b and s key are never both revealed, because
-    each honest neighbour answers one request and t > k/2.
+ 4. confirm: the server shows the survivors (whose masked vectors arrived) the survivor set;
+    each signs it once with its identity key.
+ 5. unmask: the server forwards the set, who dropped and the signatures; a device (once, only for
+    the set it signed, and only with valid signatures on it from t of its neighbours) reveals its
+    share of b for surviving neighbours and of the s private key for the dropped. The server
+    rebuilds those secrets, removes the masks and gets the sum of the survivors' inputs. Because
+    each honest device signs once and t > k/2, no survivor sets the server shows, to whomever,
+    get it one device's b together with the s keys of those it masked with, nor b and s of one
+    device.
 
 The neighbour graph (graph.py) is public and sparse (degree k instead of n - 1), which is what
 makes SecAgg+ scale. Floats enter the ring Z_{2^32} through fixedpoint.FixedPoint.

@@ -1,14 +1,17 @@
 """The public parameters of one secure-aggregation round, and their canonical byte encoding.
 
 Every party (each device and the server) builds the same `RoundContext` from the round's
-announcement. Its `bytes()` are bound into every signature, key derivation and AEAD tag of the
-round, so a message from another run, another round or another participant set never verifies.
+announcement, without a graph seed: nobody may choose it. Once the advertisements are fixed, each
+party derives the seed from all of them (consistency.graph_seed) and takes `with_graph_seed`. Its
+`bytes()` are bound into every share, key derivation, AEAD tag and survivor signature of the
+round, and its `announced_bytes()` (every field but the seed) into the advertisements, so a
+message from another run, round, participant set or graph never verifies.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TypeGuard
 
@@ -45,7 +48,8 @@ def _check_ids(participants: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class RoundContext:
     """run_id, round, the sorted participants selected this round, Shamir threshold, graph degree,
-    the public graph seed (32 bytes) and the length of the uint32 vector being summed.
+    the graph seed (32 bytes, or None until the advertisements fix it) and the length of the
+    uint32 vector being summed.
 
     The threshold must satisfy  degree/2 < threshold <= degree  (degree as used: rounded up to
     even, at most n-1). The upper bound lets a secret be rebuilt from a device's neighbours; the
@@ -59,7 +63,7 @@ class RoundContext:
     participants: tuple[str, ...]
     threshold: int
     degree: int
-    graph_seed: bytes
+    graph_seed: bytes | None
     vector_length: int
 
     def __post_init__(self) -> None:
@@ -72,8 +76,9 @@ class RoundContext:
         _check_ids(self.participants)
         if len(self.participants) < 2:
             raise SecAggError(f"participants: need at least 2, got {len(self.participants)}")
-        if not isinstance(self.graph_seed, bytes) or len(self.graph_seed) != GRAPH_SEED_BYTES:
-            raise SecAggError(f"graph_seed must be {GRAPH_SEED_BYTES} bytes")
+        if self.graph_seed is not None and (not isinstance(self.graph_seed, bytes)
+                                            or len(self.graph_seed) != GRAPH_SEED_BYTES):
+            raise SecAggError(f"graph_seed must be {GRAPH_SEED_BYTES} bytes (or None: not derived yet)")
         if self.vector_length < 1:
             raise SecAggError("vector_length must be at least 1")
         if self.degree < 1:
@@ -83,21 +88,43 @@ class RoundContext:
             raise SecAggError(f"threshold {self.threshold} must satisfy {degree}/2 < threshold <= {degree} "
                               f"(the graph degree used with {len(self.participants)} participants)")
 
-    @cached_property
-    def _encoded(self) -> bytes:
+    def _encode(self, seed: bytes) -> bytes:
         return canonical(DOMAIN, self.run_id.encode(), struct.pack(">QQQQ", self.round, self.threshold, self.degree,
                                                                   self.vector_length),
-                         self.graph_seed, *(p.encode() for p in self.participants))
+                         seed, *(p.encode() for p in self.participants))
+
+    @cached_property
+    def _encoded(self) -> bytes:
+        return self._encode(self._seed("encode the round"))
+
+    @cached_property
+    def _announced(self) -> bytes:
+        return self._encode(b"")
+
+    def _seed(self, action: str) -> bytes:
+        if self.graph_seed is None:
+            raise SecAggError(f"cannot {action} before the graph seed is derived from the advertisements")
+        return self.graph_seed
+
+    def announced_bytes(self) -> bytes:
+        """The canonical encoding with an empty graph seed: what the advertisements sign, and the
+        graph seed's derivation binds, before the seed exists."""
+        return self._announced
+
+    def with_graph_seed(self, seed: bytes) -> RoundContext:
+        """This context with the graph seed derived from the round's advertisements."""
+        return replace(self, graph_seed=seed)
 
     def bytes(self) -> bytes:
-        """The canonical encoding of every field: signature payload prefix, AEAD data and HKDF info
-        (encoded once: every signature, share and pairwise seed of the round binds it)."""
+        """The canonical encoding of every field: AEAD data, HKDF info and the survivor signatures'
+        prefix (encoded once: every share, pairwise seed and signature of the round binds it).
+        SecAggError before the graph seed is derived."""
         return self._encoded
 
     @cached_property
     def graph(self) -> dict[str, frozenset[str]]:
-        """Each participant's neighbours in this round's sparse graph."""
-        return neighbours(self.participants, self.degree, self.graph_seed)
+        """Each participant's neighbours in this round's sparse graph (SecAggError before the seed is derived)."""
+        return neighbours(self.participants, self.degree, self._seed("draw the graph"))
 
     def neighbours_of(self, client_id: str) -> frozenset[str]:
         """The neighbours of `client_id`; SecAggError when it does not take part in this round."""

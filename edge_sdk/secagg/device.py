@@ -24,7 +24,7 @@ from ..protocol import PROTOTYPES, STATISTICS, ArrayGroup, Envelope, ProtocolErr
 from . import stages
 from .client import SecAggClient
 from .context import RoundContext
-from .errors import SecAggError
+from .errors import Inconsistent, SecAggError
 from .fixedpoint import FixedPoint
 from .identity import IdentityKey, Roster
 from .messages import EncryptedShares, KeyAdvertisement
@@ -91,7 +91,8 @@ class SecureUploads:
     def on_stage(self, envelope: Envelope) -> dict[str, Any] | None:
         """Act on a SECAGG stage; the config of the SECAGG_RES to send, or None (no answer: a
         delivery, or a round this device does not take part in). ProtocolError on a malformed
-        stage; SecAggError when the stage must not be answered (the device drops out of the round)."""
+        stage; SecAggError when the stage must not be answered (the device drops out of the round),
+        Inconsistent when it contradicts what this device knows or signed (it refuses, saying why)."""
         stage = envelope.config.get(stages.STAGE)
         if stage == stages.ADVERTISE:
             return self._advertise(envelope)
@@ -102,7 +103,8 @@ class SecureUploads:
             adverts = envelope.config.get(stages.ADVERTS)
             if not isinstance(adverts, dict):
                 raise _malformed("a SECAGG share stage carries the advertisements as a map")
-            parsed = {peer: KeyAdvertisement.from_wire(advert) for peer, advert in adverts.items()}
+            group = set(client.context.participants)  # a sharded run forwards every group's
+            parsed = {peer: KeyAdvertisement.from_wire(advert) for peer, advert in adverts.items() if peer in group}
             return {stages.CIPHERTEXTS: client.share_keys(parsed)}
         if stage == stages.SHARES:
             if self._shares_received:  # delivered again (QoS 1): already taken
@@ -112,25 +114,41 @@ class SecureUploads:
             client.receive_shares(shares.ciphertexts)
             self._shares_received = True
             return None
+        if stage == stages.CONFIRM:
+            return {stages.SIGNATURE: client.confirm(self._group_ids(client, envelope, stages.SURVIVORS)).signature}
         if stage == stages.UNMASK:
-            survivors, dropped = (envelope.config.get(key) for key in (stages.SURVIVORS, stages.DROPPED))
-            if not (isinstance(survivors, list) and isinstance(dropped, list)):
-                raise _malformed("a SECAGG unmask stage carries survivors and dropped as lists")
-            mine = client.shared_with
-            response = client.unmask([d for d in survivors if d in mine], [d for d in dropped if d in mine])
+            signatures = envelope.config.get(stages.SIGNATURES)
+            if not isinstance(signatures, dict):
+                raise _malformed("a SECAGG unmask stage carries the signatures as a map")
+            group = set(client.context.participants)
+            signed = {peer: bytes(value) if isinstance(value, memoryview) else value
+                      for peer, value in signatures.items() if peer in group}
+            response = client.unmask(self._group_ids(client, envelope, stages.SURVIVORS),
+                                     self._group_ids(client, envelope, stages.DROPPED),
+                                     signed)
             return {stages.RESPONSE: response.to_wire()}
         raise _malformed(f"unknown SECAGG stage {stage!r}")
+
+    @staticmethod
+    def _group_ids(client: SecAggClient, envelope: Envelope, key: str) -> list[str]:
+        """The ids a stage lists under `key` that belong to the client's group (a sharded run lists every group's)."""
+        ids = envelope.config.get(key)
+        if not isinstance(ids, list):
+            raise _malformed(f"a SECAGG {envelope.config.get(stages.STAGE)} stage carries {key} as a list")
+        group = set(client.context.participants)
+        return [device for device in ids if device in group]
 
     def _advertise(self, envelope: Envelope) -> dict[str, Any] | None:
         config = self._own_group(envelope.config)
         if config is None:
             return None
+        if stages.GRAPH_SEED in config:
+            raise Inconsistent("the advertise stage names a graph seed: the coordinator would choose this device's "
+                               "neighbours (each device derives the seed from the advertisements)")
         participants = config[stages.PARTICIPANTS]
         try:
-            seed = config[stages.GRAPH_SEED]
             context = RoundContext(envelope.run_id, envelope.round, tuple(participants), config[stages.THRESHOLD],
-                                   config[stages.DEGREE], bytes(seed) if isinstance(seed, memoryview) else seed,
-                                   config[stages.LENGTH])
+                                   config[stages.DEGREE], None, config[stages.LENGTH])
         except (KeyError, SecAggError) as exc:
             raise _malformed(f"a SECAGG advertise stage: {exc}") from None
         self._round, self._announced = (envelope.run_id, envelope.round), config

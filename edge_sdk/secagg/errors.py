@@ -14,3 +14,9 @@ class SecAggError(ValueError):
 
 class RoundFailed(SecAggError):
     """The round cannot be completed: fewer than `threshold` shares of a needed secret arrived."""
+
+
+class Inconsistent(SecAggError):
+    """The server's claims contradict each other or what this device knows (a survivor set that
+    differs from the one it signed, too few neighbours' signatures on it, shares withheld): the
+    device refuses, reveals nothing, and says why (reason `secagg_inconsistent`)."""

@@ -4,8 +4,9 @@ Bonawitz et al. connect every pair of devices (n^2 key agreements and masks); Be
 random graph of logarithmic degree keeps the same guarantees. Here the graph is a Harary-style
 ring: the ids are shuffled by a public seed (each sorted by HMAC-SHA256(seed, id)), placed on a
 ring, and each is joined to the degree/2 nearest ids on either side. Every party computes the same
-graph from the same public seed, so it never has to be sent; the seed must be fixed only after
-the participants are, so nobody can choose its place on the ring.
+graph from the same seed, so it never has to be sent; the seed is a hash of the round's
+advertisements (consistency.graph_seed), fixed only after every participant drew its keys, so
+nobody chooses a device's place on the ring.
 """
 
 from __future__ import annotations

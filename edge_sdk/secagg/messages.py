@@ -5,9 +5,10 @@ Each message is a frozen dataclass whose constructor checks every field (type, s
 the fields `to_wire()` writes and raises SecAggError naming the first field that is missing,
 unexpected, of the wrong type or of the wrong size; nothing from the network is unpickled.
 
-Stages: KeyAdvertisement (device -> server -> neighbours), EncryptedShares (device -> server,
-and server -> device with the same shape), MaskedInput (device -> server), UnmaskRequest
-(server -> device), UnmaskResponse (device -> server).
+Stages: KeyAdvertisement (device -> server -> every device), EncryptedShares (device -> server,
+and server -> device with the same shape), MaskedInput (device -> server), SurvivorSignature
+(device -> server -> every survivor), UnmaskRequest (server -> device), UnmaskResponse (device
+-> server).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _check_id_list(value: object, field: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class KeyAdvertisement:
     """A device's two fresh X25519 public keys for the round (c: share encryption, s: pairwise masks),
-    signed with its identity key over (context, client_id, c_public, s_public)."""
+    signed with its identity key over (announced context, client_id, c_public, s_public)."""
 
     client_id: str
     c_public: bytes
@@ -95,8 +96,8 @@ class KeyAdvertisement:
 
     @staticmethod
     def signed_payload(context: RoundContext, client_id: str, c_public: bytes, s_public: bytes) -> bytes:
-        """The bytes the identity signature covers."""
-        return canonical(ADVERTISE_DOMAIN, context.bytes(), client_id.encode(), c_public, s_public)
+        """The bytes the identity signature covers (the context without its graph seed, which these fix)."""
+        return canonical(ADVERTISE_DOMAIN, context.announced_bytes(), client_id.encode(), c_public, s_public)
 
     def to_wire(self) -> dict[str, Any]:
         return {"client_id": self.client_id, "c_pk": self.c_public, "s_pk": self.s_public,
@@ -157,24 +158,47 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class SurvivorSignature:
+    """A survivor's Ed25519 signature, with its identity key, on the round's survivor set it was
+    shown (consistency.survivors_payload): what its neighbours need before they reveal shares."""
+
+    client_id: str
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        _check_id(self.client_id, "client_id")
+        _check_bytes(self.signature, "signature", SIGNATURE_BYTES)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"client_id": self.client_id, "signature": self.signature}
+
+    @classmethod
+    def from_wire(cls, wire: object) -> SurvivorSignature:
+        fields = _message_fields(wire, "survivor signature", ("client_id", "signature"))
+        return cls(fields["client_id"], fields["signature"])
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """The server's claim to one device: which of its neighbours survived (their masked vectors
-    arrived) and which dropped after sharing keys."""
+    """The server's claim: the round's survivor set (the devices whose masked vectors arrived),
+    the devices that dropped after sharing keys, and the survivors' signatures on that set."""
 
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
+    signatures: Mapping[str, bytes]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "survivors", _check_id_list(self.survivors, "survivors"))
         object.__setattr__(self, "dropped", _check_id_list(self.dropped, "dropped"))
+        object.__setattr__(self, "signatures", _check_peer_map(self.signatures, "signatures", SIGNATURE_BYTES))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"survivors": list(self.survivors), "dropped": list(self.dropped)}
+        return {"survivors": list(self.survivors), "dropped": list(self.dropped), "signatures": dict(self.signatures)}
 
     @classmethod
     def from_wire(cls, wire: object) -> UnmaskRequest:
-        fields = _message_fields(wire, "unmask request", ("survivors", "dropped"))
-        return cls(fields["survivors"], fields["dropped"])
+        fields = _message_fields(wire, "unmask request", ("survivors", "dropped", "signatures"))
+        return cls(fields["survivors"], fields["dropped"], fields["signatures"])
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ private key of each device that dropped after sharing keys. It learns the sum of
 inputs and nothing else about them.
 
 Stages close in order; calling a later stage's method closes the earlier ones:
-  add_advertisement* -> advertisements (U1: who advertised)
+  add_advertisement* -> advertisements (U1: who advertised; fixes the graph seed)
   route*             -> inbox          (U2: who sent shares to all its advertised neighbours)
-  add_masked*        -> unmask_request (U3: whose masked vector arrived; dropped = U2 - U3)
+  add_masked*        -> survivor_set   (U3: whose masked vector arrived; dropped = U2 - U3)
   (add_masked_sum: the masked vectors of several devices at once, summed by a shard's aggregator)
+  add_signature*     -> unmask_request (U4: the survivors that signed U3)
   add_unmask_response* -> result
 """
 
@@ -21,16 +22,17 @@ from collections.abc import Mapping
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from .consistency import graph_seed, survivor_set_bytes, survivors_payload
 from .context import RoundContext
 from .errors import RoundFailed, SecAggError
 from .identity import Roster
 from .masks import add_masks, pairwise_seed, public_raw
-from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, UnmaskRequest, UnmaskResponse
+from .messages import EncryptedShares, KeyAdvertisement, MaskedInput, SurvivorSignature, UnmaskRequest, UnmaskResponse
 from .shamir import combine
 
 log = logging.getLogger(__name__)
 
-_STAGES = ("advertising", "sharing", "masking", "unmasking")
+_STAGES = ("advertising", "sharing", "masking", "confirming", "unmasking")
 _SECRET_NAMES = {"b": "self-mask seed", "s": "mask key"}
 
 
@@ -38,7 +40,10 @@ class SecAggServer:
     """The server's state for one round; see the module docstring for the stage order."""
 
     def __init__(self, context: RoundContext, roster: Roster | None = None) -> None:
-        """With a roster, advertisements are checked on arrival (devices check them regardless)."""
+        """`context` is the announced one (no graph seed: the advertisements fix it). With a roster,
+        advertisements and survivor signatures are checked on arrival (devices check them regardless)."""
+        if context.graph_seed is not None:
+            raise SecAggError("the round context must come without a graph seed: it is derived from the advertisements")
         self.context = context
         self.roster = roster
         self._stage = 0
@@ -48,6 +53,7 @@ class SecAggServer:
         self._survivors: set[str] = set()
         self._masked_sum = np.zeros(context.vector_length, dtype=np.uint32)
         """The survivors' masked vectors added up as they arrive: the sum is all unmasking needs."""
+        self._signatures: dict[str, bytes] = {}
         self._responses: dict[str, UnmaskResponse] = {}
         self._result: np.ndarray | None = None
 
@@ -61,6 +67,10 @@ class SecAggServer:
 
     def _participant(self, client_id: str) -> frozenset[str]:
         return self.context.neighbours_of(client_id)
+
+    def _check_participant(self, client_id: str) -> None:
+        if client_id not in self.context.participants:
+            raise SecAggError(f"{client_id!r} is not a participant of this round")
 
     @property
     def advertised(self) -> frozenset[str]:
@@ -85,7 +95,7 @@ class SecAggServer:
     def add_advertisement(self, advert: KeyAdvertisement) -> None:
         """Accept a device's key advertisement (once per device)."""
         self._enter("advertising", "add_advertisement")
-        self._participant(advert.client_id)
+        self._check_participant(advert.client_id)
         if advert.client_id in self._adverts:
             raise SecAggError(f"{advert.client_id!r} already advertised keys this round")
         if self.roster is not None:
@@ -95,9 +105,15 @@ class SecAggServer:
         self._adverts[advert.client_id] = advert
 
     def advertisements(self) -> dict[str, KeyAdvertisement]:
-        """Every accepted advertisement, as forwarded to all devices; closes the advertising stage."""
+        """Every accepted advertisement, as forwarded to all devices; closes the advertising stage
+        and derives the graph seed from them, as every device does."""
         self._enter("sharing", "advertisements")
+        self._fix_seed()
         return dict(self._adverts)
+
+    def _fix_seed(self) -> None:
+        if self.context.graph_seed is None:
+            self.context = self.context.with_graph_seed(graph_seed(self.context, self._adverts))
 
     def route(self, sender: str, ciphertexts: Mapping[str, bytes]) -> dict[str, bytes]:
         """Accept `sender`'s share ciphertexts and return them by recipient.
@@ -106,6 +122,7 @@ class SecAggServer:
         one out would mask against a peer that does not mask against it.
         """
         self._enter("sharing", "route")
+        self._fix_seed()
         if sender not in self._adverts:
             raise SecAggError(f"shares from {sender!r}, which did not advertise keys")
         if sender in self._shared:
@@ -159,24 +176,53 @@ class SecAggServer:
         self._masked_sum += total
         self._survivors.update(senders)
 
+    def survivor_set(self) -> tuple[str, ...]:
+        """U3, sorted, as every survivor is asked to sign it; closes the masking stage, fixing U3."""
+        self._enter("confirming", "survivor_set")
+        return tuple(sorted(self._survivors))
+
+    def add_signature(self, signature: SurvivorSignature) -> None:
+        """Accept a survivor's signature on U3 (once per survivor)."""
+        self._enter("confirming", "add_signature")
+        signer = signature.client_id
+        if signer not in self._survivors:
+            raise SecAggError(f"a survivor signature from {signer!r}, which is not a survivor")
+        if signer in self._signatures:
+            raise SecAggError(f"{signer!r} already signed the survivor set")
+        if self.roster is not None:
+            payload = survivors_payload(self.context, signer, survivor_set_bytes(self._survivors))
+            self.roster.verify(signer, payload, signature.signature)
+        self._signatures[signer] = signature.signature
+
+    @property
+    def signers(self) -> frozenset[str]:
+        """U4: the survivors whose signature on U3 was accepted."""
+        return frozenset(self._signatures)
+
+    def signatures(self) -> dict[str, bytes]:
+        """Signer -> its signature on U3, as the unmask stage forwards them to every signer."""
+        return dict(sorted(self._signatures.items()))
+
     def unmask_request(self, client_id: str) -> UnmaskRequest:
-        """What `client_id` (a survivor) is asked to unmask; closes the masking stage, fixing U3."""
+        """What `client_id` (a survivor that signed U3) is asked to unmask: U3, U2 - U3 and the
+        signatures of its neighbours; closes the confirming stage."""
         self._enter("unmasking", "unmask_request")
-        if client_id not in self._survivors:
-            raise SecAggError(f"{client_id!r} is not a survivor; it gets no unmask request")
-        shared_neighbours = self._participant(client_id) & self.shared
-        return UnmaskRequest(tuple(shared_neighbours & self.survivors), tuple(shared_neighbours - self.survivors))
+        if client_id not in self._signatures:
+            raise SecAggError(f"{client_id!r} did not sign the survivor set; it gets no unmask request")
+        signed = {peer: self._signatures[peer] for peer in sorted(self._participant(client_id) & self.signers)}
+        return UnmaskRequest(tuple(self._survivors), tuple(self.dropped), signed)
 
     def add_unmask_response(self, response: UnmaskResponse) -> None:
-        """Accept a survivor's shares; they must answer exactly its unmask request."""
+        """Accept a survivor's shares: b of its neighbours in U3, s of those in U2 - U3."""
         self._enter("unmasking", "add_unmask_response")
         sender = response.client_id
-        if sender not in self._survivors:
-            raise SecAggError(f"unmask response from {sender!r}, which is not a survivor")
+        if sender not in self._signatures:
+            raise SecAggError(f"unmask response from {sender!r}, which did not sign the survivor set")
         if sender in self._responses:
             raise SecAggError(f"{sender!r} already answered its unmask request")
-        request = self.unmask_request(sender)
-        if set(response.b_shares) != set(request.survivors) or set(response.s_shares) != set(request.dropped):
+        shared_neighbours = self._participant(sender) & self.shared
+        if (set(response.b_shares) != shared_neighbours & self.survivors
+                or set(response.s_shares) != shared_neighbours - self.survivors):
             raise SecAggError(f"unmask response from {sender!r} does not answer its request")
         self._responses[sender] = response
 

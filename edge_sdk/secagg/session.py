@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import Envelope, Kind
+from ..protocol import Envelope, Kind, Reason
 from ..session import DeviceSession
 from . import stages
 
@@ -38,15 +38,21 @@ class SecureSession(DeviceSession):
 
     def _on_secagg(self, envelope: Envelope) -> None:
         """A secure-aggregation stage: answered with SECAGG_RES (keys, shares, unmasking), or the
-        shares addressed to this device, after which a waiting masked reply goes up. A stage this
-        device must not answer (a bad signature, an inconsistent unmask request) is logged and
-        left unanswered: the device drops out of the round, and its secrets stay here."""
+        shares addressed to this device, after which a waiting masked reply goes up. A stage that
+        contradicts what the device knows or signed (a survivor set other than the one it signed,
+        too few neighbours' signatures, withheld shares, a graph seed chosen for it) is refused:
+        answered with `refused` = `secagg_inconsistent` and why, which the coordinator counts.
+        Another stage it must not answer (a bad signature) is logged and left unanswered. Either
+        way the device drops out of the round, and its secrets stay here."""
         if self.secure is None or not self.current(envelope) or self.answered(envelope):
             return
-        from .errors import SecAggError
+        from .errors import Inconsistent, SecAggError
 
         try:
             reply = self.secure.on_stage(envelope)
+        except Inconsistent as exc:
+            log.warning("%s: secure aggregation of round %d: %s; refused", self.client_id, envelope.round, exc)
+            reply = {stages.REFUSED: Reason.SECAGG_INCONSISTENT.value, stages.DETAIL: str(exc)}
         except SecAggError as exc:
             log.warning("%s: secure aggregation of round %d: %s; not answered", self.client_id, envelope.round, exc)
             return

@@ -1,12 +1,16 @@
 """How a secure-aggregation round travels over the edgepfl protocol: stage names and config keys
 that the coordinator (coordinator/secure_rounds.py) and the device (device.py) share.
 
-A round under secure aggregation is four requests and a delivery (docs/PROTOCOL.md, section 19):
-SECAGG `advertise` (broadcast: the round's parameters; each selected device answers SECAGG_RES
-with its signed keys), SECAGG `share` (broadcast: every advertisement; each answers with share
-ciphertexts for its neighbours), SECAGG `shares` (per device: the ciphertexts addressed to it, no
-answer), TRAIN (broadcast; each answers TRAIN_RES carrying only its masked vector), and SECAGG
-`unmask` (broadcast: who survived and who dropped; each survivor answers with its shares).
+A round under secure aggregation is five requests and a delivery (docs/PROTOCOL.md, section 19):
+SECAGG `advertise` (broadcast: the round's parameters, no graph seed; each selected device
+answers SECAGG_RES with its signed keys), SECAGG `share` (broadcast: every advertisement, from
+which each device derives the graph seed; each answers with share ciphertexts for its
+neighbours), SECAGG `shares` (per device: the ciphertexts addressed to it, no answer), TRAIN
+(broadcast; each answers TRAIN_RES carrying only its masked vector), SECAGG `confirm`
+(broadcast: the survivor set; each survivor answers with its signature on it) and SECAGG
+`unmask` (broadcast: the survivor set, who dropped and the survivors' signatures; each signer
+answers with its shares). A device that finds a stage inconsistent answers it with `refused`
+(`secagg_inconsistent`) and `detail` instead, and reveals nothing.
 
 The release phase pools sums the same way (pools.py): the advertise stage names the pool
 (`POOL`), the EVALUATE of the pool's phase takes TRAIN's place and each EVAL_RES carries the
@@ -25,8 +29,8 @@ if TYPE_CHECKING:
     from ..protocol import ArrayGroup
 
 STAGE = "stage"
-ADVERTISE, SHARE, SHARES, UNMASK = "advertise", "share", "shares", "unmask"
-"""A device answers the first, second and last with SECAGG_RES; `shares` is a delivery."""
+ADVERTISE, SHARE, SHARES, CONFIRM, UNMASK = "advertise", "share", "shares", "confirm", "unmask"
+"""A device answers all but `shares` (a delivery) with SECAGG_RES."""
 
 SECURE = "secagg"
 """The TRAIN config key (true) of a round under secure aggregation, and the TRAIN_RES group that
@@ -34,12 +38,15 @@ carries the masked vector (`MASKED`, int32: the ring's words as two's complement
 MASKED = "masked"
 CAPABILITY = "secagg"
 """The HELLO config key of a device that speaks secure aggregation, with the version it speaks."""
-VERSION = 3
+VERSION = 4
 """2: the advertise stage may carry a group per shard (`GROUPS`); 3: it may name a release pool
-(`POOL`), whose shares weak devices mask too."""
+(`POOL`), whose shares weak devices mask too; 4: the graph seed is derived from the
+advertisements (the advertise stage carries none), and the `confirm` stage comes before `unmask`."""
 
 # the advertise stage's parameters
-PARTICIPANTS, THRESHOLD, DEGREE, GRAPH_SEED, LENGTH = "participants", "threshold", "degree", "graph_seed", "length"
+PARTICIPANTS, THRESHOLD, DEGREE, LENGTH = "participants", "threshold", "degree", "length"
+GRAPH_SEED = "graph_seed"
+"""What an advertise stage of version 3 carried: the coordinator's choice of graph; refused now."""
 CLIP, LARGEST, SUMMANDS = "clip", "largest", "summands"
 GROUPS = "groups"
 """In a sharded run: the advertise stage's parameters, one map per shard (each with its own
@@ -51,8 +58,10 @@ POOL, BOUND = "pool", "bound"
 """In the release phase: the pool summed (`statistics` or `prototypes`), and the bound each
 coordinate of a device's share is clipped to (pools.py)."""
 # the later stages' payloads
-ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED = "adverts", "ciphertexts", "survivors", "dropped"
-ADVERT, RESPONSE = "advert", "response"
+ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED, SIGNATURES = "adverts", "ciphertexts", "survivors", "dropped", "signatures"
+ADVERT, SIGNATURE, RESPONSE = "advert", "signature", "response"
+REFUSED, DETAIL = "refused", "detail"
+"""A device's SECAGG_RES refusing a stage: the reason code (`secagg_inconsistent`) and why."""
 
 
 def masked_vector(groups: dict[str, ArrayGroup], what: str) -> np.ndarray:

@@ -125,8 +125,9 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
     record = report["rounds"][0]
     assert record["participants"] == DEVICES - 1
     assert record["secagg"]["dropped"] == [lost] and record["secagg"]["failed"] is None
+    assert record["secagg"]["confirmed"] == DEVICES - 1 and record["secagg"]["refused"] == []
     stages_sent = [envelope.config[stages.STAGE] for envelope in drain(unmask)]
-    assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.UNMASK]
+    assert stages_sent == [stages.ADVERTISE, stages.SHARE, stages.CONFIRM, stages.UNMASK]
 
 
 def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run_s_model(federation, tmp_path):
@@ -298,3 +299,33 @@ def test_a_prototype_pool_below_the_threshold_fails_cleanly_and_the_run_ends(fed
     assert PROTOTYPES not in final.groups
     assert all(PROTOTYPES not in e.groups for e in uploads)
     assert all(report["final"]["per_client"][f"dev{i:03d}"]["accuracy"] > 0.5 for i in (4, 5))
+
+
+def test_a_survivor_set_that_leaves_a_survivor_out_is_refused_and_counted(federation, monkeypatch):
+    # Prepare: a coordinator that shows the confirm stage every survivor but the first
+    from coordinator.secure_rounds import SecureRound
+
+    honest = SecureRound.config
+
+    def lying(self, stage):
+        config = honest(self, stage)
+        if stage == stages.CONFIRM:
+            config[stages.SURVIVORS] = config[stages.SURVIVORS][1:]
+        return config
+
+    monkeypatch.setattr(SecureRound, "config", lying)
+    coordinator = federation.coordinator(secure_config(federation, rounds=1, min_clients=3))
+    for i, keys in enumerate(fleet_keys(DEVICES)):
+        federation.start_device(i, DEVICES, secagg_keys=keys)
+
+    # Execute
+    report = coordinator.run()
+
+    # Assert: the left-out device refused to sign and said why; the others signed a set without it, which
+    # their unmask stage contradicts (its vector is in the sum): they refuse too, and nothing is aggregated
+    record = report["rounds"][0]
+    assert record["outcome"] == "aborted" and record["secagg"]["confirmed"] == DEVICES - 1
+    refused = record["secagg"]["refused"]
+    assert refused[0].startswith("dev000 (confirm): the survivor set leaves out 'dev000'")
+    assert len(refused) == DEVICES and all("(unmask)" in why for why in refused[1:])
+    assert report["rejections"] == {"secagg_inconsistent": DEVICES}

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from edge_sdk.secagg import IdentityKey, KeyAdvertisement, SecAggError
 from edge_sdk.secagg.masks import public_raw
-from secagg_rounds import (AFTER_SHARE, advertise, mask, play, random_inputs, round_context, share_keys,
+from secagg_rounds import (AFTER_SHARE, advertise, confirm, mask, play, random_inputs, round_context, share_keys,
                            start_round)
 
 # The chi-square statistic with 255 degrees of freedom exceeded with probability 1e-6.
@@ -72,62 +72,81 @@ def test_no_message_carries_a_secret_in_the_clear():
         assert (share in responses) == (owner == "dev02" and holder in trial.responders)
 
 
+def signed_by_all(trial, survivors):
+    """Every device's signature on `survivors`, as the server would forward them."""
+    return {device: client.confirm(survivors).signature for device, client in trial.clients.items()
+            if device in survivors}
+
+
 def test_a_device_asked_for_both_shares_of_one_peer_reveals_nothing_and_answers_no_more():
     # Prepare
     trial = masked_round()
     device = trial.clients["dev00"]
     neighbours = sorted(device.shared_with)
+    survivors = sorted(trial.context.participants)
+    signatures = signed_by_all(trial, survivors)
 
     # Execute / Assert: the peer as survivor and dropped at once
     with pytest.raises(SecAggError, match=f"{neighbours[0]!r} as both survivor and dropped"):
-        device.unmask(neighbours, neighbours[:1])
+        device.unmask(survivors, neighbours[:1], signatures)
     with pytest.raises(SecAggError, match="out of order"):
-        device.unmask(neighbours, [])
+        device.unmask(survivors, [], signatures)
 
 
 def test_a_second_unmask_request_is_refused():
     # Prepare
     trial = masked_round()
+    confirm(trial, list(trial.context.participants))
     request = trial.server.unmask_request("dev01")
     device = trial.clients["dev01"]
-    first = device.unmask(request.survivors, request.dropped)
+    first = device.unmask(request.survivors, request.dropped, request.signatures)
 
     # Execute / Assert: even asking for the other kind of share of the same peers
     with pytest.raises(SecAggError, match="out of order"):
-        device.unmask([], request.survivors)
-    assert set(first.b_shares) == set(request.survivors) and not first.s_shares
+        device.unmask([], request.survivors, request.signatures)
+    assert set(first.b_shares) == device.shared_with and not first.s_shares
 
 
 def test_a_request_with_exactly_threshold_surviving_neighbours_is_answered():
-    # Prepare: dev01 has 4 neighbours, threshold 3; the server says one dropped
+    # Prepare: dev01 has 4 neighbours, threshold 3; the survivor set says one dropped, and all signed it
     trial = masked_round(count=6, threshold=3, degree=4)
     neighbours = sorted(trial.clients["dev01"].shared_with)
+    survivors = sorted(set(trial.context.participants) - {neighbours[3]})
+    signatures = signed_by_all(trial, survivors)
 
     # Execute
-    response = trial.clients["dev01"].unmask(neighbours[:3], neighbours[3:])
+    response = trial.clients["dev01"].unmask(survivors, neighbours[3:], signatures)
 
     # Assert
     assert set(response.b_shares) == set(neighbours[:3]) and set(response.s_shares) == set(neighbours[3:])
 
 
-@pytest.mark.parametrize(("survivors", "dropped", "field"), [
-    (["first", "ghost"], [], "'ghost', which is not a neighbour"),
-    ([], "far", "which is not a neighbour"),
-    (["first"], [], "1 surviving neighbours, threshold is 3"),
+@pytest.mark.parametrize(("change", "field"), [
+    ("another set", "differs from the one 'dev01' signed"),
+    ("dropped left out", "leaves out"),
+    ("too few signatures", "2 neighbours of 'dev01' signed the survivor set, threshold is 3"),
+    ("a forged signature", "does not verify"),
 ])
-def test_an_inconsistent_unmask_request_is_refused(survivors, dropped, field):
-    # Prepare
+def test_an_inconsistent_unmask_request_is_refused(change, field):
+    # Prepare: every device signed the survivor set without dev01's first neighbour
     trial = masked_round()
     client = trial.clients["dev01"]
-    neighbours = sorted(client.shared_with)
-    far = sorted(set(trial.context.participants) - client.shared_with - {"dev01"})
-    names = {"first": neighbours[0], "far": far[0]}
-    survivors = [names.get(peer, peer) for peer in survivors]
-    dropped = [far[0]] if dropped == "far" else dropped
+    first = sorted(client.shared_with)[0]
+    survivors = sorted(set(trial.context.participants) - {first})
+    signatures = signed_by_all(trial, survivors)
+    dropped = [first]
+    if change == "another set":
+        survivors = sorted(trial.context.participants)
+    elif change == "dropped left out":
+        dropped = []
+    elif change == "too few signatures":
+        signatures = {peer: signatures[peer] for peer in sorted(client.neighbours & set(signatures))[:2]}
+    else:
+        signatures[sorted(client.neighbours & set(signatures))[0]] = bytes(64)
 
     # Execute / Assert
     with pytest.raises(SecAggError, match=field):
-        client.unmask(survivors, dropped)
+        client.unmask(survivors, dropped, signatures)
 
 
 def test_a_substituted_mask_key_is_detected_by_the_neighbours_naming_the_device():
@@ -136,11 +155,10 @@ def test_a_substituted_mask_key_is_detected_by_the_neighbours_naming_the_device(
     trial = start_round(context, random_inputs(context, np.random.default_rng(0)))
     adverts = advertise(trial, list(context.participants))
     adverts["dev01"] = dataclasses.replace(adverts["dev01"], s_public=public_raw(X25519PrivateKey.generate()))
-    victim = sorted(context.neighbours_of("dev01"))[0]
 
-    # Execute / Assert
+    # Execute / Assert: every device checks every advertisement (they all fix the graph seed)
     with pytest.raises(SecAggError, match="bad signature from device 'dev01'"):
-        trial.clients[victim].share_keys(adverts)
+        trial.clients["dev03"].share_keys(adverts)
 
 
 def test_keys_re_signed_by_another_identity_are_rejected():
@@ -154,8 +172,8 @@ def test_keys_re_signed_by_another_identity_are_rejected():
 
     # Execute / Assert
     with pytest.raises(SecAggError, match="dev01"):
-        trial.clients[sorted(context.neighbours_of("dev01"))[0]].share_keys(adverts)
-    with pytest.raises(SecAggError, match="not the one it sent"):
+        trial.clients["dev04"].share_keys(adverts)
+    with pytest.raises(SecAggError, match="alter 'dev01'"):
         trial.clients["dev01"].share_keys(adverts)
 
 
@@ -164,8 +182,8 @@ def test_misrouted_or_altered_ciphertexts_are_rejected_naming_the_sender():
     context = round_context(count=8, threshold=3, degree=4, length=10)
     trial = start_round(context, random_inputs(context, np.random.default_rng(0)))
     adverts = advertise(trial, list(context.participants))
-    sender = sorted(context.neighbours_of("dev00"))[0]
-    other = sorted(context.neighbours_of(sender) - {"dev00"})[0]
+    sender = sorted(trial.context.neighbours_of("dev00"))[0]
+    other = sorted(trial.context.neighbours_of(sender) - {"dev00"})[0]
     misrouted = trial.clients[sender].share_keys(adverts)[other]
     for client in trial.clients.values():
         if client.client_id != sender:
@@ -212,9 +230,9 @@ def test_the_server_refuses_a_share_bundle_that_leaves_out_an_advertised_neighbo
 
 
 def test_a_closed_stage_accepts_nothing_more():
-    # Prepare: masking closed by the first unmask request
+    # Prepare: masking closed by the survivor set
     trial = masked_round()
-    trial.server.unmask_request("dev00")
+    trial.server.survivor_set()
 
     # Execute / Assert
     with pytest.raises(SecAggError, match="sharing stage is closed"):

@@ -8,15 +8,17 @@ import pytest
 
 from edge_sdk.secagg import (EncryptedShares, KeyAdvertisement, MaskedInput, SecAggError, UnmaskRequest,
                              UnmaskResponse)
+from edge_sdk.secagg.messages import SurvivorSignature
 
 ADVERT = KeyAdvertisement("dev0", bytes(32), b"\x01" * 32, b"\x02" * 64)
 SHARES = EncryptedShares("dev0", {"dev1": bytes(200), "dev2": bytes(300)})
 MASKED = MaskedInput("dev0", np.arange(5, dtype=np.uint32))
-REQUEST = UnmaskRequest(("dev1", "dev2"), ("dev3",))
+REQUEST = UnmaskRequest(("dev1", "dev2"), ("dev3",), {"dev1": b"\x03" * 64})
+SIGNATURE = SurvivorSignature("dev1", b"\x04" * 64)
 RESPONSE = UnmaskResponse("dev0", {"dev1": bytes(66)}, {"dev3": b"\x05" * 66})
 
 
-@pytest.mark.parametrize("message", [ADVERT, SHARES, REQUEST, RESPONSE])
+@pytest.mark.parametrize("message", [ADVERT, SHARES, REQUEST, SIGNATURE, RESPONSE])
 def test_messages_survive_a_msgpack_round_trip(message):
     assert type(message).from_wire(msgpack.unpackb(msgpack.packb(message.to_wire()))) == message
 
@@ -60,6 +62,10 @@ def without(message, field):
     (UnmaskRequest, altered(REQUEST, survivors="dev1"), "survivors"),
     (UnmaskRequest, altered(REQUEST, survivors=["dev1", 2]), "survivors"),
     (UnmaskRequest, altered(REQUEST, dropped=["dev3", "dev3"]), "dropped"),
+    (UnmaskRequest, altered(REQUEST, signatures={"dev1": bytes(63)}), "signatures"),
+    (UnmaskRequest, without(REQUEST, "signatures"), "signatures"),
+    (SurvivorSignature, altered(SIGNATURE, signature=bytes(65)), "signature"),
+    (SurvivorSignature, without(SIGNATURE, "client_id"), "client_id"),
     (UnmaskResponse, altered(RESPONSE, b_shares={"dev1": bytes(65)}), "b_shares"),
     (UnmaskResponse, altered(RESPONSE, s_shares={"dev3": 5}), "s_shares"),
     (UnmaskResponse, altered(RESPONSE, s_shares={"dev1": bytes(66)}), "both name 'dev1'"),

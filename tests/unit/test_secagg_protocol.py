@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_sdk.secagg import FixedPoint, RoundFailed, SecAggError, effective_degree
-from secagg_rounds import (AFTER_ADVERTISE, AFTER_MASK, AFTER_SHARE, BEFORE_ADVERTISE, COMPLETE, Round, advertise, play,
-                           random_inputs, round_context, share_keys, start_round, unmask)
+from secagg_rounds import (AFTER_ADVERTISE, AFTER_CONFIRM, AFTER_MASK, AFTER_SHARE, BEFORE_ADVERTISE, COMPLETE, Round,
+                           advertise, play, random_inputs, round_context, share_keys, start_round, unmask)
 
-FATES = [BEFORE_ADVERTISE, AFTER_ADVERTISE, AFTER_SHARE, AFTER_MASK] + [COMPLETE] * 20
+FATES = [BEFORE_ADVERTISE, AFTER_ADVERTISE, AFTER_SHARE, AFTER_MASK, AFTER_CONFIRM] + [COMPLETE] * 20
 
 
 def too_few_shares(trial: Round) -> bool:
@@ -77,7 +77,7 @@ def test_too_few_unmask_responses_fail_the_round_naming_the_shortfall():
     # Prepare: 6 devices, degree 4 (each misses one), threshold 3; two never answer the unmask request,
     # so a device next to both has exactly 2 shares of its self-mask seed revealed
     context = round_context(count=6, threshold=3, degree=4, length=100)
-    fates = {"dev00": AFTER_MASK, "dev01": AFTER_MASK}
+    fates = {"dev00": AFTER_CONFIRM, "dev01": AFTER_CONFIRM}
     trial = play(context, random_inputs(context, np.random.default_rng(3)), fates)
 
     # Execute / Assert

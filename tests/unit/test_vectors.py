@@ -253,3 +253,37 @@ def test_refusal_vector_encodes_and_decodes_exactly():
     assert GEN.envelope_meaning(decoded) == vector["meaning"]
     assert refusal_of(decoded) == Refusal(Reason.BAD_SHAPE, "shared/body.1.num_batches_tracked: got int64[1], "
                                                              "want int64[]")
+
+
+def test_the_secagg_vectors_verify_and_fix_the_graph_seed_and_graph_they_state():
+    # Prepare
+    from edge_sdk.secagg import Roster, neighbours
+    from edge_sdk.secagg.consistency import graph_seed, survivor_set_bytes, survivors_payload
+    from edge_sdk.secagg.context import RoundContext
+    from edge_sdk.secagg.messages import KeyAdvertisement
+
+    vectors = _load("secagg.json")
+    roster = Roster(vectors["public_keys_hex"])
+    a = vectors["announced"]
+    announced = RoundContext(a["run_id"], a["round"], tuple(a["participants"]), a["threshold"], a["degree"], None,
+                             a["length"])
+    adverts = {v["client_id"]: KeyAdvertisement(v["client_id"], bytes.fromhex(v["c_pk_hex"]),
+                                                bytes.fromhex(v["s_pk_hex"]), bytes.fromhex(v["signature_hex"]))
+               for v in vectors["adverts"]}
+
+    # Assert: the signed bytes, the signatures, the seed and its graph
+    assert announced.announced_bytes().hex() == vectors["announced_ctx_hex"]
+    for v, advert in zip(vectors["adverts"], adverts.values(), strict=True):
+        payload = KeyAdvertisement.signed_payload(announced, advert.client_id, advert.c_public, advert.s_public)
+        assert payload.hex() == v["signed_payload_hex"]
+        roster.verify(advert.client_id, payload, advert.signature)
+    seed = graph_seed(announced, adverts)
+    assert seed.hex() == vectors["graph_seed_hex"]
+    context = announced.with_graph_seed(seed)
+    assert context.bytes().hex() == vectors["ctx_hex"]
+    graph = neighbours(a["participants"], a["degree"], seed)
+    assert {device: sorted(peers) for device, peers in graph.items()} == vectors["graph"]
+    for v in vectors["survivor_signatures"]:
+        payload = survivors_payload(context, v["signer"], survivor_set_bytes(vectors["survivors"]))
+        assert payload.hex() == v["payload_hex"]
+        roster.verify(v["signer"], payload, bytes.fromhex(v["signature_hex"]))

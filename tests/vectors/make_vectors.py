@@ -15,6 +15,8 @@ Files (JSON holds hex for short byte strings; long ones are `.bin` files named i
 - `seals.json`: a message sealed with a fixed test key, and how verification goes (section 15).
 - `nack.json`: a NACK a coordinator sends to a device whose reply it refused.
 - `refusal.json`: a device's refusal of a TRAIN whose arrays do not fit its model (section 11).
+- `secagg.json`: secure aggregation (section 19): fixed identity keys, their signed advertisements,
+  the graph seed and graph they fix, and survivor signatures on a survivor set.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ sys.path.insert(0, str(HERE.parents[1]))  # run as a script from anywhere: the c
 from edge_sdk import codecs, signing, wire  # noqa: E402
 from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames  # noqa: E402
 from edge_sdk.protocol import Envelope, Kind  # noqa: E402
+from edge_sdk.secagg.consistency import graph_seed, survivor_set_bytes, survivors_payload  # noqa: E402
+from edge_sdk.secagg.context import RoundContext  # noqa: E402
+from edge_sdk.secagg.identity import IdentityKey  # noqa: E402
+from edge_sdk.secagg.messages import KeyAdvertisement  # noqa: E402
 
 RUN_ID = "9f1c2b3a4d5e6f70"
 TIMESTAMP = 1700000000.5
@@ -248,6 +254,42 @@ def refusal_vectors() -> dict[str, Any]:
                     "coordinator counts it as the device's answer under its reason"}
 
 
+SECAGG_DEVICES = tuple(f"dev00{i}" for i in range(1, 6))
+
+
+def secagg_vectors() -> dict[str, Any]:
+    """Five devices (identity key of dev00i: 32 bytes of i, test keys only), degree 2, threshold 2."""
+    identities = {device: IdentityKey.from_hex(bytes([i]).hex() * 32) for i, device in enumerate(SECAGG_DEVICES, 1)}
+    announced = RoundContext(RUN_ID, 3, SECAGG_DEVICES, 2, 2, None, 10)
+    adverts, advert_vectors = {}, []
+    for i, device in enumerate(SECAGG_DEVICES, 1):
+        c_public, s_public = bytes([0x10 + i]) * 32, bytes([0x20 + i]) * 32  # stand-ins for fresh X25519 keys
+        payload = KeyAdvertisement.signed_payload(announced, device, c_public, s_public)
+        adverts[device] = KeyAdvertisement(device, c_public, s_public, identities[device].sign(payload))
+        advert_vectors.append({"client_id": device, "c_pk_hex": c_public.hex(), "s_pk_hex": s_public.hex(),
+                               "signed_payload_hex": payload.hex(), "signature_hex": adverts[device].signature.hex()})
+    context = announced.with_graph_seed(graph_seed(announced, adverts))
+    survivors = SECAGG_DEVICES[:4]
+    signatures = []
+    for signer in survivors:
+        payload = survivors_payload(context, signer, survivor_set_bytes(survivors))
+        signatures.append({"signer": signer, "payload_hex": payload.hex(),
+                           "signature_hex": identities[signer].sign(payload).hex()})
+    return {
+        "identity_keys_hex": {device: key.private_hex() for device, key in identities.items()},
+        "public_keys_hex": {device: key.public_hex() for device, key in identities.items()},
+        "announced": {"run_id": RUN_ID, "round": 3, "participants": list(SECAGG_DEVICES), "threshold": 2,
+                      "degree": 2, "length": 10},
+        "announced_ctx_hex": announced.announced_bytes().hex(),
+        "adverts": advert_vectors,
+        "graph_seed_hex": context.graph_seed.hex() if context.graph_seed else "",
+        "ctx_hex": context.bytes().hex(),
+        "graph": {device: sorted(context.graph[device]) for device in SECAGG_DEVICES},
+        "survivors": list(survivors),
+        "survivor_signatures": signatures,
+    }
+
+
 def _json(document: Any) -> bytes:
     """JSON in insertion order: the order of map keys is part of the bytes a meaning encodes to."""
     return (json.dumps(document, indent=1) + "\n").encode()
@@ -264,6 +306,7 @@ def build_vectors() -> dict[str, bytes]:
         "seals.json": _json(seal_vectors()),
         "nack.json": _json(nack_vectors()),
         "refusal.json": _json(refusal_vectors()),
+        "secagg.json": _json(secagg_vectors()),
     }
     files.update(chunk_files)
     return files
