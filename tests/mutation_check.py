@@ -529,6 +529,19 @@ MUTATIONS = (
              (("table_rank = 190", "table_rank = 180"),), REGISTRIES),
     Mutation("registry: a device class without its display name", "edge_sdk/algorithms/fedbn.py",
              (('    display_name = "FedBN"\n', ""),), REGISTRIES),
+    # What the coordinator sends and what devices refuse: checked before sending, refused upward
+    Mutation("warm start: a 0-d array turned 1-d", "coordinator/warm_start.py",
+             (('np.array(given, dtype=fresh.dtype, order="C")', "np.ascontiguousarray(given, dtype=fresh.dtype)"),),
+             ("tests/unit/test_warm_start.py::test_a_scalar_array_keeps_its_shape",)),
+    Mutation("outgoing: a broadcast every device must refuse is sent", "coordinator/algorithms/base.py",
+             (("        check_outgoing(what, groups, self.model_spec, sliced=self.sliced_broadcast)\n", "        pass\n"),),
+             ("tests/unit/test_outgoing.py",)),
+    Mutation("refusal: a device keeps silent about a request it cannot take", "edge_sdk/session.py",
+             (("if (reply_kind is None or reason not in REPORTED_REFUSALS", "if (True or reason not in REPORTED_REFUSALS"),),
+             ("tests/unit/test_device_refusals.py::test_a_round_every_device_refused_stops_the_run_with_the_reason",)),
+    Mutation("refusal: a run whose every device refused plays on", "coordinator/rounds.py",
+             (("    if not asked or set(answered) & set(asked)", "    if True or set(answered) & set(asked)"),),
+             ("tests/unit/test_device_refusals.py::test_the_stop_needs_every_device_asked_to_have_refused",)),
 )
 
 
