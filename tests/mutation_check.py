@@ -58,6 +58,8 @@ PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
 PRIVACY_LOOPBACK_BUDGET = (f"{PRIVACY_LOOPBACK}test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_"
                            "accountant",)
 PRIVACY_LOOPBACK_ADAPTIVE = (f"{PRIVACY_LOOPBACK}test_the_adaptive_clip_rule_and_the_split_of_the_noise",)
+PRIVACY_LOOPBACK_ADAPTIVE_EPSILON = (f"{PRIVACY_LOOPBACK}test_adaptive_clipping_is_accounted_as_the_update_and_the_"
+                                    "count_at_their_true_sensitivities",)
 PRIVACY_LOOPBACK_EPSILON = (f"{PRIVACY_LOOPBACK}test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_"
                             "evaluations",)
 DUALFED = ("tests/unit/test_dualfed_objective.py",)
@@ -302,6 +304,13 @@ MUTATIONS = (
     Mutation("dp: adaptive clipping's count noise not taken from the update's", RUN_PRIVACY_PY,
              (("return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5", "return self.noise"),),
              PRIVACY_LOOPBACK_ADAPTIVE),
+    Mutation("dp: adaptive clipping's count of 0/1 bits, not centred", MECHANISM_PY,
+             (("    return sum(b - 0.5 for b in within)", "    return sum(within)"),
+              ("return (centred_count(within) + noise) / expected + 0.5",
+               "return (centred_count(within) + noise) / expected"),), PRIVACY_LOOPBACK_ADAPTIVE_EPSILON),
+    Mutation("dp: adaptive clipping's count noise split as if of sensitivity 1", RUN_PRIVACY_PY,
+             (("return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5",
+               "return (self.noise ** -2 - self.count_noise ** -2) ** -0.5"),), PRIVACY_LOOPBACK_ADAPTIVE_EPSILON),
     Mutation("dp-sgd: no per-example clipping", DPSGD_PY,
              (("max_grad_norm=self.max_grad_norm,", "max_grad_norm=1e9,"),),
              ("tests/unit/test_dpsgd.py",)),

@@ -34,7 +34,7 @@ from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..rounds import select_clients
 from .accountant import PrivacyAccountant, calibrate_noise, local_epsilon
-from .mechanism import PrivateMean, noised_mean
+from .mechanism import PrivateMean, noised_mean, within_share
 from .policy import BudgetSpent
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,16 @@ class RunPrivacy:
         if self.settings.dp_adaptive_clip and 2 * self.count_noise <= self.noise:
             raise ConfigError(f"dp_clip_count_noise {self.count_noise:g} must exceed half the noise multiplier "
                               f"{self.noise:g}: adaptive clipping's count noise sigma_b and the update's z_delta "
-                              f"make z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1)")
+                              f"make z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1: the "
+                              f"count is centred, of sensitivity 1/2)")
 
     @property
     def update_noise(self) -> float:
         """The update's own noise multiplier: z, or under adaptive clipping z_delta with
         (z_delta^-2 + (2 sigma_b)^-2)^-1/2 = z, so that the update and the noised count together
-        are one Gaussian mechanism of multiplier z, which the accountant composes."""
+        are one Gaussian mechanism of multiplier z, which the accountant composes. It rests on the
+        count's sensitivity: 1/2 when a device is added or removed (the count is centred,
+        `centred_count`), 1 when one is replaced, where the update's is 2C."""
         if not self.settings.dp_adaptive_clip:
             return self.noise
         return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5
@@ -207,7 +210,7 @@ class RunPrivacy:
         self.round_clip = self.clip
         if self.settings.dp_adaptive_clip and population:
             noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
-            share = (sum(self.within) + noise) / self.expected(population)
+            share = within_share(self.within, noise, self.expected(population))
             self.clip *= math.exp(-self.settings.dp_clip_lr * (share - self.settings.dp_clip_quantile))
         self.within = []
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -222,3 +223,41 @@ def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
 
     assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
     assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "fixed"])
+def test_adaptive_clipping_is_accounted_as_the_update_and_the_count_at_their_true_sensitivities(sampling):
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    from coordinator.privacy.mechanism import centred_count
+    from coordinator.privacy.run import RunPrivacy
+    from edge_sdk.privacy import PrivacySettings
+    from edge_sdk.privacy.rdp import rdp_orders
+
+    # Prepare: m = 40 of N = 400 a round (q = 0.1), z = 1, the default count noise m / 20, 100 rounds
+    settings = PrivacySettings(dp="central", dp_clip=1.0, dp_noise=1.0, dp_adaptive_clip=True, dp_sampling=sampling)
+    privacy = RunPrivacy(settings, devices=400, population=400, fraction=0.1, rounds=100, evaluations=0, seed=0)
+
+    # Execute
+    for round_ in range(1, 101):
+        privacy.round_ended(400, [], round_)
+
+    # Assert: the count's sensitivity measured on the statistic the coordinator noises: 1/2 when a
+    # device is added or removed, 1 when one is replaced (a bit flips)
+    bits = [1.0, 0.0, 1.0, 1.0, 0.0]
+    added = {abs(centred_count([*bits, b]) - centred_count(bits)) for b in (0.0, 1.0)}
+    replaced = {abs(centred_count([1 - bits[0], *bits[1:]]) - centred_count(bits))}
+    count_sensitivity = max(added) if sampling == "poisson" else max(replaced)
+    update_sensitivity = 1.0 if sampling == "poisson" else 2.0  # x C
+    # two Gaussian mechanisms composed: the sum (noise z_delta C) and the count (noise sigma_b),
+    # one Gaussian of noise 1 / mu on a sensitivity-1 query, sampled as the round is
+    mu = math.hypot(update_sensitivity / privacy.update_noise, count_sensitivity / privacy.count_noise)
+    joint = dp_accounting.GaussianDpEvent(1 / mu)
+    event = (dp_accounting.PoissonSampledDpEvent(0.1, joint) if sampling == "poisson"
+             else dp_accounting.SampledWithoutReplacementDpEvent(400, 40, joint))
+    relation = (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson"
+                else dp_accounting.NeighboringRelation.REPLACE_ONE)
+    expected = RdpAccountant(list(rdp_orders()), relation).compose(event, 100).get_epsilon(privacy.delta)
+    assert privacy.count_noise == 2.0
+    assert privacy.epsilon() == pytest.approx(expected, rel=1e-6)
