@@ -21,6 +21,11 @@ PRIVATE_ALGORITHMS = ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedr
 CLIP = 0.05
 
 
+def run_delta(devices: int) -> float:
+    """The documented default delta of a run of `devices` devices."""
+    return min(1e-5, 0.01 / devices)
+
+
 def private_config(federation, **changes):
     settings = dict(dp="central", dp_clip=CLIP, dp_noise=1.0, dp_reproducible_noise=True)
     return federation.config(**{**settings, **changes})
@@ -62,7 +67,7 @@ def test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_evaluat
     report = coordinator.run()
 
     # Assert: the same figure as composing the run's events directly, every round in metrics.jsonl
-    delta = 4 ** -1.1
+    delta = run_delta(4)
     expected = PrivacyAccountant("rdp", "fixed", delta)
     per_round = []
     for _ in range(3):
@@ -98,7 +103,7 @@ def test_settings_that_would_leave_a_message_uncovered_are_refused_by_name(feder
 
 def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_accountant(federation):
     # Prepare: z fixed, a budget that allows two of the three rounds (evaluations outside the guarantee)
-    probe = PrivacyAccountant("rdp", "fixed", 3 ** -1.1)
+    probe = PrivacyAccountant("rdp", "fixed", run_delta(3))
     probe.add_round(3, 3, 1.0)
     probe.add_round(3, 3, 1.0)
     budget = (probe.epsilon() + probe.epsilon_after(3, 3, 1.0)) / 2
@@ -200,7 +205,7 @@ def test_poisson_sampling_selects_each_device_on_its_own_and_pld_accounts_it(fed
     report = coordinator.run()
 
     # Assert: each round as large as its draw, accounted as three Poisson-sampled Gaussians
-    expected = PrivacyAccountant("pld", "poisson", 4 ** -1.1)
+    expected = PrivacyAccountant("pld", "poisson", run_delta(4))
     for _ in range(3):
         expected.add_round(4, 0.5, 1.0)
     assert report["privacy"]["epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
@@ -222,7 +227,7 @@ def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
     privacy.round_ended(4, ["dev000", "dev001"], 1)
 
     assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
-    assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))
+    assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, run_delta(4)))
 
 
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
