@@ -284,12 +284,15 @@ class RunPrivacy:
                 "evaluation": self.settings.dp_evaluation, "budget": self.settings.dp_epsilon or None}
 
     def report(self) -> dict[str, Any]:
-        """The report's `privacy`: the record, the last released accuracy and what the
-        guarantee leaves out."""
+        """The report's `privacy`: the record, the last released accuracy, what the guarantee
+        leaves out, and where the noise and the selections came from (`randomness`): the operating
+        system's entropy, or the run's seed, which WELCOME and the report carry, so that the
+        guarantee holds only against whoever does not know it."""
         outside = ["evaluation figures"] if self.settings.dp_evaluation == "outside" else []
+        randomness = "the run's seed" if self.settings.dp_reproducible_noise else "operating system entropy"
         return {**self.record(), "released_accuracy": self.released_accuracy,
                 "rounds_accounted": self.accountant.rounds, "evaluations_accounted": self.accountant.evaluations,
-                "outside_the_guarantee": outside}
+                "outside_the_guarantee": outside, "randomness": randomness}
 
     def announcement(self) -> dict[str, Any]:
         """The settings STATUS and WELCOME carry, the noise multiplier resolved."""

@@ -120,6 +120,7 @@ def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_account
     assert "privacy budget spent" in report["stopped"]
     assert report["privacy"]["epsilon"] == pytest.approx(probe.epsilon(), rel=1e-9)
     assert report["privacy"]["outside_the_guarantee"] == ["evaluation figures"]
+    assert report["privacy"]["randomness"] == "the run's seed"  # dp_reproducible_noise
     resumed = federation.coordinator(config.replace(dp_epsilon=budget * 10))
     assert resumed.privacy is not None and resumed.privacy.epsilon() == pytest.approx(probe.epsilon(), rel=1e-9)
     with pytest.raises(BudgetSpent):
