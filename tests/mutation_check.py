@@ -321,6 +321,11 @@ MUTATIONS = (
                "self.exposure.get(client_id, 0.0) + count * self.noise ** -2"),), DISTRIBUTED_DP),
     Mutation("dp distributed: the devices report their accuracy as measured", UPSTREAM_PY,
              (("        return self.local or self.distributed\n", "        return self.local\n"),), DISTRIBUTED_DP),
+    Mutation("dp-sgd: a device takes a delta of 1 / its examples or more", "edge_sdk/client.py",
+             (("self.dp_sgd_delta = self._dp_sgd_delta(privacy, data.num_train) if privacy.dp_sgd else 0.0",
+               "self.dp_sgd_delta = privacy.dp_sgd_delta or 1e-5"),),
+             ("tests/unit/test_model_registration.py::test_a_device_refuses_a_dp_sgd_delta_of_one_over_its_examples_"
+              "or_more_by_name",)),
     Mutation("dp-sgd: no per-example clipping", DPSGD_PY,
              (("max_grad_norm=self.max_grad_norm,", "max_grad_norm=1e9,"),),
              ("tests/unit/test_dpsgd.py",)),
