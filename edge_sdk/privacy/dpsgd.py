@@ -20,7 +20,8 @@ Guaranteed, per device: the sequence of noised parameter updates it computed ove
 and everything computed from them alone (its uploads, its deployed model, accuracy on its test
 split), is (epsilon, delta)-DP with respect to adding or removing one record of its training split,
 with epsilon from Google's dp-accounting RDP accountant over every step it has taken
-(`PoissonSampledDpEvent(q, GaussianDpEvent(z))` composed `steps` times), at `dp_sgd_delta`.
+(`PoissonSampledDpEvent(q, GaussianDpEvent(z))` composed `steps` times; q = 1 for batches from the
+run's seed), at the device's delta (`PrivacySettings.dp_sgd_delta_for` its training examples).
 FedProx's proximal term is a function of the parameters and the broadcast global model only: its
 gradient is added after the noise (`PenalizedLoss`), which is post-processing.
 
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DP_SGD_EPSILON = "dp_sgd_epsilon"
-"""The metric a device reports: its record-level epsilon so far, at `dp_sgd_delta`."""
+"""The metric a device reports: its record-level epsilon so far, at its DP-SGD delta."""
 ACCOUNTANT_KEY = "dp_sgd_history"
 """The personal-store array of the accountant: rows of (sample rate, noise multiplier, steps)."""
 
