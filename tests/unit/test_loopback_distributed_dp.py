@@ -169,3 +169,16 @@ def test_a_distributed_run_releases_the_mean_of_the_accuracies_its_devices_noise
     assert report["privacy"]["evaluations_accounted"] == 1
     expected = local_epsilon("fixed", NOISE, 1, DELTA, evaluations=1, eval_noise=10.0)
     assert report["privacy"]["epsilon_fleet"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_summary_gives_a_distributed_runs_epsilon_against_the_coordinator_and_its_randomness():
+    from coordinator.report import privacy_line
+
+    privacy = {"mode": "distributed", "epsilon": 1.5, "epsilon_fleet": 12.25, "delta": 1e-5, "noise_multiplier": 2.0,
+               "clip": 0.1, "budget": None, "outside_the_guarantee": [], "randomness": "the run's seed"}
+
+    line = privacy_line(privacy)
+
+    assert "against the coordinator and the other devices (who see the selections) 12.2" in line
+    assert "drawn from the run's seed" in line
+    assert "seed" not in privacy_line({**privacy, "randomness": "operating system entropy"})
