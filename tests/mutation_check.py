@@ -296,8 +296,8 @@ MUTATIONS = (
     Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
              (("            self.privacy.restore(saved.history[\"privacy\"])\n", ""),), PRIVACY_LOOPBACK_BUDGET),
     Mutation("dp: the sampled rounds left out of a run's epsilon", RUN_PRIVACY_PY,
-             (("            self.accountant.add_round(population, self._sample(population), "
-               "self._round_noise(population))\n", "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
+             (("            self.accountant.add_round(population, self._sample(population), noise)\n",
+               "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
     Mutation("dp: adaptive clipping moves C the wrong way", RUN_PRIVACY_PY,
              (("(share - self.settings.dp_clip_quantile)", "(self.settings.dp_clip_quantile - share)"),),
              PRIVACY_LOOPBACK_ADAPTIVE),
