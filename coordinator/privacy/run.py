@@ -221,8 +221,8 @@ class RunPrivacy:
         self.uploads = {}
         self.round_clip = self.clip
         if self.settings.dp_adaptive_clip and population:
-            noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
-            share = within_share(self.within, noise, self.expected(population))
+            count_noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
+            share = within_share(self.within, count_noise, self.expected(population))
             self.clip *= math.exp(-self.settings.dp_clip_lr * (share - self.settings.dp_clip_quantile))
         self.within = []
 

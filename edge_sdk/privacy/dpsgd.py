@@ -2,9 +2,9 @@
 
 Inside `dp_sgd(trainer)`, every `edge_sdk.training.run_epochs` call trains with DP-SGD instead of
 its shuffled batches: each step draws a Poisson batch (every training example independently with
-probability q = batch_size / n), takes each example's gradient
-over the optimizer's parameters only (Opacus's per-layer hooks, `GradSampleHooks`; the module's
-other parameters are frozen for the call), clips it to L2 norm C (`dp_sgd_clip`), sums, adds
+probability q = batch_size / n), takes each example's gradient over the optimizer's parameters
+only (Opacus's per-layer hooks, `GradSampleHooks`; the module's other parameters are frozen for
+the call), clips it to L2 norm C (`dp_sgd_clip`), sums, adds
 Gaussian noise of standard deviation z*C (`dp_sgd_noise`, Opacus's `DPOptimizer` in its secure
 mode) and divides by the expected batch size q*n. Every step is recorded in the device's
 `DpSgdAccountant`, whose history of (q, z, steps) survives a restart in the personal store.
