@@ -133,9 +133,11 @@ def _summary(report: dict[str, Any], out: str) -> str:
     if "dp_sgd" in report:
         dp_sgd = report["dp_sgd"]
         worst = "-" if dp_sgd["epsilon_max"] is None else f"{dp_sgd['epsilon_max']:.3g}"
-        lines.insert(-4, f"dp-sgd                 record-level epsilon up to {worst} at delta {dp_sgd['delta']:.2g} "
-                         f"({dp_sgd['devices_reporting']} devices reporting), noise multiplier "
-                         f"{dp_sgd['noise_multiplier']:.3g}, clip {dp_sgd['clip']:g}")
+        at_most = "at most " if dp_sgd.get("delta_per_device") else ""
+        lines.insert(-4, f"dp-sgd                 record-level epsilon up to {worst} at delta {at_most}"
+                         f"{dp_sgd['delta']:.2g} ({dp_sgd['devices_reporting']} devices reporting), noise multiplier "
+                         f"{dp_sgd['noise_multiplier']:.3g}, clip {dp_sgd['clip']:g}, "
+                         f"batches {dp_sgd.get('batches', '-')}")
     if "stopped" in report:
         lines.insert(-4, f"stopped early          {report['stopped']}")
     late = report.get("late_updates") or {}

@@ -103,6 +103,8 @@ class RunConfig:
         for ok, key, value, what in checks:
             if not ok:
                 raise ConfigError(f"{key} must be {what}, got {value!r}")
+        if self.privacy.enabled:
+            self.privacy.delta_for(run.clients)  # refused by its key when not below 1 / devices
         parse_shards(simulation.local_aggregators, self.round.shards, "local_aggregators")  # refused by its key
         parse_availability(simulation.availability, run.clients)  # so is a bad trace file, by its line
         if self.lite_devices >= run.clients:

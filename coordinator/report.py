@@ -194,6 +194,11 @@ def privacy_line(privacy: dict[str, Any]) -> str:
             + f", noise multiplier {privacy['noise_multiplier']:.3g}, clip {privacy['clip']:g}")
     if privacy["mode"] == "central":
         line += f"; against the other devices (who see the selections) {fmt(privacy['epsilon_fleet'])}"
+    elif privacy["mode"] == "distributed":
+        line += (f"; against the coordinator and the other devices (who see the selections) "
+                 f"{fmt(privacy['epsilon_fleet'])}")
+    if privacy.get("randomness") == "the run's seed":
+        line += "; noise and selections drawn from the run's seed (holds only against whoever does not know it)"
     if privacy.get("outside_the_guarantee"):
         line += f"; outside the guarantee: {', '.join(privacy['outside_the_guarantee'])}"
     return line

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_sdk.config import to_plain
+from edge_sdk.privacy.settings import DELTA_CAP
 
 from . import checkpoint
 from .config import RunConfig
@@ -171,11 +172,16 @@ def run_report(config: RunConfig, hyper: Any, *, run_id: str, completed: int, le
 
 
 def dp_sgd_report(config: RunConfig, final: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Record-level DP-SGD of the run: its settings and the largest epsilon a device reported at
-    the last evaluation (None where the devices keep it to themselves, under private evaluation)."""
+    """Record-level DP-SGD of the run: its settings, the largest epsilon a device reported at the
+    last evaluation (None where the devices keep it to themselves, under private evaluation), the
+    delta every device's is at (at most: the default is each device's own, min(1e-5, 0.01 /
+    examples), and an epsilon at a smaller delta holds at a larger one), and where the batches came
+    from: secret (accounted with amplification by sampling) or the run's seed (accounted without)."""
     privacy = config.privacy
     reported = [m["dp_sgd_epsilon"] for m in final.values() if isinstance(m.get("dp_sgd_epsilon"), (int, float))]
-    return {"noise_multiplier": privacy.dp_sgd_noise, "clip": privacy.dp_sgd_clip, "delta": privacy.dp_sgd_delta,
+    return {"noise_multiplier": privacy.dp_sgd_noise, "clip": privacy.dp_sgd_clip,
+            "delta": privacy.dp_sgd_delta or DELTA_CAP, "delta_per_device": privacy.dp_sgd_delta == 0,
+            "batches": "from the run's seed, not amplified" if privacy.dp_reproducible_noise else "secret",
             "epsilon_max": max(reported) if reported else None, "devices_reporting": len(reported)}
 
 

@@ -1093,11 +1093,12 @@ class Coordinator:
         return results
 
     def _plausible_accuracy(self, accuracy: Any) -> bool:
-        """An accuracy in [0, 1]; under local DP with private evaluation any finite number (each
-        device added its own noise)."""
+        """An accuracy in [0, 1]; under local or distributed DP with private evaluation any finite
+        number (each device added its own noise)."""
         if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool) or not math.isfinite(accuracy):
             return False
-        noised = self.privacy is not None and self.privacy.local and self.privacy.releases_evaluations
+        noised = (self.privacy is not None and self.privacy.devices_noise_evaluations
+                  and self.privacy.releases_evaluations)
         return noised or 0.0 <= accuracy <= 1.0
 
     def _accuracy(self, evaluation: dict[str, dict[str, Any]]) -> dict[str, float] | None:

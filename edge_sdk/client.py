@@ -26,7 +26,7 @@ from . import algorithms, codecs
 from .algorithms.base import DeviceAlgorithm, LossOverride, OptimizerFactory, Task
 from .algorithms.torch_device import TorchDevice
 from .attacks import corrupt
-from .config import from_mapping
+from .config import ConfigError, from_mapping
 from .data import ClientData, device_seed
 from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
                      signature_from_plain, signature_to_plain)
@@ -153,7 +153,7 @@ class EdgeClient(SecureSession):
         self.algorithm, self.algorithm_id = algorithm, algorithm_id
         privacy, self.privacy = UploadPrivacy.announced(welcome.config, settings.seed)
         self.secure_run = welcome.config.get(secagg_stages.SECURE) is True
-        self.dp_sgd_delta = privacy.dp_sgd_delta
+        self.dp_sgd_delta = self._dp_sgd_delta(privacy, data.num_train) if privacy.dp_sgd else 0.0
         saved = self.store.restore(welcome.run_id, algorithm_id)
         personal = dict(saved.arrays) if saved is not None else {}
         history = {key: personal.pop(key) for key in (ACCOUNTANT_KEY,) if key in personal}
@@ -162,6 +162,14 @@ class EdgeClient(SecureSession):
             algorithm.load_personal_state(personal)
             self.rounds_trained = saved.round
             log.info("%s: personal state of round %d restored", self.client_id, saved.round)
+
+    def _dp_sgd_delta(self, privacy: PrivacySettings, examples: int) -> float:
+        """This device's DP-SGD delta over its `examples` training examples; RegistrationRefused,
+        naming dp_sgd_delta, when the run's is not below 1 / examples."""
+        try:
+            return privacy.dp_sgd_delta_for(examples)
+        except ConfigError as exc:
+            raise RegistrationRefused(f"{self.client_id}: {exc}") from None
 
     def _dp_sgd(self, privacy: PrivacySettings, algorithm: DeviceAlgorithm, history: ArrayGroup, seed: int) -> DpSgd:
         """This device's DP-SGD for the run, its accountant continued from the personal store;

@@ -59,6 +59,8 @@ PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
 PRIVACY_LOOPBACK_BUDGET = (f"{PRIVACY_LOOPBACK}test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_"
                            "accountant",)
 PRIVACY_LOOPBACK_ADAPTIVE = (f"{PRIVACY_LOOPBACK}test_the_adaptive_clip_rule_and_the_split_of_the_noise",)
+PRIVACY_LOOPBACK_ADAPTIVE_EPSILON = (f"{PRIVACY_LOOPBACK}test_adaptive_clipping_is_accounted_as_the_update_and_the_"
+                                    "count_at_their_true_sensitivities",)
 PRIVACY_LOOPBACK_EPSILON = (f"{PRIVACY_LOOPBACK}test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_"
                             "evaluations",)
 DUALFED = ("tests/unit/test_dualfed_objective.py",)
@@ -296,20 +298,47 @@ MUTATIONS = (
     Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
              (("            self.privacy.restore(saved.history[\"privacy\"])\n", ""),), PRIVACY_LOOPBACK_BUDGET),
     Mutation("dp: the sampled rounds left out of a run's epsilon", RUN_PRIVACY_PY,
-             (("            self.accountant.add_round(population, self._sample(population), "
-               "self._round_noise(population))\n", "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
+             (("            self.accountant.add_round(population, self._sample(population), noise)\n",
+               "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
     Mutation("dp: adaptive clipping moves C the wrong way", RUN_PRIVACY_PY,
              (("(share - self.settings.dp_clip_quantile)", "(self.settings.dp_clip_quantile - share)"),),
              PRIVACY_LOOPBACK_ADAPTIVE),
     Mutation("dp: adaptive clipping's count noise not taken from the update's", RUN_PRIVACY_PY,
              (("return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5", "return self.noise"),),
              PRIVACY_LOOPBACK_ADAPTIVE),
+    Mutation("dp: adaptive clipping's count of 0/1 bits, not centred", MECHANISM_PY,
+             (("    return sum(b - 0.5 for b in within)", "    return sum(within)"),
+              ("return (centred_count(within) + noise) / expected + 0.5",
+               "return (centred_count(within) + noise) / expected"),), PRIVACY_LOOPBACK_ADAPTIVE_EPSILON),
+    Mutation("dp: adaptive clipping's count noise split as if of sensitivity 1", RUN_PRIVACY_PY,
+             (("return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5",
+               "return (self.noise ** -2 - self.count_noise ** -2) ** -0.5"),), PRIVACY_LOOPBACK_ADAPTIVE_EPSILON),
+    Mutation("dp: the default delta devices^-1.1", "edge_sdk/privacy/settings.py",
+             (("return min(DELTA_CAP, DELTA_SHARE / max(1, individuals))", "return float(individuals) ** -1.1"),),
+             PRIVACY_ACCOUNTANT),
+    Mutation("dp: a delta of 1 / N or more taken", "edge_sdk/privacy/settings.py",
+             (("    if given * max(1, individuals) >= 1:", "    if given > 1:"),), PRIVACY_ACCOUNTANT),
+    Mutation("dp distributed: the fleet's epsilon at z after dropouts, not z sqrt(s / m)", RUN_PRIVACY_PY,
+             (("self.exposure.get(client_id, 0.0) + count * noise ** -2",
+               "self.exposure.get(client_id, 0.0) + count * self.noise ** -2"),), DISTRIBUTED_DP),
+    Mutation("dp distributed: the devices report their accuracy as measured", UPSTREAM_PY,
+             (("        return self.local or self.distributed\n", "        return self.local\n"),), DISTRIBUTED_DP),
+    Mutation("dp-sgd: a device takes a delta of 1 / its examples or more", "edge_sdk/client.py",
+             (("self.dp_sgd_delta = self._dp_sgd_delta(privacy, data.num_train) if privacy.dp_sgd else 0.0",
+               "self.dp_sgd_delta = privacy.dp_sgd_delta or 1e-5"),),
+             ("tests/unit/test_model_registration.py::test_a_device_refuses_a_dp_sgd_delta_of_one_over_its_examples_"
+              "or_more_by_name",)),
     Mutation("dp-sgd: no per-example clipping", DPSGD_PY,
              (("max_grad_norm=self.max_grad_norm,", "max_grad_norm=1e9,"),),
              ("tests/unit/test_dpsgd.py",)),
     Mutation("dp-sgd: shuffled batches accounted as Poisson ones", DPSGD_PY,
-             (("idx = torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()",
-               "idx = torch.randperm(n, generator=generator)[:batch_size]"),), ("tests/unit/test_dpsgd.py",)),
+             (("idx = torch.nonzero(torch.rand(n, generator=batches) < rate).flatten()",
+               "idx = torch.randperm(n, generator=batches)[:batch_size]"),), ("tests/unit/test_dpsgd.py",)),
+    Mutation("dp-sgd: batches drawn from the run's seed, accounted as secret", DPSGD_PY,
+             (("batches = generator if self.reproducible else self._secret_batches", "batches = generator"),),
+             ("tests/unit/test_dpsgd.py",)),
+    Mutation("dp-sgd: batches from the run's seed accounted with amplification", DPSGD_PY,
+             (("return 1.0 if self.reproducible else rate", "return rate"),), ("tests/unit/test_dpsgd.py",)),
     # secure aggregation (SecAgg+): the masks cancel, the shares revealed, the consistency rule, the threshold
     Mutation("secagg: both ends of a pair add the pairwise mask", SECAGG_CLIENT_PY,
              (("masks.append((seed, self.client_id > peer))", "masks.append((seed, False))"),), SECAGG),

@@ -20,7 +20,10 @@ eligible devices of a round.
   amplification by sampling (the coordinator knows who was selected). A device's guarantee is
   GaussianDpEvent(z / 2) (fixed, replace-one) or GaussianDpEvent(z) (poisson, add-or-remove)
   composed over the rounds it took part in, plus the evaluation releases; a run states the worst
-  device's (the most participations): `local_epsilon`.
+  device's: `local_epsilon` (rounds of one multiplier; a device's rounds of different multipliers
+  compose exactly to one Gaussian of multiplier (sum of z_i^-2)^-1/2, which `RunPrivacy` passes).
+- Adaptive clipping (Andrew et al. 2021): the update's noise and the noised centred count are one
+  Gaussian mechanism of multiplier z (`RunPrivacy.update_noise`): a round is composed at z.
 
 Composition is order-independent, so identical releases are kept as one entry with a count and
 composed with `compose(event, count)`: a 1000-round run keeps a handful of entries. RDP uses the

@@ -83,6 +83,21 @@ class PrivateMean:
         return out
 
 
+def centred_count(within: list[float]) -> float:
+    """The count of devices within C that adaptive clipping noises, each bit b (0 or 1) centred
+    as b - 1/2 (Andrew et al. 2021, Section 3): one device added or removed moves it by 1/2, the
+    sensitivity the split of the noise between the update and the count assumes
+    (`RunPrivacy.update_noise`). Replacing a device's data moves it by at most 1, as it moves the
+    update's sum by 2C: the same split holds under fixed sampling."""
+    return sum(b - 0.5 for b in within)
+
+
+def within_share(within: list[float], noise: float, expected: float) -> float:
+    """The share of devices within C as adaptive clipping estimates it: the centred count plus
+    its noise over the fixed denominator m, de-centred (+ 1/2)."""
+    return (centred_count(within) + noise) / expected + 0.5
+
+
 def noised_mean(values: list[float], std: float, rng: np.random.Generator) -> float | None:
     """The mean of `values` (each in [0, 1] as measured) with N(0, std^2) added to their sum
     (central DP of an evaluation; std 0: the values were noised by their devices). None for none."""

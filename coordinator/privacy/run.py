@@ -8,13 +8,18 @@ releases (every round's global model, the release, the reports) but not who was 
 accountant with amplification by sampling, which needs the sample secret: it is drawn from the
 operating system's entropy. `epsilon_fleet` holds against the other devices, which see each
 TRAIN's list of selected devices: no amplification, the noise composed over the rounds the most
-selected device took part in. Under local DP only the second exists (every upload is seen), and
-it is the run's `epsilon`.
+exposed device took part in, each at the noise it carried. Under local DP only the second exists
+(every upload is seen), and it is the run's `epsilon`.
 
 Under distributed DP (with secure aggregation) each device adds N(0, z^2 C^2 / m) for the round's
 m expected participants before masking, so the sum the coordinator unmasks carries N(0, z^2 C^2)
 when all m are in it. Fewer devices in the sum (dropouts) carry less noise: a round summed over s
-devices is accounted with the multiplier z sqrt(min(s, m) / m), the noise it really holds.
+devices is accounted with the multiplier z sqrt(min(s, m) / m), the noise it really holds, in
+`epsilon` and in `epsilon_fleet` alike. This mode does not trust the coordinator, which selects
+the devices: `epsilon_fleet` is the figure that holds against it. Under private evaluation each
+device adds N(0, eval_noise^2) to the accuracy it reports itself (as under local DP) and the
+coordinator adds nothing: the same Gaussian mechanism as central DP's noised sum, on each device's
+own report, composed into both figures.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
 from ..rounds import select_clients
 from .accountant import PrivacyAccountant, calibrate_noise, local_epsilon
-from .mechanism import PrivateMean, noised_mean
 from .budget import BudgetSpent
+from .mechanism import PrivateMean, noised_mean, within_share
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,10 @@ class RunPrivacy:
         self.releases_evaluations = settings.dp_evaluation == "private"
         self.accountant = PrivacyAccountant(settings.dp_accountant, settings.dp_sampling, self.delta)
         self.participations: Counter[str] = Counter()
+        self.exposure: dict[str, float] = {}
+        """Per device, the sum of z_i^-2 over the rounds it took part in, z_i the noise multiplier
+        round i's release carried: its Gaussian mechanisms compose to one of multiplier
+        exposure^-1/2 (`epsilon_fleet`)."""
         self.noise = settings.dp_noise or self._calibrated(population, rounds, evaluations)
         self.released_accuracy: float | None = None
         """The last evaluation's noised mean accuracy (private evaluation)."""
@@ -78,13 +87,16 @@ class RunPrivacy:
         if self.settings.dp_adaptive_clip and 2 * self.count_noise <= self.noise:
             raise ConfigError(f"dp_clip_count_noise {self.count_noise:g} must exceed half the noise multiplier "
                               f"{self.noise:g}: adaptive clipping's count noise sigma_b and the update's z_delta "
-                              f"make z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1)")
+                              f"make z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1: the "
+                              f"count is centred, of sensitivity 1/2)")
 
     @property
     def update_noise(self) -> float:
         """The update's own noise multiplier: z, or under adaptive clipping z_delta with
         (z_delta^-2 + (2 sigma_b)^-2)^-1/2 = z, so that the update and the noised count together
-        are one Gaussian mechanism of multiplier z, which the accountant composes."""
+        are one Gaussian mechanism of multiplier z, which the accountant composes. It rests on the
+        count's sensitivity: 1/2 when a device is added or removed (the count is centred,
+        `centred_count`), 1 when one is replaced, where the update's is 2C."""
         if not self.settings.dp_adaptive_clip:
             return self.noise
         return (self.noise ** -2 - (2 * self.count_noise) ** -2) ** -0.5
@@ -166,7 +178,7 @@ class RunPrivacy:
 
     def _epsilon_after_round(self, population: int) -> float:
         if self.local:
-            return self._local_epsilon(max(self.participations.values(), default=0) + 1)
+            return self._fleet_epsilon(max(self.exposure.values(), default=0.0) + self.noise ** -2)
         eval_noise = self.settings.dp_eval_noise if self.releases_evaluations else None
         return self.accountant.epsilon_after(population, self._sample(population), self.noise, eval_noise=eval_noise)
 
@@ -218,18 +230,21 @@ class RunPrivacy:
         """Compose the round (whether or not it aggregated: its sample was drawn), count who took
         part (a device that uploaded twice, twice) and, under adaptive clipping, move C by the
         noised share of changes within it."""
+        noise = self._round_noise(population)
         if population:  # no eligible device, no sample: nothing was released
-            self.accountant.add_round(population, self._sample(population), self._round_noise(population))
+            self.accountant.add_round(population, self._sample(population), noise)
         self.summed = None
         taken = Counter(dict.fromkeys(participants, 1))
         for client_id, uploads in self.uploads.items():
             taken[client_id] = max(taken[client_id], len(uploads))
         self.participations.update(taken)
+        for client_id, count in taken.items():
+            self.exposure[client_id] = self.exposure.get(client_id, 0.0) + count * noise ** -2
         self.uploads = {}
         self.round_clip = self.clip
         if self.settings.dp_adaptive_clip and population:
-            noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
-            share = (sum(self.within) + noise) / self.expected(population)
+            count_noise = self._generator(round_, "clip count").normal(0.0, self.count_noise)
+            share = within_share(self.within, count_noise, self.expected(population))
             self.clip *= math.exp(-self.settings.dp_clip_lr * (share - self.settings.dp_clip_quantile))
         self.within = []
 
@@ -241,9 +256,17 @@ class RunPrivacy:
         expected = self.expected(population)
         return self.noise * math.sqrt(min(self.summed, expected) / expected)
 
+    @property
+    def devices_noise_evaluations(self) -> bool:
+        """Each device adds N(0, eval_noise^2) to the accuracy it reports (local and distributed
+        DP, which do not trust the coordinator), so the coordinator adds none."""
+        return self.local or self.distributed
+
     def release_accuracy(self, accuracies: list[float], round_: int) -> float | None:
-        """The devices' accuracies released as one noised mean (private evaluation), composed."""
-        std = 0.0 if self.local else self.settings.dp_eval_noise
+        """The devices' accuracies released as one noised mean (private evaluation), composed:
+        noised here (central DP), or by each device (`devices_noise_evaluations`), the same
+        Gaussian mechanism of multiplier eval_noise on one device's accuracy either way."""
+        std = 0.0 if self.devices_noise_evaluations else self.settings.dp_eval_noise
         self.released_accuracy = noised_mean(accuracies, std, self._generator(round_, "evaluation"))
         if accuracies:
             self.accountant.add_evaluation(self.settings.dp_eval_noise)
@@ -255,10 +278,12 @@ class RunPrivacy:
         return np.random.default_rng([self.seed, round_, sum(purpose.encode())])
 
     # -- figures and state -----------------------------------------------------------------
-    def _local_epsilon(self, participations: int) -> float:
-        evaluations = self.accountant.evaluations
-        return local_epsilon(self.settings.dp_sampling, self.noise, participations, self.delta,
-                             evaluations=evaluations, eval_noise=self.settings.dp_eval_noise)
+    def _fleet_epsilon(self, exposure: float) -> float:
+        """Epsilon without amplification of a device of `exposure` (sum of z_i^-2 over its
+        rounds), with every evaluation release."""
+        participations, noise = (1, exposure ** -0.5) if exposure > 0 else (0, self.noise)
+        return local_epsilon(self.settings.dp_sampling, noise, participations, self.delta,
+                             evaluations=self.accountant.evaluations, eval_noise=self.settings.dp_eval_noise)
 
     def epsilon(self) -> float:
         """The run's guarantee so far (see the module docstring)."""
@@ -267,8 +292,10 @@ class RunPrivacy:
         return self.accountant.epsilon()
 
     def epsilon_fleet(self) -> float:
-        """The guarantee against the devices and the broker's readers: no amplification."""
-        return self._local_epsilon(max(self.participations.values(), default=0))
+        """The guarantee against the devices and the broker's readers: no amplification, the most
+        exposed device's rounds at the noise each carried (under distributed DP, z sqrt(s / m)
+        for a round summed over s of the m expected)."""
+        return self._fleet_epsilon(max(self.exposure.values(), default=0.0))
 
     def record(self) -> dict[str, Any]:
         """What every round's record and the report say of the run's privacy."""
@@ -279,12 +306,15 @@ class RunPrivacy:
                 "evaluation": self.settings.dp_evaluation, "budget": self.settings.dp_epsilon or None}
 
     def report(self) -> dict[str, Any]:
-        """The report's `privacy`: the record, the last released accuracy and what the
-        guarantee leaves out."""
+        """The report's `privacy`: the record, the last released accuracy, what the guarantee
+        leaves out, and where the noise and the selections came from (`randomness`): the operating
+        system's entropy, or the run's seed, which WELCOME and the report carry, so that the
+        guarantee holds only against whoever does not know it."""
         outside = ["evaluation figures"] if self.settings.dp_evaluation == "outside" else []
+        randomness = "the run's seed" if self.settings.dp_reproducible_noise else "operating system entropy"
         return {**self.record(), "released_accuracy": self.released_accuracy,
                 "rounds_accounted": self.accountant.rounds, "evaluations_accounted": self.accountant.evaluations,
-                "outside_the_guarantee": outside}
+                "outside_the_guarantee": outside, "randomness": randomness}
 
     def announcement(self) -> dict[str, Any]:
         """The settings STATUS and WELCOME carry, the noise multiplier resolved."""
@@ -292,15 +322,18 @@ class RunPrivacy:
 
     def to_state(self) -> dict[str, Any]:
         return {"noise": self.noise, "accountant": self.accountant.to_state(), "clip": self.clip,
-                "participations": dict(self.participations)}
+                "participations": dict(self.participations), "exposure": dict(self.exposure)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state: the same noise multiplier (a calibration is not
-        redone), the accountant's composed events and the participations."""
+        redone), the accountant's composed events, the participations and each device's exposure
+        (a checkpoint without it: every round it took part in at the run's z)."""
         self.noise = float(state["noise"])
         self.clip = self.round_clip = float(state["clip"])
         self.accountant = PrivacyAccountant.from_state(state["accountant"])
         self.participations = Counter({str(k): int(v) for k, v in state["participations"].items()})
+        exposure = state.get("exposure", {k: v * self.noise ** -2 for k, v in self.participations.items()})
+        self.exposure = {str(k): float(v) for k, v in exposure.items()}
 
 
 def _finite(value: float) -> float | None:

@@ -2,18 +2,26 @@
 
 Inside `dp_sgd(trainer)`, every `edge_sdk.training.run_epochs` call trains with DP-SGD instead of
 its shuffled batches: each step draws a Poisson batch (every training example independently with
-probability q = batch_size / n, from the loop's seeded generator), takes each example's gradient
-over the optimizer's parameters only (Opacus's per-layer hooks, `GradSampleHooks`; the module's
-other parameters are frozen for the call), clips it to L2 norm C (`dp_sgd_clip`), sums, adds
+probability q = batch_size / n), takes each example's gradient over the optimizer's parameters
+only (Opacus's per-layer hooks, `GradSampleHooks`; the module's other parameters are frozen for
+the call), clips it to L2 norm C (`dp_sgd_clip`), sums, adds
 Gaussian noise of standard deviation z*C (`dp_sgd_noise`, Opacus's `DPOptimizer` in its secure
 mode) and divides by the expected batch size q*n. Every step is recorded in the device's
 `DpSgdAccountant`, whose history of (q, z, steps) survives a restart in the personal store.
+
+Amplification by sampling (the accountant's q) holds only while nobody can tell which records a
+step sampled, so the batches are drawn from a generator seeded from the operating system's
+entropy, of this `DpSgd` alone. Under `dp_reproducible_noise` they come from the training loop's
+generator instead, which the run's seed, the device and the round determine (all three are in
+WELCOME and the report): the run repeats, and each step is accounted without amplification, at
+q = 1 (`Steps.rate`), whatever its batch's rate.
 
 Guaranteed, per device: the sequence of noised parameter updates it computed over the whole run,
 and everything computed from them alone (its uploads, its deployed model, accuracy on its test
 split), is (epsilon, delta)-DP with respect to adding or removing one record of its training split,
 with epsilon from Google's dp-accounting RDP accountant over every step it has taken
-(`PoissonSampledDpEvent(q, GaussianDpEvent(z))` composed `steps` times), at `dp_sgd_delta`.
+(`PoissonSampledDpEvent(q, GaussianDpEvent(z))` composed `steps` times; q = 1 for batches from the
+run's seed), at the device's delta (`PrivacySettings.dp_sgd_delta_for` its training examples).
 FedProx's proximal term is a function of the parameters and the broadcast global model only: its
 gradient is added after the noise (`PenalizedLoss`), which is post-processing.
 
@@ -21,9 +29,9 @@ Not guaranteed: anything a device computes from its records outside the DP-SGD s
 measured training loss `run_epochs` returns (`released_fit_metrics` leaves it out), the number of
 training examples and label counts, BatchNorm statistics (such models are refused), and any
 training done outside the `dp_sgd` block. The guarantee is per device and per record, not per
-user across devices, and is not user-level DP of the uploads (that is `--dp`). The noise comes
-from torch's Mersenne Twister seeded from the operating system (or from the run's seed under
-`dp_reproducible_noise`), not a cryptographic generator. Epsilon is an upper bound from RDP,
+user across devices, and is not user-level DP of the uploads (that is `--dp`). The noise and the
+batches come from torch's Mersenne Twister seeded from the operating system (the noise from the
+run's seed under `dp_reproducible_noise`), not a cryptographic generator. Epsilon is an upper bound from RDP,
 not a tight (PLD) figure.
 """
 
@@ -33,6 +41,7 @@ import contextlib
 import contextvars
 import logging
 import math
+import os
 import secrets
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DP_SGD_EPSILON = "dp_sgd_epsilon"
-"""The metric a device reports: its record-level epsilon so far, at `dp_sgd_delta`."""
+"""The metric a device reports: its record-level epsilon so far, at its DP-SGD delta."""
 ACCOUNTANT_KEY = "dp_sgd_history"
 """The personal-store array of the accountant: rows of (sample rate, noise multiplier, steps)."""
 
@@ -100,7 +109,8 @@ def check_dp_sgd(algorithm_cls: type[DeviceAlgorithm], model: nn.Module, *, own_
 # -- the accountant -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Steps:
-    """`count` DP-SGD steps at sample rate `rate` (q) and noise multiplier `noise` (z)."""
+    """`count` DP-SGD steps at sample rate `rate` (q) and noise multiplier `noise` (z); steps whose
+    batches were drawn from a known seed are recorded at rate 1 (no amplification)."""
 
     rate: float
     noise: float
@@ -190,11 +200,15 @@ class PenalizedLoss:
 
 # -- the training loop -------------------------------------------------------------------------------
 class DpSgd:
-    """A device's DP-SGD: noise multiplier z, per-example clipping norm C, its accountant, and the
-    generator of its noise (from `noise_seed`, or the operating system's entropy when None)."""
+    """A device's DP-SGD: noise multiplier z, per-example clipping norm C, its accountant, the
+    generator of its noise (from `noise_seed`, or the operating system's entropy when None) and
+    where its batches come from: a generator of its own seeded from the operating system's
+    entropy, secret, so that each step is accounted with amplification by sampling; or, with
+    `reproducible`, the generator the training loop passes (the run's seed), each step accounted
+    without amplification (q = 1)."""
 
     def __init__(self, noise_multiplier: float, max_grad_norm: float, accountant: DpSgdAccountant | None = None,
-                 noise_seed: int | None = None) -> None:
+                 noise_seed: int | None = None, *, reproducible: bool = False) -> None:
         if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
         if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
@@ -203,13 +217,17 @@ class DpSgd:
         self.max_grad_norm = max_grad_norm
         self.accountant = accountant if accountant is not None else DpSgdAccountant()
         self.noise_seed = secrets.randbits(63) if noise_seed is None else noise_seed
+        self.reproducible = reproducible
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._secret_batches = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     @classmethod
     def from_settings(cls, privacy: PrivacySettings, accountant: DpSgdAccountant | None = None,
                       noise_seed: int | None = None) -> DpSgd:
-        """The `[privacy]` section's DP-SGD (`dp_sgd_noise`, `dp_sgd_clip`)."""
-        return cls(privacy.dp_sgd_noise, privacy.dp_sgd_clip, accountant, noise_seed)
+        """The `[privacy]` section's DP-SGD (`dp_sgd_noise`, `dp_sgd_clip`; batches from the run's
+        seed under `dp_reproducible_noise`)."""
+        return cls(privacy.dp_sgd_noise, privacy.dp_sgd_clip, accountant, noise_seed,
+                   reproducible=privacy.dp_reproducible_noise)
 
     def noise_generator(self, device: torch.device) -> torch.Generator:
         """One generator per torch device, kept for the device's whole run (one stream of noise)."""
@@ -217,11 +235,17 @@ class DpSgd:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.noise_seed)
         return self._generators[device]
 
+    def accounted_rate(self, rate: float) -> float:
+        """The sample rate a step of batch rate `rate` is accounted at: `rate` with secret batches,
+        1 with batches from the run's seed (no amplification)."""
+        return 1.0 if self.reproducible else rate
+
     def run_epochs(self, loss_fn: LossFn, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
                    epochs: int, batch_size: int, generator: torch.Generator, module: nn.Module | None,
                    max_norm: float = 0.0) -> float:
         """`epochs` x ceil(n / batch_size) DP-SGD steps on the optimizer's parameters of `module`
-        (the network `loss_fn` runs; its other parameters are frozen meanwhile). After the noise,
+        (the network `loss_fn` runs; its other parameters are frozen meanwhile); `generator` draws
+        the batches only when `reproducible`. After the noise,
         the gradient of a `PenalizedLoss`'s penalty is added and, with `max_norm` > 0, the step is
         scaled to that norm (both post-processing). Returns the mean measured loss over the last
         epoch's sampled examples (NaN for none): a figure of the records, not to be released."""
@@ -267,12 +291,13 @@ class DpSgd:
         private = DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                               expected_batch_size=rate * n, loss_reduction="mean",
                               generator=self.noise_generator(trained[0].device), secure_mode=True)
+        batches = generator if self.reproducible else self._secret_batches
         mean_loss = float("nan")
         try:
             for _ in range(epochs):
                 total, count = torch.zeros((), device=x.device), 0
                 for _ in range(per_epoch):
-                    idx = torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()
+                    idx = torch.nonzero(torch.rand(n, generator=batches) < rate).flatten()
                     private.zero_grad(set_to_none=True)
                     if len(idx) > 0:
                         loss = per_example(x[idx], y[idx])
@@ -283,7 +308,7 @@ class DpSgd:
                         count += len(idx)
                     _fill_missing_grad_samples(trained, len(idx))
                     private.pre_step()  # clip each example, sum, add noise, divide by q*n: p.grad
-                    self.accountant.record(rate, self.noise_multiplier)
+                    self.accountant.record(self.accounted_rate(rate), self.noise_multiplier)
                     if penalty is not None:
                         _add_penalty_gradient(penalty, trained)
                     if max_norm > 0:

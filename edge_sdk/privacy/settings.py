@@ -9,12 +9,19 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import ConfigError
 from ..settings import DEFINES_IF_SET, RUN_COMMANDS, check, setting
 
 DP_MODES = ("off", "central", "local", "distributed")
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("fixed", "poisson")
 EVALUATIONS = ("private", "outside")
+DELTA_CAP = 1e-5
+"""The largest default delta, whatever the number of individuals."""
+DELTA_SHARE = 0.01
+"""The default delta is at most this over the number N of individuals it protects: delta * N, an
+upper bound on the expected number of individuals a mechanism may expose outright, stays below
+1 %."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +44,9 @@ class PrivacySettings:
                                 help="the run's privacy budget epsilon at --dp-delta: z is calibrated to spend it "
                                      "over the planned rounds (without --dp-noise), and a run whose next round "
                                      "would exceed it stops (a resume may give a larger one); 0: no budget")
-    dp_delta: float = setting(0.0, defines=DEFINES_IF_SET, shown_default="devices^-1.1",
-                              help="delta of the (epsilon, delta) guarantee; below 1 over the number of devices")
+    dp_delta: float = setting(0.0, defines=DEFINES_IF_SET, shown_default="min(1e-5, 0.01 / devices)",
+                              help="delta of the (epsilon, delta) guarantee; must be below 1 over the number of "
+                                   "devices (a run is refused otherwise), and should be far below it")
     dp_accountant: str = setting("rdp", defines=DEFINES_IF_SET,
                                  help="rdp | pld: Google's dp-accounting accountant (pld needs --dp-sampling poisson)")
     dp_sampling: str = setting("fixed", defines=DEFINES_IF_SET,
@@ -80,9 +88,10 @@ class PrivacySettings:
                                        "on the sum of the clipped per-example gradients), --dp-sgd")
     dp_sgd_clip: float = setting(1.0, defines=DEFINES_IF_SET,
                                  help="the L2 bound of one example's gradient in one DP-SGD step, --dp-sgd")
-    dp_sgd_delta: float = setting(1e-5, defines=DEFINES_IF_SET,
-                                  help="delta of each device's record-level (epsilon, delta), --dp-sgd: below 1 "
-                                       "over the device's number of training examples")
+    dp_sgd_delta: float = setting(0.0, defines=DEFINES_IF_SET, shown_default="min(1e-5, 0.01 / examples)",
+                                  help="delta of each device's record-level (epsilon, delta), --dp-sgd: must be "
+                                       "below 1 over the device's number of training examples (a device with "
+                                       "fewer refuses to join), and should be far below it")
 
     def __post_init__(self) -> None:
         check(self.dp in DP_MODES, "dp", "off, central, local or distributed", self.dp)
@@ -91,7 +100,7 @@ class PrivacySettings:
               self.dp_noise)
         check(math.isfinite(self.dp_epsilon) and self.dp_epsilon >= 0, "dp_epsilon", "zero (none) or positive",
               self.dp_epsilon)
-        check(0 <= self.dp_delta < 1, "dp_delta", "in [0, 1) (0: devices^-1.1)", self.dp_delta)
+        check(0 <= self.dp_delta < 1, "dp_delta", "in [0, 1) (0: min(1e-5, 0.01 / devices))", self.dp_delta)
         check(self.dp_accountant in ACCOUNTANTS, "dp_accountant", "rdp or pld", self.dp_accountant)
         check(self.dp_sampling in SAMPLINGS, "dp_sampling", "fixed or poisson", self.dp_sampling)
         check(self.dp_evaluation in EVALUATIONS, "dp_evaluation", "private or outside", self.dp_evaluation)
@@ -108,7 +117,8 @@ class PrivacySettings:
               "noise multiplier", self.dp_sgd_noise)
         check(math.isfinite(self.dp_sgd_clip) and self.dp_sgd_clip > 0, "dp_sgd_clip", "a positive finite norm",
               self.dp_sgd_clip)
-        check(0 < self.dp_sgd_delta < 1, "dp_sgd_delta", "in (0, 1)", self.dp_sgd_delta)
+        check(0 <= self.dp_sgd_delta < 1, "dp_sgd_delta", "in [0, 1) (0: min(1e-5, 0.01 / examples))",
+              self.dp_sgd_delta)
         check(not (self.dp_accountant == "pld" and self.dp_sampling == "fixed"), "dp_accountant",
               "rdp with dp_sampling fixed (dp-accounting's PLD accountant has no sampling without replacement; "
               "use dp_sampling poisson)", self.dp_accountant)
@@ -119,5 +129,30 @@ class PrivacySettings:
         return self.dp != "off"
 
     def delta_for(self, devices: int) -> float:
-        """The run's delta: the given one, or devices^-1.1 (below 1 over the number of devices)."""
-        return self.dp_delta if self.dp_delta > 0 else float(devices) ** -1.1
+        """The run's delta over `devices` devices: the given one, or `default_delta(devices)`;
+        ConfigError naming dp_delta when the given one is not below 1 / devices."""
+        return _delta(self.dp_delta, devices, "dp_delta", "devices")
+
+    def dp_sgd_delta_for(self, examples: int) -> float:
+        """A device's DP-SGD delta over its `examples` training examples: the given one, or
+        `default_delta(examples)`; ConfigError naming dp_sgd_delta when the given one is not below
+        1 / examples."""
+        return _delta(self.dp_sgd_delta, examples, "dp_sgd_delta", "training examples")
+
+
+def default_delta(individuals: int) -> float:
+    """The default delta of a guarantee over `individuals` (devices, or a device's records):
+    min(DELTA_CAP, DELTA_SHARE / individuals)."""
+    return min(DELTA_CAP, DELTA_SHARE / max(1, individuals))
+
+
+def _delta(given: float, individuals: int, key: str, what: str) -> float:
+    """`given` (0: the default) checked against the 1 / `individuals` a delta must stay below: at
+    delta >= 1 / N, a mechanism that publishes one individual's data outright is (0, delta)-DP."""
+    if given == 0:
+        return default_delta(individuals)
+    if given * max(1, individuals) >= 1:
+        raise ConfigError(f"{key} (--{key.replace('_', '-')}) {given:g} must be below 1 over the {individuals} "
+                          f"{what} (1/N = {1 / max(1, individuals):.3g}), and should be far below it: leave it "
+                          f"unset for min({DELTA_CAP:g}, {DELTA_SHARE:g} / N) = {default_delta(individuals):.3g}")
+    return given

@@ -76,6 +76,12 @@ class UploadPrivacy:
         """The device adds a share of the noise, hidden by secure aggregation (distributed DP)."""
         return self.mode == "distributed"
 
+    @property
+    def noises_evaluations(self) -> bool:
+        """The device noises the accuracy it reports itself: local and distributed DP, which do not
+        trust the coordinator (an evaluation is not securely aggregated, so a share would not do)."""
+        return self.local or self.distributed
+
     def noise_std(self, clip: float, config: dict[str, Any]) -> float:
         """The standard deviation of the noise this device adds to each coordinate of a round's
         upload clipped to `clip`, whose TRAIN carries `config`: z*C (local), z*C/sqrt(m) (distributed,
@@ -157,11 +163,12 @@ def privatize(groups: dict[str, ArrayGroup], received: dict[str, ArrayGroup], pr
 def private_metrics(metrics: dict[str, float], privacy: UploadPrivacy, rng: np.random.Generator) -> dict[str, float]:
     """The evaluation figures a device reports under DP. `outside`: as measured (they are outside
     the guarantee, and the run says so). `private`: the accuracy alone, which the coordinator
-    releases as a noised mean (central), or (local DP) plus N(0, eval_noise^2) of the device's own."""
+    releases as a noised mean (central), or (local and distributed DP) plus N(0, eval_noise^2) of
+    the device's own."""
     if privacy.evaluation == "outside":
         return metrics
     accuracy = float(metrics["accuracy"])
-    if privacy.local:
+    if privacy.noises_evaluations:
         accuracy += float(rng.normal(0.0, privacy.eval_noise))
     return {"accuracy": accuracy}
 

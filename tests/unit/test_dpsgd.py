@@ -161,6 +161,49 @@ def test_an_epochs_batches_vary_in_size_as_poisson_samples_do():
     assert 30 < sum(totals) / len(totals) < 50
 
 
+def sampled_counts(trainer: DpSgd, *, seed: int, n: int = 40, batch: int = 10, epochs: int = 5) -> torch.Tensor:
+    """How often each of `n` examples was sampled over `epochs` of DP-SGD without noise (example i's
+    gradient is e_i), the training loop's generator seeded with `seed`."""
+    model = nn.Linear(n, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    change = sgd_step(model, lambda xb, yb: model(xb).mean(), torch.eye(n), torch.zeros(n, dtype=torch.long),
+                      trainer, batch_size=batch, epochs=epochs, seed=seed)
+    return (-change * batch).round()
+
+
+def seeded_counts(*, seed: int, n: int = 40, batch: int = 10, epochs: int = 5) -> torch.Tensor:
+    """The counts the Poisson masks of the training loop's seeded generator give."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = epochs * math.ceil(n / batch)
+    return sum((torch.rand(n, generator=generator) < batch / n).float() for _ in range(steps))
+
+
+def test_batches_are_secret_by_default_and_from_the_runs_seed_only_when_reproducible():
+    # Execute: the same loop seed twice, secret batches and reproducible ones
+    secret = [sampled_counts(DpSgd(0.0, 10.0), seed=5) for _ in range(2)]
+    seeded = [sampled_counts(DpSgd(0.0, 10.0, reproducible=True), seed=5) for _ in range(2)]
+
+    # Assert: secret batches are neither what the seed gives nor the same twice; reproducible ones are both
+    predicted = seeded_counts(seed=5)
+    assert not torch.equal(secret[0], predicted) and not torch.equal(secret[0], secret[1])
+    assert torch.equal(seeded[0], predicted) and torch.equal(seeded[1], predicted)
+
+
+def test_batches_from_the_runs_seed_are_accounted_without_amplification():
+    # Prepare: q = 0.25, z = 1.1, 20 steps, batches from the run's seed
+    secret, seeded = DpSgd(1.1, 10.0), DpSgd(1.1, 10.0, reproducible=True)
+
+    # Execute
+    for trainer in (secret, seeded):
+        sampled_counts(trainer, seed=0)
+
+    # Assert: q = 1 for the known batches (the Gaussian mechanism 20 times), q = 0.25 for the secret ones
+    assert seeded.accountant.epsilon(DELTA) == pytest.approx(direct_epsilon((1.0, 1.1, 20)), rel=1e-12)
+    assert secret.accountant.epsilon(DELTA) == pytest.approx(direct_epsilon((0.25, 1.1, 20)), rel=1e-12)
+    assert seeded.accountant.epsilon(DELTA) > 2 * secret.accountant.epsilon(DELTA)
+
+
 # -- the accountant --------------------------------------------------------------------------------------
 def test_the_devices_epsilon_is_dp_accountings_for_the_same_rate_noise_and_steps():
     # Prepare: n = 50, batch 10: q = 0.2 and 5 steps per epoch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -21,6 +22,11 @@ from loopback_runs import drain, listener
 PRIVATE_ALGORITHMS = ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "repper", "dualfed",
                       "cd2_pfed", "fedios")
 CLIP = 0.05
+
+
+def run_delta(devices: int) -> float:
+    """The documented default delta of a run of `devices` devices."""
+    return min(1e-5, 0.01 / devices)
 
 
 def private_config(federation, **changes):
@@ -64,7 +70,7 @@ def test_the_epsilon_a_run_reports_is_dp_accounting_s_for_its_rounds_and_evaluat
     report = coordinator.run()
 
     # Assert: the same figure as composing the run's events directly, every round in metrics.jsonl
-    delta = 4 ** -1.1
+    delta = run_delta(4)
     expected = PrivacyAccountant("rdp", "fixed", delta)
     per_round = []
     for _ in range(3):
@@ -100,7 +106,7 @@ def test_settings_that_would_leave_a_message_uncovered_are_refused_by_name(feder
 
 def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_accountant(federation):
     # Prepare: z fixed, a budget that allows two of the three rounds (evaluations outside the guarantee)
-    probe = PrivacyAccountant("rdp", "fixed", 3 ** -1.1)
+    probe = PrivacyAccountant("rdp", "fixed", run_delta(3))
     probe.add_round(3, 3, 1.0)
     probe.add_round(3, 3, 1.0)
     budget = (probe.epsilon() + probe.epsilon_after(3, 3, 1.0)) / 2
@@ -117,6 +123,7 @@ def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_account
     assert "privacy budget spent" in report["stopped"]
     assert report["privacy"]["epsilon"] == pytest.approx(probe.epsilon(), rel=1e-9)
     assert report["privacy"]["outside_the_guarantee"] == ["evaluation figures"]
+    assert report["privacy"]["randomness"] == "the run's seed"  # dp_reproducible_noise
     resumed = federation.coordinator(config.replace(dp_epsilon=budget * 10))
     assert resumed.privacy is not None and resumed.privacy.epsilon() == pytest.approx(probe.epsilon(), rel=1e-9)
     with pytest.raises(BudgetSpent):
@@ -270,7 +277,7 @@ def test_poisson_sampling_selects_each_device_on_its_own_and_pld_accounts_it(fed
     report = coordinator.run()
 
     # Assert: each round as large as its draw, accounted as three Poisson-sampled Gaussians
-    expected = PrivacyAccountant("pld", "poisson", 4 ** -1.1)
+    expected = PrivacyAccountant("pld", "poisson", run_delta(4))
     for _ in range(3):
         expected.add_round(4, 0.5, 1.0)
     assert report["privacy"]["epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
@@ -292,7 +299,7 @@ def test_a_device_that_uploads_twice_in_a_round_is_accounted_twice():
     privacy.round_ended(4, ["dev000", "dev001"], 1)
 
     assert dict(privacy.participations) == {"dev000": 1, "dev001": 2}
-    assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, 4 ** -1.1))
+    assert privacy.epsilon() == pytest.approx(local_epsilon("fixed", 2.0, 2, run_delta(4)))
 
 
 def weak_device_run(federation, **changes):
@@ -321,7 +328,7 @@ def test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why(f
 
 def test_a_release_evaluation_beyond_the_budget_releases_no_figures_and_the_weak_device_still_deploys(federation):
     # Prepare: a budget that takes the round and its evaluation, not the release's evaluation
-    probe = PrivacyAccountant("rdp", "fixed", 4 ** -1.1)
+    probe = PrivacyAccountant("rdp", "fixed", run_delta(4))
     probe.add_round(3, 3, 1.0)
     probe.add_evaluation(10.0)
     played = probe.epsilon()
@@ -337,3 +344,41 @@ def test_a_release_evaluation_beyond_the_budget_releases_no_figures_and_the_weak
     lines = [json.loads(line) for line in federation.folder.metrics.read_text().splitlines()]
     assert [line["evaluation"] for line in lines if line["event"] == "evaluation_withheld"] == [
         "the release's evaluation"]
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "fixed"])
+def test_adaptive_clipping_is_accounted_as_the_update_and_the_count_at_their_true_sensitivities(sampling):
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    from coordinator.privacy.mechanism import centred_count
+    from coordinator.privacy.run import RunPrivacy
+    from edge_sdk.privacy import PrivacySettings
+    from edge_sdk.privacy.rdp import rdp_orders
+
+    # Prepare: m = 40 of N = 400 a round (q = 0.1), z = 1, the default count noise m / 20, 100 rounds
+    settings = PrivacySettings(dp="central", dp_clip=1.0, dp_noise=1.0, dp_adaptive_clip=True, dp_sampling=sampling)
+    privacy = RunPrivacy(settings, devices=400, population=400, fraction=0.1, rounds=100, evaluations=0, seed=0)
+
+    # Execute
+    for round_ in range(1, 101):
+        privacy.round_ended(400, [], round_)
+
+    # Assert: the count's sensitivity measured on the statistic the coordinator noises: 1/2 when a
+    # device is added or removed, 1 when one is replaced (a bit flips)
+    bits = [1.0, 0.0, 1.0, 1.0, 0.0]
+    added = {abs(centred_count([*bits, b]) - centred_count(bits)) for b in (0.0, 1.0)}
+    replaced = {abs(centred_count([1 - bits[0], *bits[1:]]) - centred_count(bits))}
+    count_sensitivity = max(added) if sampling == "poisson" else max(replaced)
+    update_sensitivity = 1.0 if sampling == "poisson" else 2.0  # x C
+    # two Gaussian mechanisms composed: the sum (noise z_delta C) and the count (noise sigma_b),
+    # one Gaussian of noise 1 / mu on a sensitivity-1 query, sampled as the round is
+    mu = math.hypot(update_sensitivity / privacy.update_noise, count_sensitivity / privacy.count_noise)
+    joint = dp_accounting.GaussianDpEvent(1 / mu)
+    event = (dp_accounting.PoissonSampledDpEvent(0.1, joint) if sampling == "poisson"
+             else dp_accounting.SampledWithoutReplacementDpEvent(400, 40, joint))
+    relation = (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson"
+                else dp_accounting.NeighboringRelation.REPLACE_ONE)
+    expected = RdpAccountant(list(rdp_orders()), relation).compose(event, 100).get_epsilon(privacy.delta)
+    assert privacy.count_noise == 2.0
+    assert privacy.epsilon() == pytest.approx(expected, rel=1e-6)

@@ -37,14 +37,15 @@ def wider_mlp(task):
 
 
 class Run:
-    """A 1-device FedAvg run on wine with `user_models:tiny_mlp` over the loopback broker."""
+    """A 1-device FedAvg run on wine with `user_models:tiny_mlp` over the loopback broker, `changes` to its
+    settings applied."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, **changes):
         self.tmp_path = tmp_path
         self.broker = LoopbackBroker()
         self.config = RunConfig.of(algorithm="fedavg", dataset="wine", model="user_models:tiny_mlp", clients=1,
                                    rounds=1, local_epochs=1, federation=FED, out=str(tmp_path / "run"),
-                                   registration_timeout=WAIT, device="cpu")
+                                   registration_timeout=WAIT, device="cpu", **changes)
         transport = self.broker.transport("coordinator")
         transport.connect()
         self.coordinator = Coordinator(self.config, Channel(transport, Topics(FED)))
@@ -126,3 +127,18 @@ def test_a_device_whose_data_makes_another_model_refuses_to_join(tmp_path) -> No
     assert errors and "differs from the coordinator's" in str(errors[0]), errors
     assert "'body.1.weight'" in str(errors[0])
     assert not client.joined
+
+
+def test_a_device_refuses_a_dp_sgd_delta_of_one_over_its_examples_or_more_by_name(tmp_path) -> None:
+    # Prepare: DP-SGD at delta 0.05, which a device of 20 examples or more cannot take
+    run = Run(tmp_path, dp_sgd=True, dp_sgd_delta=0.05)
+    data = wine_client(0)
+    _, device, errors = run.device(data, model=user_models.tiny_mlp)
+
+    # Execute
+    run.coordinate_in_background()
+    device.join(WAIT)
+
+    # Assert
+    assert data.num_train >= 20
+    assert errors and "dp_sgd_delta (--dp-sgd-delta) 0.05 must be below 1 over the" in str(errors[0]), errors

@@ -345,3 +345,38 @@ def test_a_round_looked_ahead_and_then_added_gives_the_same_epsilon_as_one_added
     assert ahead == after_prediction == pytest.approx(direct_at_that_point, rel=1e-12)
     assert checked.epsilon() == pytest.approx(direct.epsilon(), rel=1e-12)
     assert checked.to_state() == direct.to_state()
+
+
+# -- delta: far below 1 / N by default, refused by name at 1 / N or more -----------------------
+
+@pytest.mark.parametrize("individuals", [1, 10, 100, 1000, 10_000, 1_000_000])
+def test_the_default_delta_is_at_most_1e_5_and_a_hundredth_of_one_over_n(individuals):
+    from edge_sdk.privacy import PrivacySettings
+
+    settings = PrivacySettings(dp="central", dp_noise=1.0, dp_sgd=True)
+
+    for delta in (settings.delta_for(individuals), settings.dp_sgd_delta_for(individuals)):
+        assert delta <= 1e-5 and delta * individuals <= 0.01
+        assert delta == min(1e-5, 0.01 / individuals)  # as PRIVACY.md states it
+
+
+def test_a_run_delta_of_one_over_the_devices_or_more_is_refused_at_start_by_name():
+    from coordinator.config import RunConfig
+    from edge_sdk.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dp_delta \(--dp-delta\) 0.1 must be below 1 over the 10 devices"):
+        RunConfig.of(clients=10, dp="central", dp_noise=1.0, dp_delta=0.1)
+    assert RunConfig.of(clients=10, dp="central", dp_noise=1.0, dp_delta=0.099).privacy.delta_for(10) == 0.099
+    assert RunConfig.of(clients=10, dp_delta=0.5).privacy.dp_delta == 0.5  # no --dp: no guarantee to refuse
+
+
+def test_a_dp_sgd_delta_of_one_over_the_devices_examples_or_more_is_refused_by_name():
+    from edge_sdk.config import ConfigError
+    from edge_sdk.privacy import PrivacySettings
+
+    settings = PrivacySettings(dp_sgd=True, dp_sgd_delta=1e-3)
+
+    with pytest.raises(ConfigError, match=r"dp_sgd_delta \(--dp-sgd-delta\) 0.001 must be below 1 over the 1000 "
+                                          "training examples"):
+        settings.dp_sgd_delta_for(1000)
+    assert settings.dp_sgd_delta_for(999) == 1e-3
