@@ -146,7 +146,7 @@ def resume_for_the_final_evaluation(federation, config) -> dict:
 
 def test_a_resumed_run_s_final_evaluation_is_budget_checked_and_accounted(federation):
     # Prepare: one round and its evaluation played; a budget that takes one more evaluation, and one that does not
-    probe = PrivacyAccountant("rdp", "fixed", 3 ** -1.1)
+    probe = PrivacyAccountant("rdp", "fixed", run_delta(3))
     probe.add_round(3, 3, 1.0)
     probe.add_evaluation(10.0)
     played = probe.epsilon()
