@@ -57,7 +57,8 @@ def broken_broadcast(coordinator) -> str:
 
 def test_a_round_every_device_refused_stops_the_run_with_the_reason(federation):
     # Prepare
-    coordinator = federation.coordinator(federation.config(algorithm="repper", rounds=2, round_timeout=240.0))
+    # (the refusals come within a second; a round without them would wait its 30 s and play on)
+    coordinator = federation.coordinator(federation.config(algorithm="repper", rounds=1, round_timeout=30.0))
     name = broken_broadcast(coordinator)
     replies = listener(federation.broker, "reply-spy", federation.topics.prefix + "/up/+/train_res", federation.topics)
     for i in range(3):
