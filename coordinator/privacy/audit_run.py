@@ -28,7 +28,7 @@ to find a violation.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -143,8 +143,9 @@ def run_audit(plan: AuditPlan, reference: ArrayGroup, updates: UpdateSource, *,
 
     `_noise_scale` is for the tests and the benchmark alone: it scales the noise the mechanism
     adds (0: none) while the accountant keeps claiming the calibrated z, to show the audit finds
-    a broken mechanism."""
-    settings = plan.privacy
+    a broken mechanism. The noise is always drawn from the plan's seed, and the evaluation is not
+    audited (no evaluation release is accounted)."""
+    settings = replace(plan.privacy, dp_reproducible_noise=True, dp_evaluation="outside")
     population = plan.clients
     run = RunPrivacy(settings, devices=population, population=population, fraction=plan.fraction,
                      rounds=plan.rounds, evaluations=0, seed=plan.seed)
