@@ -51,15 +51,18 @@ class TrainedUpdates:
     def __init__(self, model: str, dataset: str, devices: int, seed: int, *, lr: float = 0.05, batch_size: int = 32):
         import torch
 
-        from edge_sdk.data import load_client_data
+        from edge_sdk.data import partition_client_data
+        from edge_sdk.data.datasets import load_dataset
         from edge_sdk.data.resolve import resolve_task
         from edge_sdk.models import build_model
 
         self.task = resolve_task(dataset)
         self.module = build_model(model, self.task, seed=seed)
-        self.dataset, self.devices, self.seed, self.lr, self.batch_size = dataset, devices, seed, lr, batch_size
+        self.dataset, self.devices, self.seed, self.batch_size = dataset, devices, seed, batch_size
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._load = load_client_data
+        self._pool = load_dataset(dataset)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)  # no momentum: no state across devices
+        self._partition = partition_client_data
 
     def initial(self) -> ArrayGroup:
         """The model's initial arrays (every state entry), the run's first reference."""
@@ -69,7 +72,7 @@ class TrainedUpdates:
         import torch
 
         if index not in self._data:
-            data = self._load(self.dataset, num_clients=self.devices, index=index, seed=self.seed, task=self.task)
+            data = self._partition(self._pool, num_clients=self.devices, index=index, seed=self.seed)
             self._data[index] = (torch.as_tensor(data.train_x), torch.as_tensor(data.train_y, dtype=torch.long))
         return self._data[index]
 
@@ -81,11 +84,10 @@ class TrainedUpdates:
 
         load_arrays(self.module, dict(reference))
         x, y = self._examples(index)
-        optimizer = torch.optim.SGD(self.module.parameters(), lr=self.lr)
         seed = int(np.random.SeedSequence([self.seed, round_, index]).generate_state(1)[0])
         generator = torch.Generator().manual_seed(seed)
         self.module.train()
-        run_epochs(lambda xb, yb: functional.cross_entropy(self.module(xb), yb), optimizer, x, y, epochs=1,
+        run_epochs(lambda xb, yb: functional.cross_entropy(self.module(xb), yb), self.optimizer, x, y, epochs=1,
                    batch_size=self.batch_size, generator=generator, module=self.module)
         keys = floating_keys(reference)
         trained = state_arrays(self.module, keys)

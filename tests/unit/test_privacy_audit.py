@@ -17,7 +17,7 @@ from scipy import stats
 
 from coordinator.privacy.audit import epsilon_lower_bound, p_value, score_guesses
 from coordinator.privacy.audit_run import AuditPlan, run_audit
-from coordinator.privacy.audit_updates import RandomUpdates
+from coordinator.privacy.audit_updates import RandomUpdates, TrainedUpdates
 from edge_sdk.privacy import PrivacySettings
 
 DELTA = 1e-5
@@ -112,3 +112,28 @@ def test_a_plan_outside_the_audit_is_refused_by_name():
         AuditPlan(settings, clients=10, rounds=1, fraction=1.0, canaries=10, guess_in=8, guess_out=8)
     with pytest.raises(ValueError, match="dp must be central, local or distributed"):
         AuditPlan(PrivacySettings(), clients=10, rounds=1, fraction=1.0, canaries=10, guess_in=1, guess_out=1)
+
+
+def test_trained_updates_are_real_local_training_that_repeats():
+    updates = TrainedUpdates("user_models:tiny_mlp", "digits", devices=20, seed=0)
+    reference = updates.initial()
+
+    first, again = updates.change(3, reference, 1), updates.change(3, reference, 1)
+    other_device = updates.change(4, reference, 1)
+
+    assert set(first) == set(reference) and all(np.isfinite(v).all() for v in first.values())
+    assert all(np.array_equal(first[key], again[key]) for key in first)
+    assert 0 < sum(float(np.vdot(v, v)) for v in first.values())
+    assert any(not np.array_equal(first[key], other_device[key]) for key in first)
+
+
+def test_an_audit_among_trained_devices_catches_a_mechanism_without_noise():
+    updates = TrainedUpdates("user_models:tiny_mlp", "digits", devices=40, seed=0)
+    settings = PrivacySettings(dp="central", dp_epsilon=1.0, dp_clip=1.0, dp_delta=DELTA)
+    plan = AuditPlan(settings, clients=100, rounds=1, fraction=1.0, canaries=60, guess_in=15, guess_out=15)
+
+    broken = run_audit(plan, updates.initial(), updates, _noise_scale=0.0)
+    honest = run_audit(plan, updates.initial(), updates)
+
+    assert broken.violated and broken.correct == broken.guesses
+    assert not honest.violated
