@@ -7,14 +7,17 @@ which the audit must report as a violation wherever its guesses have the power t
 Each row is one audited run (`coordinator.privacy.audit_run.run_audit`) through the project's own
 mechanisms: z calibrated by `RunPrivacy` to the epsilon over the planned rounds, the devices'
 `privatize`, the coordinator's `PrivateMean`, the distributed noise shares summed in the clear (what
-secure aggregation reveals). Protocol: the digits task's `mlp` (26,122 parameters), 1,000 devices of
-which 500 are canaries, fraction 0.5 (fixed-size sampling), 5 rounds, C = 0.1, delta 1e-5, the
-non-canary devices' changes Gaussian of norm 2C (`--updates trained`: trained for real on digits),
-guesses "in" for the 125 highest scores and "out" for the 125 lowest, seed 0. A row's ceiling is the
-largest bound its 250 guesses could give (all correct): below the claimed epsilon the audit cannot
-show a violation at all (epsilon 8 needs about 9,000 correct guesses).
+secure aggregation reveals). Protocol: the digits task's `mlp` (26,122 parameters), 1,200 devices of
+which 1,000 are canaries, every device in every round (fraction 1), 2 rounds, C = 0.1, delta 1e-5,
+the other devices' changes Gaussian of norm 2C (`--updates trained`: trained for real on digits),
+guesses "in" for the 250 highest scores and "out" for the 250 lowest, seed 0. Full participation
+gives the audit its power: under sampling the auditor does not know which rounds a canary took part
+in, and a tenth of the noise at epsilon 1 then goes unseen (`--fraction 0.5 --rounds 5`: bound 0.76
+to 0.80). A row's ceiling is the largest bound its 500 guesses could give (all correct): below the
+claimed epsilon the audit cannot show a violation at all (epsilon 8 needs about 9,000 correct
+guesses).
 
-    python -m benchmarks.audit                   # 21 audits: about 5 min on 2 shared cores
+    python -m benchmarks.audit                   # 21 audits: about 7 min on 2 shared cores
     python -m benchmarks.audit --quick --out /tmp/audit   # 100 devices, 2 rounds, epsilon 1: seconds
 
 Writes audit.{json,md} (or `--name`) to --out.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,8 +44,10 @@ BROKEN = ((0.1, "noise / 10"), (0.0, "no noise"))
 """The broken mechanisms: the scale of the noise they add, and the row's name for it."""
 BROKEN_EPSILONS = (1.0, 4.0)
 CLIP, DELTA = 0.1, 1e-5
-PROTOCOL = {"dataset": "digits", "model": "mlp", "clients": 1000, "rounds": 5, "fraction": 0.5}
+PROTOCOL = {"dataset": "digits", "model": "mlp", "clients": 1200, "rounds": 2, "fraction": 1.0}
 QUICK = {"clients": 100, "rounds": 2, "fraction": 1.0}
+CANARIES = 1000
+"""The protocol's canaries (--quick: every device)."""
 
 
 def audit_row(mode: str, epsilon: float, scale: float, args: argparse.Namespace, canaries: int,
@@ -52,7 +58,10 @@ def audit_row(mode: str, epsilon: float, scale: float, args: argparse.Namespace,
                      guess_in=canaries // 4, guess_out=canaries // 4, seed=args.seed)
     started = time.perf_counter()
     result = run_audit(plan, reference, updates, _noise_scale=scale)
-    return {**result.to_json(), "seconds": round(time.perf_counter() - started, 2)}
+    seconds = time.perf_counter() - started
+    print(f"{mode} epsilon {epsilon:g} noise x{scale:g}: bound {result.lower_bound:.3f}, {seconds:.0f} s",
+          file=sys.stderr, flush=True)  # progress
+    return {**result.to_json(), "seconds": round(seconds, 2)}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -72,14 +81,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "100 devices, all canaries, 2 rounds at fraction 1, epsilon 1", name="audit")
     add_run_flags(parser, (*PROTOCOL, "seed"), {key: None for key in PROTOCOL}, broker=False)
-    parser.add_argument("--canaries", type=int, help="canary devices (default: half the devices)")
+    parser.add_argument("--canaries", type=int, help=f"canary devices (default: {CANARIES}; --quick: every device)")
     parser.add_argument("--updates", choices=("random", "trained"), default="random",
                         help="the other devices' changes (default: random)")
     args = parser.parse_args()
     for key, value in {**PROTOCOL, **(QUICK if args.quick else {})}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    canaries = args.canaries or (args.clients if args.quick else args.clients // 2)
+    canaries = args.canaries or (args.clients if args.quick else min(CANARIES, args.clients))
     trained = TrainedUpdates(args.model, args.dataset, args.clients - canaries, args.seed)
     updates = trained if args.updates == "trained" else RandomUpdates(2 * CLIP, args.seed)
     reference = trained.initial()
