@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.privacy.audit_run import AUDITED_MODES, AuditPlan, run_audit
-from coordinator.privacy.audit_updates import RandomUpdates, TrainedUpdates
+from coordinator.privacy.audit_updates import RandomUpdates, TrainedUpdates, initial_arrays
 from edge_sdk.privacy import PrivacySettings
 
 from ._flags import add_output_flags, add_run_flags
@@ -89,9 +89,9 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     canaries = args.canaries or (args.clients if args.quick else min(CANARIES, args.clients))
-    trained = TrainedUpdates(args.model, args.dataset, args.clients - canaries, args.seed)
-    updates = trained if args.updates == "trained" else RandomUpdates(2 * CLIP, args.seed)
-    reference = trained.initial()
+    reference = initial_arrays(args.model, args.dataset, args.seed)
+    updates = TrainedUpdates(args.model, args.dataset, args.clients - canaries, args.seed) \
+        if args.updates == "trained" else RandomUpdates(2 * CLIP, args.seed)
     epsilons, broken_epsilons, broken = ((1.0,), (1.0,), BROKEN[1:]) if args.quick else \
         (EPSILONS, BROKEN_EPSILONS, BROKEN)
     rows = [audit_row(mode, epsilon, 1.0, args, canaries, updates, reference)

@@ -19,8 +19,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .flags import add_setting_flags, section_from
+
+if TYPE_CHECKING:
+    from .privacy.audit_run import AuditResult
 
 NOISE_SCALE_VARIABLE = "EDGEPFL_TEST_AUDIT_NOISE_SCALE"
 UPDATES = ("random", "trained")
@@ -70,17 +74,18 @@ def _noise_scale() -> float:
         raise ValueError(f"{NOISE_SCALE_VARIABLE} must be a number, got {text!r}") from None
 
 
-def table(results: list) -> str:
-    """The results as a Markdown table, one row per audit (`AuditResult`s)."""
+def table(results: list[AuditResult]) -> str:
+    """The results as a Markdown table, one row per audit (epsilon none: z was given, not calibrated)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
         mode = r.mode if r.noise_scale == 1 else f"{r.mode} (noise x{r.noise_scale:g})"
-        lines.append(f"| {mode} | {r.epsilon:g} | {r.delta:.3g} | {r.noise_multiplier:.4g} | "
+        target = f"{r.epsilon:g}" if r.epsilon else "none"
+        lines.append(f"| {mode} | {target} | {r.delta:.3g} | {r.noise_multiplier:.4g} | "
                      f"{r.accountant_epsilon:.3f} | {r.lower_bound:.3f} | {r.canaries} | {r.guesses} | {r.correct} |")
     return "\n".join(lines)
 
 
-def verdict(result) -> str:
+def verdict(result: AuditResult) -> str:
     """One line: whether the audit found the implementation violating its claim."""
     figures = (f"empirical lower bound {result.lower_bound:.3f} against the accountant's epsilon "
                f"{result.accountant_epsilon:.3f} at delta {result.delta:.3g}")
@@ -103,11 +108,15 @@ def cmd_audit_privacy(args: argparse.Namespace) -> int:
                      guess_out=quarter if args.guess_out is None else args.guess_out, seed=args.seed)
     scale = _noise_scale()
     from .privacy.audit_run import run_audit  # torch and the model: once the flags are checked
-    from .privacy.audit_updates import RandomUpdates, TrainedUpdates
+    from .privacy.audit_updates import RandomUpdates, TrainedUpdates, UpdateSource, initial_arrays
 
-    trained = TrainedUpdates(args.model, args.dataset, args.clients - canaries, args.seed)
-    reference = trained.initial()
-    updates = trained if args.updates == "trained" else RandomUpdates(2 * settings.dp_clip, args.seed)
+    updates: UpdateSource
+    if args.updates == "trained":
+        trained = TrainedUpdates(args.model, args.dataset, args.clients - canaries, args.seed)
+        reference, updates = trained.initial(), trained
+    else:
+        reference = initial_arrays(args.model, args.dataset, args.seed)
+        updates = RandomUpdates(2 * settings.dp_clip, args.seed)
     result = run_audit(plan, reference, updates, _noise_scale=scale)
     if args.out:
         record = {"plan": {"clients": plan.clients, "rounds": plan.rounds, "fraction": plan.fraction,

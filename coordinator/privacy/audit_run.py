@@ -27,7 +27,6 @@ to find a violation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -190,10 +189,9 @@ def run_audit(plan: AuditPlan, reference: ArrayGroup, updates: UpdateSource, *,
     else:
         scores = np.array([released @ canaries.direction(i) for i in range(plan.canaries)])
     guesses, correct = score_guesses(scores, included, plan.guess_in, plan.guess_out)
-    accountant = run.epsilon()
     return AuditResult(
         mode=settings.dp, epsilon=settings.dp_epsilon, delta=run.delta, noise_multiplier=run.noise,
-        accountant_epsilon=accountant if math.isfinite(accountant) else math.inf,
+        accountant_epsilon=run.epsilon(),
         lower_bound=epsilon_lower_bound(plan.canaries, guesses, correct, run.delta),
         ceiling=epsilon_lower_bound(plan.canaries, guesses, guesses, run.delta), canaries=plan.canaries,
         included=int(included.sum()), guesses=guesses, correct=correct, noise_scale=_noise_scale)

@@ -44,6 +44,19 @@ class RandomUpdates:
         return {key: value * (self.norm / total) for key, value in drawn.items()}
 
 
+def initial_arrays(model: str, dataset: str, seed: int) -> ArrayGroup:
+    """The initial arrays (every state entry) of `model` built for built-in task `dataset` from
+    `seed`, as a run starts it: the audit's first reference."""
+    from edge_sdk.data.resolve import resolve_task
+    from edge_sdk.models import build_model
+
+    return _arrays(build_model(model, resolve_task(dataset), seed=seed))
+
+
+def _arrays(module) -> ArrayGroup:
+    return {key: value.detach().cpu().numpy().copy() for key, value in module.state_dict().items()}
+
+
 class TrainedUpdates:
     """Real local training: device `index` of `devices` trains `model` on its part of built-in
     `dataset` (iid) for one epoch of SGD at `lr`, batch `batch_size`, from the round's arrays."""
@@ -56,17 +69,16 @@ class TrainedUpdates:
         from edge_sdk.data.resolve import resolve_task
         from edge_sdk.models import build_model
 
-        self.task = resolve_task(dataset)
-        self.module = build_model(model, self.task, seed=seed)
-        self.dataset, self.devices, self.seed, self.batch_size = dataset, devices, seed, batch_size
+        self.module = build_model(model, resolve_task(dataset), seed=seed)
+        self.devices, self.seed, self.batch_size = devices, seed, batch_size
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)  # no momentum: no state across devices
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = load_dataset(dataset)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)  # no momentum: no state across devices
         self._partition = partition_client_data
 
     def initial(self) -> ArrayGroup:
         """The model's initial arrays (every state entry), the run's first reference."""
-        return {key: value.detach().cpu().numpy().copy() for key, value in self.module.state_dict().items()}
+        return _arrays(self.module)
 
     def _examples(self, index: int):
         import torch
