@@ -24,6 +24,7 @@ import sys
 import threading
 from typing import Any
 
+from .audit_command import add_audit_parser
 from .conformance_command import add_conformance_parser
 from .releases.command import add_release_parser
 from .flags import add_setting_flags, given, section_from
@@ -539,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     lite.set_defaults(handler=cmd_lite_client)
 
     add_conformance_parser(sub)
+    add_audit_parser(sub)
     add_release_parser(sub)
 
     export = sub.add_parser("export", help="export a run's frozen representation to ONNX (checked against PyTorch)")

@@ -55,6 +55,8 @@ SECAGG_ATTACKS = ("tests/unit/test_secagg_attacks.py",)
 DISTRIBUTED_DP = ("tests/unit/test_loopback_distributed_dp.py",)
 PRIVACY_ACCOUNTANT = ("tests/unit/test_privacy_accountant.py",)
 PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
+PRIVACY_AUDIT = ("tests/unit/test_privacy_audit.py",)
+AUDIT_PY, AUDIT_RUN_PY = "coordinator/privacy/audit.py", "coordinator/privacy/audit_run.py"
 PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
 PRIVACY_LOOPBACK_BUDGET = (f"{PRIVACY_LOOPBACK}test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_"
                            "accountant",)
@@ -293,6 +295,22 @@ MUTATIONS = (
     Mutation("dp: the mean over the replies instead of the fixed denominator", MECHANISM_PY,
              (("mean = (total + noise) / self.expected", "mean = (total + noise) / self.count"),),
              PRIVACY_MECHANISMS),
+    # the privacy audit: its statistics, and the real mechanisms' noise cut, which the audit must catch
+    Mutation("audit: the bound without its delta term", AUDIT_PY,
+             (("return min(1.0, tail + 2 * canaries * delta * alpha)", "return min(1.0, tail)"),), PRIVACY_AUDIT),
+    Mutation("audit: randomized response of accuracy e^2eps / (1 + e^2eps)", AUDIT_PY,
+             (("q = 1.0 / (1.0 + math.exp(-epsilon))", "q = 1.0 / (1.0 + math.exp(-2 * epsilon))"),), PRIVACY_AUDIT),
+    Mutation("audit: in and out guesses swapped", AUDIT_PY,
+             (("guessed_in = order[len(order) - guess_in:] if guess_in else order[:0]",
+               "guessed_in = order[:guess_in]"),), PRIVACY_AUDIT),
+    Mutation("audit: the test switch leaves the coordinator's noise alone", AUDIT_RUN_PY,
+             (("            aggregate.std *= _noise_scale\n", ""),), PRIVACY_AUDIT),
+    Mutation("audit catches: the coordinator's noise a tenth of z*C", MECHANISM_PY,
+             (("noise = self.rng.normal(0.0, self.std, size=total.shape)",
+               "noise = self.rng.normal(0.0, self.std / 10, size=total.shape)"),), PRIVACY_AUDIT),
+    Mutation("audit catches: a distributed share of z*C/m instead of z*C/sqrt(m)", UPSTREAM_PY,
+             (("return self.noise * clip / math.sqrt(shares)", "return self.noise * clip / shares"),),
+             PRIVACY_AUDIT),
     Mutation("dp: the budget overrun by a round", RUN_PRIVACY_PY,
              (("        if after > budget:", "        if self.epsilon() > budget:"),), PRIVACY_LOOPBACK_BUDGET),
     Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
