@@ -153,25 +153,23 @@ SECAGG_ADVERSARY = ("the coordinator and the broker, malicious, with colluding d
 
 
 def secagg_report(settings: SecAggSettings, rounds: list[dict[str, Any]], *, sharded: bool) -> dict[str, Any]:
-    """The report's `secagg`: for each number of devices a round masked among (its selected
-    devices), the round's degree k and threshold t and what they withstand
-    (edge_sdk.secagg.bounds), with the rounds it holds for. A sharded run masks within each
-    shard, whose sizes the rounds do not record: its figures are not given."""
+    """The report's `secagg`: for each number of devices a group masked among (a round's selected
+    devices, or, sharded, a shard's), the degree k and threshold t it used and what they withstand
+    (edge_sdk.secagg.bounds), with the rounds it holds for."""
     from .secure_rounds import MIN_PARTICIPANTS  # cryptography loads with a secure run only
 
-    if sharded:
-        return {"adversary": SECAGG_ADVERSARY, "sharded": True, "by_devices": None}
     played: dict[int, list[int]] = {}
     for record in rounds:
         secure = record.get("secagg")
-        if secure and secure["selected"] >= MIN_PARTICIPANTS:
-            played.setdefault(secure["selected"], []).append(record["round"])
+        for devices in (secure.get("groups") or [secure["selected"]]) if secure else ():
+            if devices >= MIN_PARTICIPANTS and record["round"] not in played.get(devices, []):
+                played.setdefault(devices, []).append(record["round"])
     figures = []
     for devices, numbers in sorted(played.items()):
         degree = settings.degree_for(devices)
         bounds = tolerance(devices, degree, settings.threshold_for(degree), settings.secagg_threshold)
         figures.append({**bounds.to_plain(), "rounds": numbers})
-    return {"adversary": SECAGG_ADVERSARY, "sharded": False, "by_devices": figures}
+    return {"adversary": SECAGG_ADVERSARY, "sharded": sharded, "by_devices": figures}
 
 
 def secagg_bounds_line(secagg: dict[str, Any]) -> str | None:

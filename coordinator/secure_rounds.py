@@ -79,6 +79,9 @@ class SecureRoundRecord:
     """In a sharded run whose other shards aggregated: each shard left out of the round, and why."""
     refused: list[str] = field(default_factory=list)
     """Each device that refused a stage as inconsistent (`secagg_inconsistent`): "<id> (<stage>): why"."""
+    groups: list[int] = field(default_factory=list)
+    """How many devices each group masked among, smallest first: the round's selected devices, or,
+    sharded, each shard's (the figures of `report.secagg_report` are per group size)."""
 
 
 class SecureRound:
@@ -272,7 +275,8 @@ class SecureGroups:
             unmasked=sum(r.unmasked for r in records), refused=[d for r in records for d in r.refused],
             dropped=sorted(d for r in records for d in r.dropped),
             failed="; ".join(self.failed) if self.failed and not self.rounds else None,
-            failed_groups=list(self.failed) if self.rounds else [])
+            failed_groups=list(self.failed) if self.rounds else [],
+            groups=sorted(r.selected for r in records))
 
 
 def _plain(value: Any) -> Any:

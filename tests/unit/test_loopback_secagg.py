@@ -157,6 +157,8 @@ def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run
     record = report["rounds"][0]
     assert record["participants"] == devices and record["secagg"]["unmasked"] == devices
     assert record["secagg"]["failed"] is None and record["secagg"]["failed_groups"] == []
+    assert record["secagg"]["groups"] == [3, 3]
+    assert [(f["devices"], f["rounds"]) for f in report["secagg"]["by_devices"]] == [(3, [1])]
     sent = {p.sender: p for p in drain(partials)}
     assert sorted(sent) == ["aggregator-0", "aggregator-1"]
     assert sorted(sent["aggregator-0"].config["folded"]) == ["dev002", "dev003", "dev005"]

@@ -75,7 +75,19 @@ def test_the_report_gives_the_figures_per_round_size_and_the_summary_the_weakest
     assert [(f["devices"], f["degree"], f["threshold"], f["rounds"]) for f in report["by_devices"]] == [
         (4, 3, 2, [2]), (50, 16, 10, [1, 3])]
     assert line is not None and line.startswith("n 4, k 3, t 2:") and "up to 0 colluding devices" in line
-    assert secagg_report(SecAggSettings(), rounds, sharded=True)["by_devices"] is None
+
+
+def test_a_sharded_run_gives_the_figures_of_each_shard_s_size():
+    # Prepare: two rounds of 60 devices in two shards, one of 40 and 20, one of 30 and 30
+    rounds = [{"round": 1, "secagg": {"selected": 60, "groups": [20, 40]}},
+              {"round": 2, "secagg": {"selected": 60, "groups": [30, 30]}}]
+
+    # Execute
+    report = secagg_report(SecAggSettings(), rounds, sharded=True)
+
+    # Assert: per shard size, not per round's 60
+    assert report["sharded"] is True
+    assert [(f["devices"], f["rounds"]) for f in report["by_devices"]] == [(20, [1]), (30, [2]), (40, [1])]
 
 
 def test_a_round_the_graph_cannot_hold_is_refused_by_name():
