@@ -207,6 +207,30 @@ def test_a_device_without_keys_is_refused_by_name(federation):
     assert "needs at least 3" in report["rounds"][0]["secagg"]["failed"]
 
 
+def test_a_device_of_an_older_secure_aggregation_is_refused_naming_the_versions(federation, monkeypatch):
+    # Prepare: devices that speak the version before this one (no survivor signatures)
+    from coordinator.registration import RegistrationTimeout
+    from edge_sdk.secagg.session import SecureSession
+
+    monkeypatch.setattr(SecureSession, "secure_capability",
+                        lambda self: {stages.CAPABILITY: stages.VERSION - 1} if self.secure is not None else {})
+    coordinator = federation.coordinator(secure_config(federation, clients=3, rounds=1, registration_timeout=3.0))
+    welcomes = listener(federation.broker, "spy-welcome", f"{federation.topics.prefix}/down/+/welcome",
+                        federation.topics)
+    for i, keys in enumerate(fleet_keys(3)):
+        federation.start_device(i, 3, secagg_keys=keys)
+
+    # Execute
+    with pytest.raises(RegistrationTimeout):
+        coordinator.run()
+
+    # Assert: each refused at registration, told which version the run needs and which it speaks
+    refusals = [e.config["refused"] for e in drain(welcomes) if "refused" in e.config]
+    assert len(refusals) == 3
+    assert all(f"(version {stages.VERSION})" in r and f"it speaks version {stages.VERSION - 1}: update its edgepfl"
+               in r for r in refusals)
+
+
 @pytest.mark.parametrize(("change", "key"), [
     ({"aggregation": "median"}, "aggregation"),
     ({"max_update_norm": 5.0}, "max_update_norm"),
