@@ -1,0 +1,193 @@
+"""The compatibility matrix: every algorithm against every run feature, and what a run of each does.
+
+A feature (`FEATURES`) is a set of run settings plus what the matrix runner (tests/matrix.py)
+does around the run: a warm start's source, weak devices with a head, a restart. A cell is an
+algorithm with a feature; it either runs to its end or is refused at start, before anything
+trains, with the one-line ConfigError the coordinator gives (`refusal`). The refusal is not
+declared here: it is what constructing a Coordinator of the cell's run raises, so the table
+follows the algorithms' declarations (`asynchronous`, `unshardable`, `shares_body`, upload
+kinds, DP-SGD and capability checks) as they change. `python -m coordinator.compatibility
+--write docs/COMPATIBILITY.md` regenerates the docs table; a test checks it is current.
+
+Nothing heavy loads at import: `refusal` builds the run's model (torch) when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BASE: Mapping[str, Any] = {"dataset": "digits", "clients": 4, "rounds": 2, "local_epochs": 1, "batch_size": 64,
+                           "seed": 0, "device": "cpu"}
+"""The run every cell varies: digits and its default model, four devices, two rounds."""
+
+PRIVATE = {"dp_clip": 0.5, "dp_noise": 0.3, "dp_delta": 1e-5, "dp_evaluation": "outside"}
+"""The DP settings of a `--dp` cell: little noise, so that two rounds still learn."""
+
+LITE = {"release": True, "lite_fraction": 0.25}
+"""A release to weak devices: the last of the four devices is a LiteClient."""
+
+SECURE = {"secure_aggregation": True, "aggregation_dtype": "float64"}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A column of the matrix: run settings (flat RunConfig keys) and what the runner adds.
+
+    `init_from`: the warm start's source the runner writes (`run`: a finished run's folder of
+    the same algorithm, `state_dict`: a torch state_dict of the model, `npz`: its arrays);
+    `restart`: `coordinator` (stopped after round 1, a new one on the same run folder) or
+    `device` (a device's connection lost as it sends its first update, made again at once);
+    `availability`: a trace that takes a device offline for a spell during the run."""
+
+    name: str
+    what: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
+    restart: str | None = None
+    availability: bool = False
+
+    @property
+    def head(self) -> str | None:
+        """The weak devices' head when the feature has weak devices."""
+        return self.settings.get("head", "svm") if self.settings.get("lite_fraction") else None
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("plain", "two synchronous rounds"),
+    Feature("init-run", "`--init-from` a finished run's folder", init_from="run"),
+    Feature("init-pt", "`--init-from` a state_dict (.pt)", init_from="state_dict"),
+    Feature("init-npz", "`--init-from` arrays (.npz)", init_from="npz"),
+    Feature("async", "`--mode async`", {"mode": "async", "buffer": 2, "concurrency": 3}),
+    Feature("secagg", "`--secure-aggregation`", SECURE),
+    Feature("dp-central", "`--dp central`", {"dp": "central", **PRIVATE}),
+    Feature("dp-local", "`--dp local`", {"dp": "local", **PRIVATE}),
+    Feature("dp-distributed", "`--dp distributed` with `--secure-aggregation`", {"dp": "distributed", **PRIVATE,
+                                                                                  **SECURE}),
+    Feature("dp-sgd", "`--dp-sgd` (on-device DP-SGD) on model mlp (no BatchNorm)", {"dp_sgd": True, "model": "mlp", "dp_sgd_noise": 0.3, "dp_sgd_clip": 1.0}),
+    Feature("shards", "`--shards 2`, two in-process aggregators", {"shards": 2}),
+    Feature("release-svm", "`--release`, a weak device with head svm", {**LITE, "head": "svm"}),
+    Feature("release-lr", "`--release`, a weak device with head lr", {**LITE, "head": "lr"}),
+    Feature("release-mlp", "`--release`, a weak device with head mlp", {**LITE, "head": "mlp"}),
+    Feature("release-ncm", "`--release`, a weak device with head ncm (prototypes)", {**LITE, "head": "ncm"}),
+    Feature("fp16", "`--upload-codec fp16`", {"upload_codec": "fp16"}),
+    Feature("int8", "`--upload-codec int8`", {"upload_codec": "int8"}),
+    Feature("resume-coord", "the coordinator stopped after round 1 and resumed", restart="coordinator"),
+    Feature("resume-device", "a device's connection lost with its first update", restart="device"),
+    Feature("late", "`--late-updates next_round`", {"late_updates": "next_round"}),
+    Feature("availability", "`--availability` a trace: a device offline for a spell", availability=True),
+    Feature("validation", "`--validation-fraction 0.2`", {"validation_fraction": 0.2}),
+    Feature("secagg+shards", "`--secure-aggregation` with `--shards 2`", {**SECURE, "shards": 2}),
+    Feature("async+release", "`--mode async` with a release to a weak device",
+            {"mode": "async", "buffer": 2, "concurrency": 2, **LITE}),
+    Feature("init+release", "`--init-from` a run's folder with a release to a weak device", LITE, init_from="run"),
+)
+"""The columns, in the docs table's order; names are unique."""
+
+FEATURE_BY_NAME = {feature.name: feature for feature in FEATURES}
+
+
+def algorithm_ids() -> tuple[str, ...]:
+    """The rows: every registered algorithm id."""
+    from edge_sdk.algorithms import ALGORITHM_IDS
+
+    return tuple(ALGORITHM_IDS)
+
+
+def cell_settings(algorithm: str, feature: Feature, out: str | Path) -> dict[str, Any]:
+    """The flat RunConfig keys of the cell's run, writing into `out`."""
+    return {**BASE, **feature.settings, "algorithm": algorithm, "out": str(out)}
+
+
+def refusal(algorithm: str, feature: Feature) -> str | None:
+    """The ConfigError a run of the cell is refused with at start (its message), or None when
+    it starts: the settings and a Coordinator built on them, over an in-memory broker, into a
+    scratch folder. A warm start's source is the runner's to write; it is left out here (a
+    source that fits refuses nothing)."""
+    from edge_sdk.channel import Channel
+    from edge_sdk.config import ConfigError
+    from edge_sdk.loopback import LoopbackBroker
+    from edge_sdk.protocol import Topics
+
+    from .config import RunConfig
+    from .server import Coordinator
+
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            config = RunConfig.of(**cell_settings(algorithm, feature, out))
+            transport = LoopbackBroker().transport("coordinator")
+            transport.connect()
+            Coordinator(config, Channel(transport, Topics(config.broker.federation)))
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
+def short_reason(message: str) -> str:
+    """What a docs cell shows of a refusal: its message up to the first colon (the key it names)."""
+    return message.split(":", 1)[0].strip()
+
+
+def table(refusals: Mapping[tuple[str, str], str | None]) -> str:
+    """The docs table (Markdown): a row per algorithm, a column per feature, `yes` or `refused:
+    <key> [n]`, then the features and the numbered refusals in full."""
+    algorithms = list(dict.fromkeys(algorithm for algorithm, _ in refusals))
+    messages = list(dict.fromkeys(message for message in refusals.values() if message is not None))
+    number = {message: i + 1 for i, message in enumerate(messages)}
+
+    def cell(algorithm: str, feature: Feature) -> str:
+        message = refusals[algorithm, feature.name]
+        return "yes" if message is None else f"refused: {short_reason(message)} [{number[message]}]"
+
+    lines = ["| algorithm | " + " | ".join(f.name for f in FEATURES) + " |",
+             "|---|" + "---|" * len(FEATURES)]
+    lines += [f"| `{a}` | " + " | ".join(cell(a, f) for f in FEATURES) + " |" for a in algorithms]
+    lines += ["", "| feature | the run |", "|---|---|"]
+    lines += [f"| {f.name} | {f.what} |" for f in FEATURES]
+    lines += ["", "Refusals, in full (the ConfigError the run stops with):", ""]
+    lines += [f"{number[m]}. {m.replace('|', '/')}" for m in messages]
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- generated by python -m coordinator.compatibility --write docs/COMPATIBILITY.md: do not edit -->"
+END = "<!-- end of the generated table -->"
+
+
+def all_refusals() -> dict[tuple[str, str], str | None]:
+    """`refusal` of every cell, by (algorithm, feature name)."""
+    return {(algorithm, feature.name): refusal(algorithm, feature)
+            for algorithm in algorithm_ids() for feature in FEATURES}
+
+
+def with_table(document: str, generated: str) -> str:
+    """`document` with the part between BEGIN and END replaced by `generated`."""
+    head, found, rest = document.partition(BEGIN)
+    if not found or END not in rest:
+        raise ValueError(f"the document has no {BEGIN!r} ... {END!r} section")
+    return f"{head}{BEGIN}\n{generated}{END}{rest.partition(END)[2]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the table into a document's generated section (`--write PATH`) or print it."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m coordinator.compatibility", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", metavar="PATH", help="the document whose generated section to replace")
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)  # a refused cell logs nothing worth reading here
+    generated = table(all_refusals())
+    if args.write is None:
+        sys.stdout.write(generated)
+        return 0
+    path = Path(args.write)
+    path.write_text(with_table(path.read_text(), generated))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
