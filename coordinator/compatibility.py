@@ -43,19 +43,15 @@ class Feature:
     the same algorithm, `state_dict`: a torch state_dict of the model, `npz`: its arrays);
     `restart`: `coordinator` (stopped after round 1, a new one on the same run folder) or
     `device` (a device's connection lost as it sends its first update, made again at once);
-    `availability`: a trace that takes a device offline for a spell during the run."""
+    `availability`: an `--availability` trace file's text (device,offline,online in seconds)
+    the runner writes and plays, taking devices offline and back over the loopback broker."""
 
     name: str
     what: str
     settings: Mapping[str, Any] = field(default_factory=dict)
     init_from: str | None = None
     restart: str | None = None
-    availability: bool = False
-
-    @property
-    def head(self) -> str | None:
-        """The weak devices' head when the feature has weak devices."""
-        return self.settings.get("head", "svm") if self.settings.get("lite_fraction") else None
+    availability: str | None = None
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -69,7 +65,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("dp-local", "`--dp local`", {"dp": "local", **PRIVATE}),
     Feature("dp-distributed", "`--dp distributed` with `--secure-aggregation`", {"dp": "distributed", **PRIVATE,
                                                                                   **SECURE}),
-    Feature("dp-sgd", "`--dp-sgd` (on-device DP-SGD) on model mlp (no BatchNorm)", {"dp_sgd": True, "model": "mlp", "dp_sgd_noise": 0.3, "dp_sgd_clip": 1.0}),
+    Feature("dp-sgd", "`--dp-sgd` (on-device DP-SGD) on model mlp: cnn8's BatchNorm has no per-example gradients",
+            {"dp_sgd": True, "model": "mlp", "dp_sgd_noise": 0.3, "dp_sgd_clip": 1.0}),
     Feature("shards", "`--shards 2`, two in-process aggregators", {"shards": 2}),
     Feature("release-svm", "`--release`, a weak device with head svm", {**LITE, "head": "svm"}),
     Feature("release-lr", "`--release`, a weak device with head lr", {**LITE, "head": "lr"}),
@@ -80,9 +77,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("resume-coord", "the coordinator stopped after round 1 and resumed", restart="coordinator"),
     Feature("resume-device", "a device's connection lost with its first update", restart="device"),
     Feature("late", "`--late-updates next_round`", {"late_updates": "next_round"}),
-    Feature("availability", "`--availability` a trace: a device offline for a spell", availability=True),
+    Feature("availability", "`--availability` a trace: device 1 offline from 0.3 s to 1.5 s, device 2 from 1 s "
+            "to 2 s", availability="device,offline,online\n1,0.3,1.5\n2,1.0,2.0\n"),
     Feature("validation", "`--validation-fraction 0.2`", {"validation_fraction": 0.2}),
-    Feature("secagg+shards", "`--secure-aggregation` with `--shards 2`", {**SECURE, "shards": 2}),
+    Feature("secagg+shards", "`--secure-aggregation` with `--shards 2` over six devices (three a shard at least "
+            "on average: a shard's masked sum needs three)", {**SECURE, "shards": 2, "clients": 6}),
     Feature("async+release", "`--mode async` with a release to a weak device",
             {"mode": "async", "buffer": 2, "concurrency": 2, **LITE}),
     Feature("init+release", "`--init-from` a run's folder with a release to a weak device", LITE, init_from="run"),
@@ -107,8 +106,8 @@ def cell_settings(algorithm: str, feature: Feature, out: str | Path) -> dict[str
 def refusal(algorithm: str, feature: Feature) -> str | None:
     """The ConfigError a run of the cell is refused with at start (its message), or None when
     it starts: the settings and a Coordinator built on them, over an in-memory broker, into a
-    scratch folder. A warm start's source is the runner's to write; it is left out here (a
-    source that fits refuses nothing)."""
+    scratch folder. A warm start's source and an availability trace are the runner's to write;
+    they are left out here (a source that fits and a trace of the run's devices refuse nothing)."""
     from edge_sdk.channel import Channel
     from edge_sdk.config import ConfigError
     from edge_sdk.loopback import LoopbackBroker
@@ -150,7 +149,7 @@ def table(refusals: Mapping[tuple[str, str], str | None]) -> str:
     lines += ["", "| feature | the run |", "|---|---|"]
     lines += [f"| {f.name} | {f.what} |" for f in FEATURES]
     lines += ["", "Refusals, in full (the ConfigError the run stops with):", ""]
-    lines += [f"{number[m]}. {m.replace('|', '/')}" for m in messages]
+    lines += [f"{number[m]}. {m}" for m in messages]
     return "\n".join(lines) + "\n"
 
 

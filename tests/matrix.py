@@ -43,6 +43,7 @@ class MatrixFederation(LoopbackFederation):
     def __init__(self, tmp_path: Path, federation: str):
         super().__init__(tmp_path, federation)
         self.errors: list[str] = []
+        self.clients: dict[str, object] = {}
 
     def run_device(self, client) -> None:
         original = client.run
@@ -55,6 +56,7 @@ class MatrixFederation(LoopbackFederation):
                 raise
 
         client.run = run
+        self.clients[client.client_id] = client
         super().run_device(client)
 
 
@@ -72,6 +74,10 @@ def _play(tmp_path: Path, algorithm: str, feature: Feature, sources: dict[str, P
     try:
         settings = compatibility.cell_settings(algorithm, feature, fed.folder.path)
         settings.update(round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0)
+        if feature.availability is not None:
+            trace = tmp_path / "availability.csv"
+            trace.write_text(feature.availability)
+            settings["availability"] = str(trace)
         if feature.init_from is not None:
             settings["init_from"] = str(_source(tmp_path, algorithm, feature, sources))
         try:
@@ -132,7 +138,10 @@ def _run(fed: MatrixFederation, coordinator, feature: Feature, rounds: int) -> s
 
     runner = threading.Thread(target=run, name="coordinator", daemon=True)
     runner.start()
+    ended = threading.Event()
+    _play_availability(fed, coordinator.config, ended)
     runner.join(RUN_LIMIT)
+    ended.set()
     coordinator.channel.transport.close()
     if runner.is_alive():
         fed.stop.set()
@@ -163,6 +172,33 @@ def _start_fleet(fed: MatrixFederation, config, feature: Feature) -> None:
         fed.start_device(i, clients, secagg_keys=keys[i], **({"transport_type": transport} if transport else {}))
     for i in range(clients - lite, clients):
         _start_lite(fed, i, clients, config.simulation.head, keys[i])
+
+
+class LoopbackConnection:
+    """A loopback device's connection as the availability driver takes it offline and back: lost
+    as a crashed connection is (its Last Will), then made again."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+
+    def drop_connection(self) -> None:
+        self.transport.broker.kill(self.transport.client_id)
+
+    def reconnect(self) -> None:
+        self.transport.connect()
+
+
+def _play_availability(fed: MatrixFederation, config, ended: threading.Event) -> None:
+    """Play the run's `--availability` trace on its trainers (as `edgepfl simulate` does) until `ended`."""
+    from coordinator.availability import AvailabilityDriver, offline_spells, parse_availability
+
+    availability = parse_availability(config.simulation.availability, config.run.clients)
+    if availability is None:
+        return
+    devices = [(client, LoopbackConnection(client.channel.transport),
+                offline_spells(availability, config.training.seed, int(client_id[3:])))
+               for client_id, client in fed.clients.items() if client_id.startswith("dev")]
+    AvailabilityDriver(devices, ended, poll=0.05).start()
 
 
 def _start_lite(fed: MatrixFederation, index: int, clients: int, head: str, secagg_keys) -> None:
