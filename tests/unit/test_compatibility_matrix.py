@@ -74,6 +74,18 @@ def test_the_docs_table_names_every_algorithm_and_feature():
     assert len(documented()) == len(algorithm_ids()) * len(FEATURES)
 
 
+def test_every_documented_refusal_is_the_coordinator_s_own():
+    # Prepare: the first cell the docs give each refusal
+    first: dict[str, tuple[str, str]] = {}
+    for cell, message in documented().items():
+        if message is not None:
+            first.setdefault(message, cell)
+
+    # Assert: a Coordinator of that cell's run refuses with it
+    for message, (algorithm, feature) in first.items():
+        assert compatibility.refusal(algorithm, FEATURE_BY_NAME[feature]) == message, (algorithm, feature)
+
+
 @pytest.mark.skipif(not FULL, reason="regenerates all cells (a minute): EDGEPFL_MATRIX=full")
 def test_the_docs_table_is_the_generated_one():
     generated = compatibility.with_table(DOC.read_text(), compatibility.table(compatibility.all_refusals()))
