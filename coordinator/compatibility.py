@@ -15,6 +15,7 @@ Nothing heavy loads at import: `refusal` builds the run's model (torch) when cal
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -104,27 +105,76 @@ def cell_settings(algorithm: str, feature: Feature, out: str | Path) -> dict[str
 
 
 def refusal(algorithm: str, feature: Feature) -> str | None:
-    """The ConfigError a run of the cell is refused with at start (its message), or None when
-    it starts: the settings and a Coordinator built on them, over an in-memory broker, into a
-    scratch folder. A warm start's source and an availability trace are the runner's to write;
-    they are left out here (a source that fits and a trace of the run's devices refuse nothing)."""
-    from edge_sdk.channel import Channel
+    """The ConfigError a run of the cell is refused with at start (its message, `without_folders`),
+    or None when it starts: the settings and a Coordinator built on them, over an in-memory
+    broker, into a scratch folder. A warm start reads `write_source`'s file, or for a run
+    folder the checkpoint of the plain cell's initial state (the arrays a finished run holds);
+    an availability trace is the runner's to play and refuses nothing here."""
     from edge_sdk.config import ConfigError
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            settings = cell_settings(algorithm, feature, Path(scratch) / "run")
+            if feature.init_from == "run":
+                settings["init_from"] = str(_initial_run(algorithm, Path(scratch) / "source"))
+            elif feature.init_from is not None:
+                settings["init_from"] = str(write_source(algorithm, feature, Path(scratch)))
+            _coordinator(settings)
+        except ConfigError as exc:
+            return without_folders(str(exc))
+    return None
+
+
+def _coordinator(settings: Mapping[str, Any]):
+    """A Coordinator of the run `settings` name, over an in-memory broker."""
+    from edge_sdk.channel import Channel
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Topics
 
     from .config import RunConfig
     from .server import Coordinator
 
-    with tempfile.TemporaryDirectory() as out:
-        try:
-            config = RunConfig.of(**cell_settings(algorithm, feature, out))
-            transport = LoopbackBroker().transport("coordinator")
-            transport.connect()
-            Coordinator(config, Channel(transport, Topics(config.broker.federation)))
-        except ConfigError as exc:
-            return str(exc)
-    return None
+    config = RunConfig.of(**settings)
+    transport = LoopbackBroker().transport("coordinator")
+    transport.connect()
+    return Coordinator(config, Channel(transport, Topics(config.broker.federation)))
+
+
+def _initial_run(algorithm: str, out: Path) -> Path:
+    """A run folder holding the plain cell's initial global state as its checkpoint."""
+    from . import checkpoint
+
+    coordinator = _coordinator(cell_settings(algorithm, FEATURES[0], out))
+    checkpoint.save(coordinator.folder.checkpoint, checkpoint.Checkpoint(
+        coordinator.run_id, 1, coordinator.config.fingerprint(), coordinator.algorithm.state))
+    return out
+
+
+def write_source(algorithm: str, feature: Feature, folder: Path) -> Path:
+    """The warm start of a `state_dict` or `npz` cell, written into `folder`: the cell's model
+    (seed 1) as a torch state_dict (pretrained.pt) or as named arrays (pretrained.npz)."""
+    import numpy as np
+    import torch
+
+    from edge_sdk.models import build_model
+
+    from .config import RunConfig
+
+    config = RunConfig.of(**cell_settings(algorithm, feature, folder))
+    state = build_model(config.model_name, config.task(), seed=1).state_dict()
+    if feature.init_from == "state_dict":
+        path = folder / "pretrained.pt"
+        torch.save(state, path)
+    else:
+        path = folder / "pretrained.npz"
+        np.savez(path, **{name: tensor.numpy() for name, tensor in state.items()})
+    return path
+
+
+def without_folders(message: str) -> str:
+    """`message` with the folders of its absolute paths left out (the file names stay): a
+    refusal reads the same whichever scratch folder the run wrote into."""
+    return re.sub(r"(?<![\w.])/(?:[^\s/:'\"]+/)+", "", message)
 
 
 def short_reason(message: str) -> str:

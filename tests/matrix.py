@@ -16,8 +16,6 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from coordinator import compatibility
 from coordinator.compatibility import Feature
 from edge_sdk.config import ConfigError
@@ -89,7 +87,7 @@ def _play(tmp_path: Path, algorithm: str, feature: Feature, sources: dict[str, P
                 fed.threads.clear()
             coordinator = fed.coordinator(config)
         except ConfigError as exc:
-            return Outcome(refused=str(exc))
+            return Outcome(refused=compatibility.without_folders(str(exc)))
         failure = _run(fed, coordinator, feature, rounds=config.training.rounds)
         if failure is None and feature.name == "plain":
             sources[algorithm] = fed.folder.path
@@ -99,28 +97,15 @@ def _play(tmp_path: Path, algorithm: str, feature: Feature, sources: dict[str, P
 
 
 def _source(tmp_path: Path, algorithm: str, feature: Feature, sources: dict[str, Path]) -> Path:
-    """The warm start `feature.init_from` names, written for the cell's model."""
-    import torch
-
-    from edge_sdk.models import build_model
-
-    if feature.init_from == "run":
-        if algorithm not in sources:
-            plain = play(tmp_path / "source", algorithm, compatibility.FEATURE_BY_NAME["plain"], sources)
-            if plain.refused or plain.failure:
-                raise AssertionError(f"the source run of {algorithm} did not complete: {plain}")
-        return sources[algorithm]
-    from coordinator.config import RunConfig
-
-    config = RunConfig.of(**compatibility.cell_settings(algorithm, feature, tmp_path))
-    state = build_model(config.model_name, config.task(), seed=1).state_dict()
-    if feature.init_from == "state_dict":
-        path = tmp_path / "pretrained.pt"
-        torch.save(state, path)
-    else:
-        path = tmp_path / "pretrained.npz"
-        np.savez(path, **{name: tensor.numpy() for name, tensor in state.items()})
-    return path
+    """The warm start `feature.init_from` names: the algorithm's finished plain run (played first
+    when it has not been), or the model's arrays written for it."""
+    if feature.init_from != "run":
+        return compatibility.write_source(algorithm, feature, tmp_path)
+    if algorithm not in sources:
+        plain = play(tmp_path / "source", algorithm, compatibility.FEATURE_BY_NAME["plain"], sources)
+        if plain.refused or plain.failure:
+            raise AssertionError(f"the source run of {algorithm} did not complete: {plain}")
+    return sources[algorithm]
 
 
 def _run(fed: MatrixFederation, coordinator, feature: Feature, rounds: int) -> str | None:
