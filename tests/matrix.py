@@ -159,20 +159,6 @@ def _start_fleet(fed: MatrixFederation, config, feature: Feature) -> None:
         _start_lite(fed, i, clients, config.simulation.head, keys[i])
 
 
-class LoopbackConnection:
-    """A loopback device's connection as the availability driver takes it offline and back: lost
-    as a crashed connection is (its Last Will), then made again."""
-
-    def __init__(self, transport) -> None:
-        self.transport = transport
-
-    def drop_connection(self) -> None:
-        self.transport.broker.kill(self.transport.client_id)
-
-    def reconnect(self) -> None:
-        self.transport.connect()
-
-
 def _play_availability(fed: MatrixFederation, config, ended: threading.Event) -> None:
     """Play the run's `--availability` trace on its trainers (as `edgepfl simulate` does) until `ended`."""
     from coordinator.availability import AvailabilityDriver, offline_spells, parse_availability
@@ -180,7 +166,7 @@ def _play_availability(fed: MatrixFederation, config, ended: threading.Event) ->
     availability = parse_availability(config.simulation.availability, config.run.clients)
     if availability is None:
         return
-    devices = [(client, LoopbackConnection(client.channel.transport),
+    devices = [(client, client.channel.transport,
                 offline_spells(availability, config.training.seed, int(client_id[3:])))
                for client_id, client in fed.clients.items() if client_id.startswith("dev")]
     AvailabilityDriver(devices, ended, poll=0.05).start()

@@ -56,7 +56,10 @@ def documented() -> dict[tuple[str, str], str | None]:
 SOURCES: dict[str, Path] = {}  # each algorithm's finished plain run, for its warm-start cells
 
 
-@pytest.mark.parametrize(("algorithm", "feature"), selected_cells(), ids="{0[0]}-{0[1]}".format)
+CELLS = selected_cells()
+
+
+@pytest.mark.parametrize(("algorithm", "feature"), CELLS, ids=[f"{a}-{f}" for a, f in CELLS])
 def test_a_cell_completes_or_is_refused_at_start_as_documented(algorithm, feature, tmp_path_factory, quiet_torch):
     # Prepare
     expected = documented()[algorithm, feature]
