@@ -63,7 +63,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("async", "`--mode async`", {"mode": "async", "buffer": 2, "concurrency": 3}),
     Feature("secagg", "`--secure-aggregation`", SECURE),
     Feature("dp-central", "`--dp central`", {"dp": "central", **PRIVATE}),
-    Feature("dp-local", "`--dp local`", {"dp": "local", **PRIVATE}),
+    Feature("dp-local", "`--dp local` with noise 0.05: each update carries its own noise, and four devices average "
+            "little of it away", {"dp": "local", **PRIVATE, "dp_noise": 0.05}),
     Feature("dp-distributed", "`--dp distributed` with `--secure-aggregation`", {"dp": "distributed", **PRIVATE,
                                                                                   **SECURE}),
     Feature("dp-sgd", "`--dp-sgd` (on-device DP-SGD) on model mlp: cnn8's BatchNorm has no per-example gradients",
