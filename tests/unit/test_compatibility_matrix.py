@@ -39,7 +39,8 @@ def selected_cells() -> list[tuple[str, str]]:
 
 
 def documented() -> dict[tuple[str, str], str | None]:
-    """The docs table's cells: None for `yes`, else the refusal's message in full."""
+    """The docs table's cells: the refusal's message in full, None for `yes` (and `fails`, a
+    cell that starts: KNOWN_FAILURES)."""
     text = DOC.read_text()
     messages = dict(re.findall(r"^(\d+)\. (.+)$", text, flags=re.M))
     cells: dict[tuple[str, str], str | None] = {}
@@ -48,7 +49,7 @@ def documented() -> dict[tuple[str, str], str | None]:
         if match:
             values = [v.strip() for v in match.group(2).split("|")]
             for feature, value in zip(FEATURES, values, strict=True):
-                number = re.search(r"\[(\d+)\]$", value)
+                number = re.search(r"^refused: .*\[(\d+)\]$", value)
                 cells[match.group(1), feature.name] = messages[number.group(1)] if number else None
     return cells
 
@@ -56,10 +57,16 @@ def documented() -> dict[tuple[str, str], str | None]:
 SOURCES: dict[str, Path] = {}  # each algorithm's finished plain run, for its warm-start cells
 
 
-CELLS = selected_cells()
+def known_failure(algorithm: str, feature: str) -> list:
+    """A strict xfail for a cell of KNOWN_FAILURES (its fix turns the test red until it is taken out)."""
+    why = compatibility.KNOWN_FAILURES.get((algorithm, feature))
+    return [] if why is None else [pytest.mark.xfail(strict=True, reason=why)]
 
 
-@pytest.mark.parametrize(("algorithm", "feature"), CELLS, ids=[f"{a}-{f}" for a, f in CELLS])
+CELLS = [pytest.param(a, f, id=f"{a}-{f}", marks=known_failure(a, f)) for a, f in selected_cells()]
+
+
+@pytest.mark.parametrize(("algorithm", "feature"), CELLS)
 def test_a_cell_completes_or_is_refused_at_start_as_documented(algorithm, feature, tmp_path_factory, quiet_torch):
     # Prepare
     expected = documented()[algorithm, feature]
