@@ -173,6 +173,7 @@ def _play_availability(fed: MatrixFederation, config, ended: threading.Event) ->
 
 
 def _start_lite(fed: MatrixFederation, index: int, clients: int, head: str, secagg_keys) -> None:
+    """Weak device `index` of `clients` (a LiteClient with `head`) on its digits partition."""
     from edge_sdk import wire
     from edge_sdk.data import load_client_data
     from edge_sdk.lite import LiteClient
@@ -190,9 +191,10 @@ def _judge(report: dict, coordinator, rounds: int) -> str | None:
     """What is wrong with a finished run's report for a cell that should complete, or None."""
     outcomes = [r["outcome"] for r in report.get("rounds", [])]
     if report.get("rounds_completed") != rounds or outcomes != ["complete"] * rounds:
-        refusals = [r.get("refused") or r.get("device_refusals") for r in report.get("rounds", [])]
-        return (f"rounds: completed {report.get('rounds_completed')} of {rounds}, outcomes {outcomes}"
-                f"{f', device refusals {refusals}' if any(refusals) else ''}; stopped: {report.get('stopped')}")
+        why = [{"rejections": r.get("rejections"), "device_refusals": r.get("device_refusals")}
+               for r in report.get("rounds", []) if r["outcome"] != "complete"]
+        return (f"rounds: completed {report.get('rounds_completed')} of {rounds}, outcomes {outcomes}, "
+                f"not complete because {why}; stopped: {report.get('stopped')}")
     accuracy = report["final"]["personalized_accuracy"]["mean"]
     if accuracy is None or not accuracy > CHANCE:
         return f"final accuracy {accuracy} not above chance ({CHANCE})"
