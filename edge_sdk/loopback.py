@@ -84,6 +84,7 @@ class LoopbackTransport:
         self.counter = counter or ByteCounter()
         self.incoming = IncomingQueue(max_items=0)
         self.connected = threading.Event()
+        self.connections = 1  # counted up by `reconnect`, as MqttTransport counts its connections
         self._filters: list[str] = []
 
     def connect(self) -> None:
@@ -93,6 +94,18 @@ class LoopbackTransport:
     def close(self) -> None:
         self.connected.clear()
         self.broker._detach(self, send_will=False)
+
+    def drop_connection(self) -> None:
+        """Lose the connection as a crashed client does: the broker publishes its Last Will."""
+        self.broker.kill(self.client_id)
+
+    def reconnect(self) -> None:
+        """A new connection after `drop_connection`, as MqttTransport makes one: `connections`
+        counted up and the subscriptions made again (their retained messages delivered)."""
+        self.connect()
+        self.connections += 1
+        for topic_filter in self._filters:
+            self.broker._subscribed(self, topic_filter)
 
     def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         self._filters.append(topic_filter)

@@ -58,6 +58,7 @@ PRIVACY_MECHANISMS = ("tests/unit/test_privacy_mechanisms.py",)
 PRIVACY_AUDIT = ("tests/unit/test_privacy_audit.py",)
 AUDIT_PY, AUDIT_RUN_PY = "coordinator/privacy/audit.py", "coordinator/privacy/audit_run.py"
 PRIVACY_LOOPBACK = "tests/unit/test_loopback_privacy.py::"
+MATRIX = "tests/unit/test_compatibility_matrix.py::"
 PRIVACY_LOOPBACK_BUDGET = (f"{PRIVACY_LOOPBACK}test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_"
                            "accountant",)
 PRIVACY_LOOPBACK_ADAPTIVE = (f"{PRIVACY_LOOPBACK}test_the_adaptive_clip_rule_and_the_split_of_the_noise",)
@@ -563,6 +564,13 @@ MUTATIONS = (
              (('config: dict[str, Any] = {"release": release.sha256}',
                'config: dict[str, Any] = {"release": release.sha256, "runs": deployed.sha256}'),),
              (f"{PRIVACY_LOOPBACK}test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why",)),
+    Mutation("matrix: an algorithm that cannot run async let through", "coordinator/async_steps.py",
+             (("(algorithm.asynchronous is not None, f", "(False, f"),),
+             (f"{MATRIX}test_the_readme_async_column_agrees_with_the_matrix",)),
+    Mutation("matrix: a release of a personal body let through", "coordinator/server.py",
+             (("if config.run.release and not self.algorithm.shares_body():",
+               "if config.run.release and False:"),),
+             (f"{MATRIX}test_every_documented_refusal_is_the_coordinator_s_own",)),
     Mutation("dp: an evaluation outside a round not budget-checked", RUN_PRIVACY_PY,
              (("        after = self._epsilon_after_evaluation()\n", "        after = 0.0\n"),),
              (f"{PRIVACY_LOOPBACK}test_an_evaluation_outside_a_round_is_refused_by_name_when_it_would_exceed_the_budget",
