@@ -92,13 +92,7 @@ FEATURES: tuple[Feature, ...] = (
 
 FEATURE_BY_NAME = {feature.name: feature for feature in FEATURES}
 
-LOSSY_COVARIANCES = ("every round aborts: the upload codec rounds DC-PFL's class covariances (TRAIN_RES group "
-                     "'stats') and the coordinator, which checks them against float32 rounding only, rejects "
-                     "each as not PSD (malformed); run DC-PFL with upload_codec fp32")
-KNOWN_FAILURES: Mapping[tuple[str, str], str] = {
-    ("dc_pfl", "fp16"): LOSSY_COVARIANCES,
-    ("dc_pfl", "int8"): LOSSY_COVARIANCES,
-}
+KNOWN_FAILURES: Mapping[tuple[str, str], str] = {}
 """Cells that start but do not complete, by (algorithm, feature), with what happens: the table
 shows them as failing, and the matrix test expects them to fail until they are fixed."""
 

@@ -60,7 +60,7 @@ from .rounds import LateUpdates, Outcome, RoundCollector, every_device_refused, 
 from .run_folder import RunFolder
 from .shard_rounds import ShardedRounds
 from .sharding import AGGREGATOR, ShardRound, check_shardable, shard_of
-from .validation import UpdateLimits, checked_update
+from .validation import UpdateLimits, check_upload_codec, checked_update
 
 if TYPE_CHECKING:
     from .secure_rounds import SecureGroups, SecureRound, SecureRoundRecord
@@ -127,6 +127,7 @@ class Coordinator:
         algorithm_cls = algorithms.load(config.run.algorithm)
         check_shardable(algorithm_cls, config.aggregation.rule, config.round.shards)
         check_async_run(config, algorithm_cls)
+        check_upload_codec(config.training.upload_codec, algorithm_cls)
         if config.secagg.secure_aggregation:  # cryptography loads with a secure run only
             from .secure_rounds import check_secure_run
 

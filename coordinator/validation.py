@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_sdk import codecs
+from edge_sdk.config import ConfigError
 from edge_sdk.params import ArraySpec, aligned_reference, block_buffer, check_arrays
 from edge_sdk.protocol import ArrayGroup, Envelope, Reason, ValidationError
 
@@ -96,6 +97,13 @@ def check_update(
     if not limits.weighted or not isinstance(claimed, (int, float)):
         return 1.0
     return float(min(claimed, registered_examples, limits.max_examples))
+
+
+def check_upload_codec(codec: str, algorithm: type[ServerAlgorithm]) -> None:
+    """Refuse, before anything starts, a lossy upload codec for an algorithm whose uploads cannot
+    take one (`ServerAlgorithm.lossy_uploads`), naming the key: every update would be refused."""
+    if codec != "fp32" and algorithm.lossy_uploads is not None:
+        raise ConfigError(f"upload_codec: {algorithm.id} cannot take {codec}: {algorithm.lossy_uploads}")
 
 
 def checked_update(algorithm: ServerAlgorithm, round_: int, envelope: Envelope, sent: dict[str, ArrayGroup],

@@ -50,6 +50,9 @@ class ServerAlgorithm(ABC):
     asynchronous: ClassVar[str | None] = "its server step is not a weighted mean of changes to what it sent"
     """Why it cannot run buffered asynchronous aggregation (`mode async`); None when it can: its
     updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/async_steps.py)."""
+    lossy_uploads: ClassVar[str | None] = None
+    """Why its uploads cannot take a lossy upload codec (`upload_codec` fp16 or int8); None when
+    they can: every array it validates survives the codec's rounding."""
     sliced_broadcast: ClassVar[bool] = False
     """True when what goes down carries leading slices of the model's parameters (CD2-pFed): the
     check before sending (`check_outgoing`) then accepts each array's slice of the model's shape."""

@@ -115,6 +115,9 @@ class DcPflServer(ServerAlgorithm):
     unshardable = ("its server keeps every device's class statistics of the round and fits the classifier on "
                    "features drawn from all of them at once")
     asynchronous = unshardable
+    lossy_uploads = ("its class covariances must arrive positive semi-definite, and a codec's rounding of their "
+                     "change leaves negative eigenvalues (upload_codec fp32; --set transport=fp16 halves the "
+                     "statistics' bytes, checked at their own precision)")
 
     def __init__(self, hyper: DcPflHyper, context: ServerContext):
         self.num_classes = context.task.num_classes
