@@ -86,3 +86,15 @@ def test_int8_bytes_follow_the_documented_steps(seed):
     # Assert: the same bytes
     assert sent["w"].tobytes() == expected.tobytes()
     assert sent["w#scale"].tobytes() == np.array(scale, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_a_lossy_codec_is_refused_at_start_for_an_algorithm_that_cannot_take_one(codec):
+    from coordinator import algorithms
+    from coordinator.validation import check_upload_codec
+    from edge_sdk.config import ConfigError
+
+    check_upload_codec(codec, algorithms.load("fedavg"))
+    check_upload_codec("fp32", algorithms.load("dc_pfl"))
+    with pytest.raises(ConfigError, match=rf"^upload_codec: dc_pfl cannot take {codec}: its class covariances"):
+        check_upload_codec(codec, algorithms.load("dc_pfl"))
