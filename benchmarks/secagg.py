@@ -256,9 +256,13 @@ def broker_part(args, workdir: Path, on_row) -> list[dict]:
 
 
 def total_weight(config) -> float:
-    """The secure sum's total weight: each device's examples over the largest count, summed."""
+    """The secure sum's total weight: each device's examples over the round's scale, the largest
+    power of two its devices said bounds their examples (`examples_bucket`), summed."""
+    from edge_sdk.privacy.disclosure import examples_bucket
+
     examples = [config.run.client_data(i, config.training.seed).num_train for i in range(config.run.clients)]
-    return sum(e / max(examples) for e in examples)
+    scale = max(2 ** examples_bucket(e) for e in examples)
+    return sum(e / scale for e in examples)
 
 
 # -- in process ------------------------------------------------------------------------------------
