@@ -36,9 +36,10 @@ class NotATensor:
     """Something a weights-only load must refuse to unpickle."""
 
 
-def test_a_second_run_starts_from_the_first_runs_final_global_state(federation, tmp_path):
-    # Prepare: a first FedAvg run on digits, played to its end
-    first_config = federation.config(rounds=1)
+@pytest.mark.parametrize("algorithm", ["fedavg", "repper"])  # RepPer's BatchNorm statistics travel, 0-d ones too
+def test_a_second_run_starts_from_the_first_runs_final_global_state(federation, tmp_path, algorithm):
+    # Prepare: a first run on digits, played to its end
+    first_config = federation.config(rounds=1, algorithm=algorithm)
     first = federation.coordinator(first_config)
     for i in range(3):
         federation.start_device(i, 3)
@@ -48,7 +49,7 @@ def test_a_second_run_starts_from_the_first_runs_final_global_state(federation, 
     second = LoopbackFederation(tmp_path / "second", f"{federation.topics.federation}-2")
     trains = listener(second.broker, "train-spy", second.topics.broadcast(Kind.TRAIN), second.topics)
     try:
-        config = second.config(rounds=1, init_from=str(federation.folder.path))
+        config = second.config(rounds=1, algorithm=algorithm, init_from=str(federation.folder.path))
         coordinator = second.coordinator(config)
         for i in range(3):
             second.start_device(i, 3)
@@ -61,7 +62,8 @@ def test_a_second_run_starts_from_the_first_runs_final_global_state(federation, 
         assert sorted(broadcast.groups[SHARED]) == sorted(final.state[SHARED])
         for name, array in final.state[SHARED].items():
             np.testing.assert_array_equal(broadcast.groups[SHARED][name], array, err_msg=name)
-        assert report["rounds_completed"] == 1
+            assert broadcast.groups[SHARED][name].shape == array.shape, name
+        assert report["rounds_completed"] == 1 and report["rounds"][0]["outcome"] == "complete"
         record = report["init_from"]
         assert record["source"] == str(federation.folder.checkpoint)
         assert len(record["sha256"]) == 64
