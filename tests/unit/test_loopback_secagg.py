@@ -6,6 +6,7 @@ sums too."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -42,12 +43,25 @@ def start_with_the_last_lost(federation, parked: BlockingLock) -> str:
     return lost
 
 
-def start_sharded_fleet(federation, devices: int, shards: int) -> None:
-    """The shards' aggregators, then `devices` enrolled devices."""
+def start_sharded_fleet(federation, devices: int, shards: int, wrap=None) -> None:
+    """The shards' aggregators, then `devices` enrolled devices (their data `wrap(index, data)`)."""
     for shard in range(shards):
         federation.start_aggregator(shard, shards)
     for i, keys in enumerate(fleet_keys(devices)):
-        federation.start_device(i, devices, secagg_keys=keys)
+        federation.start_device(i, devices, secagg_keys=keys, wrap=wrap and (lambda data, i=i: wrap(i, data)))
+
+
+SMALL_SHARD = (2, 3, 5)
+"""The devices of shard 0 of two (sharding.shard_of)."""
+
+
+def fewer_in_shard_0(index: int, data):
+    """A quarter of the training examples for shard 0's devices: a smaller power of two than shard
+    1's (64 against 256 on digits), so that one scale for the whole round matters."""
+    if index not in SMALL_SHARD:
+        return data
+    keep = data.num_train // 4
+    return dataclasses.replace(data, train_x=data.train_x[:keep], train_y=data.train_y[:keep])
 
 
 def secure_config(federation, **changes):
@@ -131,13 +145,14 @@ def test_a_device_lost_after_sharing_its_keys_is_unmasked_away(federation):
 
 
 def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run_s_model(federation, tmp_path):
-    # Prepare: the plain run first, then six devices in two shards of three (dev002, 3, 5 in shard 0)
+    # Prepare: the plain run first, then six devices in two shards of three (dev002, 3, 5 in shard 0,
+    # with fewer examples: the round's one scale weighs them against shard 1's)
     devices, shards = 6, 2
     plain_config = federation.config(clients=devices, rounds=1, aggregation_dtype="float64",
                                      out=str(tmp_path / "plain"))
     coordinator = federation.coordinator(plain_config)
     for i in range(devices):
-        federation.start_device(i, devices)
+        federation.start_device(i, devices, wrap=lambda data, i=i: fewer_in_shard_0(i, data))
     coordinator.run()
     federation.devices_exit()
     plain = checkpoint.load(tmp_path / "plain" / "checkpoint.msgpack").state
@@ -147,7 +162,7 @@ def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run
     partials = federation.spy(Kind.PARTIAL)
     uploads = listener(federation.broker, "spy-shards", f"{federation.topics.prefix}/+/+/train_res",
                        federation.topics)
-    start_sharded_fleet(federation, devices, shards)
+    start_sharded_fleet(federation, devices, shards, wrap=fewer_in_shard_0)
 
     # Execute
     report = coordinator.run()
