@@ -28,6 +28,7 @@ from .audit_command import add_audit_parser
 from .conformance_command import add_conformance_parser
 from .releases.command import add_release_parser
 from .flags import add_setting_flags, given, section_from
+from .report import summary
 
 log = logging.getLogger(__name__)
 USAGE_ERROR, RUNTIME_FAILURE, INTERRUPTED, TERMINATED = 2, 1, 130, 143
@@ -85,73 +86,6 @@ def _check_sharding(config) -> None:
     check_shardable(load(config.run.algorithm), config.aggregation.rule, config.round.shards)
 
 
-MAX_PARTICIPATION_LINES = 8
-"""Rounds with a participation shortfall listed one by one in the summary; the rest are counted."""
-
-
-def _summary(report: dict[str, Any], out: str) -> str:
-    """The figures a run ends with (docs/CONFIGURATION.md, "Report figures", defines each one)."""
-    from .report import async_line, data_line, participation_line, privacy_line, secagg_bounds_line, secagg_line
-
-    final = report["final"]["personalized_accuracy"]
-    comm = report["communication"]
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    played, aggregated = report["rounds_completed"], report.get("rounds_aggregated", report["rounds_completed"])
-    shortfalls = [line for line in map(participation_line, report["rounds"]) if line is not None]
-    evaluated = report["final"].get("devices_evaluated", len(report["final"]["per_client"]))
-    registered = report["final"].get("devices_registered", report["clients"])
-    partition = f"{report['partition']}, " if report.get("partition") else ""  # known only when simulated or given
-    lines = [
-        f"algorithm {report['algorithm']} on {report['dataset']} ({partition}{report['clients']} devices, "
-        f"model {report['model']})",
-        *([f"data                   {data_line(report['data'])}"] if "data" in report else []),
-        f"rounds                 {played} played, {aggregated} aggregated"
-        + (f", {played - aggregated} aggregated nothing" if played > aggregated else ""),
-        *(f"participation          {line}" for line in shortfalls[:MAX_PARTICIPATION_LINES]),
-        *([f"participation          ... and {len(shortfalls) - MAX_PARTICIPATION_LINES} more rounds short of "
-           "their selection (metrics.jsonl)"] if len(shortfalls) > MAX_PARTICIPATION_LINES else []),
-        f"final evaluation       over {evaluated} of {registered} devices"
-        + (", on their validation split (test split unread)" if report.get("evaluated_on") == "validation" else ""),
-        f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}",
-        f"best round mean        {fmt(final.get('best_round_mean'))} (trainers, over the rounds' evaluations)",
-        f"global-model accuracy  {fmt(report['final']['global_accuracy'])}",
-        f"communication          {comm['bytes_up'] / 1e6:.2f} MB up, {comm['bytes_down'] / 1e6:.2f} MB down published"
-        + (f" ({comm['bytes_down_delivered'] / 1e6:.2f} MB delivered)" if "bytes_down_delivered" in comm else ""),
-        f"wall time              {report['wall_seconds']:.1f} s",
-        f"rejected messages      {sum(report['rejections'].values())}",
-        f"outputs                {out}/report.json, {out}/metrics.jsonl, {out}/curves.png",
-    ]
-    if "privacy" in report:
-        lines.insert(-4, f"privacy                {privacy_line(report['privacy'])}")
-    secure = secagg_line(report["rounds"])
-    if secure is not None:
-        lines.insert(-4, f"secure aggregation     {secure}")
-    bounds = secagg_bounds_line(report["secagg"]) if "secagg" in report else None
-    if bounds is not None:
-        lines.insert(-4, f"secure aggregation     {bounds}")
-    if "asynchronous" in report:
-        lines.insert(-4, f"asynchronous           {async_line(report['asynchronous'])}")
-    if "dp_sgd" in report:
-        dp_sgd = report["dp_sgd"]
-        worst = "-" if dp_sgd["epsilon_max"] is None else f"{dp_sgd['epsilon_max']:.3g}"
-        at_most = "at most " if dp_sgd.get("delta_per_device") else ""
-        lines.insert(-4, f"dp-sgd                 record-level epsilon up to {worst} at delta {at_most}"
-                         f"{dp_sgd['delta']:.2g} ({dp_sgd['devices_reporting']} devices reporting), noise multiplier "
-                         f"{dp_sgd['noise_multiplier']:.3g}, clip {dp_sgd['clip']:g}, "
-                         f"batches {dp_sgd.get('batches', '-')}")
-    if "stopped" in report:
-        lines.insert(-4, f"stopped early          {report['stopped']}")
-    late = report.get("late_updates") or {}
-    if late.get("folded") or late.get("discarded"):
-        lines.insert(-3, f"late updates           {late['policy']}: {late['folded']} folded into the next round, "
-                         f"{late['discarded']} discarded")
-    refusals = report.get("device_refusals") or {}
-    if refusals:
-        by_reason = ", ".join(f"{reason}: {count}" for reason, count in refusals.items())
-        lines.insert(-1, f"refused by devices     {sum(refusals.values())} requests ({by_reason})")
-    return "\n".join(lines)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
     local = None
@@ -171,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if finished is not None:
         print(f"run {finished['run_id']} in {config.run.out} already finished all {config.training.rounds} rounds; "
               "nothing changed (raise --rounds to extend it)")
-        print(_summary(finished, config.run.out))
+        print(summary(finished, config.run.out))
         return 0
     return_freed_buffers()  # the coordinator runs in this process
     bars: list = []
@@ -213,7 +147,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     finally:
         for bar in bars:
             bar.close()
-    print(_summary(report, config.run.out))
+    print(summary(report, config.run.out))
     return 0
 
 
@@ -260,7 +194,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise CommandFailed(str(exc)) from None
     finally:
         transport.close()
-    print(_summary(report, config.run.out))
+    print(summary(report, config.run.out))
     return 0
 
 

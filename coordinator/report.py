@@ -328,3 +328,68 @@ def plot_curves(path: Path, report: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+MAX_PARTICIPATION_LINES = 8
+"""Rounds with a participation shortfall listed one by one in the summary; the rest are counted."""
+
+
+def summary(report: dict[str, Any], out: str) -> str:
+    """The figures a run ends with (docs/CONFIGURATION.md, "Report figures", defines each one)."""
+    final = report["final"]["personalized_accuracy"]
+    comm = report["communication"]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    played, aggregated = report["rounds_completed"], report.get("rounds_aggregated", report["rounds_completed"])
+    shortfalls = [line for line in map(participation_line, report["rounds"]) if line is not None]
+    evaluated = report["final"].get("devices_evaluated", len(report["final"]["per_client"]))
+    registered = report["final"].get("devices_registered", report["clients"])
+    partition = f"{report['partition']}, " if report.get("partition") else ""  # known only when simulated or given
+    lines = [
+        f"algorithm {report['algorithm']} on {report['dataset']} ({partition}{report['clients']} devices, "
+        f"model {report['model']})",
+        *([f"data                   {data_line(report['data'])}"] if "data" in report else []),
+        f"rounds                 {played} played, {aggregated} aggregated"
+        + (f", {played - aggregated} aggregated nothing" if played > aggregated else ""),
+        *(f"participation          {line}" for line in shortfalls[:MAX_PARTICIPATION_LINES]),
+        *([f"participation          ... and {len(shortfalls) - MAX_PARTICIPATION_LINES} more rounds short of "
+           "their selection (metrics.jsonl)"] if len(shortfalls) > MAX_PARTICIPATION_LINES else []),
+        f"final evaluation       over {evaluated} of {registered} devices"
+        + (", on their validation split (test split unread)" if report.get("evaluated_on") == "validation" else ""),
+        f"personalized accuracy  mean {fmt(final['mean'])}  std {fmt(final['std'])}  min {fmt(final['min'])}",
+        f"best round mean        {fmt(final.get('best_round_mean'))} (trainers, over the rounds' evaluations)",
+        f"global-model accuracy  {fmt(report['final']['global_accuracy'])}",
+        f"communication          {comm['bytes_up'] / 1e6:.2f} MB up, {comm['bytes_down'] / 1e6:.2f} MB down published"
+        + (f" ({comm['bytes_down_delivered'] / 1e6:.2f} MB delivered)" if "bytes_down_delivered" in comm else ""),
+        f"wall time              {report['wall_seconds']:.1f} s",
+        f"rejected messages      {sum(report['rejections'].values())}",
+        f"outputs                {out}/report.json, {out}/metrics.jsonl, {out}/curves.png",
+    ]
+    if "privacy" in report:
+        lines.insert(-4, f"privacy                {privacy_line(report['privacy'])}")
+    secure = secagg_line(report["rounds"])
+    if secure is not None:
+        lines.insert(-4, f"secure aggregation     {secure}")
+    bounds = secagg_bounds_line(report["secagg"]) if "secagg" in report else None
+    if bounds is not None:
+        lines.insert(-4, f"secure aggregation     {bounds}")
+    if "asynchronous" in report:
+        lines.insert(-4, f"asynchronous           {async_line(report['asynchronous'])}")
+    if "dp_sgd" in report:
+        dp_sgd = report["dp_sgd"]
+        worst = "-" if dp_sgd["epsilon_max"] is None else f"{dp_sgd['epsilon_max']:.3g}"
+        at_most = "at most " if dp_sgd.get("delta_per_device") else ""
+        lines.insert(-4, f"dp-sgd                 record-level epsilon up to {worst} at delta {at_most}"
+                         f"{dp_sgd['delta']:.2g} ({dp_sgd['devices_reporting']} devices reporting), noise multiplier "
+                         f"{dp_sgd['noise_multiplier']:.3g}, clip {dp_sgd['clip']:g}, "
+                         f"batches {dp_sgd.get('batches', '-')}")
+    if "stopped" in report:
+        lines.insert(-4, f"stopped early          {report['stopped']}")
+    late = report.get("late_updates") or {}
+    if late.get("folded") or late.get("discarded"):
+        lines.insert(-3, f"late updates           {late['policy']}: {late['folded']} folded into the next round, "
+                         f"{late['discarded']} discarded")
+    refusals = report.get("device_refusals") or {}
+    if refusals:
+        by_reason = ", ".join(f"{reason}: {count}" for reason, count in refusals.items())
+        lines.insert(-1, f"refused by devices     {sum(refusals.values())} requests ({by_reason})")
+    return "\n".join(lines)

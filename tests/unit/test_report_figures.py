@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.cli import _summary
+from coordinator.report import summary
 from coordinator.report import cumulative_megabytes, participation_line
 
 
@@ -53,7 +53,7 @@ def test_the_summary_reports_participation_evaluation_and_both_download_figures(
                       _round(3, 4, 1, late=3)], devices_evaluated=16, devices_registered=20)
 
     # Execute
-    text = _summary(report, "runs/x")
+    text = summary(report, "runs/x")
 
     # Assert
     assert "3 played, 2 aggregated, 1 aggregated nothing" in text
@@ -70,7 +70,7 @@ def test_the_summary_says_when_the_run_was_scored_on_the_validation_split():
     report = _report([_round(1, 4, 4, "complete")], devices_evaluated=20, devices_registered=20)
 
     # Execute
-    on_test, on_validation = _summary(report, "runs/x"), _summary({**report, "evaluated_on": "validation"}, "runs/x")
+    on_test, on_validation = summary(report, "runs/x"), summary({**report, "evaluated_on": "validation"}, "runs/x")
 
     # Assert
     assert "validation" not in on_test
@@ -89,7 +89,7 @@ def test_the_summary_of_a_secure_run_gives_what_its_weakest_round_withstands():
     report = {**_report(rounds), "secagg": secagg_report(SecAggSettings(), rounds, sharded=False)}
 
     # Execute
-    text = _summary(report, "runs/x")
+    text = summary(report, "runs/x")
 
     # Assert: the 4-device round (the complete graph, k 3, t 2) is the weakest
     assert "secure aggregation     3 of 3 rounds unmasked" in text
