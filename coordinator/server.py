@@ -634,7 +634,7 @@ class Coordinator:
                 log.info("step %d: %s has trained for longer than the timeout; asked again", step, device)
             self._dispatch(step)
             self._serve(min(1.0, left), self._stale_reply)
-            if not steps.step.arrivals:
+            if self._device_refusals and not steps.step.arrivals:  # only once a device refused
                 self._stop_if_every_device_refused("train", step, self._trainers_online(), ())
         arrivals = steps.step.arrivals
         if arrivals:

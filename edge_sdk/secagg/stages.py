@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..protocol import ProtocolError, Reason
+from ..protocol import REFUSAL_DETAIL, ProtocolError, Reason
+from ..protocol import REFUSED as REFUSED  # a refusal's keys are the protocol's (section 11)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,8 +61,9 @@ coordinate of a device's share is clipped to (pools.py)."""
 # the later stages' payloads
 ADVERTS, CIPHERTEXTS, SURVIVORS, DROPPED, SIGNATURES = "adverts", "ciphertexts", "survivors", "dropped", "signatures"
 ADVERT, SIGNATURE, RESPONSE = "advert", "signature", "response"
-REFUSED, DETAIL = "refused", "detail"
-"""A device's SECAGG_RES refusing a stage: the reason code (`secagg_inconsistent`) and why."""
+DETAIL = REFUSAL_DETAIL
+"""A device's SECAGG_RES refusing a stage carries REFUSED (`secagg_inconsistent`) and DETAIL: the
+keys of every refusal (docs/PROTOCOL.md section 11)."""
 
 
 def masked_vector(groups: dict[str, ArrayGroup], what: str) -> np.ndarray:
