@@ -22,7 +22,7 @@ import numpy as np
 from edge_sdk.config import ConfigError
 from edge_sdk.params import ArraySpec
 from edge_sdk.privacy.secagg_settings import SecAggSettings
-from edge_sdk.protocol import ArrayGroup, ProtocolError, Reason
+from edge_sdk.protocol import MAX_REFUSAL_DETAIL, ArrayGroup, ProtocolError, Reason
 from edge_sdk.secagg import stages
 from edge_sdk.secagg.context import RoundContext
 from edge_sdk.secagg.errors import SecAggError
@@ -183,7 +183,7 @@ class SecureRound:
                 or set(config) - {"in_reply_to"} != {stages.STAGE, stages.REFUSED, stages.DETAIL}):
             return _refused(f"SECAGG_RES ({stage}) from {sender}: a refusal carries {stages.REFUSED} = "
                             f"{Reason.SECAGG_INCONSISTENT.value!r} and a text {stages.DETAIL}, nothing else")
-        return DeviceRefusal(Reason.SECAGG_INCONSISTENT, f"{sender} ({stage}): {detail[:500]}")
+        return DeviceRefusal(Reason.SECAGG_INCONSISTENT, f"{sender} ({stage}): {detail[:MAX_REFUSAL_DETAIL]}")
 
     def on_masked(self, sender: str, groups: dict[str, ArrayGroup]) -> None:
         """Take `sender`'s masked vector (its TRAIN_RES carries nothing else)."""

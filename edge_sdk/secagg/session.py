@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import Envelope, Kind, Reason
+from ..protocol import MAX_REFUSAL_DETAIL, Envelope, Kind, Reason
 from ..session import DeviceSession
 from . import stages
 
@@ -52,7 +52,7 @@ class SecureSession(DeviceSession):
             reply = self.secure.on_stage(envelope)
         except Inconsistent as exc:
             log.warning("%s: secure aggregation of round %d: %s; refused", self.client_id, envelope.round, exc)
-            reply = {stages.REFUSED: Reason.SECAGG_INCONSISTENT.value, stages.DETAIL: str(exc)}
+            reply = {stages.REFUSED: Reason.SECAGG_INCONSISTENT.value, stages.DETAIL: str(exc)[:MAX_REFUSAL_DETAIL]}
         except SecAggError as exc:
             log.warning("%s: secure aggregation of round %d: %s; not answered", self.client_id, envelope.round, exc)
             return
