@@ -108,7 +108,8 @@ class LoopbackTransport:
             self.broker._subscribed(self, topic_filter)
 
     def subscribe(self, topic_filter: str, qos: int = 1) -> None:
-        self._filters.append(topic_filter)
+        if topic_filter not in self._filters:  # a SUBSCRIBE of a filter held replaces it (retained re-sent)
+            self._filters.append(topic_filter)
         if self.connected.is_set():
             self.broker._subscribed(self, topic_filter)
 

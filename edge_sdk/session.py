@@ -66,6 +66,7 @@ class DeviceSession:
         exit_on_finish: bool = True,
         hello_interval: float = 15.0,
         notice_interval: float = 300.0,
+        silence_interval: float = 60.0,
         transport=None,
         max_pending_blobs: int = 64,
         verifier: Verifier | None = None,
@@ -77,6 +78,7 @@ class DeviceSession:
         self.exit_on_finish = exit_on_finish
         self.hello_interval = hello_interval
         self.notice_interval = notice_interval
+        self.silence_interval = silence_interval
         self.clock = clock
         settings = MqttSettings(url=broker) if isinstance(broker, str) else broker
         signer = Signer(settings.signing_key) if settings.signing_key is not None else None
@@ -100,6 +102,7 @@ class DeviceSession:
         self._status: Envelope | None = None  # the latest STATUS seen, of any run
         self._idle = False  # that STATUS said its run finished, and this device is in no live run: no HELLO
         self._next_notice = float("inf")  # when to say next that this device is waiting for a coordinator
+        self._heard = float("-inf")  # when the broker last delivered anything to this device
         self.upload_shard: int | None = None
         """The shard whose aggregator reads this device's updates (WELCOME `shard`); None: the coordinator."""
         self._replies: OrderedDict[str, Envelope] = OrderedDict()  # request msg_id -> our reply
@@ -154,12 +157,15 @@ class DeviceSession:
             self._last_hello = self.clock()
             self._next_notice = min(self._next_notice, self._last_hello + self.hello_interval)
             self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
+            self._heard = self._last_hello
             while not stop.is_set() and not self._finished:
                 received = self.channel.receive(timeout=0.5)
                 if received is not None:
                     self._dispatch(received, handlers)
+                    self._heard = self.clock()  # after the work it asked for: a long training is no silence
                 elif self._should_hello():
                     self._hello()
+                self._subscribe_again_after_silence()
                 self._notice_if_waiting()
                 self.tick()
         finally:
@@ -218,6 +224,20 @@ class DeviceSession:
         reconnected = getattr(self.channel.transport, "connections", 1) != self._connections_at_hello
         unanswered = not self.joined and self.clock() - self._last_hello > self.hello_interval
         return reconnected or unanswered or self._hello_due
+
+    def _subscribe_again_after_silence(self) -> None:
+        """After `silence_interval` with nothing delivered, make every subscription again: the
+        broker replaces each and re-sends its retained messages (MQTT 3.1.1 and 5, §3.8.4), the
+        STATUS among them. A broker that stopped delivering to a subscription without closing the
+        connection (a NATS JetStream consumer stalled by a leader election), and a final STATUS
+        lost with it, then cost a minute, not the device's wait for a run that ended."""
+        if self.clock() - self._heard < self.silence_interval:
+            return
+        self._heard = self.clock()
+        log.info("%s: nothing received for %g s; subscribing again (the broker re-sends the retained STATUS)",
+                 self.client_id, self.silence_interval)
+        for topic_filter in self.subscriptions():
+            self.channel.transport.subscribe(topic_filter)
 
     def _hello(self) -> None:
         self._hello_due = self._idle = False

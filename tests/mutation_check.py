@@ -5,7 +5,8 @@ Usage: `python tests/mutation_check.py [--jobs N] [name-substring ...]` from the
 folder once per job; each mutation (exact string replacements in one module) is applied to a
 free copy, only its tests run there (an algorithm's objective tests, a switch's own) (`pytest
 -x`, so a caught mutation stops at its first failing test), and the module is restored. The unmutated tests must pass
-first (spread over the jobs with pytest-xdist). Mutations whose tests run the command over a broker go first, so
+first (spread over the jobs with pytest-xdist), unless `--baseline-passed` says the whole suite just passed on
+this tree, as `make test` does after running it. Mutations whose tests run the command over a broker go first, so
 the jobs end together. Jobs default to the CPU count, at most 4. Exit status 0
 when every mutation was caught, 1 when one survived (they are listed), 2 when the baseline fails
 or a mutation no longer applies (its text is not in the module exactly once).
@@ -635,7 +636,7 @@ def check(mutation: Mutation, copies: queue.Queue) -> bool:
     return caught
 
 
-def main(selected: list[str], jobs: int) -> int:
+def main(selected: list[str], jobs: int, baseline_passed: bool = False) -> int:
     mutations = [m for m in MUTATIONS if not selected or any(s in m.name for s in selected)]
     if not mutations:  # else the baseline below would be the whole suite
         print(f"no mutation's name contains any of {selected}")
@@ -655,10 +656,11 @@ def main(selected: list[str], jobs: int) -> int:
             copy = Path(folder) / f"repo{job}"
             shutil.copytree(ROOT, copy, ignore=IGNORED)
             copies.put(copy)
-        baseline = run_tests(copies.queue[0], tuple(sorted({t for m in mutations for t in m.tests})), jobs)
-        if baseline.returncode != 0:
-            print(f"the unmutated tests fail:\n{baseline.stdout[-3000:]}{baseline.stderr[-2000:]}")
-            return 2
+        if not baseline_passed:
+            baseline = run_tests(copies.queue[0], tuple(sorted({t for m in mutations for t in m.tests})), jobs)
+            if baseline.returncode != 0:
+                print(f"the unmutated tests fail:\n{baseline.stdout[-3000:]}{baseline.stderr[-2000:]}")
+                return 2
         with ThreadPoolExecutor(jobs) as pool:
             caught = list(pool.map(lambda m: check(m, copies), mutations))
     survivors = [m.name for m, ok in zip(mutations, caught) if not ok]
@@ -673,6 +675,8 @@ def main(selected: list[str], jobs: int) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
+    parser.add_argument("--baseline-passed", action="store_true",
+                        help="skip the unmutated run: the suite just passed on this tree (make test runs it first)")
     parser.add_argument("names", nargs="*", help="run only the mutations whose name contains one of these")
     arguments = parser.parse_args()
-    sys.exit(main(arguments.names, max(1, arguments.jobs)))
+    sys.exit(main(arguments.names, max(1, arguments.jobs), arguments.baseline_passed))
