@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 
-from ._claims import NOT_MEASURED, VERDICTS, compare
-from ._flags import (
+from .claims import NOT_MEASURED, VERDICTS, compare
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -53,7 +53,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (NAMES, PAPER_METHODS, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging,
+from .runs import (NAMES, PAPER_METHODS, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging,
                     trailer, write_outputs)
 
 log = logging.getLogger("benchmarks")

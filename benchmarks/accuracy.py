@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 
-from ._flags import (
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -57,7 +57,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     ALGORITHMS,
     NAMES,
     RunCache,
@@ -628,7 +628,7 @@ def plot_curves(path: Path, rows: list[dict], settings: list[Setting], algorithm
     columns = min(4, len(shown))
     rows = (len(shown) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
-    for ax, setting in zip(axes.flat, shown):
+    for ax, setting in zip(axes.flat, shown, strict=False):
         for algorithm in algorithms:
             by_round: dict[int, list[float]] = {}
             for row in with_curve:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ._brokers import broker, machine_info
-from ._runs import bench_config, setup_logging, write_outputs
+from .runs import bench_config, setup_logging, write_outputs
 
 log = logging.getLogger("benchmarks")
 

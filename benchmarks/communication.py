@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 
-from ._flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
+from .flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
                      run_settings)
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     ALGORITHMS,
     NAMES,
     RunCache,

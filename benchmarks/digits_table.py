@@ -18,7 +18,7 @@ from pathlib import Path
 from coordinator.run_folder import RunFolder
 from edge_sdk.algorithms import in_table_order, load
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 def run(algorithm: str, rounds: int, broker: str | None, out: Path) -> dict:
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", algorithm, "--dataset", "digits",

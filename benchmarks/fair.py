@@ -15,7 +15,7 @@ For each setting and method:
    table states it) at the run lr `--lr`, full training data, test split.
 4. The claim table: each ordering of two of the protocol's methods that a paper states (`CLAIMS`:
    "DualFed > FedRep"), and whether each seed method beats FedAvg+FT, in each setting and under
-   each optimizer, on the seeds both methods ran (benchmarks/_claims.py, as ablations.py's).
+   each optimizer, on the seeds both methods ran (benchmarks/claims.py, as ablations.py's).
 
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
@@ -25,10 +25,10 @@ in both forms of its L_re: `fedios`, the default (Eq. 11-12 as printed, identica
 `fedios:l_re=extractors`, the reconstruction on the extractors' outputs at lam 0.1. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
 round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
-each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
+each). Runs are cached by their settings' fingerprint (benchmarks/runs.py), in the cache
 accuracy.py and ablations.py use; each records the machine that trained it, and the tables name
 the machines. Every finished run is also recorded in the committed run ledger (`--ledger`,
-benchmarks/_ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
+benchmarks/ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
 adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many
 cores or a GPU); a method's common-optimizer test runs start as soon as its lr search has ended.
 
@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 
-from ._claims import NOT_MEASURED, VERDICTS, compare
-from ._flags import (
+from .claims import NOT_MEASURED, VERDICTS, compare
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -65,7 +65,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     NAMES,
     RunCache,
     RunPool,

@@ -38,7 +38,7 @@ def main() -> int:
         print("Fashion-MNIST idx files not found (apt-get install dataset-fashion-mnist, or --data-dir)")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, source, keep in zip(FMNIST_FILES, files, (args.train, args.train, args.test, args.test)):
+    for name, source, keep in zip(FMNIST_FILES, files, (args.train, args.train, args.test, args.test), strict=True):
         write_idx(args.out / name, read_idx(source)[:keep])
     print(f"{args.train} + {args.test} images from {files[0].parent} in {args.out}")
     return 0

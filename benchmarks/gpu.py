@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from ._machine import machine_info
-from ._runs import NAMES, setup_logging, write_outputs
+from .runs import NAMES, setup_logging, write_outputs
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from edge_sdk.algorithms.base import NoHyper, Task

@@ -66,8 +66,8 @@ from typing import Any
 import numpy as np
 
 from ._brokers import RunningBroker, broker, machine_info, stop_process
-from ._flags import add_output_flags, add_run_flags, run_settings
-from ._runs import log, setup_logging, write_outputs
+from .flags import add_output_flags, add_run_flags, run_settings
+from .runs import log, setup_logging, write_outputs
 
 from coordinator.broker import free_port, wait_for_port
 

@@ -64,7 +64,7 @@ from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 
 from ._brokers import broker, machine_info
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 
@@ -219,7 +219,7 @@ def run_inprocess(config: RunConfig) -> dict:
                 examples[client_id] = int(metrics["num_examples"])
                 welcome[client_id] = coordinator.welcome(client_id)
             welcomes.append(welcome)
-        for conn, welcome in zip(conns, welcomes):
+        for conn, welcome in zip(conns, welcomes, strict=True):
             conn.send(("welcome", welcome))
         for conn in conns:
             conn.recv()
@@ -244,14 +244,16 @@ def run_inprocess(config: RunConfig) -> dict:
             selected = select_clients(devices, config.round.fraction, config.training.seed, round_)
             training = InProcessRound(algorithm, round_, selected, run_id=coordinator.run_id,
                                       codec=config.training.upload_codec, limits=limits)
-            broadcast("train", training.task, lambda reply: training.accept(reply, examples[reply.sender]))
+            broadcast("train", training.task,
+                      lambda reply, training=training: training.accept(reply, examples[reply.sender]))
             training.finish()
             results: dict[str, float] = {}
             request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=coordinator.run_id, round=round_,
                                groups=algorithm.eval_groups(),
                                config={"selected": devices, "final": round_ >= config.training.rounds,
                                        "phase": "round"})
-            broadcast("evaluate", request, lambda reply: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
+            broadcast("evaluate", request,
+                      lambda reply, results=results: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
             seconds = time.monotonic() - began
             accuracy = statistics.fmean(results.values())
             checkpoint.save(folder.checkpoint, checkpoint.Checkpoint(coordinator.run_id, round_, config.fingerprint(),
@@ -276,7 +278,7 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
     for name, result in results.items():
         if name == baseline or "rounds" not in result or not base or "rounds" not in base:
             continue
-        per_round = [m["seconds"] / b["seconds"] for m, b in zip(result["rounds"], base["rounds"])]
+        per_round = [m["seconds"] / b["seconds"] for m, b in zip(result["rounds"], base["rounds"], strict=False)]
         total = sum(r["seconds"] for r in result["rounds"]) / sum(r["seconds"] for r in base["rounds"])
         later = result["rounds"][1:], base["rounds"][1:]
         out[name] = {
@@ -284,7 +286,7 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
             "ratio_per_round": per_round,
             "ratio_after_round_1": (sum(r["seconds"] for r in later[0]) / sum(r["seconds"] for r in later[1])
                                     if later[1] else None),
-            "gap_seconds_per_round": [m["seconds"] - b["seconds"] for m, b in zip(result["rounds"], base["rounds"])],
+            "gap_seconds_per_round": [m["seconds"] - b["seconds"] for m, b in zip(result["rounds"], base["rounds"], strict=False)],
             "coordinator_messaging_seconds_per_round": [r.get("coordinator_send_seconds", 0.0)
                                                         + r.get("coordinator_accept_seconds", 0.0)
                                                         for r in result["rounds"]],

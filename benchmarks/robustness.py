@@ -16,7 +16,7 @@ from pathlib import Path
 from coordinator.config import RunConfig
 from coordinator.simulate import run_simulation
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 SETTINGS = [
     ("mean, no adversaries", {}),

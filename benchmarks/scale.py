@@ -44,7 +44,7 @@ broker-config` writes it: no limit).
 Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
 
 Cluster (`--cluster`, as root; prints why and exits otherwise): per device count a fresh
-topology from tests/hosts.py and tests/nats_cluster.py (imported, not copied): three hosts
+topology from harness/hosts.py and harness/nats_cluster.py (the cluster tests' own): three hosts
 (network namespaces on a bridge), a NATS node on each (JetStream, MQTT 3.1.1), the coordinator
 process on host 1 with `--shards K` (`--shards`, default 2), `edgepfl aggregator --shard k/K`
 processes on hosts 2 and 3, and device process w on host w % 3 + 1 connected to its own host's
@@ -82,7 +82,7 @@ from edge_sdk.session import DeviceSession
 from edge_sdk.transport import MqttSettings
 
 from ._brokers import broker, machine_info, raise_fd_limit
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 EXAMPLES = 100
@@ -493,7 +493,7 @@ def cluster_summary(summary: dict, samples: dict[str, list], detail: dict, start
     aggregators = sorted(name for name in samples if name.startswith("aggregator-") and ":" not in name)
     nodes = sorted(name for name in samples if name.startswith("nats-") and ":" not in name)
     return {"aggregators": [{"name": name, **memory(name), "last_log_line": line}
-                            for name, line in zip(aggregators, aggregator_logs)],
+                            for name, line in zip(aggregators, aggregator_logs, strict=False)],
             "nats_nodes": [{"name": name, **memory(name)} for name in nodes]}
 
 
@@ -562,7 +562,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run in result["runs"]:
         if run.get("rss_samples"):
-            t, rss = zip(*run["rss_samples"])
+            t, rss = zip(*run["rss_samples"], strict=True)
             ax.plot(t, [(x - run["rss_before_round_1_bytes"]) / run["model_bytes"] for x in rss],
                     label=f"{run['devices']} devices")
     ax.axhline(3, color="grey", linestyle="--", linewidth=1, label="target: 3x the model")

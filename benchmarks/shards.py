@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from ._brokers import broker, machine_info
-from ._flags import add_output_flags, add_run_flags
-from ._runs import setup_logging, write_outputs
+from .flags import add_output_flags, add_run_flags
+from .runs import setup_logging, write_outputs
 from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.events import DevicesRegistered
@@ -109,7 +109,7 @@ def main() -> None:
             for shards in (0, 2):
                 runs.append(one_run(running.url, Path(scratch) / f"pair{repeat}", shards, clients, rounds,
                                     args.workers))
-    pairs = [compare(alone.pop("state"), sharded.pop("state")) for alone, sharded in zip(runs[::2], runs[1::2])]
+    pairs = [compare(alone.pop("state"), sharded.pop("state")) for alone, sharded in zip(runs[::2], runs[1::2], strict=True)]
     comparison = {"bit_identical": all(p["bit_identical"] for p in pairs),
                   "max_abs_difference": max(p["max_abs_difference"] for p in pairs)}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 from ._machine import machine_info
 from coordinator.federation import Federation
 from edge_sdk.algorithms import in_table_order
@@ -77,7 +77,7 @@ def markdown(results: dict[str, list[dict]], rounds: int, clients: int) -> str:
     lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 (personalized accuracy: mean over devices)", ""]
     header = " | ".join(results)
     lines += [f"| algorithm | {header} |", "|---" * (len(results) + 1) + "|"]
-    for rows in zip(*results.values()):  # one algorithm's row in every task
+    for rows in zip(*results.values(), strict=True):  # one algorithm's row in every task
         cells = [f"refused: {row['refused']}" if "refused" in row else
                  f"{row['mean']:.3f} (min {row['min']:.3f}, {row['mb_up']:.1f} MB up)" for row in rows]
         lines.append(f"| {rows[0]['algorithm']} | " + " | ".join(cells) + " |")

@@ -1,7 +1,7 @@
-"""Test-suite wide fixtures: the real brokers (tests/brokers.py) and a federation over the
+"""Test-suite wide fixtures: the real brokers (harness/brokers.py) and a federation over the
 loopback broker (tests/loopback_runs.py); and the order the suite runs in."""
 
-from brokers import amqtt_broker, any_broker, mosquitto  # noqa: F401  (fixtures)
+from harness.brokers import amqtt_broker, any_broker, mosquitto  # noqa: F401  (fixtures)
 from loopback_runs import federation, quiet_torch  # noqa: F401  (fixtures)
 
 WHOLE_RUNS = ("tests/e2e/", "tests/integration/")

@@ -7,7 +7,7 @@ clearer; none of it calls an algorithm's or `edge_sdk.losses`' helper.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: dict[str, 
     value = loss()
     names = list(parameters)
     grads = torch.autograd.grad(value, [parameters[n] for n in names], allow_unused=True)
-    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g for n, g in zip(names, grads)}
+    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
 
 
 def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],

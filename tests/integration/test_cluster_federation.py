@@ -20,19 +20,19 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from brokers import Mosquitto
+from harness.brokers import Mosquitto
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
-from hosts import Hosts, hosts_or_skip
-from nats_cluster import NatsCluster, nats_binary
+from harness.hosts import Hosts, hosts_or_skip
+from harness.nats_cluster import NatsCluster, nats_binary
 
 # JetStream's elections time out on a starved machine (QoS 1 then waits on redeliveries): run alone
 pytestmark = [pytest.mark.integration, pytest.mark.alone]

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.releases.inventory import Inventory
 from coordinator.run_folder import RunFolder

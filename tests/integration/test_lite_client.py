@@ -43,7 +43,7 @@ BLOCKED = ("torch", "torchvision", "sklearn", "scipy", "skl2onnx")
 LITE_ONLY_RUNNER = """
 import importlib.abc, json, logging, sys
 
-BLOCKED = %r
+BLOCKED = BLOCKED_MODULES
 
 class Blocked(importlib.abc.MetaPathFinder):
     # not installed as far as this process can tell
@@ -67,7 +67,7 @@ client.run()
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
 with open(out, "w") as handle:
     json.dump({"on_import": imported_on_import, "at_exit": loaded, "accuracy": client.evaluation.accuracy}, handle)
-""" % (BLOCKED,)
+""".replace("BLOCKED_MODULES", repr(BLOCKED))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.run_folder import RunFolder
 from deployments import FED, Deployment, Process

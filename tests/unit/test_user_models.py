@@ -12,7 +12,7 @@ from sklearn.datasets import load_digits, load_wine
 import user_models
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from edge_sdk import training, wire
+from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
@@ -26,10 +26,7 @@ SETTINGS = TrainSettings(model="tests.user_models:unused", rounds=2, local_epoch
                          batch_size=16, lr=0.05, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def split_clients(x: np.ndarray, y: np.ndarray, task: TaskSpec, clients: int) -> list[ClientData]:

@@ -56,7 +56,7 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
-    def start(self) -> "Mosquitto":
+    def start(self) -> Mosquitto:
         for attempt in range(1 if self.port_given else self.START_ATTEMPTS):
             if attempt:
                 self.port = free_port()
@@ -121,7 +121,7 @@ class ConfiguredMosquitto:
         self.config, self.port = config, port
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ConfiguredMosquitto":
+    def __enter__(self) -> ConfiguredMosquitto:
         self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)
         if not wait_for_port("127.0.0.1", self.port, 15):

@@ -18,7 +18,7 @@ killed (its pid no longer alive) are removed by the next run.
 Skipping: without root, iproute2 or network-namespace support (`hosts_or_skip`) the cluster
 tests skip with the reason, except under CI=true, where they fail: CI runs as root with
 nats-server installed, so a missing prerequisite there is a broken CI image, not a reason to
-pass (the same rule as Mosquitto's in tests/brokers.py).
+pass (the same rule as Mosquitto's in harness/brokers.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -104,7 +104,7 @@ class Hosts:
             raise ValueError(f"host must be in 1..{self.count}, got {host}")
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "Hosts":
+    def start(self) -> Hosts:
         if os.geteuid() != 0:
             raise HostsUnavailable("network namespaces need root (run the tests as root, as CI does)")
         if shutil.which("ip") is None:
@@ -142,7 +142,7 @@ class Hosts:
             _remove_namespace(name)
         self._created.clear()
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
