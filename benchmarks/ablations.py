@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         pool.run_all()
     results = run_rows(args, cache, rows)
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
+              "papers": args.papers,
               "settings": {p: args.settings[p] for p in args.papers}, "eval_every": args.eval_every,
               "workers": args.workers, "jobs": args.jobs,
               "aggregation_dtype": args.aggregation_dtype,

@@ -185,7 +185,8 @@ def load_body(view: RunView, client_id: str):
     else:
         checkpoint = load_checkpoint(RunFolder(view.out).checkpoint)
         arrays = {k: v for group in checkpoint.state.values() for k, v in group.items()}
-    weights = {k.removeprefix("body."): torch.from_numpy(np.array(v)) for k, v in arrays.items() if k.startswith("body.")}
+    weights = {k.removeprefix("body."): torch.from_numpy(np.array(v))
+               for k, v in arrays.items() if k.startswith("body.")}
     missing, unexpected = body.load_state_dict(weights, strict=False)
     not_statistics = [k for k in missing if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     if not_statistics or unexpected:
@@ -351,7 +352,8 @@ def heads_table(per_run: list[dict]) -> dict[str, Any]:
         measures = {**row["heads"], "in_run": row.get("in_run"), "varying": row.get("varying_features")}
         for name, value in measures.items():
             cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], {}).setdefault(name, []).append(value)
-    table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
+    table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()}
+              for s, algs in cells.items()}
     return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
 
 
@@ -524,7 +526,8 @@ def heads_rows(heads: dict[str, Any], settings: list[Setting]) -> list[str]:
     for setting in settings:
         cells = heads["table"].get(setting.name, {})
         for algorithm in (a for a in HEAD_ALGORITHMS if a in cells):
-            lines.append(f"| {NAMES[algorithm]}, {setting.label} | {seed_list(sorted(seeds[algorithm, setting.name]))} | "
+            lines.append(f"| {NAMES[algorithm]}, {setting.label} "
+                         f"| {seed_list(sorted(seeds[algorithm, setting.name]))} | "
                          + " | ".join(pct(cells[algorithm][n]) for n in (*HEAD_KINDS, "in_run", "varying")) + " |")
     return lines + [""]
 

@@ -130,7 +130,8 @@ def install_extra(rootfs: Path, venv_name: str, extra: str, pins: tuple[str, ...
     skipped = ("pip", "setuptools", "pkg_resources", "_distutils_hack")
     total = sum(f.stat().st_size for entry in site.iterdir() if entry.name.split("-")[0] not in skipped
                 for f in ([entry] if entry.is_file() else entry.rglob("*")) if f.is_file())
-    return {"site_packages_mb": round(total / 2**20, 1), "install_seconds_emulated": round(time.perf_counter() - started),
+    return {"site_packages_mb": round(total / 2**20, 1),
+            "install_seconds_emulated": round(time.perf_counter() - started),
             "pins": list(pins)}
 
 
@@ -264,7 +265,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
             for head in filter(None, args.heads.split(",")):
                 arm = personalize(broker.url, body, head, "arm64",
-                                  ["--data", "/opt/edgepfl-work/digits.npz", "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
+                                  ["--data", "/opt/edgepfl-work/digits.npz",
+                                   "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
                                   [CHROOT, str(rootfs), "/opt/edgepfl-venv/bin/python"], work / f"arm-{head}.log",
                                   work / f"arm-{head}.peak",
                                   {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": f"/opt/edgepfl-work/arm-{head}.peak"})
@@ -286,9 +288,11 @@ def main() -> None:
             if args.trainer:
                 document["train_install"] = install_extra(rootfs, "edgepfl-train-venv", "train", TRAIN_PINS)
                 document["trainer"] = {
-                    "arm64": train_round(broker.url, "arm64", [CHROOT, str(rootfs), "/opt/edgepfl-train-venv/bin/python"],
+                    "arm64": train_round(broker.url, "arm64",
+                                         [CHROOT, str(rootfs), "/opt/edgepfl-train-venv/bin/python"],
                                          (data, "/opt/edgepfl-work/digits.npz"), work,
-                                         {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": "/opt/edgepfl-work/train-arm64.peak"}),
+                                         {"PATH": "/usr/bin:/bin",
+                                          "EDGEPFL_PEAK_FILE": "/opt/edgepfl-work/train-arm64.peak"}),
                     "x86_64": train_round(broker.url, "x86_64", [sys.executable], (data, str(data)), work,
                                           {**os.environ, "PYTHONPATH": str(ROOT),
                                            "EDGEPFL_PEAK_FILE": str(work / "train-x86_64.peak")})}

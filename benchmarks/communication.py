@@ -1,4 +1,5 @@
-"""Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL statistics.
+"""Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL
+statistics.
 
 Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker), from
 each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`):
@@ -237,8 +238,8 @@ def dc_pfl_modes(args, cache: RunCache, main_views: dict[str, RunView]) -> list[
         transport = transport or "fp32"
         default = covariance == "full" and transport == "fp32"
         view = main_views.get("dc_pfl") if default else None
-        view = view or cache.run(config_for(args, "dc_pfl",
-                                            hyper={} if default else {"covariance": covariance, "transport": transport}))
+        hyper = {} if default else {"covariance": covariance, "transport": transport}
+        view = view or cache.run(config_for(args, "dc_pfl", hyper=hyper))
         if view is None:
             rows.append({"covariance": covariance, "transport": transport, "status": "failed"})
             continue
@@ -275,7 +276,8 @@ def markdown(args, document: dict[str, Any]) -> str:
                   "| method | MB up / round | KB up / device-round | MB down / round, published | "
                   "MB down / round, delivered | MB eval / evaluation |", "|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {NAMES[r['algorithm']]} | {fmt(r['mb_up_per_round'])} | {fmt(r['kb_up_per_device_round'], 1)} "
+            lines.append(f"| {NAMES[r['algorithm']]} | {fmt(r['mb_up_per_round'])} "
+                         f"| {fmt(r['kb_up_per_device_round'], 1)} "
                          f"| {fmt(r['mb_down_per_round'])} | {fmt(r['mb_down_delivered_per_round'])} "
                          f"| {fmt(r['mb_eval_per_evaluation'])} |")
         lines.append("")
@@ -331,7 +333,8 @@ def markdown(args, document: dict[str, Any]) -> str:
         lines += ["## DC-PFL class statistics", "",
                   f"Uploads are class counts, means and covariances for every class (`--set covariance=...`, "
                   f"`--set transport=...`); {args.dataset}, {setting.label}, {args.rounds} rounds.", "",
-                  "| covariance | transport | KB up / device-round | MB up / round | accuracy |", "|---|---|---|---|---|"]
+                  "| covariance | transport | KB up / device-round | MB up / round | accuracy |",
+                  "|---|---|---|---|---|"]
         for r in document["dc_pfl"]:
             if r["status"] != "ok":
                 lines.append(f"| {r['covariance']} | {r['transport']} | failed | | |")

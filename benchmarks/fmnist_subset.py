@@ -30,7 +30,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=6000, help="leading training images kept")
     parser.add_argument("--test", type=int, default=2000, help="leading test images kept")
-    parser.add_argument("--data-dir", default=None, help=f"where the full idx files are (default: {SYSTEM_FMNIST_DIRS})")
+    parser.add_argument("--data-dir", default=None,
+                        help=f"where the full idx files are (default: {SYSTEM_FMNIST_DIRS})")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     files = fmnist_idx_files(args.data_dir)

@@ -286,7 +286,8 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
             "ratio_per_round": per_round,
             "ratio_after_round_1": (sum(r["seconds"] for r in later[0]) / sum(r["seconds"] for r in later[1])
                                     if later[1] else None),
-            "gap_seconds_per_round": [m["seconds"] - b["seconds"] for m, b in zip(result["rounds"], base["rounds"], strict=False)],
+            "gap_seconds_per_round": [m["seconds"] - b["seconds"]
+                                      for m, b in zip(result["rounds"], base["rounds"], strict=False)],
             "coordinator_messaging_seconds_per_round": [r.get("coordinator_send_seconds", 0.0)
                                                         + r.get("coordinator_accept_seconds", 0.0)
                                                         for r in result["rounds"]],
@@ -297,8 +298,10 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"fedavg, {s['dataset']}, model {s['model']}, {s['clients']} devices, {s['rounds']} rounds x "
-             f"{s['local_epochs']} local epochs, {s['workers']} worker processes, device {s['device']}, seed {s['seed']}", "",
-             "| variant | round | seconds | ratio to in-process | coordinator send s | coordinator receive s | MB up | MB down "
+             f"{s['local_epochs']} local epochs, {s['workers']} worker processes, device {s['device']}, "
+             f"seed {s['seed']}", "",
+             "| variant | round | seconds | ratio to in-process | coordinator send s | coordinator receive s "
+             "| MB up | MB down "
              "| accuracy |", "|---|---|---|---|---|---|---|---|---|"]
     for name, run in result["variants"].items():
         if "error" in run:
@@ -310,8 +313,10 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {name} | {r['round']} | {r['seconds']:.2f} | {ratio} | {r.get('coordinator_send_seconds', 0):.3f} "
                 f"| {r.get('coordinator_accept_seconds', 0):.3f} | {(r.get('bytes_up') or 0) / MB:.2f} "
-                f"| {(r.get('bytes_down') or 0) / MB:.2f} | {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 4)} |")
-    lines += ["", "| variant | sum of round seconds | ratio (sum) | ratio after round 1 | final accuracy | whole run s |",
+                f"| {(r.get('bytes_down') or 0) / MB:.2f} "
+                f"| {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 4)} |")
+    lines += ["", "| variant | sum of round seconds | ratio (sum) | ratio after round 1 | final accuracy "
+                  "| whole run s |",
               "|---|---|---|---|---|---|"]
     for name, run in result["variants"].items():
         if "error" in run:
@@ -320,12 +325,15 @@ def markdown(result: dict) -> str:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         lines.append(f"| {name} | {sum(r['seconds'] for r in run['rounds']):.2f} "
                      f"| {fmt(ratio.get('ratio', 1.0 if name == result['baseline'] else None))} "
-                     f"| {fmt(ratio.get('ratio_after_round_1'))} | {fmt(run['final_accuracy'])} | {run['wall_seconds']:.1f} |")
+                     f"| {fmt(ratio.get('ratio_after_round_1'))} | {fmt(run['final_accuracy'])} "
+                     f"| {run['wall_seconds']:.1f} |")
     t = result["targets"]
     lines += ["", "## Target", "",
               f"- MQTT / in-process wall time per round <= {t['max_ratio']} ({s['dataset']}, {s['clients']} devices): "
-              + ", ".join(f"{k} {v:.3f} ({'met' if v <= t['max_ratio'] else 'missed'})" for k, v in t["ratios"].items()),
-              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+              + ", ".join(f"{k} {v:.3f} ({'met' if v <= t['max_ratio'] else 'missed'})"
+                          for k, v in t["ratios"].items()),
+              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, "
+              "load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
 
@@ -399,7 +407,8 @@ def main() -> None:
                 run = {"error": f"{type(exc).__name__}: {exc}"}
             result["variants"][name] = run
             print(f"{name}: " + (run["error"] if "error" in run else
-                  ", ".join(f"{r['seconds']:.2f}" for r in run["rounds"]) + f" s per round, accuracy {run['final_accuracy']}"),
+                  ", ".join(f"{r['seconds']:.2f}" for r in run["rounds"])
+                  + f" s per round, accuracy {run['final_accuracy']}"),
                   flush=True)
     result["ratios"] = compare(result["variants"], "inprocess")
     result["targets"] = {"max_ratio": 1.15,

@@ -453,7 +453,8 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
         "model_params": detail["model_params"],
         "model_bytes": model_bytes,
         "registration_seconds": marks["registered_at"] - devices_started,
-        "registration_after_first_connect_seconds": marks["registered_at"] - min(s["connect_started_at"] for s in device_stats),
+        "registration_after_first_connect_seconds":
+            marks["registered_at"] - min(s["connect_started_at"] for s in device_stats),
         "all_connected_seconds": (max(connected) - devices_started) if len(connected) == len(device_stats) else None,
         "reassembly_limits": marks["reassembly_limits"],
         "rss_after_start_bytes": marks["rss_after_start"],
@@ -469,7 +470,8 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
         "device_rejections": sum(s["rejections"] for s in device_stats),
         "updates_sent": sum(s["trained"] for s in device_stats),
         "coordinator_wall_seconds": detail["wall_seconds"],
-        "rss_samples": [(round(t - (devices_started - started), 3), rss) for t, rss in samples[::max(1, len(samples) // 2000)]],
+        "rss_samples": [(round(t - (devices_started - started), 3), rss)
+                        for t, rss in samples[::max(1, len(samples) // 2000)]],
     }
 
 
@@ -534,7 +536,8 @@ def markdown(result: dict) -> str:
         lines.append("- no run completed")
     else:
         lines += [
-            f"- coordinator memory at {t['largest_devices']} devices: peak {t['peak_over_baseline_over_model']:.2f}x the model "
+            f"- coordinator memory at {t['largest_devices']} devices: "
+            f"peak {t['peak_over_baseline_over_model']:.2f}x the model "
             f"above the RSS before round 1 (target <= 3x): {'met' if t['memory_met'] else 'missed'}",
             f"- every update received at every device count and round: {'yes' if t['no_update_lost'] else 'NO'}",
         ]
@@ -548,7 +551,8 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {run['devices']} | {process['name']} | {(process['peak_rss_bytes'] or 0) / MB:.0f} "
                              f"| {(process['rss_registered_bytes'] or 0) / MB:.0f} "
                              f"| {'-' if over is None else f'{over:.2f}'} |")
-    lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+    lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, "
+              "load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
 
@@ -674,7 +678,8 @@ def main() -> None:
             rounds = run.get("rounds", [])
             print(f"{devices} devices: " + (run["error"] if "error" in run else
                   f"registered in {run['registration_seconds']:.1f} s; rounds " + ", ".join(
-                      f"{r['latency_seconds']:.2f} s ({r['updates_accepted']}/{devices}, peak +{r['peak_over_baseline_over_model']:.2f} models)"
+                      f"{r['latency_seconds']:.2f} s ({r['updates_accepted']}/{devices}, "
+                      f"peak +{r['peak_over_baseline_over_model']:.2f} models)"
                       for r in rounds)), flush=True)
     done = [r for r in result["runs"] if "error" not in r]
     largest = max(done, key=lambda r: r["devices"]) if done else None
@@ -683,7 +688,8 @@ def main() -> None:
         "peak_over_baseline_over_model": largest["peak_over_baseline_over_model"] if largest else None,
         "memory_max_models": 3.0,
         "memory_met": bool(largest) and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
-        "no_update_lost": bool(done) and len(done) == len(result["runs"]) and all(r["all_updates_received"] for r in done),
+        "no_update_lost": bool(done) and len(done) == len(result["runs"])
+        and all(r["all_updates_received"] for r in done),
     }
     stem = "scale-cluster" if args.cluster else "scale"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))

@@ -109,7 +109,8 @@ def main() -> None:
             for shards in (0, 2):
                 runs.append(one_run(running.url, Path(scratch) / f"pair{repeat}", shards, clients, rounds,
                                     args.workers))
-    pairs = [compare(alone.pop("state"), sharded.pop("state")) for alone, sharded in zip(runs[::2], runs[1::2], strict=True)]
+    pairs = [compare(alone.pop("state"), sharded.pop("state"))
+             for alone, sharded in zip(runs[::2], runs[1::2], strict=True)]
     comparison = {"bit_identical": all(p["bit_identical"] for p in pairs),
                   "max_abs_difference": max(p["max_abs_difference"] for p in pairs)}
 

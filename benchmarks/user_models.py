@@ -74,7 +74,8 @@ def run(algorithm: str, factory, source: dict, rounds: int, clients: int, out: P
 
 
 def markdown(results: dict[str, list[dict]], rounds: int, clients: int) -> str:
-    lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 (personalized accuracy: mean over devices)", ""]
+    lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 "
+             "(personalized accuracy: mean over devices)", ""]
     header = " | ".join(results)
     lines += [f"| algorithm | {header} |", "|---" * (len(results) + 1) + "|"]
     for rows in zip(*results.values(), strict=True):  # one algorithm's row in every task

@@ -58,7 +58,8 @@ def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: dict[str, 
     value = loss()
     names = list(parameters)
     grads = torch.autograd.grad(value, [parameters[n] for n in names], allow_unused=True)
-    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g for n, g in zip(names, grads, strict=True)}
+    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g
+                            for n, g in zip(names, grads, strict=True)}
 
 
 def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],

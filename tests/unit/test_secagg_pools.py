@@ -47,7 +47,8 @@ def test_statistics_summed_in_the_ring_are_the_plain_pool_s(devices, seed):
         plain.add(share, count)
 
     # Execute
-    total = ring_sum([encode_statistics(s, n, largest, BOUND) for s, n in zip(shares, examples, strict=True)], BOUND, seed)
+    encoded = [encode_statistics(s, n, largest, BOUND) for s, n in zip(shares, examples, strict=True)]
+    total = ring_sum(encoded, BOUND, seed)
     secure = StatisticsPool(shapes)
     secure.add_sum(total, devices, largest)
 
