@@ -311,7 +311,7 @@ def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
         for row in rows:
             seeds = sorted(row["seeds"])
             common = [s for s in seeds if full and s in full["seeds"]]
-            versus = ("-" if row is full or not common else
+            versus = ("-" if full is None or row is full or not common else
                       f"{100 * sum(row['seeds'][s] - full['seeds'][s] for s in common) / len(common):+.2f}")
             globals_ = [v for v in row["global_accuracy"].values() if v is not None]
             accuracy = pct_cell(row["accuracy"]) if seeds else (f"not run: {row['missing']}" if row["missing"]

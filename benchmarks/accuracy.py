@@ -87,7 +87,7 @@ PERSONAL_BODY = {"lg_fedavg"}
 """Algorithms whose body is personal (read from the device's store, not the checkpoint)."""
 TARGET_ALGORITHMS = ("fedper", "fedrep", "repper", "dualfed")
 TARGET_MARGIN = 0.05
-PFLLIB = {
+PFLLIB: dict[str, Any] = {
     "source": "PFLlib benchmark (Zhang et al., JMLR 2025; pfllib.com/benchmark.html), its published table",
     "setting": "Fashion-MNIST, 20 clients, Dirichlet 0.1, 4-layer CNN, 2,000 rounds",
     "accuracy": {"FedAvg": 85.85, "FedPer": 97.44, "FedRep": 97.56, "FedRoD": 97.52, "FedProto": 97.40},
@@ -184,6 +184,8 @@ def load_body(view: RunView, client_id: str):
         arrays = state.arrays
     else:
         checkpoint = load_checkpoint(RunFolder(view.out).checkpoint)
+        if checkpoint is None:
+            raise FileNotFoundError(f"no checkpoint in {view.out}")
         arrays = {k: v for group in checkpoint.state.values() for k, v in group.items()}
     weights = {k.removeprefix("body."): torch.from_numpy(np.array(v))
                for k, v in arrays.items() if k.startswith("body.")}
@@ -405,7 +407,7 @@ def merge_runs(rows: list[dict], head_runs: list[dict], earlier: dict[str, dict]
 
 def holdout_experiment(args, cache: RunCache, seeds: list[int]) -> dict[str, Any]:
     setting = Setting.parse(args.holdout_setting)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for algorithm in listed(args.holdout_algorithms):
         for seed in seeds:
             view = cache.run(run_config(args, algorithm, setting, seed, holdout_clients=args.holdout))
@@ -629,8 +631,8 @@ def plot_curves(path: Path, rows: list[dict], settings: list[Setting], algorithm
     if not shown:
         return
     columns = min(4, len(shown))
-    rows = (len(shown) + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    grid_rows = (len(shown) + columns - 1) // columns
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.2 * columns, 3.4 * grid_rows), squeeze=False)
     for ax, setting in zip(axes.flat, shown, strict=False):
         for algorithm in algorithms:
             by_round: dict[int, list[float]] = {}

@@ -281,7 +281,8 @@ def main() -> None:
                     from edge_sdk.data import load_folder_data
 
                     samples = load_folder_data(str(data)).test_x
-                    row["parity"] = parity(*models, samples)
+                    arm_model, x86_model = models
+                    row["parity"] = parity(arm_model, x86_model, samples)
                     row["inference_parity"] = inference_parity(rootfs, models[0], samples, work)
                 document["runs"].append(row)
                 (out / "arm64.json").write_text(json.dumps(document, indent=2))

@@ -129,6 +129,7 @@ def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:
 def per_round(args, cache: RunCache, algorithms: list[str], main_views: dict[str, RunView]) -> dict[str, list]:
     tables: dict[str, list] = {"digits": []}
     for algorithm in algorithms:
+        view: RunView | None
         if args.dataset == "digits" and algorithm in main_views:
             view = main_views[algorithm]
         else:
@@ -205,9 +206,9 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
     if not has_field("upload_codec"):
         return {"available": False, "rows": [],
                 "note": "this checkout has no upload codec (RunConfig.upload_codec): not implemented"}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for algorithm in listed(args.codec_algorithms):
-        baseline = None
+        baseline: dict[str, Any] | None = None
         for codec in ["fp32"] + [c for c in listed(args.codecs) if c != "fp32"]:
             view = main_views.get(algorithm) if codec == "fp32" else None
             view = view or cache.run(config_for(args, algorithm, upload_codec=codec))
@@ -216,7 +217,7 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
                 continue
             traffic = view.traffic()
             accuracy = view.personalized()["mean"]
-            row = {"algorithm": algorithm, "codec": codec, "status": "ok",
+            row: dict[str, Any] = {"algorithm": algorithm, "codec": codec, "status": "ok",
                    "mb_up_per_round": traffic["up_train"] / 1e6,
                    "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,
                    "accuracy": accuracy, "run": view.out.name}
@@ -232,7 +233,7 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
 
 
 def dc_pfl_modes(args, cache: RunCache, main_views: dict[str, RunView]) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mode in listed(args.dc_modes):
         covariance, _, transport = mode.partition("/")
         transport = transport or "fp32"

@@ -239,7 +239,7 @@ def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: 
                validation: bool) -> dict[str, Any]:
     """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent):
     the search seeds on the validation split, the seeds on the test split."""
-    seeds: dict[int, float] = {}
+    seeds: dict[int, float | None] = {}
     runs: dict[int, str] = {}
     machines: dict[int, str] = {}
     for seed in args.search_seeds if validation else args.seeds:
@@ -281,7 +281,7 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
             for seed in args.seeds:
                 pool.submit(run_config(args, method, setting, seed, lr=args.lr, common=False, validation=False))
     for tag in pool.completed():
-        if tag is None:
+        if not isinstance(tag, tuple):  # None: a run that closes no search
             continue
         searches_left[tag] -= 1
         if searches_left[tag]:
@@ -289,7 +289,9 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
         setting, method = tag
         chosen = choose_lr([accuracies(args, finished, method, setting, lr=lr, common=True, validation=True)
                             for lr in args.grid])
-        for seed in args.seeds if chosen is not None else ():
+        if chosen is None:
+            continue
+        for seed in args.seeds:
             pool.submit(run_config(args, method, setting, seed, lr=chosen, common=True, validation=False), priority=1)
 
 
@@ -330,8 +332,8 @@ def claim_rows(methods: list[str], settings: dict[str, dict[str, Any]],
         if claim.better not in methods or claim.worse not in methods:
             continue
         for name, results in settings.items():
-            entry = {"claim": claim.text, "source": claim.source, "better": claim.better, "worse": claim.worse,
-                     "setting": name}
+            entry: dict[str, Any] = {"claim": claim.text, "source": claim.source, "better": claim.better,
+                                     "worse": claim.worse, "setting": name}
             for kind in ("common", "paper"):
                 better, worse = (results[method][kind] or {"seeds": {}} for method in (claim.better, claim.worse))
                 entry[kind] = compare(better["seeds"], worse["seeds"]) or dict(NOT_MEASURED)

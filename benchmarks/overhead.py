@@ -56,8 +56,9 @@ import tempfile
 import threading
 import time
 import uuid
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import cast
 
 from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
@@ -231,7 +232,7 @@ def run_inprocess(config: RunConfig) -> dict:
                 conn.send((command, envelope))
             pending = list(conns)
             while pending:
-                for conn in wait(pending):
+                for conn in cast("list[Connection]", wait(pending)):
                     pending.remove(conn)
                     for reply in conn.recv():
                         on_reply(reply)

@@ -43,7 +43,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from .ledger import DEFAULT_LEDGER, RunLedger
 from ._machine import machine_info
@@ -508,7 +508,7 @@ def listed(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def mean_std(values: list[float | None]) -> dict[str, Any]:
+def mean_std(values: Sequence[float | None]) -> dict[str, Any]:
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:
         return {"mean": None, "std": None, "n": 0}

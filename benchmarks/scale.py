@@ -72,14 +72,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 
 from coordinator.broker_config import QUEUE_SETTINGS
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.session import DeviceSession
-from edge_sdk.transport import MqttSettings
+from edge_sdk.transport import MqttSettings, MqttTransport
 
 from ._brokers import broker, machine_info, raise_fd_limit
 from .flags import add_output_flags, add_run_flags
@@ -173,7 +174,7 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
             time.sleep(connect_interval)  # pacing the connections, not waiting for anything
     connected_at = None
     while connected_at is None and any(t.is_alive() for t in threads):
-        if all(d.channel.transport.connected.is_set() for d in devices):
+        if all(cast(MqttTransport, d.channel.transport).connected.is_set() for d in devices):
             connected_at = time.monotonic()
         else:
             time.sleep(0.02)
@@ -218,6 +219,7 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
 
     return_freed_buffers()  # as `edgepfl coordinator` does
     config = RunConfig.of(**config_fields)
+    assert config.broker.broker is not None, "the coordinator process is given the broker's URL"
     transport = config.coordinator_transport(config.broker.broker)
     transport.connect()
     channel = config.coordinator_channel(transport)
@@ -264,9 +266,11 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
                        max_pending_bytes=channel.counters.peak_pending_bytes)
         rounds.append(dict(current))
 
-    for callback, kind in ((registration_opened, RegistrationOpened), (devices_registered, DevicesRegistered),
-                           (round_started, RoundStarted), (update_accepted, UpdateAccepted),
-                           (round_aggregated, RoundAggregated), (round_ended, RoundEnded)):
+    subscriptions: list[tuple[Callable[[Any], None], type]] = [
+        (registration_opened, RegistrationOpened), (devices_registered, DevicesRegistered),
+        (round_started, RoundStarted), (update_accepted, UpdateAccepted),
+        (round_aggregated, RoundAggregated), (round_ended, RoundEnded)]
+    for callback, kind in subscriptions:
         coordinator.subscribe(callback, kind)
     try:
         report = coordinator.run()
@@ -687,7 +691,7 @@ def main() -> None:
         "largest_devices": largest["devices"] if largest else None,
         "peak_over_baseline_over_model": largest["peak_over_baseline_over_model"] if largest else None,
         "memory_max_models": 3.0,
-        "memory_met": bool(largest) and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
+        "memory_met": largest is not None and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
         "no_update_lost": bool(done) and len(done) == len(result["runs"])
         and all(r["all_updates_received"] for r in done),
     }

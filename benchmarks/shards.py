@@ -49,7 +49,10 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
     registered: list[float] = []
     report = run_simulation(config, on_event=lambda e: registered.append(e.seconds)
                             if isinstance(e, DevicesRegistered) else None)
-    state = checkpoint.load(RunFolder(out).checkpoint).state
+    saved = checkpoint.load(RunFolder(out).checkpoint)
+    if saved is None:
+        raise RuntimeError(f"the run in {out} left no checkpoint")
+    state = saved.state
     rounds_ = report["rounds"]
     log.info("shards %d: %.1f s, participants %s", shards, report["wall_seconds"], [r["participants"] for r in rounds_])
     return {"shards": shards, "wall_seconds": report["wall_seconds"], "registration_seconds": registered[0],

@@ -109,8 +109,8 @@ def any_broker(request, tmp_path):
         yield broker.url, "auto"
         broker.stop()
     else:
-        with EmbeddedBroker() as broker:
-            yield broker.url, "3.1.1"
+        with EmbeddedBroker() as embedded:
+            yield embedded.url, "3.1.1"
 
 
 class ConfiguredMosquitto:

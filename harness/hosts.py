@@ -33,6 +33,7 @@ import subprocess
 import threading
 from pathlib import Path
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 import pytest
 
@@ -205,7 +206,7 @@ def stop_process(process: subprocess.Popen, timeout: float = 10) -> None:
         process.wait(timeout=timeout)
 
 
-def skip_or_fail(reason: str) -> None:
+def skip_or_fail(reason: str) -> NoReturn:
     """Skip with `reason`; under CI=true fail instead (CI must run these tests)."""
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(reason)

@@ -131,6 +131,7 @@ class NatsNode:
     def wait_healthy(self, timeout: float = READY_TIMEOUT) -> None:
         """Until /healthz says ok and an MQTT CONNECT gets its CONNACK; between looks, wait on the
         node's process, so a node that exits fails at once with its log instead of after `timeout`."""
+        assert self.process is not None, "the node is not started"
         deadline = time.monotonic() + timeout
         while not (self.healthy() and self.answers_mqtt()):
             try:

@@ -71,7 +71,12 @@ def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[
     assert any(g.abs().sum() > 0 for g in expected_grads.values()), "the reference has no gradient at all"
     for name in parameters:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+                                   msg=prefixed(f"gradient of {name}"))
+
+
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's message: `prefix` before torch's own."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
