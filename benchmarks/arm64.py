@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ._brokers import Mosquitto
+from ._brokers import mosquitto
 from ._machine import machine_info
 from .footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, measured_peak_mb, write_body, write_images
 
@@ -262,7 +262,7 @@ def main() -> None:
         write_body("digits", "cnn8", body)
         write_images("digits", data, 2000, synthetic=False)
         document["runs"] = []
-        with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
+        with tempfile.TemporaryDirectory() as scratch, mosquitto(Path(scratch)) as broker:
             for head in filter(None, args.heads.split(",")):
                 arm = personalize(broker.url, body, head, "arm64",
                                   ["--data", "/opt/edgepfl-work/digits.npz",

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._brokers import Mosquitto
+from ._brokers import mosquitto
 from ._machine import machine_info
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
@@ -344,7 +344,7 @@ def main() -> None:
     bodies = [("fmnist", "cnn28")] if args.quick else [("digits", "cnn8"), ("fmnist", "cnn28")]
     heads = ("svm",) if args.quick else HEADS
     document: dict[str, Any] = {"machine": machine_info(), "weak_device": []}
-    with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
+    with tempfile.TemporaryDirectory() as scratch, mosquitto(Path(scratch)) as broker:
         work = Path(scratch)
         document["limit_mb"] = args.limit_mb
         for dataset, model in bodies:

@@ -1,6 +1,7 @@
-"""Real MQTT brokers for tests: Mosquitto on a free port with its own config, or amqtt.
+"""Real MQTT brokers for tests and benchmarks: Mosquitto on a free port with its own config, or amqtt.
 
-In CI (CI=true) a missing Mosquitto is a failure, not a skip: the integration tests must run.
+In a test, a missing Mosquitto skips it, and under CI (CI=true) fails it: the integration tests
+must run. A benchmark passes the binary it found (`mosquitto_binary`) and says what to do instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
+
+from .hosts import stop_process
 
 
 def mosquitto_binary() -> str | None:
@@ -44,8 +47,8 @@ class Mosquitto:
 
     START_ATTEMPTS = 3
 
-    def __init__(self, workdir: Path, extra: str = "", port: int | None = None):
-        self.binary = require_mosquitto()
+    def __init__(self, workdir: Path, extra: str = "", port: int | None = None, binary: str | None = None):
+        self.binary = binary or require_mosquitto()
         self.port = port or free_port()
         self.port_given = port is not None
         self.workdir = workdir
@@ -83,9 +86,14 @@ class Mosquitto:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
+            stop_process(self.process)
             self.process = None
+
+    def __enter__(self) -> Mosquitto:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @pytest.fixture
