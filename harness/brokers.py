@@ -1,7 +1,8 @@
-"""Real MQTT brokers for tests and benchmarks: Mosquitto on a free port with its own config, or amqtt.
+"""Mosquitto for tests and benchmarks: on a free port with its own config, or with a given config.
 
 In a test, a missing Mosquitto skips it, and under CI (CI=true) fails it: the integration tests
 must run. A benchmark passes the binary it found (`mosquitto_binary`) and says what to do instead.
+The pytest fixtures over these (and amqtt's) are in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
-from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
+from coordinator.broker import free_port, wait_for_port
 
 from .hosts import stop_process
 
@@ -28,6 +27,8 @@ def require_binary(name: str, binary: str | None) -> str:
     fails in CI (CI=true: `make test` installs it there) and skips elsewhere, saying why."""
     if binary is None:
         message = f"{name} is not installed (apt-get install {name}, or run `make test` as root)"
+        import pytest  # only a test gets here: a benchmark passes the binary it found
+
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -94,31 +95,6 @@ class Mosquitto:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@pytest.fixture
-def mosquitto(tmp_path):
-    broker = Mosquitto(tmp_path / "mosquitto").start()
-    yield broker
-    broker.stop()
-
-
-@pytest.fixture
-def amqtt_broker():
-    with EmbeddedBroker() as broker:
-        yield broker
-
-
-@pytest.fixture(params=["mosquitto", "amqtt"])
-def any_broker(request, tmp_path):
-    """Each test using it runs once against Mosquitto and once against amqtt: (url, protocol)."""
-    if request.param == "mosquitto":
-        broker = Mosquitto(tmp_path / "mosquitto").start()
-        yield broker.url, "auto"
-        broker.stop()
-    else:
-        with EmbeddedBroker() as embedded:
-            yield embedded.url, "3.1.1"
 
 
 class ConfiguredMosquitto:

@@ -35,8 +35,6 @@ from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
-import pytest
-
 SUBNET = "10.77.0"
 PREFIX = "epfl"
 CLONE_NEWNET = 0x40000000
@@ -207,7 +205,10 @@ def stop_process(process: subprocess.Popen, timeout: float = 10) -> None:
 
 
 def skip_or_fail(reason: str) -> NoReturn:
-    """Skip with `reason`; under CI=true fail instead (CI must run these tests)."""
+    """Skip with `reason`; under CI=true fail instead (CI must run these tests). Only tests call
+    it: pytest is imported here, so that a benchmark needs none."""
+    import pytest
+
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(reason)
     pytest.skip(reason)
