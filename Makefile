@@ -1,7 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
 #   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
-#               on edge_sdk, coordinator and export, checks that targeted breaks of the seed methods' objectives fail their tests, and runs all tests
+#               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
+#               its helpers), checks that targeted breaks of the seed methods' objectives fail their tests, and runs all tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -44,7 +45,7 @@ demo: install
 	$(BIN)/edgepfl simulate --algorithm fedavg --dataset digits --clients 10 --rounds 5 --out runs/demo
 
 test: install system-deps
-	$(BIN)/ruff check edge_sdk coordinator export
+	$(BIN)/ruff check edge_sdk coordinator export benchmarks harness tests
 	$(BIN)/mypy
 	$(BIN)/python tests/mutation_check.py --jobs $(TEST_JOBS)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone"

@@ -3,8 +3,9 @@
 Not a benchmark itself: a module of the benchmarks package (the scripts run as
 `python -m benchmarks.<name>`); nothing in edge_sdk, coordinator or export imports it.
 
-- `Mosquitto`: a Mosquitto process on a free loopback port with a config written here (the
-  lines every benchmark needs plus any `extra` ones), as a context manager.
+- `mosquitto(workdir)`: harness.brokers' Mosquitto (the tests' own) on a free loopback port with
+  a config written here (the lines every benchmark needs plus any `extra` ones), as a context
+  manager; a RuntimeError naming `--broker` when Mosquitto is not installed.
 - `broker(kind, workdir)`: "mosquitto" (the above), "amqtt" (`coordinator.broker.EmbeddedBroker`)
   or an external `mqtt://host:port` URL; yields `(url, mqtt_protocol)`.
 - `machine_info()`: what the JSON results record about the machine, without the hostname.
@@ -15,18 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import shutil
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
 from collections.abc import Iterator
 
 from . import _machine
-from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
-
-
-def mosquitto_binary() -> str | None:
-    return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
+from coordinator.broker import EmbeddedBroker
+from harness.brokers import Mosquitto, mosquitto_binary
 
 
 def mosquitto_version() -> str | None:
@@ -41,60 +38,13 @@ def mosquitto_version() -> str | None:
     return first[0].strip() if first else None
 
 
-def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Terminate `process` and wait for it; killed if it does not end within `timeout` seconds."""
-    process.terminate()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=timeout)
-
-
-class Mosquitto:
-    """A Mosquitto process on a free loopback port; `extra` config lines are appended."""
-
-    def __init__(self, workdir: Path, extra: str = "", port: int | None = None):
-        binary = mosquitto_binary()
-        if binary is None:
-            raise RuntimeError("mosquitto is not installed (apt-get install mosquitto), or pass --broker mqtt://host:port")
-        self.binary = binary
-        self.port = port or free_port()
-        self.workdir = Path(workdir)
-        self.extra = extra
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    @property
-    def config_path(self) -> Path:
-        return self.workdir / "mosquitto.conf"
-
-    def start(self) -> Mosquitto:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-            f"log_dest file {self.workdir / 'mosquitto.log'}\n{self.extra}\n"
-        )
-        self.process = subprocess.Popen([self.binary, "-c", str(self.config_path)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
-        if not wait_for_port("127.0.0.1", self.port, 15):
-            self.stop()
-            raise RuntimeError(f"mosquitto did not start on port {self.port}; see {self.workdir / 'mosquitto.log'}")
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process)
-            self.process = None
-
-    def __enter__(self) -> Mosquitto:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def mosquitto(workdir: Path, extra: str = "", port: int | None = None) -> Mosquitto:
+    """harness.brokers' Mosquitto (a free loopback port, a config written here with `extra` lines
+    appended; a context manager), or a RuntimeError naming the alternative when it is not installed."""
+    binary = mosquitto_binary()
+    if binary is None:
+        raise RuntimeError("mosquitto is not installed (apt-get install mosquitto), or pass --broker mqtt://host:port")
+    return Mosquitto(Path(workdir), extra=extra, port=port, binary=binary)
 
 
 class RunningBroker(NamedTuple):
@@ -107,7 +57,7 @@ class RunningBroker(NamedTuple):
 def broker(kind: str, workdir: Path, *, mosquitto_extra: str = "") -> Iterator[RunningBroker]:
     """A running broker: "mosquitto", "amqtt" (both started here) or an external mqtt:// URL."""
     if kind == "mosquitto":
-        with Mosquitto(workdir / "mosquitto", extra=mosquitto_extra) as started:
+        with mosquitto(workdir / "mosquitto", extra=mosquitto_extra) as started:
             yield RunningBroker(started.url, "auto", started.process.pid if started.process else None)
     elif kind == "amqtt":
         with EmbeddedBroker() as started:

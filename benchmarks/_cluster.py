@@ -1,5 +1,5 @@
-"""The topology of `scale.py --cluster`, taken from the tests rather than copied: three "hosts"
-(network namespaces on one bridge, tests/hosts.py), a NATS node on each (tests/nats_cluster.py),
+"""The topology of `scale.py --cluster`, the cluster tests' own (harness/, not copied): three "hosts"
+(network namespaces on one bridge, harness/hosts.py), a NATS node on each (harness/nats_cluster.py),
 `edgepfl aggregator --shard k/K` processes on hosts 2 and 3, and helpers to put a process on a
 host (setns into its namespace) and to read a process's memory from /proc.
 """
@@ -8,38 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from collections.abc import Iterator
 
+from harness.hosts import Hosts, HostsUnavailable, stop_process
+from harness.nats_cluster import NatsCluster, node_config
+
 REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-def _test_helper(name: str) -> ModuleType:
-    """tests/NAME.py loaded from its file as the module NAME, the name the tests import it by (and
-    by which nats_cluster.py imports hosts.py); the one already imported (under pytest) is reused.
-    Nothing is added to sys.path: only these two files come from tests/."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPOSITORY / "tests" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_hosts = _test_helper("hosts")  # first: nats_cluster.py imports it
-_nats_cluster = _test_helper("nats_cluster")
-Hosts, HostsUnavailable, stop_process = _hosts.Hosts, _hosts.HostsUnavailable, _hosts.stop_process
-NatsCluster, node_config = _nats_cluster.NatsCluster, _nats_cluster.node_config
-
 HOSTS = 3
 CLONE_NEWNET = 0x40000000
 NATS_BINARY = shutil.which("nats-server") or shutil.which("nats-server", path="/usr/sbin:/usr/local/sbin")
@@ -144,7 +124,7 @@ def mqtt_options(consumer_replicas: int | None, consumer_memory: bool) -> str:
 
 @contextlib.contextmanager
 def cluster(workdir: Path, mqtt_extra: str = "") -> Iterator[Cluster]:
-    """Three hosts with a NATS node each (tests/nats_cluster.py's configuration, `mqtt_extra`
+    """Three hosts with a NATS node each (harness/nats_cluster.py's configuration, `mqtt_extra`
     added to its `mqtt` block), removed (processes and namespaces) on exit."""
     with Hosts(HOSTS) as hosts:
         def config(host: int, store: Path) -> str:

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 
-from ._claims import NOT_MEASURED, VERDICTS, compare
-from ._flags import (
+from .claims import NOT_MEASURED, VERDICTS, compare
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -53,7 +53,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (NAMES, PAPER_METHODS, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging,
+from .runs import (NAMES, PAPER_METHODS, RunCache, RunPool, Setting, bench_config, listed, mean_std, setup_logging,
                     trailer, write_outputs)
 
 log = logging.getLogger("benchmarks")
@@ -311,7 +311,7 @@ def markdown(args: argparse.Namespace, document: dict[str, Any]) -> str:
         for row in rows:
             seeds = sorted(row["seeds"])
             common = [s for s in seeds if full and s in full["seeds"]]
-            versus = ("-" if row is full or not common else
+            versus = ("-" if full is None or row is full or not common else
                       f"{100 * sum(row['seeds'][s] - full['seeds'][s] for s in common) / len(common):+.2f}")
             globals_ = [v for v in row["global_accuracy"].values() if v is not None]
             accuracy = pct_cell(row["accuracy"]) if seeds else (f"not run: {row['missing']}" if row["missing"]
@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         pool.run_all()
     results = run_rows(args, cache, rows)
     config = {"dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "papers": args.papers,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
+              "papers": args.papers,
               "settings": {p: args.settings[p] for p in args.papers}, "eval_every": args.eval_every,
               "workers": args.workers, "jobs": args.jobs,
               "aggregation_dtype": args.aggregation_dtype,

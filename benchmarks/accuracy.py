@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 
-from ._flags import (
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -57,7 +57,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     ALGORITHMS,
     NAMES,
     RunCache,
@@ -87,7 +87,7 @@ PERSONAL_BODY = {"lg_fedavg"}
 """Algorithms whose body is personal (read from the device's store, not the checkpoint)."""
 TARGET_ALGORITHMS = ("fedper", "fedrep", "repper", "dualfed")
 TARGET_MARGIN = 0.05
-PFLLIB = {
+PFLLIB: dict[str, Any] = {
     "source": "PFLlib benchmark (Zhang et al., JMLR 2025; pfllib.com/benchmark.html), its published table",
     "setting": "Fashion-MNIST, 20 clients, Dirichlet 0.1, 4-layer CNN, 2,000 rounds",
     "accuracy": {"FedAvg": 85.85, "FedPer": 97.44, "FedRep": 97.56, "FedRoD": 97.52, "FedProto": 97.40},
@@ -184,8 +184,11 @@ def load_body(view: RunView, client_id: str):
         arrays = state.arrays
     else:
         checkpoint = load_checkpoint(RunFolder(view.out).checkpoint)
+        if checkpoint is None:
+            raise FileNotFoundError(f"no checkpoint in {view.out}")
         arrays = {k: v for group in checkpoint.state.values() for k, v in group.items()}
-    weights = {k.removeprefix("body."): torch.from_numpy(np.array(v)) for k, v in arrays.items() if k.startswith("body.")}
+    weights = {k.removeprefix("body."): torch.from_numpy(np.array(v))
+               for k, v in arrays.items() if k.startswith("body.")}
     missing, unexpected = body.load_state_dict(weights, strict=False)
     not_statistics = [k for k in missing if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     if not_statistics or unexpected:
@@ -351,7 +354,8 @@ def heads_table(per_run: list[dict]) -> dict[str, Any]:
         measures = {**row["heads"], "in_run": row.get("in_run"), "varying": row.get("varying_features")}
         for name, value in measures.items():
             cells.setdefault(row["setting"], {}).setdefault(row["algorithm"], {}).setdefault(name, []).append(value)
-    table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()} for s, algs in cells.items()}
+    table_ = {s: {a: {n: mean_std(v) for n, v in heads.items()} for a, heads in algs.items()}
+              for s, algs in cells.items()}
     return {"kinds": HEAD_KINDS, "hidden": HEAD_HIDDEN, "runs": per_run, "table": table_}
 
 
@@ -403,7 +407,7 @@ def merge_runs(rows: list[dict], head_runs: list[dict], earlier: dict[str, dict]
 
 def holdout_experiment(args, cache: RunCache, seeds: list[int]) -> dict[str, Any]:
     setting = Setting.parse(args.holdout_setting)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for algorithm in listed(args.holdout_algorithms):
         for seed in seeds:
             view = cache.run(run_config(args, algorithm, setting, seed, holdout_clients=args.holdout))
@@ -524,7 +528,8 @@ def heads_rows(heads: dict[str, Any], settings: list[Setting]) -> list[str]:
     for setting in settings:
         cells = heads["table"].get(setting.name, {})
         for algorithm in (a for a in HEAD_ALGORITHMS if a in cells):
-            lines.append(f"| {NAMES[algorithm]}, {setting.label} | {seed_list(sorted(seeds[algorithm, setting.name]))} | "
+            lines.append(f"| {NAMES[algorithm]}, {setting.label} "
+                         f"| {seed_list(sorted(seeds[algorithm, setting.name]))} | "
                          + " | ".join(pct(cells[algorithm][n]) for n in (*HEAD_KINDS, "in_run", "varying")) + " |")
     return lines + [""]
 
@@ -626,9 +631,9 @@ def plot_curves(path: Path, rows: list[dict], settings: list[Setting], algorithm
     if not shown:
         return
     columns = min(4, len(shown))
-    rows = (len(shown) + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
-    for ax, setting in zip(axes.flat, shown):
+    grid_rows = (len(shown) + columns - 1) // columns
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.2 * columns, 3.4 * grid_rows), squeeze=False)
+    for ax, setting in zip(axes.flat, shown, strict=False):
         for algorithm in algorithms:
             by_round: dict[int, list[float]] = {}
             for row in with_curve:

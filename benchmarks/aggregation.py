@@ -57,13 +57,14 @@ import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
-from collections.abc import Callable
+from typing import Any, cast
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 import edge_sdk
 from coordinator.aggregate import WeightedMean
+from coordinator.algorithms.base import ServerAlgorithm
 from coordinator.memory import return_freed_buffers
 from coordinator.validation import UpdateLimits, check_update, checked_update, delta_norm
 from edge_sdk import codecs, wire
@@ -122,6 +123,11 @@ class UpdateSpec:
     def __init__(self, reference: dict[str, np.ndarray]) -> None:
         self.spec = {GROUP: spec_of(reference)}
 
+    @classmethod
+    def standing_in(cls, reference: dict[str, np.ndarray]) -> ServerAlgorithm:
+        """One, typed as the server algorithm it stands in for (it has all that checked_update uses)."""
+        return cast(ServerAlgorithm, cls(reference))
+
     def update_spec(self, round_: int) -> dict:
         return self.spec
 
@@ -129,13 +135,13 @@ class UpdateSpec:
         """No algorithm-specific checks (FedAvg has none)."""
 
 
-def payloads(reference: dict[str, np.ndarray], seeds: range) -> list[bytes]:
+def payloads(reference: dict[str, np.ndarray], seeds: Iterable[int]) -> list[bytes]:
     return [wire.encode(envelope_of(update_of(reference, seed), seed)) for seed in seeds]
 
 
 def fold_all(reference: dict[str, np.ndarray], payload_list: list[bytes], dtype: str = "float32") -> WeightedMean:
     """The coordinator's per-update path from the message bytes: decode, validate, fold."""
-    algorithm, sent = UpdateSpec(reference), {GROUP: reference}
+    algorithm, sent = UpdateSpec.standing_in(reference), {GROUP: reference}
     limits = UpdateLimits(max_examples=10**9, max_update_norm=NORM_BOUND)
     mean = WeightedMean(reference, dtype)
     for payload in payload_list:
@@ -171,7 +177,7 @@ def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
     encoded = [wire.encode(envelope_of(u, i)) for i, u in enumerate(updates)]
     frames = [chunk_frames(p, DEFAULT_CHUNK_SIZE) for p in encoded]
     envelopes = [wire.decode(p) for p in encoded]
-    sent, spec, algorithm = {GROUP: reference}, {GROUP: spec_of(reference)}, UpdateSpec(reference)
+    sent, spec, algorithm = {GROUP: reference}, {GROUP: spec_of(reference)}, UpdateSpec.standing_in(reference)
     bounded, unbounded = UpdateLimits(10**9, NORM_BOUND), UpdateLimits(10**9, 0.0)
     received = {codec: [{GROUP: codecs.encode(codec, {GROUP: u}, sent)[GROUP]} for u in updates]
                 for codec in ("fp16", "int8")}
@@ -182,6 +188,7 @@ def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
     def reassemble(index: int, assembler: Reassembler) -> bytes:
         for frame in frames[index]:
             blob = assembler.add(f"up/{index}", chunk_from_dict(wire.unpack(frame)))
+        assert blob is not None, "the last frame completes the blob"
         return blob
 
     def fold(index: int, mean: WeightedMean, envelope: Envelope | None = None) -> None:

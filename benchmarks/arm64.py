@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ._brokers import Mosquitto
+from ._brokers import mosquitto
 from ._machine import machine_info
 from .footprint import HEADS, MEASURED, ROOT, ReleaseStandIn, measured_peak_mb, write_body, write_images
 
@@ -130,7 +130,8 @@ def install_extra(rootfs: Path, venv_name: str, extra: str, pins: tuple[str, ...
     skipped = ("pip", "setuptools", "pkg_resources", "_distutils_hack")
     total = sum(f.stat().st_size for entry in site.iterdir() if entry.name.split("-")[0] not in skipped
                 for f in ([entry] if entry.is_file() else entry.rglob("*")) if f.is_file())
-    return {"site_packages_mb": round(total / 2**20, 1), "install_seconds_emulated": round(time.perf_counter() - started),
+    return {"site_packages_mb": round(total / 2**20, 1),
+            "install_seconds_emulated": round(time.perf_counter() - started),
             "pins": list(pins)}
 
 
@@ -261,10 +262,11 @@ def main() -> None:
         write_body("digits", "cnn8", body)
         write_images("digits", data, 2000, synthetic=False)
         document["runs"] = []
-        with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
+        with tempfile.TemporaryDirectory() as scratch, mosquitto(Path(scratch)) as broker:
             for head in filter(None, args.heads.split(",")):
                 arm = personalize(broker.url, body, head, "arm64",
-                                  ["--data", "/opt/edgepfl-work/digits.npz", "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
+                                  ["--data", "/opt/edgepfl-work/digits.npz",
+                                   "--state-dir", f"/opt/edgepfl-work/arm-{head}"],
                                   [CHROOT, str(rootfs), "/opt/edgepfl-venv/bin/python"], work / f"arm-{head}.log",
                                   work / f"arm-{head}.peak",
                                   {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": f"/opt/edgepfl-work/arm-{head}.peak"})
@@ -279,16 +281,19 @@ def main() -> None:
                     from edge_sdk.data import load_folder_data
 
                     samples = load_folder_data(str(data)).test_x
-                    row["parity"] = parity(*models, samples)
+                    arm_model, x86_model = models
+                    row["parity"] = parity(arm_model, x86_model, samples)
                     row["inference_parity"] = inference_parity(rootfs, models[0], samples, work)
                 document["runs"].append(row)
                 (out / "arm64.json").write_text(json.dumps(document, indent=2))
             if args.trainer:
                 document["train_install"] = install_extra(rootfs, "edgepfl-train-venv", "train", TRAIN_PINS)
                 document["trainer"] = {
-                    "arm64": train_round(broker.url, "arm64", [CHROOT, str(rootfs), "/opt/edgepfl-train-venv/bin/python"],
+                    "arm64": train_round(broker.url, "arm64",
+                                         [CHROOT, str(rootfs), "/opt/edgepfl-train-venv/bin/python"],
                                          (data, "/opt/edgepfl-work/digits.npz"), work,
-                                         {"PATH": "/usr/bin:/bin", "EDGEPFL_PEAK_FILE": "/opt/edgepfl-work/train-arm64.peak"}),
+                                         {"PATH": "/usr/bin:/bin",
+                                          "EDGEPFL_PEAK_FILE": "/opt/edgepfl-work/train-arm64.peak"}),
                     "x86_64": train_round(broker.url, "x86_64", [sys.executable], (data, str(data)), work,
                                           {**os.environ, "PYTHONPATH": str(ROOT),
                                            "EDGEPFL_PEAK_FILE": str(work / "train-x86_64.peak")})}

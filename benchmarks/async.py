@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ._brokers import broker, machine_info
-from ._runs import bench_config, setup_logging, write_outputs
+from .runs import bench_config, setup_logging, write_outputs
 
 log = logging.getLogger("benchmarks")
 
@@ -141,7 +141,7 @@ def markdown(document: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    plan = QUICK if args.quick else FULL
+    plan: dict[str, Any] = QUICK if args.quick else FULL
     machine = machine_info()  # the load before the runs
     runs = []
     with tempfile.TemporaryDirectory(prefix="edgepfl-async-") as work, broker(args.broker, Path(work)) as running:

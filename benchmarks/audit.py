@@ -36,7 +36,7 @@ from coordinator.privacy.audit_run import AUDITED_MODES, AuditPlan, run_audit
 from coordinator.privacy.audit_updates import RandomUpdates, TrainedUpdates, initial_arrays
 from edge_sdk.privacy import PrivacySettings
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 from ._machine import machine_info
 
 EPSILONS = (1.0, 4.0, 8.0)

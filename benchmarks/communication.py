@@ -1,4 +1,5 @@
-"""Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL statistics.
+"""Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL
+statistics.
 
 Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker), from
 each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`):
@@ -41,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 
-from ._flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
+from .flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
                      run_settings)
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     ALGORITHMS,
     NAMES,
     RunCache,
@@ -128,6 +129,7 @@ def traffic_row(algorithm: str, view: RunView) -> dict[str, Any]:
 def per_round(args, cache: RunCache, algorithms: list[str], main_views: dict[str, RunView]) -> dict[str, list]:
     tables: dict[str, list] = {"digits": []}
     for algorithm in algorithms:
+        view: RunView | None
         if args.dataset == "digits" and algorithm in main_views:
             view = main_views[algorithm]
         else:
@@ -204,9 +206,9 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
     if not has_field("upload_codec"):
         return {"available": False, "rows": [],
                 "note": "this checkout has no upload codec (RunConfig.upload_codec): not implemented"}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for algorithm in listed(args.codec_algorithms):
-        baseline = None
+        baseline: dict[str, Any] | None = None
         for codec in ["fp32"] + [c for c in listed(args.codecs) if c != "fp32"]:
             view = main_views.get(algorithm) if codec == "fp32" else None
             view = view or cache.run(config_for(args, algorithm, upload_codec=codec))
@@ -215,7 +217,7 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
                 continue
             traffic = view.traffic()
             accuracy = view.personalized()["mean"]
-            row = {"algorithm": algorithm, "codec": codec, "status": "ok",
+            row: dict[str, Any] = {"algorithm": algorithm, "codec": codec, "status": "ok",
                    "mb_up_per_round": traffic["up_train"] / 1e6,
                    "kb_up_per_device_round": traffic["up_train_per_device"] / 1e3,
                    "accuracy": accuracy, "run": view.out.name}
@@ -231,14 +233,14 @@ def codecs(args, cache: RunCache, main_views: dict[str, RunView]) -> dict[str, A
 
 
 def dc_pfl_modes(args, cache: RunCache, main_views: dict[str, RunView]) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mode in listed(args.dc_modes):
         covariance, _, transport = mode.partition("/")
         transport = transport or "fp32"
         default = covariance == "full" and transport == "fp32"
         view = main_views.get("dc_pfl") if default else None
-        view = view or cache.run(config_for(args, "dc_pfl",
-                                            hyper={} if default else {"covariance": covariance, "transport": transport}))
+        hyper = {} if default else {"covariance": covariance, "transport": transport}
+        view = view or cache.run(config_for(args, "dc_pfl", hyper=hyper))
         if view is None:
             rows.append({"covariance": covariance, "transport": transport, "status": "failed"})
             continue
@@ -275,7 +277,8 @@ def markdown(args, document: dict[str, Any]) -> str:
                   "| method | MB up / round | KB up / device-round | MB down / round, published | "
                   "MB down / round, delivered | MB eval / evaluation |", "|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {NAMES[r['algorithm']]} | {fmt(r['mb_up_per_round'])} | {fmt(r['kb_up_per_device_round'], 1)} "
+            lines.append(f"| {NAMES[r['algorithm']]} | {fmt(r['mb_up_per_round'])} "
+                         f"| {fmt(r['kb_up_per_device_round'], 1)} "
                          f"| {fmt(r['mb_down_per_round'])} | {fmt(r['mb_down_delivered_per_round'])} "
                          f"| {fmt(r['mb_eval_per_evaluation'])} |")
         lines.append("")
@@ -331,7 +334,8 @@ def markdown(args, document: dict[str, Any]) -> str:
         lines += ["## DC-PFL class statistics", "",
                   f"Uploads are class counts, means and covariances for every class (`--set covariance=...`, "
                   f"`--set transport=...`); {args.dataset}, {setting.label}, {args.rounds} rounds.", "",
-                  "| covariance | transport | KB up / device-round | MB up / round | accuracy |", "|---|---|---|---|---|"]
+                  "| covariance | transport | KB up / device-round | MB up / round | accuracy |",
+                  "|---|---|---|---|---|"]
         for r in document["dc_pfl"]:
             if r["status"] != "ok":
                 lines.append(f"| {r['covariance']} | {r['transport']} | failed | | |")

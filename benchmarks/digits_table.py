@@ -18,7 +18,7 @@ from pathlib import Path
 from coordinator.run_folder import RunFolder
 from edge_sdk.algorithms import in_table_order, load
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 def run(algorithm: str, rounds: int, broker: str | None, out: Path) -> dict:
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", algorithm, "--dataset", "digits",
@@ -49,7 +49,8 @@ def markdown(rows: list[dict], rounds: int) -> str:
     lines = [
         f"digits, 10 devices, Dirichlet alpha 0.5, {rounds} rounds, seed 0, cnn8; wall time of the whole command",
         "",
-        "| algorithm | personalized acc. mean | std | min | global acc. | MB up | MB down | KB up per device-round | wall s |",
+        "| algorithm | personalized acc. mean | std | min | global acc. | MB up | MB down "
+        "| KB up per device-round | wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

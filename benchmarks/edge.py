@@ -161,7 +161,8 @@ def markdown(result: dict) -> str:
                      f"| {m['accuracy_change_points']:+.2f} | {lat['torch_eager']:.3f} | {lat['onnxruntime_fp32']:.3f} "
                      f"| {lat['onnxruntime_int8']:.3f} | {m['speedup_onnxruntime_fp32']:.2f}x |")
     heads = result["head_fit_seconds"]
-    lines += ["", f"Head fitting on {result['head_examples']} x {result['head_dim']} features of {result['head_features']} "
+    lines += ["", f"Head fitting on {result['head_examples']} x {result['head_dim']} features of "
+                  f"{result['head_features']} "
               "(the probe's training images), one core:", "",
               "| head | seconds |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in heads.items()]
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ For each setting and method:
    table states it) at the run lr `--lr`, full training data, test split.
 4. The claim table: each ordering of two of the protocol's methods that a paper states (`CLAIMS`:
    "DualFed > FedRep"), and whether each seed method beats FedAvg+FT, in each setting and under
-   each optimizer, on the seeds both methods ran (benchmarks/_claims.py, as ablations.py's).
+   each optimizer, on the seeds both methods ran (benchmarks/claims.py, as ablations.py's).
 
 The protocol's defaults: Fashion-MNIST, 20 devices, C = 0.2, 50 rounds x 2 local epochs, settings
 Dir(0.1) and `domains`, the five seed methods with FedAvg, FedAvg+FT and FedRep. A method may
@@ -25,10 +25,10 @@ in both forms of its L_re: `fedios`, the default (Eq. 11-12 as printed, identica
 `fedios:l_re=extractors`, the reconstruction on the extractors' outputs at lam 0.1. Devices are
 evaluated every `--eval-every` rounds (default 10) and after the last: the tables read the last
 round, and an evaluation of all 20 devices costs several rounds' training (FedAvg+FT fine-tunes
-each). Runs are cached by their settings' fingerprint (benchmarks/_runs.py), in the cache
+each). Runs are cached by their settings' fingerprint (benchmarks/runs.py), in the cache
 accuracy.py and ablations.py use; each records the machine that trained it, and the tables name
 the machines. Every finished run is also recorded in the committed run ledger (`--ledger`,
-benchmarks/_ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
+benchmarks/ledger.py), from which the tables are rebuilt where the cache is absent: the protocol
 adds up over sessions and machines. `--jobs N` trains N runs side by side (a machine with many
 cores or a GPU); a method's common-optimizer test runs start as soon as its lr search has ended.
 
@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 
-from ._claims import NOT_MEASURED, VERDICTS, compare
-from ._flags import (
+from .claims import NOT_MEASURED, VERDICTS, compare
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -65,7 +65,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (
+from .runs import (
     NAMES,
     RunCache,
     RunPool,
@@ -239,7 +239,7 @@ def accuracies(args: argparse.Namespace, cache: RunCache, method: str, setting: 
                validation: bool) -> dict[str, Any]:
     """Final-round mean personalized accuracy per seed (seeds whose run failed or is not cached are absent):
     the search seeds on the validation split, the seeds on the test split."""
-    seeds: dict[int, float] = {}
+    seeds: dict[int, float | None] = {}
     runs: dict[int, str] = {}
     machines: dict[int, str] = {}
     for seed in args.search_seeds if validation else args.seeds:
@@ -281,7 +281,7 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
             for seed in args.seeds:
                 pool.submit(run_config(args, method, setting, seed, lr=args.lr, common=False, validation=False))
     for tag in pool.completed():
-        if tag is None:
+        if not isinstance(tag, tuple):  # None: a run that closes no search
             continue
         searches_left[tag] -= 1
         if searches_left[tag]:
@@ -289,7 +289,9 @@ def train_side_by_side(args: argparse.Namespace, cache: RunCache) -> None:
         setting, method = tag
         chosen = choose_lr([accuracies(args, finished, method, setting, lr=lr, common=True, validation=True)
                             for lr in args.grid])
-        for seed in args.seeds if chosen is not None else ():
+        if chosen is None:
+            continue
+        for seed in args.seeds:
             pool.submit(run_config(args, method, setting, seed, lr=chosen, common=True, validation=False), priority=1)
 
 
@@ -330,8 +332,8 @@ def claim_rows(methods: list[str], settings: dict[str, dict[str, Any]],
         if claim.better not in methods or claim.worse not in methods:
             continue
         for name, results in settings.items():
-            entry = {"claim": claim.text, "source": claim.source, "better": claim.better, "worse": claim.worse,
-                     "setting": name}
+            entry: dict[str, Any] = {"claim": claim.text, "source": claim.source, "better": claim.better,
+                                     "worse": claim.worse, "setting": name}
             for kind in ("common", "paper"):
                 better, worse = (results[method][kind] or {"seeds": {}} for method in (claim.better, claim.worse))
                 entry[kind] = compare(better["seeds"], worse["seeds"]) or dict(NOT_MEASURED)

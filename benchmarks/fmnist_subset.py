@@ -30,7 +30,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=6000, help="leading training images kept")
     parser.add_argument("--test", type=int, default=2000, help="leading test images kept")
-    parser.add_argument("--data-dir", default=None, help=f"where the full idx files are (default: {SYSTEM_FMNIST_DIRS})")
+    parser.add_argument("--data-dir", default=None,
+                        help=f"where the full idx files are (default: {SYSTEM_FMNIST_DIRS})")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     files = fmnist_idx_files(args.data_dir)
@@ -38,7 +39,7 @@ def main() -> int:
         print("Fashion-MNIST idx files not found (apt-get install dataset-fashion-mnist, or --data-dir)")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, source, keep in zip(FMNIST_FILES, files, (args.train, args.train, args.test, args.test)):
+    for name, source, keep in zip(FMNIST_FILES, files, (args.train, args.train, args.test, args.test), strict=True):
         write_idx(args.out / name, read_idx(source)[:keep])
     print(f"{args.train} + {args.test} images from {files[0].parent} in {args.out}")
     return 0

@@ -13,7 +13,8 @@
    site-packages, and of each distribution in it.
 
 Peak RSS is the device process's own VmHWM (the kernel's high-water mark of its resident
-memory), which it writes as it exits (`MEASURED`). With `--limit-mb` each weak device runs in a memory cgroup of that size
+memory), which it writes as it exits (`MEASURED`). With `--limit-mb` each weak device runs in a
+memory cgroup of that size
 (cgroup v2 `memory.max`, else v1 `memory.limit_in_bytes`; root needed): a device that needs more
 is killed, and the run fails. Where no memory cgroup can be created the limit is recorded as
 "none" and only the peak is measured. Writes footprint.json and footprint.md to --out:
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._brokers import Mosquitto
+from ._brokers import mosquitto
 from ._machine import machine_info
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
@@ -301,7 +302,10 @@ def install_size(work: Path) -> dict[str, Any]:
         name = entry.name.split("-")[0].split(".")[0].lower()
         if entry.name in ("pip", "_distutils_hack") or name in ("pip", "setuptools", "__pycache__"):
             continue
-        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) if entry.is_dir() else entry.stat().st_size
+        if entry.is_dir():
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        else:
+            size = entry.stat().st_size
         sizes[name] = sizes.get(name, 0.0) + size / 2**20
     return {"total_mb": round(sum(sizes.values()), 1),
             "by_package_mb": {k: round(v, 1) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1]) if v >= 0.1}}
@@ -340,7 +344,7 @@ def main() -> None:
     bodies = [("fmnist", "cnn28")] if args.quick else [("digits", "cnn8"), ("fmnist", "cnn28")]
     heads = ("svm",) if args.quick else HEADS
     document: dict[str, Any] = {"machine": machine_info(), "weak_device": []}
-    with tempfile.TemporaryDirectory() as scratch, Mosquitto(Path(scratch)) as broker:
+    with tempfile.TemporaryDirectory() as scratch, mosquitto(Path(scratch)) as broker:
         work = Path(scratch)
         document["limit_mb"] = args.limit_mb
         for dataset, model in bodies:

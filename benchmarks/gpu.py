@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from ._machine import machine_info
-from ._runs import NAMES, setup_logging, write_outputs
+from .runs import NAMES, setup_logging, write_outputs
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from edge_sdk.algorithms.base import NoHyper, Task
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu.py needs a CUDA device; torch sees none")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    document = {"benchmark": "gpu", "machine": machine_info(), "algorithms": algorithms, "paths": []}
+    document: dict[str, Any] = {"benchmark": "gpu", "machine": machine_info(), "algorithms": algorithms, "paths": []}
     document["throughput"] = throughput(args.cpu_threads, args.batch_sizes)
     write_outputs(Path(args.out), "gpu", document, markdown(document))
     for row in paths(algorithms, args.jobs):  # written after each run: a run cut short keeps what ended

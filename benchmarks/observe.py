@@ -65,11 +65,12 @@ from typing import Any
 
 import numpy as np
 
-from ._brokers import RunningBroker, broker, machine_info, stop_process
-from ._flags import add_output_flags, add_run_flags, run_settings
-from ._runs import log, setup_logging, write_outputs
+from ._brokers import RunningBroker, broker, machine_info
+from .flags import add_output_flags, add_run_flags, run_settings
+from .runs import log, setup_logging, write_outputs
 
 from coordinator.broker import free_port, wait_for_port
+from harness.hosts import stop_process
 
 NAME = "observe"
 SETTINGS = ("dataset", "clients", "rounds", "local_epochs", "batch_size", "workers", "seed")

@@ -56,15 +56,16 @@ import tempfile
 import threading
 import time
 import uuid
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import cast
 
 from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 
 from ._brokers import broker, machine_info
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 
@@ -219,7 +220,7 @@ def run_inprocess(config: RunConfig) -> dict:
                 examples[client_id] = int(metrics["num_examples"])
                 welcome[client_id] = coordinator.welcome(client_id)
             welcomes.append(welcome)
-        for conn, welcome in zip(conns, welcomes):
+        for conn, welcome in zip(conns, welcomes, strict=True):
             conn.send(("welcome", welcome))
         for conn in conns:
             conn.recv()
@@ -231,7 +232,7 @@ def run_inprocess(config: RunConfig) -> dict:
                 conn.send((command, envelope))
             pending = list(conns)
             while pending:
-                for conn in wait(pending):
+                for conn in cast("list[Connection]", wait(pending)):
                     pending.remove(conn)
                     for reply in conn.recv():
                         on_reply(reply)
@@ -244,14 +245,16 @@ def run_inprocess(config: RunConfig) -> dict:
             selected = select_clients(devices, config.round.fraction, config.training.seed, round_)
             training = InProcessRound(algorithm, round_, selected, run_id=coordinator.run_id,
                                       codec=config.training.upload_codec, limits=limits)
-            broadcast("train", training.task, lambda reply: training.accept(reply, examples[reply.sender]))
+            broadcast("train", training.task,
+                      lambda reply, training=training: training.accept(reply, examples[reply.sender]))
             training.finish()
             results: dict[str, float] = {}
             request = Envelope(Kind.EVALUATE, COORDINATOR, run_id=coordinator.run_id, round=round_,
                                groups=algorithm.eval_groups(),
                                config={"selected": devices, "final": round_ >= config.training.rounds,
                                        "phase": "round"})
-            broadcast("evaluate", request, lambda reply: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
+            broadcast("evaluate", request,
+                      lambda reply, results=results: results.__setitem__(reply.sender, reply.metrics["accuracy"]))
             seconds = time.monotonic() - began
             accuracy = statistics.fmean(results.values())
             checkpoint.save(folder.checkpoint, checkpoint.Checkpoint(coordinator.run_id, round_, config.fingerprint(),
@@ -276,7 +279,7 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
     for name, result in results.items():
         if name == baseline or "rounds" not in result or not base or "rounds" not in base:
             continue
-        per_round = [m["seconds"] / b["seconds"] for m, b in zip(result["rounds"], base["rounds"])]
+        per_round = [m["seconds"] / b["seconds"] for m, b in zip(result["rounds"], base["rounds"], strict=False)]
         total = sum(r["seconds"] for r in result["rounds"]) / sum(r["seconds"] for r in base["rounds"])
         later = result["rounds"][1:], base["rounds"][1:]
         out[name] = {
@@ -284,7 +287,8 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
             "ratio_per_round": per_round,
             "ratio_after_round_1": (sum(r["seconds"] for r in later[0]) / sum(r["seconds"] for r in later[1])
                                     if later[1] else None),
-            "gap_seconds_per_round": [m["seconds"] - b["seconds"] for m, b in zip(result["rounds"], base["rounds"])],
+            "gap_seconds_per_round": [m["seconds"] - b["seconds"]
+                                      for m, b in zip(result["rounds"], base["rounds"], strict=False)],
             "coordinator_messaging_seconds_per_round": [r.get("coordinator_send_seconds", 0.0)
                                                         + r.get("coordinator_accept_seconds", 0.0)
                                                         for r in result["rounds"]],
@@ -295,8 +299,10 @@ def compare(results: dict[str, dict], baseline: str) -> dict:
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"fedavg, {s['dataset']}, model {s['model']}, {s['clients']} devices, {s['rounds']} rounds x "
-             f"{s['local_epochs']} local epochs, {s['workers']} worker processes, device {s['device']}, seed {s['seed']}", "",
-             "| variant | round | seconds | ratio to in-process | coordinator send s | coordinator receive s | MB up | MB down "
+             f"{s['local_epochs']} local epochs, {s['workers']} worker processes, device {s['device']}, "
+             f"seed {s['seed']}", "",
+             "| variant | round | seconds | ratio to in-process | coordinator send s | coordinator receive s "
+             "| MB up | MB down "
              "| accuracy |", "|---|---|---|---|---|---|---|---|---|"]
     for name, run in result["variants"].items():
         if "error" in run:
@@ -308,8 +314,10 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {name} | {r['round']} | {r['seconds']:.2f} | {ratio} | {r.get('coordinator_send_seconds', 0):.3f} "
                 f"| {r.get('coordinator_accept_seconds', 0):.3f} | {(r.get('bytes_up') or 0) / MB:.2f} "
-                f"| {(r.get('bytes_down') or 0) / MB:.2f} | {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 4)} |")
-    lines += ["", "| variant | sum of round seconds | ratio (sum) | ratio after round 1 | final accuracy | whole run s |",
+                f"| {(r.get('bytes_down') or 0) / MB:.2f} "
+                f"| {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 4)} |")
+    lines += ["", "| variant | sum of round seconds | ratio (sum) | ratio after round 1 | final accuracy "
+                  "| whole run s |",
               "|---|---|---|---|---|---|"]
     for name, run in result["variants"].items():
         if "error" in run:
@@ -318,12 +326,15 @@ def markdown(result: dict) -> str:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         lines.append(f"| {name} | {sum(r['seconds'] for r in run['rounds']):.2f} "
                      f"| {fmt(ratio.get('ratio', 1.0 if name == result['baseline'] else None))} "
-                     f"| {fmt(ratio.get('ratio_after_round_1'))} | {fmt(run['final_accuracy'])} | {run['wall_seconds']:.1f} |")
+                     f"| {fmt(ratio.get('ratio_after_round_1'))} | {fmt(run['final_accuracy'])} "
+                     f"| {run['wall_seconds']:.1f} |")
     t = result["targets"]
     lines += ["", "## Target", "",
               f"- MQTT / in-process wall time per round <= {t['max_ratio']} ({s['dataset']}, {s['clients']} devices): "
-              + ", ".join(f"{k} {v:.3f} ({'met' if v <= t['max_ratio'] else 'missed'})" for k, v in t["ratios"].items()),
-              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+              + ", ".join(f"{k} {v:.3f} ({'met' if v <= t['max_ratio'] else 'missed'})"
+                          for k, v in t["ratios"].items()),
+              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, "
+              "load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
 
@@ -397,7 +408,8 @@ def main() -> None:
                 run = {"error": f"{type(exc).__name__}: {exc}"}
             result["variants"][name] = run
             print(f"{name}: " + (run["error"] if "error" in run else
-                  ", ".join(f"{r['seconds']:.2f}" for r in run["rounds"]) + f" s per round, accuracy {run['final_accuracy']}"),
+                  ", ".join(f"{r['seconds']:.2f}" for r in run["rounds"])
+                  + f" s per round, accuracy {run['final_accuracy']}"),
                   flush=True)
     result["ratios"] = compare(result["variants"], "inprocess")
     result["targets"] = {"max_ratio": 1.15,

@@ -1,7 +1,7 @@
 """User-level differential privacy: what it costs in accuracy and in time, and how much of the
 accuracy personalization recovers.
 
-Three tables, each from cached runs (benchmarks/_runs.py: one folder per settings fingerprint, the
+Three tables, each from cached runs (benchmarks/runs.py: one folder per settings fingerprint, the
 run ledger, `--jobs`):
 
 1. Accuracy against epsilon: each method of `--algorithms` without DP (epsilon inf) and under
@@ -75,10 +75,10 @@ from edge_sdk.privacy.upstream import UploadPrivacy, privatize
 
 from coordinator.flags import given
 
-from ._flags import PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, add_seeds_flag, \
+from .flags import PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, add_seeds_flag, \
     finish_cache_flags
 from ._machine import machine_info
-from ._runs import NAMES, RunCache, RunPool, RunView, bench_config, listed, setup_logging, trailer, write_outputs
+from .runs import NAMES, RunCache, RunPool, RunView, bench_config, listed, setup_logging, trailer, write_outputs
 
 log = logging.getLogger("benchmarks")
 

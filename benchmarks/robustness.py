@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from coordinator.config import RunConfig
 from coordinator.simulate import run_simulation
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
-SETTINGS = [
+SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("mean, no adversaries", {}),
     ("mean, 20% adversaries", {"adversaries": 3, "attack": "mixed"}),
     ("median, 20% adversaries", {"adversaries": 3, "attack": "mixed", "aggregation": "median"}),

@@ -44,7 +44,7 @@ broker-config` writes it: no limit).
 Writes scale.json, scale.md and scale.png (coordinator RSS over time) to --out.
 
 Cluster (`--cluster`, as root; prints why and exits otherwise): per device count a fresh
-topology from tests/hosts.py and tests/nats_cluster.py (imported, not copied): three hosts
+topology from harness/hosts.py and harness/nats_cluster.py (the cluster tests' own): three hosts
 (network namespaces on a bridge), a NATS node on each (JetStream, MQTT 3.1.1), the coordinator
 process on host 1 with `--shards K` (`--shards`, default 2), `edgepfl aggregator --shard k/K`
 processes on hosts 2 and 3, and device process w on host w % 3 + 1 connected to its own host's
@@ -72,17 +72,18 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 
 from coordinator.broker_config import QUEUE_SETTINGS
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.session import DeviceSession
-from edge_sdk.transport import MqttSettings
+from edge_sdk.transport import MqttSettings, MqttTransport
 
 from ._brokers import broker, machine_info, raise_fd_limit
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 
 MB = 1_000_000
 EXAMPLES = 100
@@ -173,7 +174,7 @@ def _devices_main(indices: list[int], url: str, protocol: str, federation: str, 
             time.sleep(connect_interval)  # pacing the connections, not waiting for anything
     connected_at = None
     while connected_at is None and any(t.is_alive() for t in threads):
-        if all(d.channel.transport.connected.is_set() for d in devices):
+        if all(cast(MqttTransport, d.channel.transport).connected.is_set() for d in devices):
             connected_at = time.monotonic()
         else:
             time.sleep(0.02)
@@ -218,6 +219,7 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
 
     return_freed_buffers()  # as `edgepfl coordinator` does
     config = RunConfig.of(**config_fields)
+    assert config.broker.broker is not None, "the coordinator process is given the broker's URL"
     transport = config.coordinator_transport(config.broker.broker)
     transport.connect()
     channel = config.coordinator_channel(transport)
@@ -264,9 +266,11 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
                        max_pending_bytes=channel.counters.peak_pending_bytes)
         rounds.append(dict(current))
 
-    for callback, kind in ((registration_opened, RegistrationOpened), (devices_registered, DevicesRegistered),
-                           (round_started, RoundStarted), (update_accepted, UpdateAccepted),
-                           (round_aggregated, RoundAggregated), (round_ended, RoundEnded)):
+    subscriptions: list[tuple[Callable[[Any], None], type]] = [
+        (registration_opened, RegistrationOpened), (devices_registered, DevicesRegistered),
+        (round_started, RoundStarted), (update_accepted, UpdateAccepted),
+        (round_aggregated, RoundAggregated), (round_ended, RoundEnded)]
+    for callback, kind in subscriptions:
         coordinator.subscribe(callback, kind)
     try:
         report = coordinator.run()
@@ -453,7 +457,8 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
         "model_params": detail["model_params"],
         "model_bytes": model_bytes,
         "registration_seconds": marks["registered_at"] - devices_started,
-        "registration_after_first_connect_seconds": marks["registered_at"] - min(s["connect_started_at"] for s in device_stats),
+        "registration_after_first_connect_seconds":
+            marks["registered_at"] - min(s["connect_started_at"] for s in device_stats),
         "all_connected_seconds": (max(connected) - devices_started) if len(connected) == len(device_stats) else None,
         "reassembly_limits": marks["reassembly_limits"],
         "rss_after_start_bytes": marks["rss_after_start"],
@@ -469,7 +474,8 @@ def summarize(devices: int, processes: int, detail: dict, device_stats: list[dic
         "device_rejections": sum(s["rejections"] for s in device_stats),
         "updates_sent": sum(s["trained"] for s in device_stats),
         "coordinator_wall_seconds": detail["wall_seconds"],
-        "rss_samples": [(round(t - (devices_started - started), 3), rss) for t, rss in samples[::max(1, len(samples) // 2000)]],
+        "rss_samples": [(round(t - (devices_started - started), 3), rss)
+                        for t, rss in samples[::max(1, len(samples) // 2000)]],
     }
 
 
@@ -493,7 +499,7 @@ def cluster_summary(summary: dict, samples: dict[str, list], detail: dict, start
     aggregators = sorted(name for name in samples if name.startswith("aggregator-") and ":" not in name)
     nodes = sorted(name for name in samples if name.startswith("nats-") and ":" not in name)
     return {"aggregators": [{"name": name, **memory(name), "last_log_line": line}
-                            for name, line in zip(aggregators, aggregator_logs)],
+                            for name, line in zip(aggregators, aggregator_logs, strict=False)],
             "nats_nodes": [{"name": name, **memory(name)} for name in nodes]}
 
 
@@ -534,7 +540,8 @@ def markdown(result: dict) -> str:
         lines.append("- no run completed")
     else:
         lines += [
-            f"- coordinator memory at {t['largest_devices']} devices: peak {t['peak_over_baseline_over_model']:.2f}x the model "
+            f"- coordinator memory at {t['largest_devices']} devices: "
+            f"peak {t['peak_over_baseline_over_model']:.2f}x the model "
             f"above the RSS before round 1 (target <= 3x): {'met' if t['memory_met'] else 'missed'}",
             f"- every update received at every device count and round: {'yes' if t['no_update_lost'] else 'NO'}",
         ]
@@ -548,7 +555,8 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {run['devices']} | {process['name']} | {(process['peak_rss_bytes'] or 0) / MB:.0f} "
                              f"| {(process['rss_registered_bytes'] or 0) / MB:.0f} "
                              f"| {'-' if over is None else f'{over:.2f}'} |")
-    lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+    lines += ["", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, "
+              "load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
 
@@ -562,7 +570,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run in result["runs"]:
         if run.get("rss_samples"):
-            t, rss = zip(*run["rss_samples"])
+            t, rss = zip(*run["rss_samples"], strict=True)
             ax.plot(t, [(x - run["rss_before_round_1_bytes"]) / run["model_bytes"] for x in rss],
                     label=f"{run['devices']} devices")
     ax.axhline(3, color="grey", linestyle="--", linewidth=1, label="target: 3x the model")
@@ -674,7 +682,8 @@ def main() -> None:
             rounds = run.get("rounds", [])
             print(f"{devices} devices: " + (run["error"] if "error" in run else
                   f"registered in {run['registration_seconds']:.1f} s; rounds " + ", ".join(
-                      f"{r['latency_seconds']:.2f} s ({r['updates_accepted']}/{devices}, peak +{r['peak_over_baseline_over_model']:.2f} models)"
+                      f"{r['latency_seconds']:.2f} s ({r['updates_accepted']}/{devices}, "
+                      f"peak +{r['peak_over_baseline_over_model']:.2f} models)"
                       for r in rounds)), flush=True)
     done = [r for r in result["runs"] if "error" not in r]
     largest = max(done, key=lambda r: r["devices"]) if done else None
@@ -682,8 +691,9 @@ def main() -> None:
         "largest_devices": largest["devices"] if largest else None,
         "peak_over_baseline_over_model": largest["peak_over_baseline_over_model"] if largest else None,
         "memory_max_models": 3.0,
-        "memory_met": bool(largest) and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
-        "no_update_lost": bool(done) and len(done) == len(result["runs"]) and all(r["all_updates_received"] for r in done),
+        "memory_met": largest is not None and (largest["peak_over_baseline_over_model"] or math.inf) <= 3.0,
+        "no_update_lost": bool(done) and len(done) == len(result["runs"])
+        and all(r["all_updates_received"] for r in done),
     }
     stem = "scale-cluster" if args.cluster else "scale"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))

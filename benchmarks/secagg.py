@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from ._brokers import broker, machine_info
-from ._flags import add_output_flags, add_run_flags
-from ._runs import bench_config, setup_logging, log
+from .flags import add_output_flags, add_run_flags
+from .runs import bench_config, setup_logging, log
 
 MODELS = ("cnn28", "cnn32")
 DEVICE_COUNTS = (10, 50, 200)

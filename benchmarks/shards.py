@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from ._brokers import broker, machine_info
-from ._flags import add_output_flags, add_run_flags
-from ._runs import setup_logging, write_outputs
+from .flags import add_output_flags, add_run_flags
+from .runs import setup_logging, write_outputs
 from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.events import DevicesRegistered
@@ -49,7 +49,10 @@ def one_run(url: str, workdir: Path, shards: int, clients: int, rounds: int, wor
     registered: list[float] = []
     report = run_simulation(config, on_event=lambda e: registered.append(e.seconds)
                             if isinstance(e, DevicesRegistered) else None)
-    state = checkpoint.load(RunFolder(out).checkpoint).state
+    saved = checkpoint.load(RunFolder(out).checkpoint)
+    if saved is None:
+        raise RuntimeError(f"the run in {out} left no checkpoint")
+    state = saved.state
     rounds_ = report["rounds"]
     log.info("shards %d: %.1f s, participants %s", shards, report["wall_seconds"], [r["participants"] for r in rounds_])
     return {"shards": shards, "wall_seconds": report["wall_seconds"], "registration_seconds": registered[0],
@@ -109,7 +112,8 @@ def main() -> None:
             for shards in (0, 2):
                 runs.append(one_run(running.url, Path(scratch) / f"pair{repeat}", shards, clients, rounds,
                                     args.workers))
-    pairs = [compare(alone.pop("state"), sharded.pop("state")) for alone, sharded in zip(runs[::2], runs[1::2])]
+    pairs = [compare(alone.pop("state"), sharded.pop("state"))
+             for alone, sharded in zip(runs[::2], runs[1::2], strict=True)]
     comparison = {"bit_identical": all(p["bit_identical"] for p in pairs),
                   "max_abs_difference": max(p["max_abs_difference"] for p in pairs)}
 

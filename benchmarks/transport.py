@@ -39,7 +39,8 @@ import sys
 import tempfile
 import time
 import zlib
-from collections import Counter
+from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +95,23 @@ def checksum(groups: dict[str, dict[str, np.ndarray]]) -> tuple[int, int, int]:
     for group in sorted(groups):
         for key in sorted(groups[group]):
             data = np.ascontiguousarray(groups[group][key]).view(np.uint8).reshape(-1)
-            crc = zlib.crc32(data, crc)
+            crc = zlib.crc32(data.data, crc)
             count += 1
             size += data.size
     return count, size, crc
+
+
+def _reassemble(frames: list[bytes], size: int) -> None:
+    """Reassemble `frames` as the coordinator does; the blob must be `size` bytes."""
+    assembler = Reassembler(max_blob_bytes=1 << 30, max_pending_bytes=1 << 31)
+    blob = None
+    for frame in frames:
+        blob = assembler.add(TOPIC, chunk_from_dict(wire.unpack(frame)))
+    assert blob is not None and len(blob) == size
+
+
+def _sha256(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
 
 
 def _timeit(fn, repeats: int) -> list[float]:
@@ -118,30 +132,24 @@ def bench_wire(sizes_mb: list[int], repeats: int) -> list[dict]:
         raw = envelope.array_bytes()
         payload = wire.encode(envelope)
         frames = chunk_frames(payload, DEFAULT_CHUNK_SIZE)
-
-        def reassemble() -> None:
-            assembler = Reassembler(max_blob_bytes=1 << 30, max_pending_bytes=1 << 31)
-            blob = None
-            for frame in frames:
-                blob = assembler.add(TOPIC, chunk_from_dict(wire.unpack(frame)))
-            assert blob is not None and len(blob) == len(payload)
-
         times = {
-            "encode": _timeit(lambda: wire.encode(envelope), repeats),
-            "decode": _timeit(lambda: wire.decode(payload), repeats),
-            "chunk_frames_1mib": _timeit(lambda: chunk_frames(payload, DEFAULT_CHUNK_SIZE), repeats),
-            "reassemble_1mib": _timeit(reassemble, repeats),
-            "sha256": _timeit(lambda: hashlib.sha256(payload).digest(), repeats),
+            "encode": _timeit(partial(wire.encode, envelope), repeats),
+            "decode": _timeit(partial(wire.decode, payload), repeats),
+            "chunk_frames_1mib": _timeit(partial(chunk_frames, payload, DEFAULT_CHUNK_SIZE), repeats),
+            "reassemble_1mib": _timeit(partial(_reassemble, frames, len(payload)), repeats),
+            "sha256": _timeit(partial(_sha256, payload), repeats),
         }
-        row = {"payload_mb": size_mb, "raw_bytes": raw, "arrays": len(arrays), "encoded_bytes": len(payload),
-               "chunked_bytes_1mib": sum(len(f) for f in frames) + len(frames) * len(TOPIC)}
+        row: dict[str, float] = {"payload_mb": size_mb, "raw_bytes": raw, "arrays": len(arrays),
+                                 "encoded_bytes": len(payload),
+                                 "chunked_bytes_1mib": sum(len(f) for f in frames) + len(frames) * len(TOPIC)}
         for name, values in times.items():
             median = statistics.median(values)
             row[f"{name}_seconds"] = median
             row[f"{name}_mb_per_s"] = raw / median / MB
         rows.append(row)
-        print(f"wire {size_mb:>4} MB: encode {row['encode_mb_per_s']:8.0f} MB/s, decode {row['decode_mb_per_s']:8.0f} MB/s, "
-              f"chunk {row['chunk_frames_1mib_mb_per_s']:6.0f} MB/s, reassemble {row['reassemble_1mib_mb_per_s']:6.0f} MB/s",
+        print(f"wire {size_mb:>4} MB: encode {row['encode_mb_per_s']:8.0f} MB/s, "
+              f"decode {row['decode_mb_per_s']:8.0f} MB/s, chunk {row['chunk_frames_1mib_mb_per_s']:6.0f} MB/s, "
+              f"reassemble {row['reassemble_1mib_mb_per_s']:6.0f} MB/s",
               flush=True)
     return rows
 
@@ -170,7 +178,7 @@ class _Timers:
         self.reset()
 
     def reset(self) -> None:
-        self.seconds: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.last: dict[str, float] = {}
         self.first_frame: float | None = None
@@ -226,12 +234,14 @@ class _Timers:
 
 
 def _receiver_main(url: str, protocol: str, chunk_size: int, conn) -> None:
-    """Receive envelopes (or raw frames) on TOPIC and report a timeline for each."""
+    """Receive envelopes (or raw frames) on TOPIC and report a timeline for each. The functions
+    timed are replaced by timed wrappers in this process (monkeypatched on purpose)."""
     timers = _Timers()
     wire.unpack = timers.wrap("unpack", wire.unpack)
     wire.envelope_from_dict = timers.wrap("envelope_from_dict", wire.envelope_from_dict)
     channel_module.chunk_from_dict = timers.wrap("chunk_from_dict", channel_module.chunk_from_dict)
-    Reassembler.add = timers.wrap_completing("reassembler_add", "reassembler_complete", Reassembler.add)
+    Reassembler.add = timers.wrap_completing(  # type: ignore[method-assign]
+        "reassembler_add", "reassembler_complete", Reassembler.add)
 
     transport = MqttTransport("bench.receiver", MqttSettings(url=url, protocol=protocol), max_queue=100_000)
     record = transport.counter.record
@@ -241,7 +251,7 @@ def _receiver_main(url: str, protocol: str, chunk_size: int, conn) -> None:
             timers.frame_arrived()
         record(direction, topic, payload_len)
 
-    transport.counter.record = counted
+    transport.counter.record = counted  # type: ignore[method-assign]
     transport.connect()
     channel = Channel(transport, Topics(FEDERATION), chunk_size=chunk_size)
     transport.subscribe(TOPIC)
@@ -307,7 +317,7 @@ class _Sender:
         publish = self.transport.publish
         self.first_publish: float | None = None
 
-        def timed_publish(topic: str, payload: bytes, **kwargs) -> None:
+        def timed_publish(topic: str, payload: bytes | bytearray | memoryview, **kwargs) -> None:
             if self.first_publish is None:
                 self.first_publish = time.monotonic()
             started = time.perf_counter()
@@ -315,7 +325,7 @@ class _Sender:
             self.timers.seconds["publish"] += time.perf_counter() - started
             self.timers.calls["publish"] += 1
 
-        self.transport.publish = timed_publish
+        self.transport.publish = timed_publish  # type: ignore[method-assign]
 
     def send(self, envelope: Envelope) -> dict:
         encode, frames = wire.encode_pieces, channel_module.iter_frames
@@ -453,7 +463,8 @@ def _summarize(base: dict, runs: list[dict]) -> dict:
     best = min(good, key=lambda r: r["seconds"])
     median_seconds = statistics.median(r["seconds"] for r in good)
     row = {**base, **{k: v for k, v in best.items()}, "repeats": len(good), "seconds": median_seconds,
-           "mb_per_s": base["raw_bytes"] / median_seconds / MB, "best_mb_per_s": base["raw_bytes"] / best["seconds"] / MB}
+           "mb_per_s": base["raw_bytes"] / median_seconds / MB,
+           "best_mb_per_s": base["raw_bytes"] / best["seconds"] / MB}
     if "publish_seconds" in best:
         publish = statistics.median(r["publish_seconds"] for r in good)
         row.update(publish_seconds=publish, publish_mb_per_s=base["raw_bytes"] / publish / MB)
@@ -474,23 +485,27 @@ def _print_row(row: dict) -> None:
               f"{row.get('mode', '')}: {row['error']}", flush=True)
         return
     print(f"  {row['broker']:>9} {_chunk_label(row['chunk_size']):>18} {row['payload_mb']:>4} MB {row['mode']:>7}: "
-          f"{row['seconds']:7.3f} s  {row['mb_per_s']:7.1f} MB/s" + (f"  (from first publish {row['publish_mb_per_s']:7.1f})"
-                                                                   if "publish_mb_per_s" in row else ""), flush=True)
+          f"{row['seconds']:7.3f} s  {row['mb_per_s']:7.1f} MB/s"
+          + (f"  (from first publish {row['publish_mb_per_s']:7.1f})" if "publish_mb_per_s" in row else ""),
+          flush=True)
 
 
 # -- report --------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = ["## Wire encoding (edge_sdk.wire), float32 arrays in a ResNet-like layout", "",
-             "| payload MB | arrays | encode MB/s | decode MB/s | chunk_frames 1 MiB MB/s | reassemble 1 MiB MB/s | sha256 MB/s |",
+             "| payload MB | arrays | encode MB/s | decode MB/s | chunk_frames 1 MiB MB/s | reassemble 1 MiB MB/s "
+             "| sha256 MB/s |",
              "|---|---|---|---|---|---|---|"]
     for r in result["wire"]:
         lines.append(f"| {r['payload_mb']} | {r['arrays']} | {r['encode_mb_per_s']:.0f} | {r['decode_mb_per_s']:.0f} "
-                     f"| {r['chunk_frames_1mib_mb_per_s']:.0f} | {r['reassemble_1mib_mb_per_s']:.0f} | {r['sha256_mb_per_s']:.0f} |")
+                     f"| {r['chunk_frames_1mib_mb_per_s']:.0f} | {r['reassemble_1mib_mb_per_s']:.0f} "
+                     f"| {r['sha256_mb_per_s']:.0f} |")
     lines += ["", "## Transfers: Channel.send (encoding included) to the decoded envelope in another process", "",
               f"median of {result['settings']['repeats']} runs; MB/s of raw tensor bytes; timeline columns are seconds "
               "after the send() call, from the best run", "",
-              "| broker | chunk | payload MB | frames | s | MB/s | MB/s from 1st publish | encode s | chunk s | publish calls s "
+              "| broker | chunk | payload MB | frames | s | MB/s | MB/s from 1st publish | encode s | chunk s "
+              "| publish calls s "
               "| first frame at | last frame at | reassembly s | decode s | done after last frame s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["transfers"]:
@@ -502,7 +517,8 @@ def markdown(result: dict) -> str:
             continue
         reassembly = r["reassembly_store_seconds"] + r["reassembly_join_sha256_seconds"]
         lines.append(
-            f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} | {r['frames_sent']} | {f(r['seconds'])} "
+            f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} | {r['frames_sent']} "
+            f"| {f(r['seconds'])} "
             f"| {r['mb_per_s']:.1f} | {r['publish_mb_per_s']:.1f} | {f(r['encode_seconds'])} | {f(r['chunk_seconds'])} "
             f"| {f(r['publish_calls_seconds'])} | {f(r['first_frame_at'])} | {f(r['last_frame_at'])} | {f(reassembly)} "
             f"| {f(r['decode_seconds'])} | {f(r['after_last_frame_seconds'])} |")
@@ -512,22 +528,29 @@ def markdown(result: dict) -> str:
                   "| broker | chunk | payload MB | s | MB/s |", "|---|---|---|---|---|"]
         for r in raw:
             if "mb_per_s" in r:
-                lines.append(f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} | {f(r['seconds'])} "
+                lines.append(f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} "
+                             f"| {f(r['seconds'])} "
                              f"| {r['mb_per_s']:.1f} |")
             else:
-                lines.append(f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} | failed: {r['error']} | |")
-    lines += ["", "## Wire overhead (ByteCounter bytes: payload + topic, chunk headers included, / raw tensor bytes)", "",
+                lines.append(f"| {r['broker']} | {_chunk_label(r['chunk_size'])} | {r['payload_mb']} "
+                             f"| failed: {r['error']} | |")
+    lines += ["", "## Wire overhead (ByteCounter bytes: payload + topic, chunk headers included, / raw tensor bytes)",
+              "",
               "| payload MB | chunk | frames | ratio |", "|---|---|---|---|"]
     for r in result["overhead"]:
         lines.append(f"| {r['payload_mb']} | {_chunk_label(r['chunk_size'])} | {r['frames']} | {r['ratio']:.5f} |")
     t = result["targets"]
+    mosquitto_met = t["mosquitto_50mb_met"]
+    mosquitto_verdict = "met" if mosquitto_met else "missed" if mosquitto_met is False else "not measured"
     lines += ["", "## Targets", "",
               f"- wire overhead on payloads >= 1 MB: {result['wire_overhead_ratio']:.5f} (target <= 1.02): "
               f"{'met' if t['wire_overhead_met'] else 'missed'}",
-              f"- 50 MB through Mosquitto (1 MiB chunks, default): {f(t['mosquitto_50mb_mb_per_s'], 1)} MB/s end to end, "
+              f"- 50 MB through Mosquitto (1 MiB chunks, default): {f(t['mosquitto_50mb_mb_per_s'], 1)} MB/s "
+              "end to end, "
               f"{f(t['mosquitto_50mb_publish_mb_per_s'], 1)} MB/s from the first publish (target >= 100): "
-              f"{'met' if t['mosquitto_50mb_met'] else 'missed' if t['mosquitto_50mb_met'] is False else 'not measured'}",
-              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, load average at start "
+              f"{mosquitto_verdict}",
+              "", f"machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, "
+              "load average at start "
               f"{result['machine']['load_average_at_start']}"]
     return "\n".join(lines) + "\n"
 
@@ -548,9 +571,10 @@ def plot(result: dict, path: Path) -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for r in result["transfers"]:
         if r.get("mode") == "channel" and "mb_per_s" in r:
-            series.setdefault(f"{r['broker']}, {_chunk_label(r['chunk_size'])}", []).append((r["payload_mb"], r["mb_per_s"]))
+            name = f"{r['broker']}, {_chunk_label(r['chunk_size'])}"
+            series.setdefault(name, []).append((r["payload_mb"], r["mb_per_s"]))
     for label, points in series.items():
-        right.plot(*zip(*points), marker="o", label=label)
+        right.plot(*zip(*points, strict=True), marker="o", label=label)
     right.axhline(100, color="grey", linestyle="--", linewidth=1, label="target 100 MB/s")
     right.set(xscale="log", xlabel="payload (MB of float32)", ylabel="MB/s (send() to decoded envelope)",
               title="Channel to Channel through the broker")
@@ -601,7 +625,8 @@ def main() -> None:
     result["wire_overhead_ratio"] = max([r["ratio"] for r in result["overhead"] if r["raw_bytes"] >= MB] + measured)
     result["wire_overhead_ratio_measured"] = max(measured) if measured else None
     target = next((r for r in transfers if r.get("broker") == "mosquitto" and r.get("mode") == "channel"
-                   and r.get("payload_mb") == 50 and r.get("chunk_size") == DEFAULT_CHUNK_SIZE and "mb_per_s" in r), None)
+                   and r.get("payload_mb") == 50 and r.get("chunk_size") == DEFAULT_CHUNK_SIZE
+                   and "mb_per_s" in r), None)
     result["targets"] = {
         "wire_overhead_max": 1.02,
         "wire_overhead_met": result["wire_overhead_ratio"] <= 1.02,

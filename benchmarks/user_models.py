@@ -16,12 +16,14 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch import nn
 
-from ._flags import add_output_flags, add_run_flags
+from .flags import add_output_flags, add_run_flags
 from ._machine import machine_info
 from coordinator.federation import Federation
 from edge_sdk.algorithms import in_table_order
@@ -52,7 +54,7 @@ def rgb_digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return np.round(enlarged[..., None] * tint * 255).astype(np.uint8), digits.target
 
 
-TASKS = {
+TASKS: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
     "tabular MLP (breast_cancer, 30 features)": (tabular_mlp, {"dataset": "breast_cancer"}),
     "CNN on 24x16 RGB images (digits)": (image_cnn, {"data": rgb_digits()}),
 }
@@ -61,10 +63,11 @@ TASKS = {
 def run(algorithm: str, factory, source: dict, rounds: int, clients: int, out: Path, broker: str | None) -> dict:
     """One run's row: accuracy and bytes, or the refusal's message."""
     started = time.monotonic()
+    given_broker: dict[str, Any] = {"broker": broker} if broker else {}
     try:
         report = Federation(model=factory, algorithm=algorithm, clients=clients, rounds=rounds,
                             partition="dirichlet", alpha=0.5, seed=0, min_clients=clients, quorum_grace=0.0,
-                            device="cpu", out=str(out), **({"broker": broker} if broker else {}), **source).run()
+                            device="cpu", out=str(out), **given_broker, **source).run()
     except ModelError as exc:
         return {"algorithm": algorithm, "refused": str(exc)}
     final = report["final"]["personalized_accuracy"]
@@ -74,10 +77,11 @@ def run(algorithm: str, factory, source: dict, rounds: int, clients: int, out: P
 
 
 def markdown(results: dict[str, list[dict]], rounds: int, clients: int) -> str:
-    lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 (personalized accuracy: mean over devices)", ""]
+    lines = [f"{clients} devices, Dirichlet 0.5, {rounds} rounds, seed 0 "
+             "(personalized accuracy: mean over devices)", ""]
     header = " | ".join(results)
     lines += [f"| algorithm | {header} |", "|---" * (len(results) + 1) + "|"]
-    for rows in zip(*results.values()):  # one algorithm's row in every task
+    for rows in zip(*results.values(), strict=True):  # one algorithm's row in every task
         cells = [f"refused: {row['refused']}" if "refused" in row else
                  f"{row['mean']:.3f} (min {row['min']:.3f}, {row['mb_up']:.1f} MB up)" for row in rows]
         lines.append(f"| {rows[0]['algorithm']} | " + " | ".join(cells) + " |")

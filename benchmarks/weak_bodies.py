@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ._flags import (
+from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
     add_cache_flags,
@@ -40,7 +40,7 @@ from ._flags import (
     run_settings,
 )
 from ._machine import machine_info
-from ._runs import (ALGORITHMS, NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct,
+from .runs import (ALGORITHMS, NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct,
                     setup_logging, write_outputs)
 
 log = logging.getLogger("benchmarks")

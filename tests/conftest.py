@@ -1,8 +1,37 @@
-"""Test-suite wide fixtures: the real brokers (tests/brokers.py) and a federation over the
-loopback broker (tests/loopback_runs.py); and the order the suite runs in."""
+"""Test-suite wide fixtures: the real brokers (started by harness/brokers.py) and a federation
+over the loopback broker (tests/loopback_runs.py); and the order the suite runs in."""
 
-from brokers import amqtt_broker, any_broker, mosquitto  # noqa: F401  (fixtures)
+import pytest
+
+from coordinator.broker import EmbeddedBroker
+from harness.brokers import Mosquitto
 from loopback_runs import federation, quiet_torch  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def mosquitto(tmp_path):
+    broker = Mosquitto(tmp_path / "mosquitto").start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def amqtt_broker():
+    with EmbeddedBroker() as broker:
+        yield broker
+
+
+@pytest.fixture(params=["mosquitto", "amqtt"])
+def any_broker(request, tmp_path):
+    """Each test using it runs once against Mosquitto and once against amqtt: (url, protocol)."""
+    if request.param == "mosquitto":
+        broker = Mosquitto(tmp_path / "mosquitto").start()
+        yield broker.url, "auto"
+        broker.stop()
+    else:
+        with EmbeddedBroker() as embedded:
+            yield embedded.url, "3.1.1"
+
 
 WHOLE_RUNS = ("tests/e2e/", "tests/integration/")
 """Where the long files are: whole runs of the command, real brokers and processes."""

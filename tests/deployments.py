@@ -37,6 +37,7 @@ class Process:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        assert self.popen.stdout is not None, "started with stdout=PIPE"
         for line in self.popen.stdout:
             self.output.append(line)
             self.lines.put(line)

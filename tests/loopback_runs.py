@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,8 +36,8 @@ class BlockingLock:
         self.release.wait(timeout=120)
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 
@@ -50,8 +51,8 @@ class Gate:
         self.open.wait(timeout=120)
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 
@@ -101,9 +102,10 @@ class LoopbackFederation:
     def config(self, **changes):
         from coordinator.config import RunConfig
 
-        settings = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64,
-                        seed=0, federation=self.topics.federation, out=str(self.folder.path),
-                        round_timeout=20.0, registration_timeout=20.0, quorum_grace=15.0, device="cpu")
+        settings: dict[str, Any] = dict(
+            algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64, seed=0,
+            federation=self.topics.federation, out=str(self.folder.path), round_timeout=20.0,
+            registration_timeout=20.0, quorum_grace=15.0, device="cpu")
         settings.update(changes)
         return RunConfig.of(**settings)
 

@@ -15,6 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coordinator import compatibility
 from coordinator.compatibility import Feature
@@ -41,7 +42,7 @@ class MatrixFederation(LoopbackFederation):
     def __init__(self, tmp_path: Path, federation: str):
         super().__init__(tmp_path, federation)
         self.errors: list[str] = []
-        self.clients: dict[str, object] = {}
+        self.clients: dict[str, Any] = {}  # trainers and lite clients
 
     def run_device(self, client) -> None:
         original = client.run
@@ -154,7 +155,8 @@ def _start_fleet(fed: MatrixFederation, config, feature: Feature) -> None:
         fed.start_aggregator(shard, config.round.shards)
     for i in range(clients - lite):
         transport = DropsItsFirstUpdate if feature.restart == "device" and i == 0 else None
-        fed.start_device(i, clients, secagg_keys=keys[i], **({"transport_type": transport} if transport else {}))
+        given_transport: dict[str, Any] = {"transport_type": transport} if transport else {}
+        fed.start_device(i, clients, secagg_keys=keys[i], **given_transport)
     for i in range(clients - lite, clients):
         _start_lite(fed, i, clients, config.simulation.head, keys[i])
 

@@ -7,7 +7,7 @@ clearer; none of it calls an algorithm's or `edge_sdk.losses`' helper.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,7 +58,8 @@ def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: dict[str, 
     value = loss()
     names = list(parameters)
     grads = torch.autograd.grad(value, [parameters[n] for n in names], allow_unused=True)
-    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g for n, g in zip(names, grads)}
+    return value.detach(), {n: torch.zeros_like(parameters[n]) if g is None else g
+                            for n, g in zip(names, grads, strict=True)}
 
 
 def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],
@@ -70,7 +71,12 @@ def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[
     assert any(g.abs().sum() > 0 for g in expected_grads.values()), "the reference has no gradient at all"
     for name in parameters:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+                                   msg=prefixed(f"gradient of {name}"))
+
+
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's message: `prefix` before torch's own."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ def _model(task: TaskSpec, nodes: list, initializers: list, feature_dim: int, wi
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, [batch, feature_dim])], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
-    metadata = {"input_shape": list(task.input_shape), "normalization": {"mean": list(task.mean), "std": list(task.std)},
+    metadata = {"input_shape": list(task.input_shape),
+                "normalization": {"mean": list(task.mean), "std": list(task.std)},
                 "class_names": list(task.class_names), "feature_dim": feature_dim}
     if with_task:
         metadata["task"] = task.to_plain()

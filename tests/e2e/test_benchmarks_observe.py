@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import require_binary, require_mosquitto
+from harness.brokers import require_binary, require_mosquitto
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import mosquitto_binary
+from harness.brokers import mosquitto_binary
 
 pytestmark = pytest.mark.e2e
 

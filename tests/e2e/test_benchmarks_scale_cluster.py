@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hosts import hosts_or_skip
-from nats_cluster import nats_binary
+from harness.hosts import hosts_or_skip
+from harness.nats_cluster import nats_binary
 
 pytestmark = pytest.mark.e2e
 

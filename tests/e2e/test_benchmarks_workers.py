@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import require_mosquitto
+from harness.brokers import require_mosquitto
 
 pytestmark = pytest.mark.e2e
 

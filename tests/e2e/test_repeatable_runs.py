@@ -1,6 +1,6 @@
 """The same `edgepfl simulate` command run twice gives the same models and figures (float64
 aggregation): devices register in index order, and every random draw of a device comes from a
-generator of its own seed. So does a benchmark run (benchmarks/_runs.py: `bench_config` sums in
+generator of its own seed. So does a benchmark run (benchmarks/runs.py: `bench_config` sums in
 float64, two workers, part of the devices per round), which the ablation tables compare."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 
-from benchmarks import _runs as runs_module
+from benchmarks import runs as runs_module
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def test_the_same_command_twice_gives_the_same_models_and_figures(tmp_path, algo
 
 @pytest.fixture(scope="module")
 def bench_runs():
-    """benchmarks/_runs.py, as the benchmark scripts import it."""
+    """benchmarks/runs.py, as the benchmark scripts import it."""
     return runs_module
 
 

@@ -98,7 +98,8 @@ def test_simulate_trains_a_user_model_from_its_import_path_on_a_user_csv(tmp_pat
     (tmp_path / "mypkg" / "nets.py").write_text(USER_PACKAGE)
     wine = load_wine()
     rows = [",".join([*(f"f{i}" for i in range(13)), "label"])]
-    rows += [",".join([*(f"{v:.5g}" for v in x), wine.target_names[y]]) for x, y in zip(wine.data, wine.target)]
+    rows += [",".join([*(f"{v:.5g}" for v in x), wine.target_names[y]])
+             for x, y in zip(wine.data, wine.target, strict=True)]
     (tmp_path / "tabular.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "run"
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--algorithm", "fedrep", "--model",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
 from coordinator.run_folder import RunFolder

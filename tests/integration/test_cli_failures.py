@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from brokers import Mosquitto, require_mosquitto
+from harness.brokers import Mosquitto, require_mosquitto
 from ctrl_c import restore_ctrl_c
 from coordinator import checkpoint
 from coordinator.broker import free_port, wait_for_port

@@ -3,8 +3,9 @@ processes, two on each of the three hosts, each process connected to the node of
 
 FedAvg on digits in float64 aggregation gives the same global model as the same run over one
 Mosquitto, bit for bit; so does the run with its aggregation split over two `edgepfl aggregator`
-processes on hosts 2 and 3 (`--shards 2`), each summing the updates of its shard's devices. Then the node leading the `$MQTT_msgs` stream is SIGKILLed after round
-2 (its two devices lose the broker, with no Last Will: the node that held their wills is gone,
+processes on hosts 2 and 3 (`--shards 2`), each summing the updates of its shard's devices.
+Then the node leading the `$MQTT_msgs` stream is SIGKILLed after round 2 (its two devices lose
+the broker, with no Last Will: the node that held their wills is gone,
 so the coordinator still counts them online) and restarted once round 3 closed on its quorum
 without them: the run completes, both devices reconnect to the restarted node, say HELLO and
 train again, and every round is aggregated once with at most one update per device.
@@ -20,19 +21,19 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from brokers import Mosquitto
+from harness.brokers import Mosquitto
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
-from hosts import Hosts, hosts_or_skip
-from nats_cluster import NatsCluster, nats_binary
+from harness.hosts import Hosts, hosts_or_skip
+from harness.nats_cluster import NatsCluster, nats_binary
 
 # JetStream's elections time out on a starved machine (QoS 1 then waits on redeliveries): run alone
 pytestmark = [pytest.mark.integration, pytest.mark.alone]
@@ -67,7 +68,8 @@ def coordinator_args(url: str, out: Path, rounds: int, *flags: str) -> list[str]
 
 def device_args(url: str, tmp_path: Path, index: int) -> list[str]:
     return cli("-v", "client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}",
-               "--dataset", "digits", "--clients", str(DEVICES), "--index", str(index), "--state-dir", str(tmp_path / f"dev{index}"),
+               "--dataset", "digits", "--clients", str(DEVICES), "--index", str(index),
+               "--state-dir", str(tmp_path / f"dev{index}"),
                "--device", "cpu")
 
 

@@ -17,7 +17,7 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-from brokers import Mosquitto
+from harness.brokers import Mosquitto
 
 from coordinator.conformance.kit import run_kit
 from coordinator.conformance.outcome import Report, Verdict

@@ -1,8 +1,8 @@
 """The README's deployment with real processes: `edgepfl broker-config --tls` (accounts, ACLs,
 mutual TLS, signing keys), Mosquitto, a coordinator, three `edgepfl client` trainers and one
 `edgepfl lite-client`, 8 rounds of FedPer with every device selected and the body released, the
-live view and /metrics read mid-run, the rounds tracked to TensorBoard; then `edgepfl release serve` answers the weak board, reinstalled after
-training with no model left.
+live view and /metrics read mid-run, the rounds tracked to TensorBoard; then `edgepfl release
+serve` answers the weak board, reinstalled after training with no model left.
 
 A trainer killed in round 3 and started again rejoins with its own personal state (its head);
 every other round aggregates every update it selected. The coordinator is held (SIGSTOP) from the
@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.releases.inventory import Inventory
 from coordinator.run_folder import RunFolder

@@ -28,7 +28,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from brokers import Mosquitto
+from harness.brokers import Mosquitto
 from coordinator.broker_config import QUEUE_SETTINGS
 from coordinator.config import RunConfig
 from coordinator.events import RoundAggregated, RoundStarted, UpdateAccepted

@@ -268,17 +268,17 @@ class Corpus:
             frames = chunk_frames(self._train_res(client_id, "right"), MIN_CHUNK_SIZE)
             del frames[rng.randrange(len(frames))]
             out += [(TOPICS.up(client_id, Kind.TRAIN_RES), f, "chunk-incomplete") for f in frames]
-        for index in range(100):  # many small incomplete blobs: more than the 64 the reassembler keeps
+        for _ in range(100):  # many small incomplete blobs: more than the 64 the reassembler keeps
             client_id, kind = rng.choice(REGISTERED + UNKNOWN), rng.choice(UP)
             frames = chunk_frames(rng.randbytes(MIN_CHUNK_SIZE + 100), MIN_CHUNK_SIZE)
             out.append((TOPICS.up(client_id, kind), frames[rng.randrange(2)], "chunk-incomplete"))
-        for index in range(4):  # complete blobs with one corrupted byte: checksum failure
+        for _ in range(4):  # complete blobs with one corrupted byte: checksum failure
             client_id = rng.choice(REGISTERED)
             payload = self._train_res(client_id, "wrong") + rng.randbytes(MIN_CHUNK_SIZE)
             frames = [bytearray(f) for f in chunk_frames(payload, MIN_CHUNK_SIZE)]
             frames[-1][-1] ^= 0xFF
             out += [(TOPICS.up(client_id, Kind.TRAIN_RES), bytes(f), "chunk-corrupt") for f in frames]
-        for index in range(10):  # inconsistent manifests and blobs declaring more than 512 MiB
+        for _ in range(10):  # inconsistent manifests and blobs declaring more than 512 MiB
             client_id = rng.choice(REGISTERED + UNKNOWN)
             frames = chunk_frames(rng.randbytes(2 * MIN_CHUNK_SIZE + 7), MIN_CHUNK_SIZE)
             first = msgpack.unpackb(frames[0])
@@ -325,7 +325,7 @@ def test_coordinator_survives_a_fuzz_flood_then_completes_the_round(mosquitto, t
         for sent, (topic, payload, _) in enumerate(messages, 1):
             attacker.publish(topic, payload, qos=0)
             if sent % 250 == 0:
-                wait_until(lambda: counter.received_messages - received0 >= sent - WINDOW
+                wait_until(lambda sent=sent: counter.received_messages - received0 >= sent - WINDOW
                            and transport.incoming.qsize() < WINDOW, 60, "the coordinator to keep up")
         attacker.publish(TOPICS.up(marker, Kind.HELLO), b"\xc1", qos=0)  # never valid msgpack
         wait_until(lambda: watcher.seen.is_set() or not thread.is_alive(), 120, "the end-of-fuzz marker")

@@ -43,7 +43,7 @@ BLOCKED = ("torch", "torchvision", "sklearn", "scipy", "skl2onnx")
 LITE_ONLY_RUNNER = """
 import importlib.abc, json, logging, sys
 
-BLOCKED = %r
+BLOCKED = BLOCKED_MODULES
 
 class Blocked(importlib.abc.MetaPathFinder):
     # not installed as far as this process can tell
@@ -67,7 +67,7 @@ client.run()
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
 with open(out, "w") as handle:
     json.dump({"on_import": imported_on_import, "at_exit": loaded, "accuracy": client.evaluation.accuracy}, handle)
-""" % (BLOCKED,)
+""".replace("BLOCKED_MODULES", repr(BLOCKED))
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,8 @@ def global_prototypes(representation: bytes) -> tuple[np.ndarray, np.ndarray]:
 
     extractor = FeatureExtractor(representation, providers="CPUExecutionProvider")
     statistics = [class_statistics(extractor.embed(data.train_x), data.train_y, 10)
-                  for data in (load_client_data("digits", num_clients=CLIENTS, index=i, seed=0) for i in range(CLIENTS))]
+                  for data in (load_client_data("digits", num_clients=CLIENTS, index=i, seed=0)
+                               for i in range(CLIENTS))]
     counts = np.sum([c for c, _ in statistics], axis=0)
     sums = np.sum([c[:, None] * m.astype(np.float64) for c, m in statistics], axis=0)
     return counts.astype(np.int64), (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import require_binary
+from harness.brokers import require_binary
 from observed_runs import nan_fleet
 
 pytestmark = pytest.mark.integration

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-import brokers
-from brokers import Mosquitto
+from harness import brokers
+from harness.brokers import Mosquitto
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.broker_config import generate
 from coordinator.config import RunConfig

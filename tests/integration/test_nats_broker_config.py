@@ -16,8 +16,8 @@ from coordinator.cli import main
 from coordinator.run_folder import RunFolder
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
-from hosts import hosts_or_skip
-from nats_cluster import NatsCluster, nats_binary, wait_until
+from harness.hosts import hosts_or_skip
+from harness.nats_cluster import NatsCluster, nats_binary, wait_until
 from test_nats_cluster import Probe
 
 pytestmark = pytest.mark.integration
@@ -121,7 +121,7 @@ def test_a_federation_runs_with_the_written_accounts(configured, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     common = ["--federation", FED, "--mqtt-protocol", "3.1.1", "--dataset", "digits", "--clients", str(len(DEVICES))]
     devices = []
-    for index, (host, device) in enumerate(zip((2, 3), DEVICES)):
+    for index, (host, device) in enumerate(zip((2, 3), DEVICES, strict=True)):
         with open(tmp_path / f"{device}.log", "w") as log:
             devices.append(hosts.spawn(host, [
                 sys.executable, "-m", "coordinator.cli", "client", "--broker", cluster.urls[host - 1], *common,

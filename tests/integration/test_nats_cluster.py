@@ -1,6 +1,6 @@
 """What edgepfl relies on from its broker, across a 3-node NATS cluster on three test hosts.
 
-Each node runs on its own network namespace (tests/hosts.py, tests/nats_cluster.py); clients
+Each node runs on its own network namespace (harness/hosts.py, harness/nats_cluster.py); clients
 connect to different nodes from inside those hosts. Checked: retained STATUS/RELEASE-like
 messages (also for a later subscriber), QoS 1 delivery, the Last Will of a killed device
 process, a persistent session that gets what was published while its node was down (after
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -26,8 +26,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
-from hosts import Hosts, hosts_or_skip
-from nats_cluster import MAX_PAYLOAD, NatsCluster, nats_binary
+from harness.hosts import Hosts, hosts_or_skip
+from harness.nats_cluster import MAX_PAYLOAD, NatsCluster, nats_binary
 
 pytestmark = pytest.mark.integration
 WAIT = 30.0

@@ -3,7 +3,7 @@
 Debian's `prometheus` binary scrapes `/metrics` every second with the run's bearer token; the
 test polls Prometheus' query API until the series hold the run's own figures (rounds, bytes by
 direction, rejections, the round duration histogram). In CI (CI=true) a missing binary is a
-failure, elsewhere a skip, as for Mosquitto (tests/brokers.py).
+failure, elsewhere a skip, as for Mosquitto (harness/brokers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import require_binary
+from harness.brokers import require_binary
 from observed_runs import nan_fleet
 from coordinator.broker import free_port
 

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from brokers import Mosquitto
-from nats_cluster import wait_until
+from harness.brokers import Mosquitto
+from harness.nats_cluster import wait_until
 from onnx_bodies import dense_body
 
 from coordinator.releases.inventory import Inventory

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.run_folder import RunFolder
 from deployments import FED, Deployment, Process
@@ -39,7 +39,8 @@ def test_a_secure_deployment_survives_a_device_killed_after_sharing_its_keys(tmp
                                   "--algorithm", "fedavg", "--dataset", "digits", "--partition", "dirichlet",
                                   "--clients", str(len(DEVICES)), "--rounds", "3", "--fraction", "1",
                                   "--local-epochs", "5", "--min-clients", "3", "--round-timeout", "120",
-                                  "--secure-aggregation", "--credentials", str(tmp_path / "broker" / "credentials.json"),
+                                  "--secure-aggregation",
+                                  "--credentials", str(tmp_path / "broker" / "credentials.json"),
                                   *deployment.tls("coordinator"), "--out", str(out))
             processes.append(coordinator)
             trainers = {device: deployment.device("client", device, i, state, "--device", "cpu",

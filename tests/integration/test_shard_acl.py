@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from brokers import ConfiguredMosquitto, require_mosquitto
+from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.broker_config import BrokerConfigError, generate
 from coordinator.sharding import shard_of
-from test_auth import connect, ensure_subscribed, marker, receive_until  # noqa: F401  (connect: a fixture)
+from test_auth import ensure_subscribed, marker, receive_until
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,6 @@ import numpy as np
 import psutil
 import pytest
 
-from brokers import Mosquitto
 from ctrl_c import restore_ctrl_c
 from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder

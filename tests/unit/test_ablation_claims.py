@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks._claims import TIE, compare
+from benchmarks.claims import TIE, compare
 from benchmarks.ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows
 from coordinator.algorithms import hyperparameters
 

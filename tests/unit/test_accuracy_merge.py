@@ -165,7 +165,8 @@ def test_the_table_says_which_runs_were_merged_and_names_the_seeds_of_a_cell_wit
     text = accuracy.markdown(args, document, [accuracy.Setting.parse("dir0.1@1")], ["fedavg", "fedrep"])
 
     assert "| method (%) | Dir(0.1), seeds 0, 1 | over FedAvg |" in text and "| FedAvg | 87.00 ± 1.00 | - |" in text
-    assert "| FedRep | 90.00 (seed 1) | +2.00 |" in text  # fewer seeds than its column's: named, and over FedAvg's seed 1
+    # fewer seeds than its column's: named, and over FedAvg's seed 1
+    assert "| FedRep | 90.00 (seed 1) | +2.00 |" in text
     assert "Merged from `seed0.json` (d, command `c`): runs FedAvg Dir(0.1), C=1 seed 0; 0 heads row(s)." in text
     assert "; 1 merged run(s) from before these were kept are not in it." in text  # the seed-0 row has no curve
 
@@ -208,7 +209,8 @@ def test_a_table_per_participation_fraction_with_points_over_fedavg_and_the_head
     settings = [accuracy.Setting.parse(s) for s in ("dir0.1@1", "domains@1", "dir0.1@0.2")]
     runs = [run_row("fedavg", 0, 0.80), run_row("fedavg", 1, 0.90), run_row("fedper", 0, 0.95),
             run_row("fedper", 1, 0.96), {**run_row("fedavg", 0, 0.70), "setting": "domains@1"},
-            {**run_row("fedavg", 0, 0.60), "setting": "dir0.1@0.2"}, {**run_row("fedper", 2, 0.90), "setting": "dir0.1@0.2"}]
+            {**run_row("fedavg", 0, 0.60), "setting": "dir0.1@0.2"},
+            {**run_row("fedper", 2, 0.90), "setting": "dir0.1@0.2"}]
     head_runs = [head_row("fedavg", 0, 0.96), {**head_row("fedavg", 1, 0.94), "varying_features": 0.5}]
     document = {"config": CONFIG, "runs": runs, "table": accuracy.table(runs), "heads": accuracy.heads_table(head_runs),
                 "holdout": None, "target": {"description": "target", "evaluated": False, "why": "test"},
@@ -225,4 +227,5 @@ def test_a_table_per_participation_fraction_with_points_over_fedavg_and_the_head
     c02 = lines.index("**C=0.2**")
     assert lines[c02 + 2] == "| method (%) | Dir(0.1), seeds 0, 2 | over FedAvg |"
     assert lines[c02 + 5] == "| FedPer | 90.00 (seed 2) | - |"  # no seed in common with FedAvg: no difference
-    assert "| FedAvg, Dir(0.1), C=1 | 0, 1 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 | 50.00 |" in lines
+    assert ("| FedAvg, Dir(0.1), C=1 | 0, 1 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 | 95.00 ± 1.00 "
+            "| 50.00 |") in lines

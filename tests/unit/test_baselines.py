@@ -18,14 +18,14 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from coordinator.inprocess import play_round
-from edge_sdk import training, wire
+from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import DeviceAlgorithm, Task
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import ClientData
-from edge_sdk.params import check_arrays, part_of
+from edge_sdk.params import part_of
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.training import batches, cross_entropy_loss, recalibrate_batchnorm, run_epochs
 
@@ -46,11 +46,7 @@ MAX_TRAIN, MAX_TEST = 96, 48
 SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, lr=0.05, seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Single-threaded torch: these tiny models only lose time to threading."""
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +124,7 @@ def test_server_state_is_the_example_weighted_mean_of_the_uploads(algorithm_id, 
     weights = np.array([r.metrics["num_examples"] for r in results], dtype=np.float64)
     assert list(played.weights.values()) == list(weights)
     for name, value in server.state[SHARED].items():
-        expected = sum(w * r.groups[SHARED][name] for w, r in zip(weights, results)) / weights.sum()
+        expected = sum(w * r.groups[SHARED][name] for w, r in zip(weights, results, strict=True)) / weights.sum()
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -143,7 +139,7 @@ def test_evaluation_deploys_the_global_shared_parts_with_the_personal_ones(algor
     metrics = [d.evaluate(Task(1, server.eval_groups(), {"final": True})) for d in devices]
 
     # Assert
-    for device, m in zip(devices, metrics):
+    for device, m in zip(devices, metrics, strict=True):
         assert 0.0 <= m["accuracy"] <= 1.0 and m["num_test"] == device.data.num_test
         assert ("global_accuracy" in m) == (algorithm_id in GLOBAL_MODEL)
         state = device.model.state_dict()

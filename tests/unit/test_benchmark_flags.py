@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import ablations, fair
-from benchmarks._flags import PROTOCOL, add_run_flags
-from benchmarks._runs import DEFAULT_LEDGER, run_folder_name
+from benchmarks.flags import PROTOCOL, add_run_flags
+from benchmarks.runs import DEFAULT_LEDGER, run_folder_name
 
 LEDGER = Path(__file__).resolve().parents[2] / DEFAULT_LEDGER
 

@@ -30,7 +30,8 @@ def test_permissions_equal_the_mosquitto_acl_plus_qos1_delivery():
 def test_with_shards_a_device_writes_its_shard_topic_and_an_aggregator_reads_its_shard():
     shard = shard_of("cam-1", 2)
 
-    device, aggregator = permissions("plant7", "cam-1", shards=2), permissions("plant7", f"aggregator-{shard}", shards=2)
+    device = permissions("plant7", "cam-1", shards=2)
+    aggregator = permissions("plant7", f"aggregator-{shard}", shards=2)
 
     assert f"edgepfl.plant7.shard-{shard}.cam-1.train_res" in device["publish"]
     assert not any(".shard-" in s for s in device["subscribe"])

@@ -199,7 +199,7 @@ def test_ema_coefficient_ramps_up_until_t0() -> None:
     # Assert
     assert betas[0] == pytest.approx(beta * math.exp(-5 * (1 - 1 / 5) ** 2))
     assert betas[2] == pytest.approx(beta * math.exp(-5 * (1 - 3 / 5) ** 2))
-    assert all(a < b for a, b in zip(betas[:4], betas[1:5]))
+    assert all(a < b for a, b in zip(betas[:4], betas[1:5], strict=True))
     assert betas[4:] == pytest.approx([beta] * (rounds - 4))
 
 

@@ -288,10 +288,10 @@ def test_signal_and_tabular_bodies_compose_with_numpy_and_torch_heads(tmp_path: 
 BLOCKED = ("torch", "torchvision", "sklearn", "scipy", "skl2onnx")
 """What a weak device does not have: the lite code must not need any of it."""
 
-LITE_ONLY = """
+LITE_ONLY = f"""
 import importlib.abc, sys
 
-BLOCKED = {blocked!r}
+BLOCKED = {BLOCKED!r}
 
 class Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -317,7 +317,7 @@ for kind in HEADS:
 loaded = sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED)
 assert not loaded, loaded
 print("lite-only ok")
-""".format(blocked=BLOCKED)
+"""
 
 
 def test_lite_heads_and_compose_work_without_torch_sklearn_or_scipy(setup: Setup, tmp_path: Path) -> None:

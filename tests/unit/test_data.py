@@ -163,8 +163,8 @@ def test_partition_is_disjoint_covering_and_seeded(scheme):
     merged = np.concatenate(parts)
     assert np.array_equal(np.sort(merged), np.arange(labels.size))  # disjoint and covering
     assert all(np.array_equal(np.sort(p), p) for p in parts)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
-    assert any(not np.array_equal(a, b) for a, b in zip(parts, other))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(parts, other, strict=True))
 
 
 @pytest.mark.parametrize("scheme", ["iid", "domains"])

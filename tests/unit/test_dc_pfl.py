@@ -36,9 +36,11 @@ from edge_sdk.training import eval_mode
 
 SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, lr=0.05, seed=0)
 CONTEXT = ServerContext(model="cnn8", task=DIGITS, seed=0, rounds=2, clients=10)
+DEFAULT_HYPER = Hyper()
+"""The algorithm's default hyperparameters."""
 
 
-def _device(index: int, hyper: Hyper = Hyper(), server: DcPflServer | None = None) -> DcPflDevice:
+def _device(index: int, hyper: Hyper = DEFAULT_HYPER, server: DcPflServer | None = None) -> DcPflDevice:
     data = digits_client(index, num_clients=10, partition="dirichlet", alpha=0.5, seed=0)
     assignment = server.assignment(f"dev{index:03d}") if server is not None else {}
     return DcPflDevice(hyper, SETTINGS, data, "cpu", client_seed=index, assignment=assignment)
@@ -251,7 +253,7 @@ def test_lowrank_factor_is_the_top_eigenspace_and_zero_for_an_absent_class() -> 
 
 
 # -- server-side validation -----------------------------------------------------------------------
-def _genuine_upload(hyper: Hyper = Hyper()) -> tuple[dict, int]:
+def _genuine_upload(hyper: Hyper = DEFAULT_HYPER) -> tuple[dict, int]:
     rng = np.random.default_rng(4)
     labels = rng.integers(0, 10, size=200)
     counts, means, covs = class_statistics(np.abs(rng.normal(size=(200, 128))), labels, 10)

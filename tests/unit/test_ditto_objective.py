@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from builtin_tasks import digits_client
-from edge_sdk import training
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.ditto import PERSONAL_MODEL, DittoDevice
 from edge_sdk.algorithms.fedavg import FedAvgDevice
@@ -27,10 +26,7 @@ ONE_STEP = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=TRAI
 """One epoch is one full-batch step."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_device(cls=DittoDevice, **hyper) -> DittoDevice:

@@ -40,10 +40,7 @@ ALLOWED = {"local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fe
 DELTA = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,16 @@ from edge_sdk.models import statistics_keys
 from edge_sdk.protocol import Envelope, Kind
 
 SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+DEFAULT_HYPER = Hyper()
+"""The algorithm's default hyperparameters."""
 
 
-def make_device(index: int = 0, hyper: Hyper = Hyper()) -> DualFedDevice:
+def make_device(index: int = 0, hyper: Hyper = DEFAULT_HYPER) -> DualFedDevice:
     data = digits_client(index, num_clients=10, partition="dirichlet", seed=0)
     return DualFedDevice(hyper, SETTINGS, data, "cpu", client_seed=100 + index)
 
 
-def make_server(hyper: Hyper = Hyper()) -> DualFedServer:
+def make_server(hyper: Hyper = DEFAULT_HYPER) -> DualFedServer:
     return DualFedServer(hyper, ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
 
 
@@ -136,7 +138,7 @@ def _softmax(values: list[float]) -> list[float]:
 def test_ensemble_sums_probabilities_or_logits() -> None:
     # Prepare: a case where the two rules disagree
     g, p = [0.0, 3.0, 4.0], [3.0, 0.0, 0.0]
-    expected_prob = [a + b for a, b in zip(_softmax(g), _softmax(p))]  # [0.9227, 0.3107, 0.7667]
+    expected_prob = [a + b for a, b in zip(_softmax(g), _softmax(p), strict=True)]  # [0.9227, 0.3107, 0.7667]
 
     # Execute
     prob = ensemble(torch.tensor([g], dtype=torch.float64), torch.tensor([p], dtype=torch.float64), "prob")

@@ -224,12 +224,14 @@ def test_int8_quantizes_the_weighted_operators_and_leaves_hard_swish_in_float(tm
     # operators' own outputs (hard-swish's Mul, the residual Add) stay float
     graph = onnx.load(str(int8.path)).graph
     producer = {out: node.op_type for node in graph.node for out in node.output}
-    source = {node.output[0]: node.input[0] for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    source = {node.output[0]: node.input[0] for node in graph.node
+              if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
     conv_reads = {source.get(source.get(name)) for node in graph.node if node.op_type == "Conv" for name in node.input}
     quantized = [node.input[0] for node in graph.node if node.op_type == "QuantizeLinear"]
     assert quantized
     for value in quantized:
-        assert producer.get(value) in (None, "Conv") or value in conv_reads, f"{producer[value]} output {value} is quantized"
+        assert producer.get(value) in (None, "Conv") or value in conv_reads, \
+            f"{producer[value]} output {value} is quantized"
     assert any(producer.get(value) == "Mul" for value in quantized)  # the stem's hard-swish feeds the second conv
     assert not any(producer.get(value) in ("Add", "ReduceMean") for value in quantized)
 

@@ -38,8 +38,8 @@ def test_the_held_out_split_is_disjoint_from_the_training_data_and_covers_it(dat
     assert held.num_test == pytest.approx(0.2 * data.num_train, abs=len(np.unique(data.train_y)))
     assert not rows(held.test_x) & rows(data.test_x) and not rows(held.train_x) & rows(data.test_x)
     # labels follow their images
-    lookup = {row.tobytes(): y for row, y in zip(data.train_x, data.train_y)}
-    assert all(lookup[row.tobytes()] == y for row, y in zip(held.test_x, held.test_y))
+    lookup = {row.tobytes(): y for row, y in zip(data.train_x, data.train_y, strict=True)}
+    assert all(lookup[row.tobytes()] == y for row, y in zip(held.test_x, held.test_y, strict=True))
 
 
 def test_the_held_out_split_is_the_same_for_the_same_seed_only(data):

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from builtin_tasks import digits_client
-from edge_sdk import training
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedala import ALA_STAGE, ALA_WEIGHTS, FRESH, LEARNED, LOCAL, FedAlaDevice
 from edge_sdk.algorithms.fedavg import FedAvgDevice
@@ -33,10 +32,7 @@ ONE_STEP = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=TRAI
 """One epoch is one full-batch step; the sample fits one batch too."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_device(cls=FedAlaDevice, **hyper):

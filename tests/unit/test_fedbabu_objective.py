@@ -18,7 +18,6 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from coordinator.inprocess import play_round
-from edge_sdk import training
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedbabu import FedBABUDevice
 from edge_sdk.algorithms.hyper.fedbabu import Hyper
@@ -31,10 +30,7 @@ NUM_CLIENTS, FINETUNE = 3, 2
 SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=2, batch_size=32, lr=0.05, seed=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

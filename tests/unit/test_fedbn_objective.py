@@ -19,7 +19,7 @@ from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
 from coordinator.inprocess import play_round
-from edge_sdk import training, wire
+from edge_sdk import wire
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedbn import FedBNDevice
 from edge_sdk.models import build_model
@@ -32,10 +32,7 @@ NUM_CLIENTS = 3
 SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from coordinator.aggregate import PartialSum
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedproto import FedProtoServer
 from coordinator.inprocess import FixedUpdate, play_round
-from edge_sdk import training
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedproto import GLOBAL_PROTOTYPES, PROTOTYPES, FedProtoDevice, local_prototypes
 from edge_sdk.algorithms.hyper.fedproto import Hyper
@@ -29,10 +28,7 @@ SETTINGS = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=32, 
 CONTEXT = ServerContext(model="cnn8", task=DIGITS, seed=0, rounds=2, clients=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_device(index: int = 5, **hyper) -> FedProtoDevice:

@@ -32,10 +32,7 @@ ONE_STEP = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=TRAI
 """One epoch is one full-batch step."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_device() -> FedRodDevice:

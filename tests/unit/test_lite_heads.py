@@ -39,7 +39,7 @@ def onnx_outputs(head, features: np.ndarray) -> dict[str, np.ndarray]:
     session = ort.InferenceSession(head.to_onnx(features.shape[1]).SerializeToString(),
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, {session.get_inputs()[0].name: features})))
+    return dict(zip(names, session.run(None, {session.get_inputs()[0].name: features}), strict=True))
 
 
 @pytest.mark.parametrize("kind", HEADS)

@@ -99,7 +99,8 @@ def test_the_weak_device_example_personalizes_on_a_csv(tmp_path, monkeypatch, ca
     (tmp_path / "body.onnx").write_bytes(dense_body(task, hidden=64, seed=2))
     bunch = sklearn.datasets.load_wine()
     header = ",".join([*bunch.feature_names, "label"])
-    rows = [",".join([*map(str, row), task.class_names[label]]) for row, label in zip(bunch.data, bunch.target)]
+    rows = [",".join([*map(str, row), task.class_names[label]])
+            for row, label in zip(bunch.data, bunch.target, strict=True)]
     (tmp_path / "mine.csv").write_text("\n".join([header, *rows]) + "\n")
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--body", str(tmp_path / "body.onnx"), "--data",
                                       str(tmp_path / "mine.csv"), "--head", "lr", "--out", str(tmp_path / "p.onnx")])

@@ -159,7 +159,7 @@ def test_random_crop_flip_without_padding_only_flips() -> None:
     out = random_crop_flip(x, torch.Generator().manual_seed(3), padding=0)
 
     # Assert
-    flipped = [torch.equal(o, xi.flip(2)) for o, xi in zip(out, x)]
-    kept = [torch.equal(o, xi) for o, xi in zip(out, x)]
-    assert all(f or k for f, k in zip(flipped, kept))
+    flipped = [torch.equal(o, xi.flip(2)) for o, xi in zip(out, x, strict=True)]
+    kept = [torch.equal(o, xi) for o, xi in zip(out, x, strict=True)]
+    assert all(f or k for f, k in zip(flipped, kept, strict=True))
     assert any(flipped) and any(kept)

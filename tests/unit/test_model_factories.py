@@ -221,7 +221,8 @@ def test_another_architecture_is_named_by_its_first_differing_name() -> None:
     message = first_mismatch(expected, actual)
 
     # Assert
-    assert message == "parameter 2: the coordinator's model has 'body.3.weight' [128, 128], this one 'head.weight' [3, 128]"
+    assert message == ("parameter 2: the coordinator's model has 'body.3.weight' [128, 128], "
+                       "this one 'head.weight' [3, 128]")
 
 
 def test_a_missing_parameter_is_named() -> None:

@@ -35,8 +35,8 @@ CASES = [
     ("mobilenet_v3_small", 1, 28),
     ("mobilenet_v3_small", 3, 32),
 ]
-EXPECTED_FEATURES = {"cnn8": 128, "cnn8_wide": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512, "mobilenet_v3_small": 576,
-                     "cnn_adaptive": 128, "cnn1d": 128, "mlp": 128}
+EXPECTED_FEATURES = {"cnn8": 128, "cnn8_wide": 128, "cnn28": 512, "cnn32": 512, "resnet18": 512,
+                     "mobilenet_v3_small": 576, "cnn_adaptive": 128, "cnn1d": 128, "mlp": 128}
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -184,7 +184,8 @@ def test_seeded_builds_in_concurrent_threads_get_the_same_weights() -> None:
     assert all(torch.equal(state[k], reference[k]) for state in built for k in reference)
 
 
-@pytest.mark.parametrize(("name", "size", "allowed"), [("cnn8", 28, "8x8"), ("cnn28", 32, "28x28"), ("cnn32", 28, "32x32")])
+@pytest.mark.parametrize(("name", "size", "allowed"),
+                         [("cnn8", 28, "8x8"), ("cnn28", 32, "28x28"), ("cnn32", 28, "32x32")])
 def test_wrong_image_size_names_the_allowed_sizes(name: str, size: int, allowed: str) -> None:
     with pytest.raises(ValueError, match=allowed):
         build_model(name, image_task(1, size))

@@ -28,14 +28,16 @@ from edge_sdk.models import statistics_keys
 from edge_sdk.protocol import Envelope, Kind
 
 SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=0)
+DEFAULT_HYPER = Hyper()
+"""The algorithm's default hyperparameters."""
 
 
-def make_device(index: int, hyper: Hyper = Hyper(), data: ClientData | None = None) -> RepPerDevice:
+def make_device(index: int, hyper: Hyper = DEFAULT_HYPER, data: ClientData | None = None) -> RepPerDevice:
     data = data or digits_client(index, num_clients=10, partition="dirichlet", seed=0)
     return RepPerDevice(hyper, SETTINGS, data, "cpu", client_seed=100 + index)
 
 
-def make_server(hyper: Hyper = Hyper()) -> RepPerServer:
+def make_server(hyper: Hyper = DEFAULT_HYPER) -> RepPerServer:
     return RepPerServer(hyper, ServerContext("cnn8", DIGITS, seed=0, rounds=3, clients=10))
 
 

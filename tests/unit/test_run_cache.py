@@ -1,4 +1,4 @@
-"""benchmarks/_runs.py's run cache: a finished run is reused, and `cached_only` trains nothing."""
+"""benchmarks/runs.py's run cache: a finished run is reused, and `cached_only` trains nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.run_folder import RunFolder
 
-from benchmarks import _runs as runs_module
+from benchmarks import runs as runs_module
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._ledger import DEFAULT_LEDGER
-from benchmarks._runs import bench_config, run_folder_name
+from benchmarks.ledger import DEFAULT_LEDGER
+from benchmarks.runs import bench_config, run_folder_name
 from coordinator.algorithms import hyperparameters
 
 RECORDS = sorted(Path(__file__).resolve().parents[2].joinpath(DEFAULT_LEDGER).glob("*.json"))

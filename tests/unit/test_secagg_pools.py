@@ -43,11 +43,12 @@ def test_statistics_summed_in_the_ring_are_the_plain_pool_s(devices, seed):
     largest = max(examples)
     shapes = {key: value.shape for key, value in shares[0].items()}
     plain = StatisticsPool(shapes)
-    for share, count in zip(shares, examples):
+    for share, count in zip(shares, examples, strict=True):
         plain.add(share, count)
 
     # Execute
-    total = ring_sum([encode_statistics(s, n, largest, BOUND) for s, n in zip(shares, examples)], BOUND, seed)
+    encoded = [encode_statistics(s, n, largest, BOUND) for s, n in zip(shares, examples, strict=True)]
+    total = ring_sum(encoded, BOUND, seed)
     secure = StatisticsPool(shapes)
     secure.add_sum(total, devices, largest)
 
@@ -74,11 +75,11 @@ def test_prototypes_summed_in_the_ring_are_the_plain_pool_s_with_exact_counts(de
     means = [rng.normal(0, 5, (classes, dim)).astype(np.float32) for _ in range(devices)]
     largest = max(int(c.sum()) for c in counts) + 5
     plain = PrototypePool(classes, dim)
-    for c, m in zip(counts, means):
+    for c, m in zip(counts, means, strict=True):
         plain.add({"counts": c, "means": m}, int(c.sum()))
 
     # Execute
-    total = ring_sum([encode_prototypes(c, m, largest, BOUND) for c, m in zip(counts, means)], BOUND, seed)
+    total = ring_sum([encode_prototypes(c, m, largest, BOUND) for c, m in zip(counts, means, strict=True)], BOUND, seed)
     secure = PrototypePool(classes, dim)
     secure.add_sum(total, devices, largest)
 

@@ -31,7 +31,7 @@ def _tabular_csv(path, n: int = 60, seed: int = 0) -> tuple[np.ndarray, np.ndarr
     x = rng.normal(5.0, 2.0, (n, 3)).round(3)
     y = rng.integers(0, 3, n)
     names = ("cat", "dog", "owl")
-    _write_csv(path, "a,b,label,c", [f"{r[0]},{r[1]},{names[k]},{r[2]}" for r, k in zip(x, y)])
+    _write_csv(path, "a,b,label,c", [f"{r[0]},{r[1]},{names[k]},{r[2]}" for r, k in zip(x, y, strict=True)])
     return x.astype(np.float32), y
 
 
@@ -379,7 +379,7 @@ def test_a_user_file_is_partitioned_alike_on_every_device(tmp_path):
                               seed=4, alpha=1.0) for k in range(3)]
 
     # Assert
-    for mine, theirs in zip(here, there):
+    for mine, theirs in zip(here, there, strict=True):
         np.testing.assert_array_equal(mine.train_x, theirs.train_x)
         np.testing.assert_array_equal(mine.test_y, theirs.test_y)
         assert mine.task == theirs.task

@@ -12,7 +12,7 @@ from sklearn.datasets import load_digits, load_wine
 import user_models
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from edge_sdk import training, wire
+from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
@@ -26,10 +26,7 @@ SETTINGS = TrainSettings(model="tests.user_models:unused", rounds=2, local_epoch
                          batch_size=16, lr=0.05, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    with training.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def split_clients(x: np.ndarray, y: np.ndarray, task: TaskSpec, clients: int) -> list[ClientData]:
@@ -55,8 +52,10 @@ def camera_clients() -> list[ClientData]:
     """The digits as 12x10 RGB images (upsampled, channels tinted differently)."""
     digits = load_digits()
     images = torch.from_numpy((digits.data[:240] / 16.0).astype(np.float32)).view(-1, 1, 8, 8)
-    rgb = torch.nn.functional.interpolate(images, size=(12, 10), mode="bilinear") * torch.tensor([1.0, 0.7, 0.4]).view(1, 3, 1, 1)
-    task = TaskSpec("camera", "image", (3, 12, 10), 10, tuple(str(i) for i in range(10)), (0.3, 0.2, 0.1), (0.4, 0.3, 0.2))
+    tint = torch.tensor([1.0, 0.7, 0.4]).view(1, 3, 1, 1)
+    rgb = torch.nn.functional.interpolate(images, size=(12, 10), mode="bilinear") * tint
+    task = TaskSpec("camera", "image", (3, 12, 10), 10, tuple(str(i) for i in range(10)),
+                    (0.3, 0.2, 0.1), (0.4, 0.3, 0.2))
     return split_clients(task.normalize(rgb.numpy()), digits.target[:240].astype(np.int64), task, 2)
 
 

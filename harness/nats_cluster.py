@@ -1,4 +1,4 @@
-"""A NATS cluster for tests: one nats-server per test host (tests/hosts.py), routes between all,
+"""A NATS cluster for tests and benchmarks: one nats-server per test host (harness/hosts.py), routes between all,
 JetStream (which NATS's MQTT layer keeps its sessions, retained messages and QoS 1 messages in,
 replicated across the nodes) and an MQTT listener on each node.
 
@@ -24,9 +24,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
-from hosts import Hosts, skip_or_fail, stop_process
+from .hosts import Hosts, skip_or_fail, stop_process
 
 MQTT_PORT = 1883
 CLIENT_PORT = 4222
@@ -131,6 +131,7 @@ class NatsNode:
     def wait_healthy(self, timeout: float = READY_TIMEOUT) -> None:
         """Until /healthz says ok and an MQTT CONNECT gets its CONNACK; between looks, wait on the
         node's process, so a node that exits fails at once with its log instead of after `timeout`."""
+        assert self.process is not None, "the node is not started"
         deadline = time.monotonic() + timeout
         while not (self.healthy() and self.answers_mqtt()):
             try:
@@ -175,7 +176,7 @@ class NatsCluster:
     def node(self, host: int) -> NatsNode:
         return self.nodes[host - 1]
 
-    def start(self) -> "NatsCluster":
+    def start(self) -> NatsCluster:
         for node in self.nodes:
             node.start()
         for node in self.nodes:

@@ -21,7 +21,7 @@ Not a benchmark itself: a module of the benchmarks package (the scripts run as
   its last round). Shorter requests read the per-round records of a longer run. With
   `cached_only` nothing is trained: a run not finished in the cache is listed in `missing`.
   Each run it trains records where it ran in `machine.json` beside its report. With a `ledger`
-  (`_ledger.RunLedger`, committed), every clean run it returns is recorded there, and a run whose
+  (`ledger.RunLedger`, committed), every clean run it returns is recorded there, and a run whose
   folder is absent is read from there: the tables outlive the machine that trained the runs.
 - `RunPool`: runs of one cache side by side, a process each, highest priority first (a
   benchmark's `--jobs`); the tables are then read from the cache.
@@ -43,9 +43,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
-from ._ledger import DEFAULT_LEDGER, RunLedger
+from .ledger import DEFAULT_LEDGER, RunLedger
 from ._machine import machine_info
 from coordinator.config import KEYS, RunConfig
 from coordinator.run_folder import RunFolder
@@ -508,7 +508,7 @@ def listed(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def mean_std(values: list[float | None]) -> dict[str, Any]:
+def mean_std(values: Sequence[float | None]) -> dict[str, Any]:
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:
         return {"mean": None, "std": None, "n": 0}

@@ -18,7 +18,7 @@ killed (its pid no longer alive) are removed by the next run.
 Skipping: without root, iproute2 or network-namespace support (`hosts_or_skip`) the cluster
 tests skip with the reason, except under CI=true, where they fail: CI runs as root with
 nats-server installed, so a missing prerequisite there is a broken CI image, not a reason to
-pass (the same rule as Mosquitto's in tests/brokers.py).
+pass (the same rule as Mosquitto's in harness/brokers.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
-
-import pytest
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 SUBNET = "10.77.0"
 PREFIX = "epfl"
@@ -104,7 +103,7 @@ class Hosts:
             raise ValueError(f"host must be in 1..{self.count}, got {host}")
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "Hosts":
+    def start(self) -> Hosts:
         if os.geteuid() != 0:
             raise HostsUnavailable("network namespaces need root (run the tests as root, as CI does)")
         if shutil.which("ip") is None:
@@ -142,7 +141,7 @@ class Hosts:
             _remove_namespace(name)
         self._created.clear()
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -205,8 +204,11 @@ def stop_process(process: subprocess.Popen, timeout: float = 10) -> None:
         process.wait(timeout=timeout)
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip with `reason`; under CI=true fail instead (CI must run these tests)."""
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip with `reason`; under CI=true fail instead (CI must run these tests). Only tests call
+    it: pytest is imported here, so that a benchmark needs none."""
+    import pytest
+
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(reason)
     pytest.skip(reason)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._runs import mean_std
+from .runs import mean_std
 
 NOT_MEASURED = {"measured": "not measured", "reproduced": "not measured"}
 """What a claim reads where its two sides have no seed in common."""

@@ -1,6 +1,8 @@
-"""Real MQTT brokers for tests: Mosquitto on a free port with its own config, or amqtt.
+"""Mosquitto for tests and benchmarks: on a free port with its own config, or with a given config.
 
-In CI (CI=true) a missing Mosquitto is a failure, not a skip: the integration tests must run.
+In a test, a missing Mosquitto skips it, and under CI (CI=true) fails it: the integration tests
+must run. A benchmark passes the binary it found (`mosquitto_binary`) and says what to do instead.
+The pytest fixtures over these (and amqtt's) are in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
+from coordinator.broker import free_port, wait_for_port
 
-from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
+from .hosts import stop_process
 
 
 def mosquitto_binary() -> str | None:
@@ -25,6 +27,8 @@ def require_binary(name: str, binary: str | None) -> str:
     fails in CI (CI=true: `make test` installs it there) and skips elsewhere, saying why."""
     if binary is None:
         message = f"{name} is not installed (apt-get install {name}, or run `make test` as root)"
+        import pytest  # only a test gets here: a benchmark passes the binary it found
+
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -44,8 +48,8 @@ class Mosquitto:
 
     START_ATTEMPTS = 3
 
-    def __init__(self, workdir: Path, extra: str = "", port: int | None = None):
-        self.binary = require_mosquitto()
+    def __init__(self, workdir: Path, extra: str = "", port: int | None = None, binary: str | None = None):
+        self.binary = binary or require_mosquitto()
         self.port = port or free_port()
         self.port_given = port is not None
         self.workdir = workdir
@@ -56,7 +60,7 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
-    def start(self) -> "Mosquitto":
+    def start(self) -> Mosquitto:
         for attempt in range(1 if self.port_given else self.START_ATTEMPTS):
             if attempt:
                 self.port = free_port()
@@ -83,34 +87,14 @@ class Mosquitto:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
+            stop_process(self.process)
             self.process = None
 
+    def __enter__(self) -> Mosquitto:
+        return self.start()
 
-@pytest.fixture
-def mosquitto(tmp_path):
-    broker = Mosquitto(tmp_path / "mosquitto").start()
-    yield broker
-    broker.stop()
-
-
-@pytest.fixture
-def amqtt_broker():
-    with EmbeddedBroker() as broker:
-        yield broker
-
-
-@pytest.fixture(params=["mosquitto", "amqtt"])
-def any_broker(request, tmp_path):
-    """Each test using it runs once against Mosquitto and once against amqtt: (url, protocol)."""
-    if request.param == "mosquitto":
-        broker = Mosquitto(tmp_path / "mosquitto").start()
-        yield broker.url, "auto"
-        broker.stop()
-    else:
-        with EmbeddedBroker() as broker:
-            yield broker.url, "3.1.1"
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class ConfiguredMosquitto:
@@ -121,7 +105,7 @@ class ConfiguredMosquitto:
         self.config, self.port = config, port
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ConfiguredMosquitto":
+    def __enter__(self) -> ConfiguredMosquitto:
         self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)
         if not wait_for_port("127.0.0.1", self.port, 15):

@@ -19,7 +19,7 @@ from coordinator.config import SECTIONS
 from coordinator.flags import add_setting_flags, given
 from edge_sdk.settings import settings_of
 
-from ._runs import DEFAULT_CACHE, DEFAULT_LEDGER, bench_config, ledger_folder
+from .runs import DEFAULT_CACHE, DEFAULT_LEDGER, bench_config, ledger_folder
 
 DEFAULT_OUT = "benchmarks/results"
 """Where a benchmark writes its tables unless `--out` says otherwise."""

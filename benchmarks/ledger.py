@@ -1,6 +1,6 @@
 """The run ledger: the finished benchmark runs' records, kept in the repository.
 
-Not a benchmark itself (imported as `_ledger` by `_runs`). The run cache (`_runs.RunCache`) keeps
+Not a benchmark itself (imported as `ledger` by `runs`). The run cache (`runs.RunCache`) keeps
 whole run folders: checkpoints and every device's personal state, too big to commit and lost with
 the machine that trained them. A protocol such as fair.py's needs more machine time than one
 session has, so its runs come from several machines and sessions; the ledger is what they leave
