@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from brokers import Mosquitto
 from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
 from edge_sdk.transport import MqttSettings, MqttTransport
-from nats_cluster import nats_binary
+from harness.brokers import Mosquitto
+from harness.nats_cluster import nats_binary
 
 pytestmark = pytest.mark.integration
 WAIT = 20.0
