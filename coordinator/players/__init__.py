@@ -9,6 +9,6 @@ an update outside a request):
 - `asynchronous`: buffered asynchronous steps (`--mode async`);
 and the pieces they share: `context` (the run's collaborators and the reply pacing),
 `exchange` (one request and its replies: admission, refusals), `evaluation` (EVALUATE and the
-accuracy released), `release_phase` (the released representation after training) and
-`run_state` (resume and checkpoints).
+accuracy released), `round_loop` (one round from its training to its record), `release_phase`
+(the released representation after training, FETCH) and `run_state` (resume and checkpoints).
 """
