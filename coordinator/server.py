@@ -134,7 +134,7 @@ class Coordinator:
                                                                 history)
         """What a run with `init_from` started from (`WarmStart.record`); None for a cold start."""
         self.ledger = Ledger(channel, history)
-        self.state = RunState(config, self.folder, self.position, self.algorithm, self.privacy, self.ledger,
+        self.run_state = RunState(config, self.folder, self.position, self.algorithm, self.privacy, self.ledger,
                               self.init_from)
         self.outbox = Outbox(channel, self.registry, self.ledger, self.position, self.nacks)
         self.registration = Registration(config, self.algorithm, self.hyper, self.model, self.limits, self.registry,
@@ -150,8 +150,8 @@ class Coordinator:
         self.exchange = Exchange(self.run_context)
         self.player = self._player()
         self.evaluation = Evaluation(self.run_context, self.exchange)
-        self.rounds = RoundLoop(self.run_context, self.exchange, self.player, self.evaluation, self.state)
-        self.release_stage = ReleaseStage(self.run_context, self.exchange, self.evaluation, self.state,
+        self.rounds = RoundLoop(self.run_context, self.exchange, self.player, self.evaluation, self.run_state)
+        self.release_stage = ReleaseStage(self.run_context, self.exchange, self.evaluation, self.run_state,
                                           self.registration.device_count)
         for client_id in self.expected_devices:  # before any HELLO: assignments in their order
             self.algorithm.assignment(client_id)
@@ -211,7 +211,7 @@ class Coordinator:
         if done is not None:
             log.info("run %s already finished all %d rounds; nothing changed", self.run_id, rounds)
             return done
-        self.state.started = time.time()
+        self.run_state.started = time.time()
         self.ledger.event("started", incarnation=self.incarnation, after_round=self.completed)
         self.channel.transport.subscribe(self.topics.all_up())
         self._status("registering")
@@ -232,13 +232,13 @@ class Coordinator:
             # resumed after the last round: its final evaluation is released only within the budget
             self.ledger.final = self.evaluation.evaluate(
                 self.completed, figures=self.evaluation.releasable("the final evaluation"))
-            self.state.checkpoint()  # with what its release added to the accountant
+            self.run_state.checkpoint()  # with what its release added to the accountant
         if stopped is None and (self.config.run.release or self.algorithm.releases_representation):
             self.release_stage.play()
         report = run_report(self.config, self.hyper, run_id=self.run_id, completed=self.completed,
                             ledger=self.ledger, release=self.release, devices=self.registry.devices.values(),
                             devices_registered=self.registration.device_count(), partition=self.partition,
-                            wall_seconds=self.state.wall_seconds(),
+                            wall_seconds=self.run_state.wall_seconds(),
                             privacy=self.privacy.report() if self.privacy else None, stopped=stopped,
                             init_from=self.init_from)
         write_report(self.folder, report)
