@@ -13,7 +13,7 @@ server learning rate of 1 and example weights.
 
 Pure bookkeeping with an injected clock (`AsyncSteps`): who trains on which version, what each
 version sent (kept while an update of it may still be applied), and each step's staleness
-histogram. The coordinator's loop (coordinator/server.py) sends and receives.
+histogram. The asynchronous player (coordinator/players/asynchronous.py) sends and receives.
 """
 
 from __future__ import annotations

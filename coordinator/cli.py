@@ -98,7 +98,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .observe.session import observing
     from .report import cumulative_megabytes
     from .server import RegistrationTimeout, finished_report
-    from .simulate import WorkersFailed, run_simulation
+    from .simulate import run_simulation
+    from .worker_watch import WorkersFailed
 
     _check_sharding(config)
     finished = finished_report(config)
@@ -160,7 +161,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     indices = parse_devices(args.devices, config.run.clients, "--devices")
     if not args.start_timeout > 0:
         raise ConfigError(f"--start-timeout must be positive, got {args.start_timeout}")
-    from .simulate import WorkersFailed
+    from .worker_watch import WorkersFailed
     from .workers import DevicesFailed, RunNotAnnounced, host_devices
 
     try:

@@ -86,7 +86,7 @@ VALIDATION_RUN = ("tests/unit/test_loopback_validation.py::"
 TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
 CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
 ALGORITHMS_INIT_PY, REGISTRIES = "edge_sdk/algorithms/__init__.py", ("tests/unit/test_registries.py",)
-SERVER_PY, CONFIG_PY = "coordinator/server.py", "coordinator/config.py"
+SYNC_ROUNDS_PY, CONFIG_PY = "coordinator/players/sync.py", "coordinator/config.py"
 LITE_CLIENT_PY, CLI_PY = "edge_sdk/lite/client.py", "coordinator/cli.py"
 LITE_VALIDATION_RUN = ("tests/unit/test_loopback_weak_devices.py::"
                        "test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split_only",)
@@ -317,8 +317,8 @@ MUTATIONS = (
              (("        after = self._epsilon_after_round(population)\n        if after > budget:",
                "        after = self._epsilon_after_round(population)\n        if self.epsilon() > budget:"),),
              PRIVACY_LOOPBACK_BUDGET),
-    Mutation("dp: a resume restarts the accountant", "coordinator/server.py",
-             (("            self.privacy.restore(saved.history[\"privacy\"])\n", ""),), PRIVACY_LOOPBACK_BUDGET),
+    Mutation("dp: a resume restarts the accountant", "coordinator/players/run_state.py",
+             (("        privacy.restore(saved.history[\"privacy\"])\n", "        pass\n"),), PRIVACY_LOOPBACK_BUDGET),
     Mutation("dp: the sampled rounds left out of a run's epsilon", RUN_PRIVACY_PY,
              (("            self.accountant.add_round(population, self._sample(population), noise)\n",
                "            pass\n"),), PRIVACY_LOOPBACK_EPSILON),
@@ -387,7 +387,7 @@ MUTATIONS = (
     Mutation("secagg: the graph seed leaves out the advertisements", "edge_sdk/secagg/consistency.py",
              (("    for device in sorted(adverts):\n", "    for device in sorted(adverts)[:0]:\n"),), SECAGG_ATTACKS),
     # secure aggregation within shards: one weight scale for every shard, the aggregator's sum mod 2^32
-    Mutation("secagg shards: each shard weights by its own largest device", "coordinator/server.py",
+    Mutation("secagg shards: each shard weights by its own largest device", "coordinator/players/secure.py",
              (("private=private, largest=max(examples.values()))", "private=private)"),),
              ("tests/unit/test_loopback_secagg.py",)),
     Mutation("secagg shards: the aggregator keeps only the last masked vector", "coordinator/aggregator.py",
@@ -534,8 +534,8 @@ MUTATIONS = (
     Mutation("fedbabu: default tau_f not the paper's", "edge_sdk/algorithms/hyper/fedbabu.py",
              (("finetune_epochs: int = 5", "finetune_epochs: int = 10"),), ("tests/unit/test_fedbabu_objective.py",)),
     # Round ends: a device that dropped off is waited for while the quorum needs it
-    Mutation("rounds: a device that dropped off not waited for while the quorum needs it", SERVER_PY,
-             (("            rejoin=self.config.round.quorum_grace,\n", ""),),
+    Mutation("rounds: a device that dropped off not waited for while the quorum needs it", SYNC_ROUNDS_PY,
+             (("            rejoin=run.config.round.quorum_grace,\n", ""),),
              ("tests/unit/test_loopback_faults.py::test_a_device_back_mid_round_gets_the_open_request_again_and_counts",
               "tests/unit/test_rounds.py")),
     Mutation("rounds: the collector closes below its quorum while a dropped device may come back",

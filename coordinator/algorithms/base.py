@@ -1,6 +1,6 @@
 """The server side of an algorithm: initial state, what goes down, how replies are folded in.
 
-The round loop (coordinator/server.py) is written once; an algorithm only says what its global
+The round loop (coordinator/players/) is written once; an algorithm only says what its global
 state is, what each round's task carries, what a valid reply looks like, and how replies are
 aggregated. The server never holds a device's personal state.
 """

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,62 +24,26 @@ from edge_sdk.protocol import (REFUSED, REPORTED_REFUSALS, ArrayGroup, Envelope,
 
 from ..release import PrototypePool
 from .body import random_features_body, release_metadata
+from .coordinator_side import TRAINER, KitCoordinator, KitSettings, RunState
 from .checks import accuracy_problem, answers, cached_reply_problem, int8_problems, reply_problems, reply_to
 from .outcome import Report, SectionFailed, SectionSkipped, Verdict
 from .peer import DevicePeer
-from .plan import Plan, PlanError
 
 log = logging.getLogger(__name__)
 
-TRAINER, LITE = "trainer", "lite"
 FEATURES = 32
 """Feature dimension of the released body (a small one: the kit checks the exchange, not accuracy)."""
 
 
-@dataclass(frozen=True)
-class KitSettings:
-    """How the kit talks to the device under test (`edgepfl conformance` flags)."""
-
-    device_id: str
-    dataset: str | None = None
-    """The built-in task to play (default: the one the device's HELLO names)."""
-    model: str = "auto"
-    signing_key: bytes | None = None
-    hello_timeout: float = 60.0
-    """How long to wait for a HELLO (a device without the retained STATUS says HELLO every 15 s)."""
-    reply_timeout: float = 120.0
-    quiet_seconds: float = 1.0
-    """After the last barrier, how long the kit still listens for replies to bad requests."""
-
-
-@dataclass
-class RunState:
-    """The run the kit currently plays (a new one after the rejoin)."""
-
-    run_id: str
-    incarnation: str
-    codec: str
-    round: int = 0
-
-
-class Conformance:
+class Conformance(KitCoordinator):
     """Plays the coordinator against one device; `run_all()` returns the report."""
 
     def __init__(self, peer: DevicePeer, settings: KitSettings):
-        self.peer = peer
-        self.settings = settings
+        super().__init__(peer, settings)
         self.report = Report()
-        self.run = RunState(new_message_id()[:16], new_message_id()[:12], "fp32")
-        self.hello: Envelope | None = None
-        self.hello_problem: str | None = None
-        self._plan: Plan | None = None
-        self._artifact: bytes | None = None
-        self.damage_next_artifact = False
         self.prototypes: ArrayGroup | None = None  # pooled from the device's EVAL_RES after the release
-        self.runs = [self.run.run_id]
         self.requests: dict[str, Envelope] = {}  # the last good request and reply of each section
         self.replies: dict[str, Envelope] = {}
-        peer.responder = self._respond
 
     # -- the sequence ------------------------------------------------------------------------
     def run_all(self) -> Report:
@@ -117,78 +81,6 @@ class Conformance:
         except SectionFailed as failure:
             self.report.record(key, Verdict.FAIL, str(failure))
         log.info("%s: %s", key, self.report.outcomes[key].reason)
-
-    # -- answering as a coordinator ------------------------------------------------------------
-    def _respond(self, envelope: Envelope) -> None:
-        if envelope.kind is Kind.HELLO:
-            self._welcome(envelope)
-        elif envelope.kind is Kind.FETCH:
-            self._serve(envelope)
-
-    def _welcome(self, hello: Envelope) -> None:
-        """Section 9's HELLO checks, then a WELCOME to the run the kit plays now."""
-        device_type = hello.config.get("device_type", TRAINER)
-        examples = hello.metrics.get("num_examples")
-        if device_type not in (TRAINER, LITE):
-            self.hello_problem = f"HELLO config.device_type is {device_type!r}, not trainer or lite (malformed)"
-        elif not isinstance(examples, (int, float)) or not math.isfinite(examples) or examples < 1:
-            self.hello_problem = f"HELLO metrics.num_examples is {examples!r}, not a finite number >= 1 (malformed)"
-        if self.hello_problem is not None:
-            return
-        self.hello = hello
-        if self._plan is None:
-            try:
-                self._plan = Plan.for_task(self.settings.dataset or str(hello.config.get("task")),
-                                          model=self.settings.model)
-            except PlanError as exc:
-                self.hello_problem = str(exc)
-                return
-        config = self.plan.welcome(self.run.incarnation, self.run.codec)
-        self.peer.send(self.peer.envelope(Kind.WELCOME, self.run.run_id, self.run.round, config=config))
-
-    def _serve(self, fetch: Envelope) -> None:
-        """An ARTIFACT for a FETCH of the released sha256 (damaged once, when asked to)."""
-        if self._artifact is None or fetch.config.get("sha256") != hashlib.sha256(self._artifact).hexdigest():
-            return
-        body = np.frombuffer(self.artifact, np.uint8).copy()
-        if self.damage_next_artifact:
-            body[len(body) // 2] ^= 0xFF
-            self.damage_next_artifact = False
-        self.peer.send(self.peer.envelope(Kind.ARTIFACT, self.run.run_id, self.run.round,
-                                          groups={"artifact": {"onnx": body}},
-                                          config={"sha256": hashlib.sha256(self.artifact).hexdigest()}))
-
-    def _status(self, state: str) -> dict:
-        return {"state": state, "incarnation": self.run.incarnation, "epoch": 1, "rounds": 2, "algorithm": "fedavg"}
-
-    @property
-    def plan(self) -> Plan:
-        """The run the kit plays, made on the device's first valid HELLO."""
-        if self._plan is None:
-            raise SectionFailed("no run to play: the device did not register")
-        return self._plan
-
-    @property
-    def artifact(self) -> bytes:
-        """The released representation's bytes."""
-        if self._artifact is None:
-            raise SectionFailed("nothing was released")
-        return self._artifact
-
-    @property
-    def registered(self) -> Envelope:
-        """The device's last valid HELLO."""
-        if self.hello is None:
-            raise SectionFailed("the device did not register")
-        return self.hello
-
-    @property
-    def lite(self) -> bool:
-        return self.hello is not None and self.hello.config.get("device_type") == LITE
-
-    @property
-    def examples(self) -> int:
-        return int(self.registered.metrics["num_examples"])
 
     # -- requests ----------------------------------------------------------------------------
     def _train(self, round_: int, **changes) -> Envelope:

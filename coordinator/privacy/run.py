@@ -54,6 +54,9 @@ class RunPrivacy:
     training (trainers, holdouts excepted), `fraction` of them sampled each round, `rounds`
     planned with `evaluations` evaluation releases; `seed` is the run's."""
 
+    private = True
+    """A run under DP (`NoPrivacy` says False)."""
+
     def __init__(self, settings: PrivacySettings, *, devices: int, population: int, fraction: float, rounds: int,
                  evaluations: int, seed: int):
         self.settings, self.fraction, self.seed = settings, fraction, seed

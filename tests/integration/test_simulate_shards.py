@@ -97,7 +97,7 @@ def test_a_local_aggregator_that_dies_is_logged_and_its_shard_lost(tmp_path, cap
             killed.append(aggregator.pid)
 
     # Execute
-    with caplog.at_level(logging.ERROR, logger="coordinator.simulate"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
         report = run_simulation(config, on_round=on_round)
 
     # Assert: rounds 2 and 3 aggregate shard 0 alone, and the death is named with its shard

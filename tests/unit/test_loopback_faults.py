@@ -190,8 +190,8 @@ def test_a_round_waits_for_its_quorum_of_trainers_to_be_online(federation, caplo
     config = federation.config(min_clients=3, quorum_grace=30.0, round_timeout=60.0)
     coordinator = federation.coordinator(config)
     waiting = Logged("online trainers")
-    caplog.set_level(logging.INFO, logger="coordinator.server")
-    logging.getLogger("coordinator.server").addHandler(waiting)
+    caplog.set_level(logging.INFO, logger="coordinator.players.sync")
+    logging.getLogger("coordinator.players.sync").addHandler(waiting)
 
     def on_update(event) -> None:
         if (event.round, event.device) == (1, "dev002"):
@@ -210,7 +210,7 @@ def test_a_round_waits_for_its_quorum_of_trainers_to_be_online(federation, caplo
     try:
         report = coordinator.run()
     finally:
-        logging.getLogger("coordinator.server").removeHandler(waiting)
+        logging.getLogger("coordinator.players.sync").removeHandler(waiting)
 
     # Assert: round 2 started once dev002 was back, and selected it
     assert waiting.seen.is_set()
