@@ -2,7 +2,8 @@
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
 #   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
 #               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
-#               its helpers), checks that targeted breaks of the seed methods' objectives fail their tests, and runs all tests
+#               its helpers), runs all tests (naming the slowest), then checks that targeted breaks of the seed
+#               methods' objectives and of the switches fail their tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -47,9 +48,9 @@ demo: install
 test: install system-deps
 	$(BIN)/ruff check edge_sdk coordinator export benchmarks harness tests
 	$(BIN)/mypy
-	$(BIN)/python tests/mutation_check.py --jobs $(TEST_JOBS)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone" --durations=20
+	$(BIN)/python -m pytest -q -m alone --durations=3
+	$(BIN)/python tests/mutation_check.py --jobs $(TEST_JOBS) --baseline-passed
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
