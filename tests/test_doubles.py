@@ -1,5 +1,6 @@
-"""Stand-ins the tests share: a transport that only records what is published, and a thread
-that runs a coordinator and keeps its report or error for the test's assertions."""
+"""Stand-ins the tests share: a transport that only records what is published, a thread that
+runs a coordinator and keeps its report or error for the test's assertions, a device session
+that needs nothing to join, and a clock the test moves."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import threading
 
 from edge_sdk.counters import ByteCounter
 from edge_sdk.flow import IncomingQueue
+from edge_sdk.protocol import Envelope
+from edge_sdk.session import DeviceSession
 
 
 class Wire:
@@ -37,3 +40,23 @@ class CoordinatorThread(threading.Thread):
             self.report = self.coordinator.run()
         except BaseException as exc:  # surfaced by the test's assertions
             self.error = exc
+
+
+class BareDevice(DeviceSession):
+    """A lite device of one example that joins any run: the session's rules, nothing else."""
+
+    def hello(self):
+        return {"num_examples": 1}, {"device_type": "lite"}
+
+    def join(self, welcome: Envelope) -> None:
+        pass
+
+
+class ManualClock:
+    """A clock that stands still until the test moves `now` (a session's timers read it)."""
+
+    def __init__(self, now: float = 5000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -16,27 +16,11 @@ import time
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, LoopbackTransport
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
-from edge_sdk.session import DeviceSession
+from test_doubles import BareDevice, ManualClock
 
 FED = "silentfed"
 WAIT = 10.0
 SILENCE = 60.0
-
-
-class Device(DeviceSession):
-    def hello(self):
-        return {"num_examples": 1}, {"device_type": "lite"}
-
-    def join(self, welcome: Envelope) -> None:
-        pass
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class StalledSubscriptions(LoopbackTransport):
@@ -63,13 +47,13 @@ def status(coordinator: Channel, topics: Topics, state: str) -> None:
 
 def test_a_joined_device_that_missed_the_final_status_ends_on_it_after_a_silence():
     # Prepare: a coordinator's connection, and a joined device on a manual clock
-    broker, topics, clock = LoopbackBroker(), Topics(FED), ManualClock()
+    broker, topics, clock = LoopbackBroker(), Topics(FED), ManualClock(1000.0)
     up = broker.transport(f"{FED}.coordinator")
     up.connect()
     up.subscribe(topics.all_up())
     coordinator = Channel(up, topics)
     transport = StalledSubscriptions(broker, f"{FED}.dev1")
-    device = Device("dev1", federation=FED, transport=transport, clock=clock, silence_interval=SILENCE)
+    device = BareDevice("dev1", federation=FED, transport=transport, clock=clock, silence_interval=SILENCE)
     status(coordinator, topics, "running")
     stop = threading.Event()
     thread = threading.Thread(target=device.run, args=(stop,), daemon=True)

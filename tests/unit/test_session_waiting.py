@@ -18,26 +18,11 @@ import pytest
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics
-from edge_sdk.session import DeviceSession, waiting_log
+from edge_sdk.session import waiting_log
+from test_doubles import BareDevice, ManualClock
 
 FED = "waitfed"
 WAIT = 10.0
-
-
-class Device(DeviceSession):
-    def hello(self):
-        return {"num_examples": 1}, {"device_type": "lite"}
-
-    def join(self, welcome: Envelope) -> None:
-        pass
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Notices(logging.Handler):
@@ -82,9 +67,9 @@ class Fleet:
             config={"state": state, "incarnation": incarnation, "epoch": 1, "rounds": rounds, "algorithm": "fedavg"}),
             retain=True)
 
-    def start(self) -> Device:
-        device = Device("dev1", federation=FED, transport=self.broker.transport(f"{FED}.dev1"), clock=self.clock,
-                        hello_interval=15.0, notice_interval=300.0)
+    def start(self) -> BareDevice:
+        device = BareDevice("dev1", federation=FED, transport=self.broker.transport(f"{FED}.dev1"), clock=self.clock,
+                            hello_interval=15.0, notice_interval=300.0)
         self.thread = threading.Thread(target=device.run, args=(self.stop,), daemon=True)
         self.thread.start()
         return device
