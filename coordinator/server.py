@@ -168,12 +168,12 @@ class Coordinator:
 
     @property
     def run_id(self) -> str:
-        return self.position.run_id
+        return self.run_context.run_id
 
     @property
     def completed(self) -> int:
-        """Rounds completed and checkpointed."""
-        return self.position.completed
+        """Rounds completed and checkpointed (`RunContext.completed`)."""
+        return self.run_context.completed
 
     @property
     def holdout(self) -> frozenset[str]:
