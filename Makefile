@@ -3,7 +3,8 @@
 #   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
 #               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
 #               its helpers), runs all tests (naming the slowest), then checks that targeted breaks of the seed
-#               methods' objectives and of the switches fail their tests
+#               methods' objectives and of the switches fail their tests (those whose module or tests
+#               changed since the last full pass; `make mutations` runs them all and records the pass)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ TEST_JOBS ?= 2
 # break that fails only under load counts as caught, so one job more than TEST_JOBS shortens it and cannot fail a passing tree.
 MUTATION_JOBS ?= 3
 
-.PHONY: demo test install system-deps clean
+.PHONY: demo test mutations install system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
@@ -53,7 +54,11 @@ test: install system-deps
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone" --durations=20
 	$(BIN)/python -m pytest -q -m alone --durations=3
-	$(BIN)/python tests/mutation_check.py --jobs $(MUTATION_JOBS) --baseline-passed
+	$(BIN)/python tests/mutation_check.py --jobs $(MUTATION_JOBS) --baseline-passed --changed
+
+# Every mutation, its tests first run unmutated; the caught ones' fingerprints go to tests/mutations_caught.json.
+mutations: install
+	$(BIN)/python tests/mutation_check.py --jobs $(MUTATION_JOBS) --record
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -45,6 +45,11 @@ waiting_log = logging.getLogger(f"{__name__}.waiting")
 """Where a device with nobody to talk to says so: a user needs to see it without -v."""
 
 MAX_CACHED_REPLIES = 16
+RECEIVE_WAIT = 0.5
+"""Seconds the session waits for a message before its periodic duties (HELLO, notices, silence)."""
+SUBACK_POLL = 0.01
+"""Seconds between two looks at the subscriptions while a HELLO waits for the broker to grant them:
+the SUBACK comes within milliseconds, and a device's registration should not wait `RECEIVE_WAIT`."""
 
 
 class RegistrationRefused(RuntimeError):
@@ -159,7 +164,7 @@ class DeviceSession:
             self._connections_at_hello = getattr(self.channel.transport, "connections", 1)
             self._heard = self._last_hello
             while not stop.is_set() and not self._finished:
-                received = self.channel.receive(timeout=0.5)
+                received = self.channel.receive(timeout=SUBACK_POLL if self._hello_due else RECEIVE_WAIT)
                 if received is not None:
                     self._dispatch(received, handlers)
                     self._heard = self.clock()  # after the work it asked for: a long training is no silence

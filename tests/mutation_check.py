@@ -1,15 +1,20 @@
 """Mutation check: each targeted break of a seed algorithm's objective (or of a switch) must make its tests fail.
 
-Usage: `python tests/mutation_check.py [--jobs N] [name-substring ...]` from the repository root
-(the interpreter must have edgepfl's dependencies). The repository is copied to a temporary
-folder once per job; each mutation (exact string replacements in one module) is applied to a
-free copy, only its tests run there (an algorithm's objective tests, a switch's own) (`pytest
--x`, so a caught mutation stops at its first failing test), and the module is restored. The unmutated tests must pass
-first (spread over the jobs with pytest-xdist), unless `--baseline-passed` says the whole suite just passed on
-this tree, as `make test` does after running it. Mutations whose tests run the command over a broker go first, so
-the jobs end together. Jobs default to the CPU count, at most 4. Exit status 0
-when every mutation was caught, 1 when one survived (they are listed), 2 when the baseline fails
-or a mutation no longer applies (its text is not in the module exactly once).
+Usage: `python tests/mutation_check.py [--jobs N] [--changed] [--record] [name-substring ...]` from the
+repository root (the interpreter must have edgepfl's dependencies). The repository is copied to a
+temporary folder once per job; each mutation (exact string replacements in one module) is applied to
+a free copy, only its tests run there (an algorithm's objective tests, a switch's own) (`pytest -x`,
+so a caught mutation stops at its first failing test), and the module is restored. The unmutated
+tests must pass first (spread over the jobs with pytest-xdist), unless `--baseline-passed` says the
+whole suite just passed on this tree, as `make test` does after running it. Mutations whose tests
+run the command over a broker go first, so the jobs end together. Jobs default to the CPU count, at
+most 4.
+
+`--changed` runs only the mutations whose fingerprint (tests/mutation_ledger.py: the broken module
+and the tests that must catch it) is not in `tests/mutations_caught.json`, the ledger of the last
+full pass; `--record` writes the caught ones' fingerprints into it. Exit status 0 when every
+mutation run was caught, 1 when one survived (they are listed), 2 when the baseline fails or a
+mutation no longer applies (its text is not in the module exactly once).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
+
+from mutation_ledger import LEDGER_NAME, fingerprint, read_ledger, write_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "runs", ".pytest_cache")
@@ -636,19 +643,30 @@ def check(mutation: Mutation, copies: queue.Queue) -> bool:
     return caught
 
 
-def main(selected: list[str], jobs: int, baseline_passed: bool = False) -> int:
+def main(selected: list[str], jobs: int, baseline_passed: bool = False, changed: bool = False,
+         record: bool = False) -> int:
     mutations = [m for m in MUTATIONS if not selected or any(s in m.name for s in selected)]
     if not mutations:  # else the baseline below would be the whole suite
         print(f"no mutation's name contains any of {selected}")
         return 2
-    # the slow ones (whole runs of the command, over a broker) first, so none is left alone at the end
-    mutations.sort(key=lambda m: not any(t.startswith(("tests/integration", "tests/e2e")) for t in m.tests))
     for mutation in mutations:  # every mutation still applies, before anything runs
         try:
             mutated((ROOT / mutation.module).read_text(), mutation)
         except ValueError as error:
             print(error)
             return 2
+    ledger_path = ROOT / "tests" / LEDGER_NAME
+    ledger = read_ledger(ledger_path)
+    prints = {m.name: fingerprint(ROOT, m) for m in mutations}
+    if changed:
+        unchanged = [m for m in mutations if ledger.get(m.name) == prints[m.name]]
+        mutations = [m for m in mutations if ledger.get(m.name) != prints[m.name]]
+        print(f"{len(unchanged)} mutations skipped: caught on the same module and tests in the last full pass "
+              f"({ledger_path.relative_to(ROOT)}); {len(mutations)} to run")
+        if not mutations:
+            return 0
+    # the slow ones (whole runs of the command, over a broker) first, so none is left alone at the end
+    mutations.sort(key=lambda m: not any(t.startswith(("tests/integration", "tests/e2e")) for t in m.tests))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="edgepfl-mutation-") as folder:
         copies: queue.Queue = queue.Queue()
@@ -666,6 +684,12 @@ def main(selected: list[str], jobs: int, baseline_passed: bool = False) -> int:
     survivors = [m.name for m, ok in zip(mutations, caught) if not ok]
     seconds = time.monotonic() - started
     print(f"{len(mutations) - len(survivors)} of {len(mutations)} mutations caught in {seconds:.0f} s")
+    if record:  # the names no longer defined leave the ledger; a survivor's entry is dropped
+        defined = {m.name for m in MUTATIONS}
+        ledger = {name: value for name, value in ledger.items() if name in defined and name not in survivors}
+        ledger.update({m.name: prints[m.name] for m, ok in zip(mutations, caught) if ok})
+        write_ledger(ledger_path, ledger)
+        print(f"recorded {len(ledger)} caught mutations in {ledger_path.relative_to(ROOT)}")
     if survivors:
         print("survived: " + "; ".join(survivors))
         return 1
@@ -677,6 +701,10 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
     parser.add_argument("--baseline-passed", action="store_true",
                         help="skip the unmutated run: the suite just passed on this tree (make test runs it first)")
+    parser.add_argument("--changed", action="store_true",
+                        help="run only the mutations not caught on this same module and tests by the last full pass")
+    parser.add_argument("--record", action="store_true", help="write the caught mutations' fingerprints to the ledger")
     parser.add_argument("names", nargs="*", help="run only the mutations whose name contains one of these")
     arguments = parser.parse_args()
-    sys.exit(main(arguments.names, max(1, arguments.jobs), arguments.baseline_passed))
+    sys.exit(main(arguments.names, max(1, arguments.jobs), arguments.baseline_passed, arguments.changed,
+                  arguments.record))
