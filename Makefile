@@ -4,7 +4,7 @@
 #               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
 #               its helpers), runs all tests (naming the slowest), then checks that targeted breaks of the seed
 #               methods' objectives and of the switches fail their tests (those whose module or tests
-#               changed since the last full pass; `make mutations` runs them all and records the pass)
+#               changed since they were last caught, tests/mutations_caught.json; `make mutations` runs them all)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -54,7 +54,7 @@ test: install system-deps
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone" --durations=20
 	$(BIN)/python -m pytest -q -m alone --durations=3
-	$(BIN)/python tests/mutation_check.py --jobs $(MUTATION_JOBS) --baseline-passed --changed
+	$(BIN)/python tests/mutation_check.py --jobs $(MUTATION_JOBS) --baseline-passed --changed --record
 
 # Every mutation, its tests first run unmutated; the caught ones' fingerprints go to tests/mutations_caught.json.
 mutations: install
