@@ -1,9 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
 #   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
-#               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
-#               its helpers), runs all tests (naming the slowest), then checks that targeted breaks of the seed
-#               methods' objectives and of the switches fail their tests
+#               on edge_sdk, coordinator, export, benchmarks, harness and all of tests, runs all tests
+#               (naming the slowest), then checks that targeted breaks of the seed methods' objectives and
+#               of the switches fail their tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
