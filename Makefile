@@ -1,10 +1,10 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs edgepfl in .venv and runs a federated training over an embedded MQTT broker
 #   make test   installs the test tools (and Mosquitto through apt-get when root), runs ruff and mypy
-#               on edge_sdk, coordinator, export, benchmarks and harness (ruff on all of tests, mypy on
-#               its helpers), runs all tests (naming the slowest), then checks that targeted breaks of the seed
-#               methods' objectives and of the switches fail their tests (those whose module or tests
-#               changed since they were last caught, tests/mutations_caught.json; `make mutations` runs them all)
+#               on edge_sdk, coordinator, export, benchmarks, harness and all of tests, runs all tests
+#               (naming the slowest), then checks that targeted breaks of the seed methods' objectives and
+#               of the switches fail their tests (those whose module or tests changed since they were last
+#               caught, tests/mutations_caught.json; `make mutations` runs them all)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -23,7 +23,7 @@ from .run_folder import RunFolder
 log = logging.getLogger(__name__)
 
 
-def summarize(values: Iterable[float]) -> dict[str, float] | None:
+def summarize(values: Iterable[float | None]) -> dict[str, float] | None:
     """Mean, std and min over devices (None when there are none). The sums are exactly rounded
     (fsum), so the figures do not depend on the order the devices' results arrived in."""
     xs = [v for v in values if v is not None and not math.isnan(v)]

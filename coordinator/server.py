@@ -37,7 +37,7 @@ from .algorithms.base import ServerContext
 from .async_steps import check_async_run
 from .config import RunConfig
 from .devices import DeviceRegistry
-from .events import DeviceOffline, DeviceOnline, Event, EventBus, RoundEnded, RunStarted
+from .events import DeviceOffline, DeviceOnline, EventBus, RoundEnded, RunStarted
 from .ledger import Ledger
 from .nacks import NackLimiter
 from .outbox import Outbox, RunPosition
@@ -185,7 +185,7 @@ class Coordinator:
         """The representation released after training (None before, or without a release)."""
         return self.release_stage.release
 
-    def subscribe(self, callback: Callable[[Event], None], *kinds: type) -> None:
+    def subscribe(self, callback: Callable[[Any], None], *kinds: type) -> None:
         """Call `callback(event)` for each event of the given types (every event without any)."""
         self.events.subscribe(callback, *kinds)
 

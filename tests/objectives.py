@@ -7,7 +7,7 @@ clearer; none of it calls an algorithm's or `edge_sdk.losses`' helper.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ def supcon(features: torch.Tensor, labels: torch.Tensor, temperature: float, var
     return torch.stack(losses).mean()
 
 
-def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: dict[str, nn.Parameter]
+def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: Mapping[str, torch.Tensor]
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and its gradient with respect to each named parameter (zeros where it has none)."""
     value = loss()
@@ -63,7 +63,7 @@ def value_and_gradients(loss: Callable[[], torch.Tensor], parameters: dict[str, 
 
 
 def assert_same_objective(loss: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor],
-                          parameters: dict[str, nn.Parameter]) -> None:
+                          parameters: Mapping[str, torch.Tensor]) -> None:
     """`loss` and `reference` agree in value and in the gradient of every parameter."""
     value, grads = value_and_gradients(loss, parameters)
     expected_value, expected_grads = value_and_gradients(reference, parameters)

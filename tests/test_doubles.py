@@ -13,14 +13,18 @@ from edge_sdk.session import DeviceSession
 
 
 class Wire:
-    """A transport that keeps what is published; its queue is the one a channel reads (and
-    screens), filled by the test."""
+    """A transport that keeps what is published (connecting and subscribing do nothing); its
+    queue is the one a channel reads (and screens), filled by the test."""
 
     def __init__(self, client_id: str = "dev1"):
         self.client_id = client_id
         self.counter = ByteCounter()
         self.incoming = IncomingQueue()
         self.published: list[tuple[str, bytes]] = []
+
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None: ...
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         self.published.append((topic, bytes(payload)))

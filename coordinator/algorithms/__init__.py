@@ -18,10 +18,12 @@ from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from .base import ServerAlgorithm
 
 
-def hyperparameters(algorithm_id: str, values: dict) -> object:
+def hyperparameters(algorithm_id: str, values: dict) -> DataclassInstance:
     """The algorithm's Hyper dataclass from `values`, naming any unknown or bad key; imports
     neither torch nor the algorithm (`edge_sdk.algorithms.hyper`), so a run is checked first."""
     from edge_sdk.algorithms.hyper import hyper_class

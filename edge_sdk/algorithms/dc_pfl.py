@@ -62,7 +62,8 @@ STATS = "stats"
 
 
 # -- class statistics (pure numpy; the coordinator uses the same functions) --------------------
-def class_statistics(features: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, ...]:
+def class_statistics(features: np.ndarray, labels: np.ndarray,
+                     num_classes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class counts [C], means [C, d] (Eq. 6) and unbiased covariances [C, d, d] (Eq. 7), float64."""
     features = np.asarray(features, dtype=np.float64)
     dim = features.shape[1]

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 
 from benchmarks import runs as runs_module
+from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def simulate(out: Path, flags: list[str]) -> tuple[dict, dict]:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(RunFolder(out).report.read_text())
-    return final_figures(report), load(out / "checkpoint.msgpack").state
+    return final_figures(report), checkpoint_at(out / "checkpoint.msgpack").state
 
 
 @pytest.mark.parametrize("algorithm", sorted(RUNS))
@@ -86,7 +86,8 @@ def test_a_benchmark_run_twice_gives_the_same_models_and_figures(bench_runs, tmp
     # Assert
     assert first is not None and second is not None, "a benchmark run failed"
     assert final_figures(second.report) == final_figures(first.report)
-    assert_same_state(load(first.out / "checkpoint.msgpack").state, load(second.out / "checkpoint.msgpack").state)
+    assert_same_state(checkpoint_at(first.out / "checkpoint.msgpack").state,
+                      checkpoint_at(second.out / "checkpoint.msgpack").state)
 
 
 def test_a_benchmark_run_extended_by_a_round_is_the_run_made_at_once(bench_runs, tmp_path):
@@ -104,4 +105,5 @@ def test_a_benchmark_run_extended_by_a_round_is_the_run_made_at_once(bench_runs,
     # Assert
     assert longer is not None and at_once is not None and not longer.cached
     assert final_figures(longer.report) == final_figures(at_once.report)
-    assert_same_state(load(longer.out / "checkpoint.msgpack").state, load(at_once.out / "checkpoint.msgpack").state)
+    assert_same_state(checkpoint_at(longer.out / "checkpoint.msgpack").state,
+                      checkpoint_at(at_once.out / "checkpoint.msgpack").state)

@@ -10,27 +10,25 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
+from acl_clients import ensure_subscribed, marker, receive_until, settings
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
-from coordinator.broker_config import BrokerConfigError, BrokerSetup, certificate_authority, generate
+from coordinator.broker_config import BrokerConfigError, certificate_authority, generate
 from coordinator.run_folder import RunFolder
 from edge_sdk.settings import load_credentials
-from edge_sdk.transport import Incoming, MqttSettings, MqttTransport, TransportError
+from edge_sdk.transport import MqttTransport, TransportError
 
 pytestmark = pytest.mark.integration
 
 FED = "authfed"
 DEVICES = ["dev000", "dev001", "dev002"]
 PREFIX = f"edgepfl/{FED}"
-TIMEOUT = 10.0
 
 
 def start(tmp_path_factory, name: str, *, tls: bool):
@@ -52,62 +50,6 @@ def mutual_tls(tmp_path_factory):
     setup, broker = start(tmp_path_factory, "tls", tls=True)
     with broker:
         yield setup
-
-
-def settings(setup: BrokerSetup, account: str | None, **overrides) -> MqttSettings:
-    values: dict = {"url": setup.url, "connect_timeout": 5.0}
-    if account is not None:
-        entry = setup.accounts[account]
-        values.update(username=entry.username, password=entry.password)
-        if setup.ca_file is not None:
-            values.update(ca_file=str(setup.ca_file), cert_file=str(entry.cert_file), key_file=str(entry.key_file))
-    values.update(overrides)
-    return MqttSettings(**values)
-
-
-@pytest.fixture
-def connect():
-    """connect(setup, account, **settings) -> a connected MqttTransport, closed after the test."""
-    opened: list[MqttTransport] = []
-
-    def open_one(setup: BrokerSetup, account: str | None, **overrides) -> MqttTransport:
-        transport = MqttTransport(f"{FED}.{account}-{uuid.uuid4().hex[:6]}", settings(setup, account, **overrides))
-        transport.connect()
-        opened.append(transport)
-        return transport
-
-    yield open_one
-    for transport in opened:
-        transport.close()
-
-
-def receive_until(transport: MqttTransport, payload: bytes) -> list[Incoming]:
-    """Messages received before the one carrying `payload`, leaving out probes (see
-    `ensure_subscribed`); fails if `payload` does not come in time."""
-    before = []
-    while True:
-        try:
-            message = transport.incoming.get(timeout=TIMEOUT)
-        except queue.Empty:
-            pytest.fail(f"{payload!r} did not arrive within {TIMEOUT} s; got {before}")
-        if message.payload == payload:
-            return before
-        if not message.topic.endswith("/probe"):
-            before.append(message)
-
-
-def ensure_subscribed(receiver: MqttTransport, sender: MqttTransport, topic: str) -> None:
-    """Return once `receiver`'s subscriptions are active: a retained probe from `sender` arrives
-    live or on subscription, either way after the broker processed the subscription that matches
-    `topic` (subscribe to that one last: subscriptions are processed in order)."""
-    probe = f"probe-{uuid.uuid4().hex}".encode()
-    sender.publish(topic, probe, retain=True)
-    receive_until(receiver, probe)
-    sender.publish(topic, b"", retain=True)  # clear the retained probe
-
-
-def marker() -> bytes:
-    return f"marker-{uuid.uuid4().hex}".encode()
 
 
 def test_anonymous_connection_is_refused(plain):

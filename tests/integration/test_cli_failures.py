@@ -4,6 +4,7 @@ and nothing left running."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import psutil
 import pytest
@@ -141,15 +143,15 @@ def test_a_device_denied_by_the_acl_stops_with_a_message_naming_it(plain, protoc
     assert time.monotonic() - started < 120
 
 
-def test_the_first_connection_is_retried_until_the_broker_is_up(tmp_path):
+def test_the_first_connection_is_retried_until_the_broker_is_up(tmp_path, monkeypatch):
     # Prepare: nothing listens on the port yet
     port = free_port()
     transport = MqttTransport(f"{FED}.late", MqttSettings(url=f"mqtt://127.0.0.1:{port}", retry_first_connect=60))
     retrying = threading.Event()
     handler = logging.Handler()
-    handler.emit = lambda record: retrying.set() if "retrying" in record.getMessage() else None
+    monkeypatch.setattr(handler, "emit", lambda record: retrying.set() if "retrying" in record.getMessage() else None)
     logging.getLogger("edge_sdk.transport").addHandler(handler)
-    errors = []
+    errors: list[Exception] = []
     connecting = threading.Thread(target=lambda: _connect(transport, errors))
 
     # Execute: the device starts first, the broker once it has been refused
@@ -169,7 +171,7 @@ def test_the_first_connection_is_retried_until_the_broker_is_up(tmp_path):
         broker.stop()
 
 
-def _connect(transport: MqttTransport, errors: list) -> None:
+def _connect(transport: MqttTransport, errors: list[Exception]) -> None:
     try:
         transport.connect()
     except Exception as exc:  # noqa: BLE001 - reported by the test
@@ -236,9 +238,10 @@ def test_a_stopped_simulate_prints_one_line_leaves_nothing_running_and_the_run_r
             "--local-epochs", "1", "--out", str(out)]
     process = subprocess.Popen(args, stderr=subprocess.PIPE, cwd=ROOT, env=ENV, start_new_session=True,
                                preexec_fn=restore_ctrl_c)
+    stderr = cast(io.BufferedReader, process.stderr)  # a pipe of bytes
     seen = b""
     while b"| 1/10" not in seen:  # the progress bar: round 1 is over (and checkpointed)
-        chunk = process.stderr.read1(4096)
+        chunk = stderr.read1(4096)
         assert chunk, f"the run ended before round 1: {seen.decode(errors='replace')}"
         seen += chunk
     children = psutil.Process(process.pid).children(recursive=True)
@@ -249,7 +252,7 @@ def test_a_stopped_simulate_prints_one_line_leaves_nothing_running_and_the_run_r
     _, left_running = psutil.wait_procs(children, timeout=30)
     for child in left_running:  # a failing command leaves nothing behind either (they hold its stderr open)
         child.kill()
-    rest = process.stderr.read().decode(errors="replace")
+    rest = stderr.read().decode(errors="replace")
     resumed = edgepfl(*args[3:], "--quiet", timeout=300)
 
     # Assert: one line, the worker processes and the embedded broker gone, the run resumable

@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 
 from harness.brokers import Mosquitto
-from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
 from edge_sdk.channel import Channel
-from edge_sdk.protocol import Kind, Topics
+from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 from harness.hosts import Hosts, hosts_or_skip
 from harness.nats_cluster import NatsCluster, nats_binary
+from saved_runs import checkpoint_at
 
 # JetStream's elections time out on a starved machine (QoS 1 then waits on redeliveries): run alone
 pytestmark = [pytest.mark.integration, pytest.mark.alone]
@@ -93,7 +93,7 @@ def finish(process: subprocess.Popen, log: Path, timeout: float = WAIT,
 
 
 def global_state(out: Path) -> dict:
-    return load(out / "checkpoint.msgpack").state
+    return checkpoint_at(out / "checkpoint.msgpack").state
 
 
 def report_of(out: Path) -> dict:
@@ -209,6 +209,7 @@ class ClusterRun:
         # the whole run: alone about 50 s, but a full suite on 2 cores can slow it fivefold; then
         # each device and aggregator ends on the final STATUS, which JetStream delivers at QoS 1
         context = partial(evidence, self.tmp_path, self.out)
+        assert self.coordinator is not None, "finish() before start_coordinator()"
         finish(self.coordinator, self.tmp_path / "coordinator.log", timeout=RUN_WAIT, context=context)
         for index, device in enumerate(self.devices):
             finish(device, self.tmp_path / f"dev{index}.log", timeout=WAIT, context=context)
@@ -275,6 +276,7 @@ def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
     # a device that a loaded machine slowed by a few seconds
     run.start_coordinator(rounds, "--min-clients", "4", "--quorum-grace", "30", "--eval-every", str(rounds),
                           coordinator_host=1 if killed != 1 else 2)
+    assert run.watcher is not None and run.coordinator is not None
     node = run.nodes.node(killed)
     try:
         run.watcher.wait_for_round(2)
@@ -283,9 +285,16 @@ def test_a_nats_node_killed_and_restarted_mid_run(hosts, tmp_path):
         run.coordinator.send_signal(signal.SIGSTOP)  # held until they are back: a slow restart can't outlast the run
         node.start()
         node.wait_healthy()
-        hello = set()
-        run.watcher.wait_for("HELLOs of the devices on the restarted node", lambda e: e.kind is Kind.HELLO and (
-            hello.add(e.sender) or on_killed <= hello))
+        hello: set[str] = set()
+
+        def all_back(envelope: Envelope) -> bool:
+            """True on the HELLO that completes those of the killed node's devices."""
+            if envelope.kind is not Kind.HELLO:
+                return False
+            hello.add(envelope.sender)
+            return on_killed <= hello
+
+        run.watcher.wait_for("HELLOs of the devices on the restarted node", all_back)
         run.coordinator.send_signal(signal.SIGCONT)
         run.finish()
     finally:

@@ -160,6 +160,7 @@ class UploadsPersonalState(EdgeClient):
 
     def send(self, kind, round_=0, *, request=None, **fields):
         if kind is Kind.TRAIN_RES and "groups" in fields:  # not a refusal
+            assert self.algorithm is not None  # a device trains once it joined
             shared = {**fields["groups"]["shared"], **self.algorithm.personal_state()}
             fields["groups"] = {**fields["groups"], "shared": shared}
         super().send(kind, round_, request=request, **fields)

@@ -13,7 +13,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
 from coordinator.server import Coordinator
@@ -24,6 +23,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.protocol import Envelope, Topics, new_message_id
 from edge_sdk.transport import MqttSettings, MqttTransport
+from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration
 CHUNK = 128 << 10
@@ -107,7 +107,7 @@ def run(url: str, out, federation: str, *, disturb: bool):
             spy.close()
         for thread in threads:
             thread.join(timeout=30)
-    return report, checkpoint.load(RunFolder(out).checkpoint).state, spy
+    return report, checkpoint_at(RunFolder(out).checkpoint).state, spy
 
 
 LOCK = threading.Lock()  # one device trains at a time: the same arithmetic in both runs

@@ -22,7 +22,12 @@ FEDERATION = "waiting"
 
 def _lines(stream) -> queue.Queue[str]:
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     return lines
 
 
@@ -44,7 +49,8 @@ def test_a_weak_device_after_the_run_says_once_without_verbose_that_it_waits(mos
     device = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        lines, seen = _lines(device.stdout), []
+        lines = _lines(device.stdout)
+        seen: list[str] = []
         while not any("waiting for a coordinator" in line for line in seen):
             seen.append(lines.get(timeout=120))
     finally:

@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -30,26 +31,32 @@ FED = "faults"
 LOGS = Path(tempfile.mkdtemp(prefix="edgepfl-faults-"))
 
 
-def spawn(*args: str) -> subprocess.Popen:
+class CliProcess(subprocess.Popen):
+    """A CLI process and `log`, the file its output goes to."""
+
+    log: IO[str]
+
+
+def spawn(*args: str) -> CliProcess:
     """A CLI process whose output goes to a file (a pipe nobody reads could block it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     log = open(LOGS / f"{uuid.uuid4().hex}.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env, stdout=log,
-                               stderr=subprocess.STDOUT, text=True)
+    process = CliProcess([sys.executable, "-m", "coordinator.cli", *args], env=env, stdout=log,
+                         stderr=subprocess.STDOUT, text=True)
     process.log = log
     return process
 
 
-def output_of(process: subprocess.Popen) -> str:
+def output_of(process: CliProcess) -> str:
     process.log.seek(0)
     return process.log.read()
 
 
-def start_devices(url: str, tmp_path, count: int) -> list[subprocess.Popen]:
+def start_devices(url: str, tmp_path, count: int) -> list[CliProcess]:
     return [device_process(url, tmp_path, i, count) for i in range(count)]
 
 
-def start_coordinator(url: str, out, rounds: int, **flags) -> subprocess.Popen:
+def start_coordinator(url: str, out, rounds: int, **flags) -> CliProcess:
     flags = {"clients": 3, "local_epochs": 1, **flags}
     extra = [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     return spawn("coordinator", "--broker", url, "--federation", FED, "--algorithm", "fedavg", "--dataset", "digits",
@@ -102,20 +109,20 @@ class StatusWatcher:
         self.transport.close()
 
 
-def device_process(url: str, tmp_path, index: int, count: int, *flags: str) -> subprocess.Popen:
+def device_process(url: str, tmp_path, index: int, count: int, *flags: str) -> CliProcess:
     return spawn(*flags, "client", "--broker", url, "--federation", FED, "--client-id", f"dev{index}",
                  "--dataset", "digits", "--clients", str(count), "--index", str(index),
                  "--state-dir", str(tmp_path / f"dev{index}"), "--device", "cpu")
 
 
-def finish(process: subprocess.Popen, timeout: float = 240) -> str:
+def finish(process: CliProcess, timeout: float = 240) -> str:
     process.wait(timeout=timeout)
     output = output_of(process)
     assert process.returncode == 0, output
     return output
 
 
-def kill_and_resume(watcher: StatusWatcher, first: subprocess.Popen, url: str, out, *, after: int, rounds: int,
+def kill_and_resume(watcher: StatusWatcher, first: CliProcess, url: str, out, *, after: int, rounds: int,
                     **flags) -> tuple:
     """SIGKILL coordinator `first` once `after` rounds completed, then run another on the same
     `out` to its end: (the STATUS seen before the kill, the rounds recorded at the kill)."""

@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -126,24 +127,24 @@ def start_device(url: str, index: int, out, stop: threading.Event) -> tuple[Edge
 
 def mutate(rng: random.Random, data: bytes, splice_from: list[bytes]) -> bytes:
     """Bit flips, truncation, insertion, deletion, header-byte overwrites and splices."""
-    data = bytearray(data)
+    buffer = bytearray(data)
     for _ in range(rng.randint(1, 3)):
         op = rng.choice(("flip", "flip", "truncate", "insert", "delete", "overwrite", "splice"))
-        pos = rng.randrange(len(data)) if data else 0
-        if op == "flip" and data:
-            data[pos] ^= 1 << rng.randrange(8)
+        pos = rng.randrange(len(buffer)) if buffer else 0
+        if op == "flip" and buffer:
+            buffer[pos] ^= 1 << rng.randrange(8)
         elif op == "truncate":
-            del data[pos:]
+            del buffer[pos:]
         elif op == "insert":
-            data[pos:pos] = rng.randbytes(rng.randint(1, 16))
+            buffer[pos:pos] = rng.randbytes(rng.randint(1, 16))
         elif op == "delete":
-            del data[pos:pos + rng.randint(1, 16)]
-        elif op == "overwrite" and data:
-            data[pos] = rng.choice((0x00, 0x80, 0x90, 0xA0, 0xC0, 0xC1, 0xC6, 0xCB, 0xD9, 0xDB, 0xDD, 0xDF, 0xFF))
+            del buffer[pos:pos + rng.randint(1, 16)]
+        elif op == "overwrite" and buffer:
+            buffer[pos] = rng.choice((0x00, 0x80, 0x90, 0xA0, 0xC0, 0xC1, 0xC6, 0xCB, 0xD9, 0xDB, 0xDD, 0xDF, 0xFF))
         elif op == "splice":
             other = rng.choice(splice_from)
-            data[pos:] = other[rng.randrange(len(other) + 1):]
-    return bytes(data)
+            buffer[pos:] = other[rng.randrange(len(other) + 1):]
+    return bytes(buffer)
 
 
 class Corpus:
@@ -225,7 +226,7 @@ class Corpus:
     def invalid_hellos(self) -> list[tuple[str, bytes, str]]:
         """Unmutated HELLOs whose sender owns the (unknown, valid) topic id but whose content is invalid."""
         out = []
-        for index, (metrics, config) in enumerate([
+        hellos: list[tuple[dict[str, float], dict[str, Any]]] = [
             ({"num_examples": 0}, {"device_type": "trainer"}),
             ({"num_examples": -5}, {"device_type": "trainer"}),
             ({"num_examples": 0.5}, {"device_type": "trainer"}),
@@ -234,7 +235,8 @@ class Corpus:
             ({"num_examples": 100}, {"device_type": None}),
             ({"num_examples": 100}, {"device_type": ["trainer"]}),
             ({"num_examples": 100}, {"device_type": ""}),
-        ]):
+        ]
+        for index, (metrics, config) in enumerate(hellos):
             client_id = UNKNOWN[index % len(UNKNOWN)]
             payload = wire.encode(Envelope(Kind.HELLO, client_id, metrics=metrics, config=config))
             out.append((TOPICS.up(client_id, Kind.HELLO), payload, "invalid-hello"))
@@ -275,9 +277,9 @@ class Corpus:
         for _ in range(4):  # complete blobs with one corrupted byte: checksum failure
             client_id = rng.choice(REGISTERED)
             payload = self._train_res(client_id, "wrong") + rng.randbytes(MIN_CHUNK_SIZE)
-            frames = [bytearray(f) for f in chunk_frames(payload, MIN_CHUNK_SIZE)]
-            frames[-1][-1] ^= 0xFF
-            out += [(TOPICS.up(client_id, Kind.TRAIN_RES), bytes(f), "chunk-corrupt") for f in frames]
+            damaged = [bytearray(f) for f in chunk_frames(payload, MIN_CHUNK_SIZE)]
+            damaged[-1][-1] ^= 0xFF
+            out += [(TOPICS.up(client_id, Kind.TRAIN_RES), bytes(f), "chunk-corrupt") for f in damaged]
         for _ in range(10):  # inconsistent manifests and blobs declaring more than 512 MiB
             client_id = rng.choice(REGISTERED + UNKNOWN)
             frames = chunk_frames(rng.randbytes(2 * MIN_CHUNK_SIZE + 7), MIN_CHUNK_SIZE)

@@ -191,6 +191,7 @@ def test_a_device_fetches_verifies_personalizes_and_reports(mosquitto, stand_in,
     # the reply
     assert reply.round == 3 and reply.metrics["accuracy"] >= 0.8
     assert reply.metrics["num_test"] == client.data.num_test and reply.metrics["num_train"] == client.data.num_train
+    assert client.evaluation is not None
     assert reply.metrics["accuracy"] == pytest.approx(client.evaluation.accuracy)
     # prototypes: class counts and means, never per-example features
     assert list(reply.groups) == ["prototypes"]
@@ -239,6 +240,7 @@ def test_a_late_device_learns_the_release_from_the_retained_manifest(mosquitto, 
     session = ort.InferenceSession(str(tmp_path / "dev1" / "personalized-dev1.onnx"),
                                    providers=["CPUExecutionProvider"])
     labels = session.run(["label"], {"input": client.data.test_x})[0]
+    assert client.evaluation is not None
     np.testing.assert_array_equal(labels, client.evaluation.predictions)
 
 
@@ -323,4 +325,5 @@ def test_a_device_personalizes_on_feature_vectors_and_signals(mosquitto, stand_i
     session = ort.InferenceSession(str(tmp_path / "dev0" / "personalized-dev0.onnx"),
                                    providers=["CPUExecutionProvider"])
     labels = session.run(["label"], {"input": data.test_x})[0]
+    assert client.evaluation is not None
     np.testing.assert_array_equal(labels, client.evaluation.predictions)

@@ -18,7 +18,7 @@ from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 from harness.hosts import hosts_or_skip
 from harness.nats_cluster import NatsCluster, nats_binary, wait_until
-from test_nats_cluster import Probe
+from nats_probe import Probe
 
 pytestmark = pytest.mark.integration
 FED = "plant-9"

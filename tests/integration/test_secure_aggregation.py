@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.run_folder import RunFolder
+from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +29,8 @@ def simulate(out, broker, *flags: str, clients: int = 5, rounds: int = 3) -> sub
 
 def assert_same_model(plain, secure, atol: float) -> None:
     """The secure run's global state is the plain run's within `atol`."""
-    expected = checkpoint.load(RunFolder(plain).checkpoint).state
-    actual = checkpoint.load(RunFolder(secure).checkpoint).state
+    expected = checkpoint_at(RunFolder(plain).checkpoint).state
+    actual = checkpoint_at(RunFolder(secure).checkpoint).state
     for group, arrays in expected.items():
         for key, value in arrays.items():
             assert np.allclose(actual[group][key], value, atol=atol), f"{group}/{key}"

@@ -10,7 +10,7 @@ from harness.brokers import ConfiguredMosquitto, require_mosquitto
 from coordinator.broker import free_port
 from coordinator.broker_config import BrokerConfigError, generate
 from coordinator.sharding import shard_of
-from test_auth import ensure_subscribed, marker, receive_until
+from acl_clients import ensure_subscribed, marker, receive_until
 
 pytestmark = pytest.mark.integration
 

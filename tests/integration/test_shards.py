@@ -11,11 +11,11 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.aggregator import ShardAggregator
 from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
@@ -27,6 +27,7 @@ from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
+from saved_runs import checkpoint_at
 from test_doubles import CoordinatorThread
 
 pytestmark = pytest.mark.integration
@@ -65,7 +66,9 @@ def start_devices(url: str, federation: str, ids: list[str], out: Path, stop: th
     lock, threads = threading.Lock(), []
     for index, client_id in enumerate(ids):
         data = load_client_data("digits", num_clients=len(ids), index=index, seed=0)
-        common = dict(broker=MqttSettings(url=url), federation=federation, state_dir=out / client_id, compute_lock=lock)
+        common: dict[str, Any] = dict(broker=MqttSettings(url=url), federation=federation, state_dir=out / client_id,
+                                      compute_lock=lock)
+        client: EdgeClient
         if gated and client_id in gated:
             gate_round, gate = gated[client_id]
             client = GatedClient(client_id, data, gate_round=gate_round, gate=gate, **common)
@@ -90,7 +93,7 @@ def run_federation(url: str, out: Path, federation: str, ids: list[str], *, shar
     threads = start_devices(url, federation, ids, out, stop)
     aggregators = [ShardAggregator(k, shards, broker=url, federation=federation) for k in range(shards)]
     report = coordinate(url, config, aggregators, threads, stop)
-    return report, checkpoint.load(RunFolder(out).checkpoint).state, aggregators
+    return report, checkpoint_at(RunFolder(out).checkpoint).state, aggregators
 
 
 def coordinate(url: str, config: RunConfig, aggregators: list[ShardAggregator], threads: list[threading.Thread],
@@ -208,6 +211,7 @@ def test_an_aggregator_killed_mid_round_loses_its_shard_of_that_round_only(mosqu
     # Assert
     assert coordinator.error is None, coordinator.error
     report = coordinator.report
+    assert report is not None
     rounds = report["rounds"]
     assert report["rounds_completed"] == 3
     assert rounds[1]["lost_shards"] == [1] and rounds[1]["lost_updates"] == 1
@@ -232,6 +236,7 @@ class ForgingAggregator(ShardAggregator):
             key = sorted(arrays)[0]
             arrays[key] = (np.full_like(arrays[key], np.nan) if self.forgery == "nan"
                            else np.zeros(arrays[key].size + 1, arrays[key].dtype))
+            assert self.run_id is not None  # a partial comes after the WELCOME
             forged = Envelope(Kind.PARTIAL, self.impostor, run_id=self.run_id, round=round_, **fields)
             self.channel.send(self.topics.up(self.impostor, Kind.PARTIAL), forged)
         super().send(kind, round_, **fields)
@@ -256,5 +261,5 @@ def test_forged_partials_are_refused_and_counted(mosquitto, tmp_path, forgery, r
     assert first["lost_shards"] == [1] and first["lost_updates"] == 2 and first["participants"] == 2
     assert first["rejections"] == {reason: 1, "unknown_device": 1}
     assert second["lost_shards"] == [] and second["participants"] == 4
-    state = checkpoint.load(RunFolder(tmp_path).checkpoint).state
+    state = checkpoint_at(RunFolder(tmp_path).checkpoint).state
     assert all(np.isfinite(v).all() for group in state.values() for v in group.values())

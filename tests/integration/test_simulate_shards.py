@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.config import RunConfig
 from coordinator.run_folder import RunFolder
 from coordinator.simulate import run_simulation
 from edge_sdk.config import ConfigError
+from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def simulate(*args: str) -> subprocess.CompletedProcess:
 
 def outcome(out: Path) -> tuple[dict, dict]:
     """(report, checkpointed global state) of the run in `out`."""
-    return json.loads(RunFolder(out).report.read_text()), checkpoint.load(RunFolder(out).checkpoint).state
+    return json.loads(RunFolder(out).report.read_text()), checkpoint_at(RunFolder(out).checkpoint).state
 
 
 def test_simulate_with_two_shards_alone_gives_the_unsharded_global_state(tmp_path):

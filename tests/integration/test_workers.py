@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from ctrl_c import restore_ctrl_c
-from coordinator.checkpoint import load
 from coordinator.run_folder import RunFolder
+from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def outcome(out: Path) -> tuple[dict, dict]:
     report = json.loads(RunFolder(out).report.read_text())
     per_client = {cid: {k: v for k, v in m.items() if k in ("accuracy", "global_accuracy")}
                   for cid, m in report["final"]["per_client"].items()}
-    return per_client, load(out / "checkpoint.msgpack").state
+    return per_client, checkpoint_at(out / "checkpoint.msgpack").state
 
 
 def assert_one_line_failure(stderr: str, command: str, *fragments: str) -> None:
@@ -147,6 +147,7 @@ def test_ctrl_c_stops_the_workers_and_their_processes(tmp_path, mosquitto) -> No
                              "--quiet"))
     workers = start(edgepfl("workers", *run, *broker, "--devices", "0-3", "--start-timeout", "120",
                             "--out", str(tmp_path / "workers")))
+    assert workers.stdout is not None
     try:
         joined = workers.stdout.readline()  # the footprint line, once the devices joined
         children = psutil.Process(workers.pid).children(recursive=True)
@@ -173,6 +174,7 @@ def test_a_worker_process_killed_mid_run_fails_the_command_naming_it(tmp_path, m
                              "--quiet"))
     workers = start(edgepfl("workers", *flags, *broker, "--devices", "0-3", "--start-timeout", "120",
                             "--out", str(tmp_path / "workers")))
+    assert workers.stdout is not None
     try:
         joined = workers.stdout.readline()
         worker_processes = [p for p in psutil.Process(workers.pid).children()

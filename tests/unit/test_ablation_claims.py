@@ -3,11 +3,15 @@ every row is a valid switch of its algorithm."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from benchmarks.claims import TIE, compare
 from benchmarks.ablations import CLAIMS, PAPERS, ROWS, Claim, claim_rows
 from coordinator.algorithms import hyperparameters
+from edge_sdk.algorithms.hyper.cd2_pfed import Hyper as CD2PFedHyper
+from edge_sdk.algorithms.hyper.fedios import Hyper as FediOSHyper
 
 CLAIM = Claim("dc_pfl", "DC-PFL > w/o AL", "full", "no_al", "Table 1")
 
@@ -42,6 +46,7 @@ def test_a_difference_no_larger_than_its_seed_spread_is_a_tie_whatever_its_sign(
     result = compare(better, worse)
 
     # Assert: a mean difference within its std over seeds orders nothing, a larger one keeps its sign
+    assert result is not None
     assert result["reproduced"] == verdict
 
 
@@ -79,13 +84,14 @@ def test_every_row_is_runnable_and_each_ablation_differs_from_its_full_method() 
         hyper = hyperparameters(row.algorithm, row.overrides)
         if row.algorithm == full[row.paper].algorithm and row.id != "full":
             assert hyper != hyperparameters(row.algorithm, {}) or row.local_epochs, (row.paper, row.id)
-    assert hyperparameters("cd2_pfed", next(r for r in ROWS if r.id == "no_li").overrides).ramp is False
+    no_li = cast(CD2PFedHyper, hyperparameters("cd2_pfed", next(r for r in ROWS if r.id == "no_li").overrides))
+    assert no_li.ramp is False
 
 
 def test_fedios_rows_say_which_l_re_they_compute() -> None:
     # Prepare
     rows = {r.id: r for r in ROWS if r.paper == "fedios"}
-    resolved = {row_id: hyperparameters("fedios", row.overrides) for row_id, row in rows.items()
+    resolved = {row_id: cast(FediOSHyper, hyperparameters("fedios", row.overrides)) for row_id, row in rows.items()
                 if row.algorithm == "fedios"}
 
     # Assert: "with L_re" and the alpha sweep take L_re on the extractors at the paper's lam; "w/o L_re"

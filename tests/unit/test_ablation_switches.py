@@ -194,6 +194,7 @@ def test_dc_pfl_lam_zero_is_plain_cross_entropy() -> None:
     data = client(1)
     device = dc_pfl.DcPflDevice(dc_pfl.Hyper(lam=0.0), SETTINGS, data, "cpu", client_seed=1)
     x, y = torch.as_tensor(data.train_x[:16]), torch.as_tensor(data.train_y[:16])
+    assert device.model.feature_dim is not None
     means = (torch.randn(10, device.model.feature_dim, generator=torch.Generator().manual_seed(0)),
              torch.ones(10, dtype=torch.bool))
 

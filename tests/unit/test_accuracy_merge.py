@@ -19,7 +19,7 @@ CONFIG = {"dataset": "fmnist", "clients": 20, "rounds": 15, "local_epochs": 1, "
           "grad_clip_norm": 0.0, "model": "cnn28", "eval_every": 1, "hyper": {}}
 
 
-def run_row(algorithm: str, seed: int, mean: float, status: str = "ok") -> dict:
+def run_row(algorithm: str, seed: int, mean: float | None, status: str = "ok") -> dict:
     return {"algorithm": algorithm, "setting": "dir0.1@1", "seed": seed, "status": status,
             "personalized_accuracy": {"mean": mean}}
 

@@ -18,7 +18,7 @@ from coordinator.config import RunConfig
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.config import ConfigError
-from edge_sdk.protocol import COORDINATOR, Envelope, Kind
+from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind
 
 ASYNCHRONOUS = {"fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "repper", "dualfed", "fedios",
                 "ditto", "fedbn", "fedbabu", "apfl", "fedrod", "fedala"}
@@ -38,9 +38,9 @@ def test_fedbuffs_polynomial_staleness_weight():
 
 
 def test_an_update_is_applied_as_its_change_scaled_on_the_current_state():
-    sent = {"g": {"w": np.array([1.0, 2.0], np.float32), "steps": np.array(5, np.int64)}}
-    current = {"g": {"w": np.array([3.0, 3.0], np.float32), "steps": np.array(9, np.int64)}}
-    update = {"g": {"w": np.array([2.0, 0.0], np.float32), "steps": np.array(7, np.int64)}}
+    sent: dict[str, ArrayGroup] = {"g": {"w": np.array([1.0, 2.0], np.float32), "steps": np.array(5, np.int64)}}
+    current: dict[str, ArrayGroup] = {"g": {"w": np.array([3.0, 3.0], np.float32), "steps": np.array(9, np.int64)}}
+    update: dict[str, ArrayGroup] = {"g": {"w": np.array([2.0, 0.0], np.float32), "steps": np.array(7, np.int64)}}
 
     rebased = rebase(update, sent, current, 0.5)
 
@@ -103,12 +103,16 @@ def test_an_arrival_lands_with_its_staleness_and_too_stale_ones_are_refused():
 
     # Execute / Assert: dev0 one version behind is taken; a reply naming another request ends nothing
     assert steps.flight_of("dev0", "m1") is None and steps.flight_of("dev9", "m0") is None
-    staleness, sent = steps.land(steps.flight_of("dev0", "m0"))
+    flight = steps.flight_of("dev0", "m0")
+    assert flight is not None
+    staleness, sent = steps.land(flight)
     assert (staleness, sent) == (1, {"g": {}})
     steps.folded(staleness)
     record = steps.close_step()
     assert (record.arrivals, dict(record.staleness)) == (1, {1: 1})
-    staleness, sent = steps.land(steps.flight_of("dev1", "m0"))
+    flight = steps.flight_of("dev1", "m0")
+    assert flight is not None
+    staleness, sent = steps.land(flight)
     assert (staleness, sent) == (2, None) and steps.step.too_stale == 1
     assert set(steps.sent) == {1}, "version 0 is let go once no flight can use it"
 

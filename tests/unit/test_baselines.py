@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -22,7 +24,10 @@ from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import DeviceAlgorithm, Task
-from edge_sdk.algorithms.part_sharing import SHARED
+from edge_sdk.algorithms.hyper.fedavg_ft import Hyper as FedAvgFTHyper
+from edge_sdk.algorithms.hyper.fedprox import Hyper as FedProxHyper
+from edge_sdk.algorithms.hyper.fedrep import Hyper as FedRepHyper
+from edge_sdk.algorithms.part_sharing import SHARED, PartSharingDevice
 from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.data import ClientData
 from edge_sdk.params import part_of
@@ -69,12 +74,12 @@ def make_server(algorithm_id: str, **hyper):
     return cls(from_mapping(cls.Hyper, hyper), context)
 
 
-def make_device(algorithm_id: str, data: ClientData, index: int = 0, **hyper) -> DeviceAlgorithm:
+def make_device(algorithm_id: str, data: ClientData, index: int = 0, **hyper) -> PartSharingDevice:
     cls = load_device(algorithm_id)
-    return cls(from_mapping(cls.Hyper, hyper), SETTINGS, data, "cpu", client_seed=1000 + index)
+    return cast(PartSharingDevice, cls(from_mapping(cls.Hyper, hyper), SETTINGS, data, "cpu", client_seed=1000 + index))
 
 
-def fleet(devices: list[DeviceAlgorithm]) -> dict[str, DeviceAlgorithm]:
+def fleet(devices: Sequence[DeviceAlgorithm]) -> dict[str, DeviceAlgorithm]:
     """The devices by the ids the coordinator would give them."""
     return {f"dev{i:03d}": device for i, device in enumerate(devices)}
 
@@ -158,11 +163,11 @@ def test_server_hyperparameters_are_the_devices(datas) -> None:
 
 
 def test_hyperparameter_defaults_follow_the_spec() -> None:
-    assert load_device("fedprox").Hyper().mu == 0.01
-    assert load_device("fedavg_ft").Hyper().ft_epochs == 10
-    fedrep = load_device("fedrep").Hyper()
+    assert cast(FedProxHyper, load_device("fedprox").Hyper()).mu == 0.01
+    assert cast(FedAvgFTHyper, load_device("fedavg_ft").Hyper()).ft_epochs == 10
+    fedrep = cast(FedRepHyper, load_device("fedrep").Hyper())
     assert (fedrep.head_epochs, fedrep.body_epochs, fedrep.lr, fedrep.momentum) == (10, None, None, 0.5)
-    assert from_mapping(load_device("fedprox").Hyper, {"mu": "0.5"}).mu == 0.5
+    assert cast(FedProxHyper, from_mapping(load_device("fedprox").Hyper, {"mu": "0.5"})).mu == 0.5
 
 
 # -- local ----------------------------------------------------------------------------------------
@@ -207,7 +212,7 @@ def test_fedprox_proximal_term_adds_exactly_mu_times_the_distance_to_the_global_
         # Execute
         device.model.zero_grad()
         loss_fn(device.train_x[:32], device.train_y[:32]).backward()
-        grads[device] = {name: p.grad.clone() for name, p in device.model.named_parameters()}
+        grads[device] = {name: cast(torch.Tensor, p.grad).clone() for name, p in device.model.named_parameters()}
 
     # Assert
     for name in grads[prox]:
@@ -216,7 +221,7 @@ def test_fedprox_proximal_term_adds_exactly_mu_times_the_distance_to_the_global_
 
 
 # -- fedrep ---------------------------------------------------------------------------------------
-def spy_on_optimizers(device: DeviceAlgorithm) -> list[dict]:
+def spy_on_optimizers(device: PartSharingDevice, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Record, for each optimizer the device builds, its parameter names and its number of steps."""
     names = {id(p): n for n, p in device.model.named_parameters()}
     made: list[dict] = []
@@ -224,25 +229,25 @@ def spy_on_optimizers(device: DeviceAlgorithm) -> list[dict]:
 
     def optimizer(params=None):
         opt = build(params)
-        record = {"params": {names[id(p)] for g in opt.param_groups for p in g["params"]}, "steps": 0}
+        record: dict[str, Any] = {"params": {names[id(p)] for g in opt.param_groups for p in g["params"]}, "steps": 0}
         step = opt.step
 
         def counted_step(*args, **kwargs):
             record["steps"] += 1
             return step(*args, **kwargs)
 
-        opt.step = counted_step
+        monkeypatch.setattr(opt, "step", counted_step)
         made.append(record)
         return opt
 
-    device.optimizer = optimizer
+    monkeypatch.setattr(device, "optimizer", optimizer)
     return made
 
 
-def test_fedrep_trains_the_head_then_the_body_for_their_epochs(datas) -> None:
+def test_fedrep_trains_the_head_then_the_body_for_their_epochs(datas, monkeypatch) -> None:
     # Prepare
     device = make_device("fedrep", datas[0], head_epochs=3, body_epochs=2)
-    made = spy_on_optimizers(device)
+    made = spy_on_optimizers(device, monkeypatch)
     head = {n for n, _ in device.model.named_parameters() if part_of(n) == "head"}
     body = {n for n, _ in device.model.named_parameters() if part_of(n) == "body"}
     per_epoch = len(list(batches(datas[0].num_train, SETTINGS.batch_size, shuffle=False)))
@@ -300,10 +305,10 @@ def test_head_phase_fits_the_head_on_the_features_the_deployed_body_computes(dat
         torch.testing.assert_close(value, reference.body.state_dict()[name])
 
 
-def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas) -> None:
+def test_fedrep_body_epochs_default_to_the_runs_local_epochs(datas, monkeypatch) -> None:
     # Prepare
     device = make_device("fedrep", datas[0], head_epochs=0)
-    made = spy_on_optimizers(device)
+    made = spy_on_optimizers(device, monkeypatch)
     per_epoch = len(list(batches(datas[0].num_train, SETTINGS.batch_size, shuffle=False)))
 
     # Execute
@@ -370,7 +375,7 @@ def test_a_device_that_has_trained_is_scored_with_its_head_as_it_is(algorithm_id
 
 
 # -- fedavg_ft ------------------------------------------------------------------------------------
-def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone(datas) -> None:
+def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone(datas, monkeypatch) -> None:
     # Prepare: twin devices; only one evaluates (and fine-tunes) between the rounds
     server = make_server("fedavg_ft")
     evaluated, twin = make_device("fedavg_ft", datas[0], ft_epochs=3), make_device("fedavg_ft", datas[0], ft_epochs=3)
@@ -378,8 +383,12 @@ def test_fedavg_ft_fine_tunes_the_head_of_a_copy_and_leaves_training_state_alone
     twin.fit(Task(1, make_server("fedavg_ft").task_groups(1), {}))
     calls = []
     train_head = evaluated.train_head_on_features
-    evaluated.train_head_on_features = lambda model, epochs, gen: calls.append((model, epochs)) or train_head(
-        model, epochs, gen)
+
+    def recorded(model, epochs, gen):
+        calls.append((model, epochs))
+        return train_head(model, epochs, gen)
+
+    monkeypatch.setattr(evaluated, "train_head_on_features", recorded)
 
     # Execute
     metrics = evaluated.evaluate(Task(1, server.eval_groups(), {"final": False}))

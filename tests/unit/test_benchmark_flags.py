@@ -28,7 +28,7 @@ def test_a_run_flag_is_the_declared_setting_with_the_protocol_default() -> None:
     # Assert: the declared default where the protocol has none, the protocol's otherwise; typed as declared
     assert (defaults.lr, defaults.clients, defaults.local_epochs, defaults.broker) == (0.05, 20, 2, None)
     assert (given.lr, given.clients) == (0.1, 7)
-    assert "--clients 20" in parser.epilog
+    assert parser.epilog is not None and "--clients 20" in parser.epilog
     with pytest.raises(ValueError, match="no declared setting"):
         add_run_flags(argparse.ArgumentParser(), ("not_a_setting",), {})
 

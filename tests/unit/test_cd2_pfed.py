@@ -253,4 +253,4 @@ def test_personal_state_round_trip_restores_the_model_and_g_w0_statistics(data) 
 
 def test_an_unknown_distillation_form_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="distillation must be one of cyclic\\+inplace, inplace, cyclic"):
-        Hyper(distillation="mutual")
+        Hyper(distillation="mutual")  # type: ignore[arg-type]  # not a form, on purpose: refused at runtime

@@ -10,6 +10,7 @@ ref. 43 (`inplace`) and their sum (`cyclic+inplace`, the default).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import pytest
 import torch
@@ -19,12 +20,13 @@ from builtin_tasks import digits_client
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.cd2_pfed import CD2PFedDevice, Hyper
 from edge_sdk.settings import TrainSettings
-from objectives import assert_same_objective, cross_entropy, kl, tiny_batch, value_and_gradients
+from objectives import assert_same_objective, cross_entropy, kl, prefixed, tiny_batch, value_and_gradients
 
 ROUND, ROUNDS, P, LAM = 2, 4, 0.5, 0.8
+Distillation = Literal["cyclic+inplace", "inplace", "cyclic"]
 
 
-def make_device(distillation: str = "cyclic+inplace") -> CD2PFedDevice:
+def make_device(distillation: Distillation = "cyclic+inplace") -> CD2PFedDevice:
     data = digits_client(4, num_clients=10, partition="dirichlet", seed=0)
     settings = TrainSettings("cnn8", ROUNDS, local_epochs=1, batch_size=32, lr=0.05, seed=0)
     return CD2PFedDevice(Hyper(p=P, lam=LAM, distillation=distillation), settings, data, "cpu", client_seed=14)
@@ -68,7 +70,7 @@ def reference_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dis
 
 
 @pytest.mark.parametrize("distillation", ["cyclic+inplace", "inplace", "cyclic"])
-def test_the_loss_is_eq_5_in_value_and_gradient(distillation: str) -> None:
+def test_the_loss_is_eq_5_in_value_and_gradient(distillation: Distillation) -> None:
     # Prepare: evaluation mode, so that every pass uses the same (initial) BatchNorm statistics
     device = make_device(distillation)
     device.model.eval()
@@ -85,7 +87,7 @@ def test_the_default_distillation_is_cyclic_plus_inplace() -> None:
 
 
 @pytest.mark.parametrize("distillation", ["cyclic+inplace", "inplace", "cyclic"])
-def test_the_distillation_term_is_not_zero_on_the_batch(distillation: str) -> None:
+def test_the_distillation_term_is_not_zero_on_the_batch(distillation: Distillation) -> None:
     # Prepare
     device = make_device(distillation)
     device.model.eval()
@@ -138,7 +140,7 @@ def test_the_shared_sub_network_keeps_its_own_batchnorm_statistics_in_training()
 
     # Assert: g_w0's statistics moved, exactly as a pass of the shared sub-network moves them
     for key, value in device.gw0_stats.items():
-        torch.testing.assert_close(value, buffers[key], msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(value, buffers[key], msg=prefixed(key))
     assert any(not torch.equal(device.gw0_stats[k], expected[k]) for k in expected if "running_mean" in k)
 
 

@@ -18,7 +18,8 @@ TOPIC = TOPICS.up("dev1", Kind.TRAIN_RES)
 
 
 class RecordingTransport:
-    """Keeps what is published; `max_packet_size` as an MQTT 5 broker would announce it."""
+    """Keeps what is published (connecting and subscribing do nothing); `max_packet_size` as an
+    MQTT 5 broker would announce it."""
 
     def __init__(self, max_packet_size: int | None = None):
         self.client_id = "dev1"
@@ -26,6 +27,10 @@ class RecordingTransport:
         self.incoming = IncomingQueue()
         self.max_packet_size = max_packet_size
         self.published: list[bytes] = []
+
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None: ...
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         self.published.append(bytes(payload))

@@ -43,6 +43,7 @@ def test_save_load_round_trip(tmp_path):
     loaded = checkpoint.load(path)
 
     # Assert
+    assert loaded is not None
     assert (loaded.run_id, loaded.round, loaded.fingerprint) == ("run-1", 4, "abcd1234abcd1234")
     assert loaded.history == saved.history
     assert set(loaded.state) == {"shared", "counts"}
@@ -61,6 +62,7 @@ def test_loaded_arrays_are_writable_copies(tmp_path):
 
     # Execute
     loaded = checkpoint.load(path)
+    assert loaded is not None
     loaded.state["counts"]["n"] += 1
 
     # Assert
@@ -82,7 +84,8 @@ def test_save_replaces_the_previous_checkpoint(tmp_path):
     checkpoint.save(path, newer)
 
     # Assert
-    assert checkpoint.load(path).round == 5
+    loaded = checkpoint.load(path)
+    assert loaded is not None and loaded.round == 5
 
 
 def test_atomic_write_leaves_no_temporary_file(tmp_path):

@@ -213,7 +213,8 @@ def test_same_blob_on_two_streams_is_reassembled_per_stream():
 
 def test_missing_chunk_never_completes_and_expires_after_ttl():
     # Prepare
-    clock, drops = FakeClock(), []
+    clock = FakeClock()
+    drops: list[Reason] = []
     reassembler = _reassembler(clock, drops, ttl_seconds=30.0)
     chunks = _chunks(_payload(4 * CHUNK))
     assert _feed(reassembler, chunks[:-1]) == []  # the last chunk never comes
@@ -233,7 +234,8 @@ def test_missing_chunk_never_completes_and_expires_after_ttl():
 
 def test_expiry_also_happens_on_the_next_add_and_a_straggler_does_not_complete():
     # Prepare
-    clock, drops = FakeClock(), []
+    clock = FakeClock()
+    drops: list[Reason] = []
     reassembler = _reassembler(clock, drops, ttl_seconds=10.0)
     chunks = _chunks(_payload(3 * CHUNK))
     _feed(reassembler, chunks[:2])
@@ -329,7 +331,7 @@ def test_more_bytes_than_declared_is_invalid_and_drops_the_blob():
     chunks = _chunks(_payload(3 * CHUNK))
     drops: list[Reason] = []
     reassembler = _reassembler(drops=drops)
-    padded = [dataclasses.replace(c, data=c.data * 3) for c in chunks]
+    padded = [dataclasses.replace(c, data=bytes(c.data) * 3) for c in chunks]
     reassembler.add(STREAM, padded[0])
 
     # Execute / Assert
@@ -431,7 +433,8 @@ def test_a_blob_over_the_limit_is_refused_once_however_many_of_its_chunks_arrive
 
 def test_a_blob_that_failed_its_checksum_is_not_reported_again_when_its_chunks_return_and_expire():
     # Prepare: a blob whose middle chunk is damaged fails its checksum on completion
-    clock, drops = FakeClock(), []
+    clock = FakeClock()
+    drops: list[Reason] = []
     reassembler = _reassembler(clock, drops, ttl_seconds=10.0)
     chunks = _chunks(_payload(3 * CHUNK))
     damaged = list(chunks)
@@ -467,7 +470,8 @@ def test_an_intact_copy_of_a_refused_blob_is_still_delivered():
 
 def test_an_evicted_blob_is_reported_once_when_its_remaining_chunks_arrive_and_expire():
     # Prepare: room for 3 chunks; blob A (3 chunks) is evicted by blob B before its last chunk
-    clock, drops = FakeClock(), []
+    clock = FakeClock()
+    drops: list[Reason] = []
     reassembler = _reassembler(clock, drops, max_pending_bytes=3 * CHUNK, ttl_seconds=10.0)
     a, b = _chunks(_payload(3 * CHUNK, seed=1)), _chunks(_payload(2 * CHUNK, seed=2))
     _feed(reassembler, a[:2])

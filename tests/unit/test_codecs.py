@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from edge_sdk import codecs, wire
-from edge_sdk.protocol import Envelope, Kind, ValidationError
+from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ValidationError
 
 SPEC = {"shared": {"w": ((64, 32), "float32"), "n": ((3,), "int64")}}
 
 
 def arrays(seed: int):
     rng = np.random.default_rng(seed)
-    down = {"shared": {"w": rng.normal(0, 1, (64, 32)).astype(np.float32), "n": np.arange(3)}}
+    down: dict[str, ArrayGroup] = {"shared": {"w": rng.normal(0, 1, (64, 32)).astype(np.float32), "n": np.arange(3)}}
     up = {"shared": {"w": down["shared"]["w"] + rng.normal(0, 0.01, (64, 32)).astype(np.float32),
                      "n": np.arange(3)}}
     return down, up

@@ -87,22 +87,23 @@ def built(monkeypatch) -> Recorder:
     return recorder
 
 
-def train_and_evaluate(algorithm_id: str, settings: TrainSettings, data, recorder: Recorder) -> None:
+def train_and_evaluate(algorithm_id: str, settings: TrainSettings, data, recorder: Recorder,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One round of `algorithm_id` with its server and one device, then the device's evaluation."""
     server_cls, device_cls = load_server(algorithm_id), load_device(algorithm_id)
     server = server_cls(from_mapping(server_cls.Hyper, FAST.get(algorithm_id, {})),
                         ServerContext("cnn8", data.task, seed=0, rounds=settings.rounds, clients=1))
     device = device_cls(from_mapping(device_cls.Hyper, FAST.get(algorithm_id, {})), settings, data, "cpu",
                         client_seed=7, assignment=server.assignment("dev0"))
-    device.fit = recorder.device(device.fit)
+    monkeypatch.setattr(device, "fit", recorder.device(device.fit))
     play_round(server, {"dev0": device}, 1)
     recorder.device(device.evaluate)(Task(1, server.eval_groups(), {}))
 
 
 @pytest.mark.parametrize("algorithm_id", ALGORITHM_IDS)
-def test_sgd_mode_trains_every_local_phase_with_the_runs_sgd(algorithm_id, data, built) -> None:
+def test_sgd_mode_trains_every_local_phase_with_the_runs_sgd(algorithm_id, data, built, monkeypatch) -> None:
     # Execute
-    train_and_evaluate(algorithm_id, COMMON, data, built)
+    train_and_evaluate(algorithm_id, COMMON, data, built, monkeypatch)
 
     # Assert: at least one optimizer, and every one is the run's SGD
     assert built.seen, "no optimizer was built"
@@ -110,9 +111,9 @@ def test_sgd_mode_trains_every_local_phase_with_the_runs_sgd(algorithm_id, data,
 
 
 @pytest.mark.parametrize("algorithm_id", ALGORITHM_IDS)
-def test_paper_mode_keeps_each_algorithms_own_optimizer(algorithm_id, data, built) -> None:
+def test_paper_mode_keeps_each_algorithms_own_optimizer(algorithm_id, data, built, monkeypatch) -> None:
     # Execute
-    train_and_evaluate(algorithm_id, SETTINGS, data, built)
+    train_and_evaluate(algorithm_id, SETTINGS, data, built, monkeypatch)
 
     # Assert
     assert set(built.seen) == OWN.get(algorithm_id, DEFAULT)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from threadpoolctl import threadpool_limits
 
 from edge_sdk.data import load_dataset
 from edge_sdk.lite.compose import ComposeError, compose, dense_head_to_onnx, ncm_head_to_onnx
-from edge_sdk.lite.heads import HEADS, class_statistics, fit_head
+from edge_sdk.lite.heads import HEADS, DenseHead, class_statistics, fit_head
 from edge_sdk.models import build_body
 from edge_sdk.training import recalibrate_batchnorm
 from export import compose_torch_head, export_body, export_module
@@ -76,7 +77,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     return Setup(tmp_path_factory.mktemp("compose"))
 
 
-def assert_probabilities(probabilities: np.ndarray, absent: list[int] = ()) -> None:
+def assert_probabilities(probabilities: np.ndarray, absent: Sequence[int] = ()) -> None:
     assert probabilities.dtype == np.float32 and probabilities.shape[1] == CLASSES
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
     assert (probabilities >= 0).all()
@@ -87,6 +88,7 @@ def assert_probabilities(probabilities: np.ndarray, absent: list[int] = ()) -> N
 def test_a_dense_head_composes_and_gives_its_python_probabilities(setup: Setup, tmp_path: Path, kind: str) -> None:
     # Prepare
     head = fit_head(kind, *setup.train(), num_classes=CLASSES, seed=0)
+    assert isinstance(head, DenseHead)
 
     # Execute
     path = compose(setup.body_path, head.to_onnx(setup.dim), tmp_path / "model.onnx", num_classes=CLASSES,
@@ -148,6 +150,7 @@ def test_a_head_trained_on_a_subset_of_classes_maps_to_the_right_columns(
 ) -> None:
     # Prepare
     head = fit_head(kind, *setup.train(classes), num_classes=CLASSES, seed=0)
+    assert isinstance(head, DenseHead)
     absent = [c for c in range(CLASSES) if c not in classes]
 
     # Execute
@@ -200,6 +203,7 @@ def test_a_torch_linear_head_composes(setup: Setup, tmp_path: Path) -> None:
 def test_a_head_with_the_wrong_number_of_classes_is_refused(setup: Setup, tmp_path: Path) -> None:
     # Prepare
     head = fit_head("lr", *setup.train(), num_classes=CLASSES)
+    assert isinstance(head, DenseHead)
 
     # Execute / Assert
     with pytest.raises(ComposeError, match="class indices in 0..4"):

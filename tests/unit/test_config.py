@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from coordinator.config import RunConfig, build_config
+from edge_sdk.algorithms.hyper.fedprox import Hyper as FedProxHyper
 from edge_sdk.chunks import MAX_CHUNK_SIZE
 from edge_sdk.config import ConfigError, from_mapping, load_toml, parse_assignments
 
@@ -147,7 +149,7 @@ def test_unknown_set_key_is_named_when_the_coordinator_reads_the_hyperparameters
         Coordinator(unknown, channel)
     with pytest.raises(ConfigError, match="mu"):
         Coordinator(bad_value, channel)
-    assert Coordinator(good, channel).hyper.mu == 0.5
+    assert cast(FedProxHyper, Coordinator(good, channel).hyper).mu == 0.5
 
 
 @pytest.mark.parametrize(

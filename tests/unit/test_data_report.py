@@ -33,7 +33,7 @@ def test_a_label_histogram_is_a_count_per_class_summing_to_the_examples(value, r
     if reason is None:
         assert why is None and counts == value
     else:
-        assert counts is None and reason in why
+        assert counts is None and why is not None and reason in why
 
 
 @pytest.mark.parametrize(("histograms", "skew"), [

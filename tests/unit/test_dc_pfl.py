@@ -4,10 +4,12 @@ what goes up, server-side validation and heterogeneous bodies."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, cast
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from builtin_tasks import DIGITS, digits_client
 from coordinator.aggregate import pool_class_stats
@@ -149,7 +151,7 @@ def test_server_round_draws_1000_virtual_features_reproducibly(monkeypatch: pyte
         states.append(server.state)
 
     # Assert
-    global_counts = sum(u["counts"] for u in uploads.values())
+    global_counts = cast(np.ndarray, sum(u["counts"] for u in uploads.values()))
     assert len(drawn[0]) == 1000
     np.testing.assert_array_equal(np.bincount(drawn[0], minlength=10), virtual_counts(global_counts, 1000))
     for group in (SHARED, GLOBAL_MEANS):
@@ -186,6 +188,7 @@ def test_auxiliary_loss_only_for_classes_with_a_global_mean() -> None:
     # Prepare
     device = _device(1, Hyper(lam=0.5))
     x, y = torch.as_tensor(device.data.train_x[:8]), torch.as_tensor(device.data.train_y[:8])
+    assert device.model.feature_dim is not None
     means = torch.randn(10, device.model.feature_dim, generator=torch.Generator().manual_seed(0))
     has_mean = torch.zeros(10, dtype=torch.bool)
     has_mean[y[0]] = True
@@ -204,7 +207,8 @@ def test_auxiliary_loss_only_for_classes_with_a_global_mean() -> None:
 
 @pytest.mark.parametrize("covariance", ["full", "diag", "lowrank:4"])
 @pytest.mark.parametrize("transport", ["fp32", "fp16"])
-def test_every_mode_matches_its_update_spec_and_passes_validation(covariance: str, transport: str) -> None:
+def test_every_mode_matches_its_update_spec_and_passes_validation(covariance: str,
+                                                                  transport: Literal["fp32", "fp16"]) -> None:
     # Prepare
     hyper = Hyper(covariance=covariance, transport=transport)
     server = DcPflServer(hyper, CONTEXT)
@@ -353,7 +357,7 @@ def test_heterogeneous_bodies_share_the_classifier() -> None:
     assert server.state[GLOBAL_MEANS]["has_mean"].all()
     head = server.state[SHARED]["head.weight"]
     for device in devices.values():
-        np.testing.assert_array_equal(device.model.head.weight.detach().numpy(), head)
+        np.testing.assert_array_equal(cast(nn.Linear, device.model.head).weight.detach().numpy(), head)
 
 
 def test_body_models_must_share_the_feature_dimension() -> None:

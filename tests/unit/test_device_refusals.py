@@ -73,7 +73,7 @@ def test_a_round_every_device_refused_stops_the_run_with_the_reason(federation):
     assert f"{SHARED}/{name}: got int64[1], want int64[]" in str(stopped.value)
     refusals = [e for e in drain(replies) if e.kind is Kind.TRAIN_RES]
     assert sorted(e.sender for e in refusals) == ["dev000", "dev001", "dev002"]
-    assert all(refusal_of(e) is not None and refusal_of(e).reason is Reason.BAD_SHAPE for e in refusals)
+    assert all((refusal := refusal_of(e)) is not None and refusal.reason is Reason.BAD_SHAPE for e in refusals)
     assert all(not e.groups and not e.metrics for e in refusals)
 
     # Execute: the same broken TRAIN for another run, and for nobody, then one for dev000
@@ -85,11 +85,11 @@ def test_a_round_every_device_refused_stops_the_run_with_the_reason(federation):
     answered = train(coordinator.run_id, ["dev000"])
     for envelope in [*silent, answered]:
         coordinator.channel.send(federation.topics.down("dev000", Kind.TRAIN), envelope)
-    received = []
+    received: list[Envelope] = []
     while answered.msg_id not in [e.config.get("in_reply_to") for e in received]:
-        envelope = replies.receive(timeout=30)
-        assert envelope is not None, "dev000 never refused the TRAIN addressed to it"
-        received.append(envelope.envelope)
+        reply = replies.receive(timeout=30)
+        assert reply is not None, "dev000 never refused the TRAIN addressed to it"
+        received.append(reply.envelope)
 
     # Assert: delivered in order, so the two before it were read and left unanswered
     assert [e.config.get("in_reply_to") for e in received] == [answered.msg_id]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import cast
 
 import dp_accounting
 import numpy as np
@@ -23,6 +24,7 @@ from edge_sdk import training
 from edge_sdk.algorithms import ALGORITHM_IDS, load
 from edge_sdk.algorithms.fedavg import FedAvgDevice
 from edge_sdk.algorithms.fedios import FediOSDevice, Hyper as FediOSHyper
+from edge_sdk.algorithms.fedrep import FedRepDevice, FedRepHyper
 from edge_sdk.algorithms.hyper import NoHyper
 from edge_sdk.algorithms.repper import RepPerDevice
 from edge_sdk.models import build_model
@@ -91,7 +93,8 @@ def test_without_noise_or_clipping_a_full_batch_step_is_plain_sgd_with_fedprox_p
     x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
 
     def penalized(net: nn.Module) -> PenalizedLoss:
-        return PenalizedLoss(cross_entropy_loss(net), lambda: 0.7 * sum((p ** 2).sum() for p in net.parameters()))
+        return PenalizedLoss(cross_entropy_loss(net),
+                             lambda: 0.7 * cast(torch.Tensor, sum((p ** 2).sum() for p in net.parameters())))
 
     # Execute
     private = sgd_step(model, penalized(model), x, y, DpSgd(0.0, 1e9), batch_size=6)
@@ -173,7 +176,7 @@ def seeded_counts(*, seed: int, n: int = 40, batch: int = 10, epochs: int = 5) -
     """The counts the Poisson masks of the training loop's seeded generator give."""
     generator = torch.Generator().manual_seed(seed)
     steps = epochs * math.ceil(n / batch)
-    return sum((torch.rand(n, generator=generator) < batch / n).float() for _ in range(steps))
+    return cast(torch.Tensor, sum((torch.rand(n, generator=generator) < batch / n).float() for _ in range(steps)))
 
 
 def test_batches_are_secret_by_default_and_from_the_runs_seed_only_when_reproducible():
@@ -331,8 +334,7 @@ def test_a_fedios_device_takes_its_three_cross_entropies_per_example(digits):
 def test_fedrep_trains_only_each_phases_own_parameters_and_leaves_no_opacus_state(digits):
     # Prepare: the head phase (on body features) and the body phase (head frozen), one epoch each
     settings = TrainSettings(model="cnn8", rounds=2, local_epochs=1, batch_size=128, lr=0.1, seed=0)
-    device = load("fedrep")(load("fedrep").Hyper(head_epochs=1), settings, digits, "cpu", client_seed=3,
-                            model=tiny_mlp)
+    device = FedRepDevice(FedRepHyper(head_epochs=1), settings, digits, "cpu", client_seed=3, model=tiny_mlp)
     trainer = DpSgd(1.0, 1.0, noise_seed=2)
 
     # Execute

@@ -7,6 +7,7 @@ the server weights uniformly or by examples, and personal names never leave the 
 from __future__ import annotations
 
 import math
+from typing import Literal, cast
 
 import msgpack
 import numpy as np
@@ -55,10 +56,12 @@ def test_the_model_has_exactly_the_four_parts() -> None:
 
     # Assert
     assert [name for name, _ in model.named_children()] == ["body", "projector", "head", "global_head"]
+    assert isinstance(model.projector, nn.Sequential)
     kinds = [type(m) for m in model.projector]
     assert kinds == [nn.Linear, nn.ReLU, nn.BatchNorm1d, nn.Linear, nn.BatchNorm1d]
-    assert (model.projector[0].in_features, model.projector[0].out_features) == (128, 64)
-    assert (model.projector[3].in_features, model.projector[3].out_features) == (64, 128)
+    first, last = cast(nn.Linear, model.projector[0]), cast(nn.Linear, model.projector[3])
+    assert (first.in_features, first.out_features) == (128, 64)
+    assert (last.in_features, last.out_features) == (64, 128)
     assert model.head.in_features == model.global_head.in_features == 128
 
 
@@ -171,7 +174,7 @@ def test_evaluate_reports_the_ensemble_and_the_global_classifier() -> None:
 
 
 @pytest.mark.parametrize(("weighting", "expected"), [("uniform", 3.0), ("examples", 2.0)])
-def test_server_weights_uniformly_or_by_examples(weighting: str, expected: float) -> None:
+def test_server_weights_uniformly_or_by_examples(weighting: Literal["uniform", "examples"], expected: float) -> None:
     # Prepare
     server = make_server(Hyper(weighting=weighting))
     first = {k: np.full_like(v, 1.0) for k, v in server.state[SHARED].items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.events import EventBus, RoundAggregated, RoundStarted, UpdateAccepted
+from coordinator.events import Event, EventBus, RoundAggregated, RoundStarted, UpdateAccepted
 
 
 def test_callbacks_get_the_events_of_their_types_in_the_order_emitted() -> None:
@@ -14,8 +14,8 @@ def test_callbacks_get_the_events_of_their_types_in_the_order_emitted() -> None:
     rounds: list = []
     bus.subscribe(everything.append)
     bus.subscribe(rounds.append, RoundStarted, RoundAggregated)
-    emitted = [RoundStarted(1, ("dev000",)), UpdateAccepted(1, "dev000", 120, 0.5, 0.01, 0.02),
-               RoundAggregated(1, 1, 0.03)]
+    emitted: list[Event] = [RoundStarted(1, ("dev000",)), UpdateAccepted(1, "dev000", 120, 0.5, 0.01, 0.02),
+                            RoundAggregated(1, 1, 0.03)]
 
     # Execute
     for event in emitted:

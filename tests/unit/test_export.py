@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import onnx
@@ -28,7 +29,6 @@ from torch import nn
 
 from sklearn.datasets import load_breast_cancer
 
-from coordinator import checkpoint
 from coordinator.cli import main
 from coordinator.config import RunConfig
 from coordinator.export_command import export_run, load_representation
@@ -47,6 +47,7 @@ from export import (
     quantize_int8,
 )
 from export.onnx_export import weights_sha256
+from saved_runs import checkpoint_at
 
 SIZES = {"cnn8": 8, "cnn28": 28}
 REPO = Path(__file__).resolve().parents[2]
@@ -459,7 +460,7 @@ def test_a_repper_run_loads_with_its_statistics_and_the_export_command_reproduce
         tmp_path: Path, mosquitto, capsys: pytest.CaptureFixture[str]) -> None:
     # Prepare
     run_dir = tiny_run("repper", tmp_path / "run", mosquitto.url)
-    saved = checkpoint.load(run_dir / "checkpoint.msgpack")
+    saved = checkpoint_at(run_dir / "checkpoint.msgpack")
     released = (run_dir / "release" / "representation.onnx").read_bytes()
     out, alone = tmp_path / "export" / "body.onnx", tmp_path / "alone" / "body.onnx"
 
@@ -523,7 +524,7 @@ def test_a_fedavg_run_is_refused_for_lack_of_batchnorm_statistics(tmp_path: Path
 def test_a_released_fedper_run_exports_with_the_pooled_statistics_of_its_global_body(tmp_path: Path, mosquitto) -> None:
     # Prepare
     run_dir = tiny_run("fedper", tmp_path / "run", mosquitto.url, release=True)
-    saved = checkpoint.load(run_dir / "checkpoint.msgpack")
+    saved = checkpoint_at(run_dir / "checkpoint.msgpack")
     devices = [load_client_data("digits", num_clients=3, index=i) for i in range(3)]
 
     # Execute
@@ -536,7 +537,7 @@ def test_a_released_fedper_run_exports_with_the_pooled_statistics_of_its_global_
     for key in set(body.state_dict()) - statistics_keys(body):
         np.testing.assert_array_equal(body.state_dict()[key].numpy(), shared[f"body.{key}"])
     with torch.no_grad():
-        first_conv = body[0](torch.from_numpy(np.concatenate([d.train_x for d in devices])))
+        first_conv = cast(nn.Sequential, body)[0](torch.from_numpy(np.concatenate([d.train_x for d in devices])))
     union_mean = first_conv.mean(dim=(0, 2, 3)).numpy()
     union_var = first_conv.var(dim=(0, 2, 3)).numpy()
     np.testing.assert_allclose(body.state_dict()["1.running_mean"].numpy(), union_mean, rtol=1e-3, atol=1e-5)

@@ -4,6 +4,8 @@ an algorithm with hyperparameters (`repper:variant=in`), checked before anything
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from benchmarks import fair as fair_module
@@ -107,8 +109,8 @@ def test_a_claim_is_measured_per_setting_and_optimizer_on_the_seeds_both_methods
     claims = [fair.Claim("DC-PFL > FedAvg", "dc_pfl", "fedavg", "Table 1")]
     ran = {"dc_pfl": {"common": {"seeds": {0: 0.85, 1: 0.80}}, "paper": {"seeds": {0: 0.82}}},
            "fedavg": {"common": {"seeds": {0: 0.83}}, "paper": {"seeds": {1: 0.81}}}}
-    not_searched = {"dc_pfl": {"common": None, "paper": {"seeds": {}}},
-                    "fedavg": {"common": None, "paper": {"seeds": {}}}}
+    not_searched: dict[str, dict[str, dict | None]] = {"dc_pfl": {"common": None, "paper": {"seeds": {}}},
+                                                       "fedavg": {"common": None, "paper": {"seeds": {}}}}
 
     rows = fair.claim_rows(["dc_pfl", "fedavg"], {"domains@0.2": ran, "dir0.1@0.2": not_searched}, claims)
 
@@ -129,6 +131,7 @@ def test_every_claim_names_methods_the_protocol_runs_by_default(fair):
 
 def test_fedios_runs_in_both_forms_of_l_re_each_named_for_what_it_computes(fair, tmp_path):
     from coordinator.algorithms import hyperparameters
+    from edge_sdk.algorithms.hyper.fedios import Hyper as FediOSHyper
 
     args = fair.parse_args(["--cache", str(tmp_path), "--ledger", "none"])
     setting = fair.Setting.parse("domains@0.2")
@@ -137,8 +140,9 @@ def test_fedios_runs_in_both_forms_of_l_re_each_named_for_what_it_computes(fair,
                            for method in ("fedios", "fedios:l_re=extractors"))
 
     assert {"fedios", "fedios:l_re=extractors"} <= set(args.methods)
-    assert hyperparameters("fedios", printed.hyper).l_re == "projected"  # the default: Eq. 11 as printed
-    assert hyperparameters("fedios", extractors.hyper).l_re == "extractors"
+    # the default: Eq. 11 as printed
+    assert cast(FediOSHyper, hyperparameters("fedios", printed.hyper)).l_re == "projected"
+    assert cast(FediOSHyper, hyperparameters("fedios", extractors.hyper)).l_re == "extractors"
     assert printed.fingerprint() != extractors.fingerprint()
     assert "default" in fair.method_name("fedios") and "extractors" not in fair.method_name("fedios")
     assert "extractors" in fair.method_name("fedios:l_re=extractors")

@@ -8,6 +8,7 @@ and head) for tau_f = `finetune_epochs` on its training split and is scored with
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def datas():
 
 def make_server():
     cls = load_server("fedbabu")
-    return cls(cls.Hyper(finetune_epochs=FINETUNE),
+    return cls(Hyper(finetune_epochs=FINETUNE),
                ServerContext("cnn8", DIGITS, seed=SETTINGS.seed, rounds=SETTINGS.rounds, clients=NUM_CLIENTS))
 
 
@@ -59,7 +60,7 @@ def part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]
     return {k: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def spy_on_optimizers(device: FedBABUDevice) -> list[dict]:
+def spy_on_optimizers(device: FedBABUDevice, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Record, for each optimizer the device builds, its parameter names and its number of steps."""
     names = {id(p): n for n, p in device.model.named_parameters()}
     made: list[dict] = []
@@ -68,19 +69,19 @@ def spy_on_optimizers(device: FedBABUDevice) -> list[dict]:
     def optimizer(params=None):
         opt = build(params)
         params_of = [p for g in opt.param_groups for p in g["params"]]
-        record = {"params": {names.get(id(p), "copy." + str(i)) for i, p in enumerate(params_of)},
-                  "count": len(params_of), "steps": 0}
+        record: dict[str, Any] = {"params": {names.get(id(p), "copy." + str(i)) for i, p in enumerate(params_of)},
+                                  "count": len(params_of), "steps": 0}
         step = opt.step
 
         def counted_step(*args, **kwargs):
             record["steps"] += 1
             return step(*args, **kwargs)
 
-        opt.step = counted_step
+        monkeypatch.setattr(opt, "step", counted_step)
         made.append(record)
         return opt
 
-    device.optimizer = optimizer
+    monkeypatch.setattr(device, "optimizer", optimizer)
     return made
 
 
@@ -118,10 +119,10 @@ def test_local_training_leaves_the_head_bit_identical_and_trains_the_body(datas)
             assert not torch.equal(parameter.detach(), before[cid][f"body.{name}"]), name
 
 
-def test_the_local_optimizer_holds_the_body_alone_for_the_runs_epochs(datas) -> None:
+def test_the_local_optimizer_holds_the_body_alone_for_the_runs_epochs(datas, monkeypatch) -> None:
     # Prepare
     device = make_device(datas[0])
-    made = spy_on_optimizers(device)
+    made = spy_on_optimizers(device, monkeypatch)
     body = {n for n, _ in device.model.named_parameters() if n.startswith("body.")}
     per_epoch = len(list(batches(len(device.train_y), SETTINGS.batch_size, shuffle=False)))
 
@@ -165,7 +166,7 @@ def test_uploads_are_the_body_and_the_global_body_their_example_weighted_mean(da
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_the_score_is_the_whole_model_fine_tuned_on_a_copy(datas) -> None:
+def test_the_score_is_the_whole_model_fine_tuned_on_a_copy(datas, monkeypatch) -> None:
     # Prepare: a trained round; a reference fine-tunes body and head of the deployed model by hand
     server, devices = make_server(), make_devices(datas[:2])
     play_round(server, devices, 1)
@@ -181,7 +182,7 @@ def test_the_score_is_the_whole_model_fine_tuned_on_a_copy(datas) -> None:
     run_epochs(lambda xb, yb: F.cross_entropy(reference(xb), yb),
                torch.optim.SGD(reference.parameters(), lr=SETTINGS.lr, momentum=0.9), device.train_x, device.train_y,
                epochs=FINETUNE, batch_size=SETTINGS.batch_size, generator=device.generator(1), module=reference)
-    made = spy_on_optimizers(device)
+    made = spy_on_optimizers(device, monkeypatch)
 
     # Execute
     metrics = device.evaluate(task)

@@ -22,6 +22,7 @@ from edge_sdk.algorithms.fedios import FediOSDevice, Hyper, project
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.params import check_arrays
 from edge_sdk.protocol import Envelope, Kind
+from saved_runs import checkpoint_at
 
 CAPACITY = 3
 
@@ -86,7 +87,7 @@ def test_block_map_survives_a_coordinator_restart(data, tmp_path) -> None:
 
     # Execute: a new coordinator process restores the checkpointed state
     restarted = make_server(data)
-    restarted.state = checkpoint.load(path).state
+    restarted.state = checkpoint_at(path).state
     again = {cid: restarted.assignment(cid)["block"] for cid in ("dev000", "dev001")}
     newcomer = restarted.assignment("dev009")["block"]
 

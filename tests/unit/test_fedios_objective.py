@@ -11,6 +11,8 @@ alpha, lambda and l_re say.
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
@@ -61,12 +63,13 @@ def reference_cross_entropies(model, x: torch.Tensor, y: torch.Tensor) -> torch.
     phi_g = embed(model.body(x), 0, CAPACITY)
     phi_p = embed(model.personal_body(x), BLOCK, CAPACITY)
     head = lambda phi: phi @ model.head.weight.T + model.head.bias  # noqa: E731 - the linear head, by hand
-    return sum(cross_entropy(head(phi), y) for phi in (ALPHA * phi_g + (1 - ALPHA) * phi_p, phi_g, phi_p))
+    fused = ALPHA * phi_g + (1 - ALPHA) * phi_p
+    return cast(torch.Tensor, sum(cross_entropy(head(phi), y) for phi in (fused, phi_g, phi_p)))
 
 
 def reference_orthogonality(generic: torch.Tensor, personal: torch.Tensor) -> torch.Tensor:
     """Eq. (11) on the unprojected features: 1/|B| sum_k |sum_j generic[k, j] personal[k, j]|."""
-    return torch.stack([sum(generic[k, j] * personal[k, j] for j in range(generic.shape[1])).abs()
+    return torch.stack([cast(torch.Tensor, sum(generic[k, j] * personal[k, j] for j in range(generic.shape[1]))).abs()
                         for k in range(len(generic))]).mean()
 
 

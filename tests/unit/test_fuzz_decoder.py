@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from edge_sdk import wire
 from edge_sdk.channel import Channel, Received
 from edge_sdk.chunks import MIN_CHUNK_SIZE, Reassembler, chunk_frames, chunk_from_dict, is_chunk_frame
-from edge_sdk.loopback import LoopbackBroker
+from edge_sdk.loopback import LoopbackBroker, LoopbackTransport
 from edge_sdk.protocol import (
     PROTOCOL_VERSION,
     ChunkError,
@@ -546,7 +546,8 @@ def test_chunk_sequences_never_crash_and_stay_within_budget(originals, ops, rand
     payloads = [_payload(size, seed) for size, seed in originals]
     frames = [[msgpack.unpackb(f, raw=False) for f in chunk_frames(p, MIN_CHUNK_SIZE)] for p in payloads]
     by_digest = {hashlib.sha256(p).hexdigest(): p for p in payloads}
-    clock, drops = _Clock(), []
+    clock = _Clock()
+    drops: list[Reason] = []
     reassembler = Reassembler(max_blob_bytes=MAX_BLOB, max_pending_bytes=PENDING_BUDGET, max_pending_blobs=2,
                               ttl_seconds=10.0, on_drop=drops.append, clock=clock)
     last = None
@@ -624,7 +625,7 @@ _topics = (
 _payloads = st.binary(max_size=256) | byte_mutations() | structural_mutations().map(_pack)
 
 
-def _channel() -> tuple[Channel, object]:
+def _channel() -> tuple[Channel, LoopbackTransport]:
     broker = LoopbackBroker()
     receiver = broker.transport("receiver")
     receiver.connect()

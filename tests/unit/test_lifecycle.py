@@ -4,6 +4,7 @@ and the embedded broker last, each step taken even if one before it fails."""
 
 from __future__ import annotations
 
+import functools
 import signal
 
 import pytest
@@ -39,7 +40,7 @@ def test_ctrl_c_stops_the_hosted_parts_in_reverse_order_and_sets_done() -> None:
     # Execute
     with pytest.raises(KeyboardInterrupt):
         with LocalFederation(config, "test") as local:
-            parts = [local.host(lambda name=name: Part(name, stopped)) for name in ("aggregators", "workers")]
+            parts = [local.host(functools.partial(Part, name, stopped)) for name in ("aggregators", "workers")]
             raise KeyboardInterrupt
 
     # Assert: started with Ctrl-C held back (children inherit it), stopped last first

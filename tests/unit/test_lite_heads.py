@@ -21,6 +21,7 @@ from sklearn.svm import LinearSVC
 from threadpoolctl import threadpool_limits
 
 from edge_sdk.lite import HEADS, class_statistics, fit_head
+from edge_sdk.lite.heads import DenseHead, NcmHead
 
 
 def blobs(classes: int, dim: int, n: int, *, seed: int, spread: float = 1.0,
@@ -70,6 +71,7 @@ def test_ncm_predicts_a_class_the_device_never_saw_through_global_prototypes() -
     # Assert
     assert (with_global.predict(near_two) == 2).all()
     assert not (local_only.predict(near_two) == 2).any()
+    assert isinstance(with_global, NcmHead)
     np.testing.assert_array_equal(with_global.present, [True, True, True])
 
 
@@ -83,6 +85,7 @@ def test_ncm_uses_the_global_mean_for_covered_classes_and_its_own_for_the_others
     head = fit_head("ncm", x, y, num_classes=3, prototypes=prototypes)
 
     # Assert
+    assert isinstance(head, NcmHead)
     np.testing.assert_array_equal(head.means, [[1.0], [9.0], [0.0]])
     np.testing.assert_array_equal(head.present, [True, True, False])
     np.testing.assert_array_equal(head.predict(np.array([[4.9], [5.1], [-3.0]], dtype=np.float32)), [0, 1, 0])
@@ -165,6 +168,7 @@ def test_a_head_is_as_accurate_as_scikit_learn_and_its_onnx_model_predicts_the_s
         outputs = onnx_outputs(head, x_test)
 
     # Assert
+    assert isinstance(head, DenseHead)
     accuracy = np.mean(head.predict(x_test) == y_test)
     assert accuracy >= np.mean(reference.predict(x_test) == y_test) - 0.02
     assert accuracy >= 0.94
@@ -183,6 +187,7 @@ def test_a_binary_svm_scores_one_side_and_its_probability_is_the_sigmoid_of_that
     probabilities = onnx_outputs(head, x_test)["probabilities"]
 
     # Assert: scores (0, s) for classes (1, 4): P(4) = sigmoid(s), and 4 is predicted where s > 0
+    assert isinstance(head, DenseHead)
     (weights, bias), = head.layers
     np.testing.assert_array_equal(head.classes, [1, 4])
     np.testing.assert_array_equal(weights[:, 0], 0.0)
@@ -202,6 +207,7 @@ def test_constant_features_get_zero_weights() -> None:
 
     # Assert
     for head in heads:
+        assert isinstance(head, DenseHead)
         np.testing.assert_array_equal(head.layers[0][0][[2, 5]], 0.0)
         assert np.mean(head.predict(x) == y) >= 0.95
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.checkpoint import load
 from coordinator.events import RoundEnded, RoundStarted, UpdateAccepted
 from edge_sdk.protocol import Kind
 from loopback_runs import Gate, MissesTheFirstTrain, drain, listener, metrics_rounds
+from saved_runs import checkpoint_at
 
 
 def test_every_buffer_of_arrivals_makes_a_step_and_no_update_counts_twice(federation):
@@ -53,8 +53,8 @@ class AfterFirst:
             self.later.wait(timeout=120)
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def test_an_update_more_versions_old_than_allowed_is_refused_and_counted(federation):
@@ -90,7 +90,7 @@ def test_a_new_coordinator_resumes_the_steps_from_the_checkpoint(federation):
     first.channel.transport.close()
     assert federation.devices_exit()
     federation.threads.clear()
-    after_two = load(Path(config.run.out) / "checkpoint.msgpack")
+    after_two = checkpoint_at(Path(config.run.out) / "checkpoint.msgpack")
 
     # Execute: extended to four steps, with the devices restarted
     second = federation.coordinator(config.replace(rounds=4))
@@ -103,7 +103,7 @@ def test_a_new_coordinator_resumes_the_steps_from_the_checkpoint(federation):
     assert metrics_rounds(Path(config.run.out)) == [1, 2, 3, 4]
     assert [r["asynchronous"]["arrivals"] for r in report["rounds"]] == [2, 2, 2, 2]
     assert report["asynchronous"]["steps"] == 4
-    resumed = load(Path(config.run.out) / "checkpoint.msgpack")
+    resumed = checkpoint_at(Path(config.run.out) / "checkpoint.msgpack")
     assert resumed.round == 4 and after_two.round == 2
     assert any(not np.array_equal(resumed.state["shared"][k], v) for k, v in after_two.state["shared"].items())
 

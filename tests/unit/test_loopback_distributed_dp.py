@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-from coordinator import checkpoint
 from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
 from edge_sdk.config import ConfigError
 from coordinator.privacy.run import RunPrivacy
@@ -19,7 +18,8 @@ from edge_sdk.privacy.rdp import rdp_orders
 from edge_sdk.privacy.upstream import NOISE_SHARES, UploadPrivacy, private_metrics
 from edge_sdk.protocol import Kind
 from loopback_runs import BlockingLock, drain
-from test_loopback_secagg import DEVICES, fleet_keys, start_with_the_last_lost
+from saved_runs import checkpoint_at
+from secure_fleets import DEVICES, fleet_keys, start_with_the_last_lost
 
 CLIP = 0.01
 NOISE = 40.0
@@ -34,7 +34,7 @@ def distributed_config(federation, **changes):
 
 def shared_change(federation, coordinator) -> np.ndarray:
     """The global shared state's change over the run, every floating value in one vector."""
-    state = checkpoint.load(federation.folder.checkpoint).state["shared"]
+    state = checkpoint_at(federation.folder.checkpoint).state["shared"]
     initial = type(coordinator.algorithm)(coordinator.hyper, coordinator.algorithm.context).state["shared"]
     return np.concatenate([(state[k].astype(np.float64) - initial[k]).ravel() for k in sorted(state)
                            if state[k].dtype.kind == "f"])
@@ -119,8 +119,8 @@ def test_the_fleets_epsilon_composes_each_round_at_the_noise_its_sum_held():
 
     # Assert: dev0's three Gaussian mechanisms, replace-one (sensitivity 2C), at z sqrt(s / m) each
     direct = RdpAccountant(list(rdp_orders()), dp_accounting.NeighboringRelation.REPLACE_ONE)
-    for summed in (4, 2, 1):
-        direct.compose(dp_accounting.GaussianDpEvent(3.0 * np.sqrt(summed / 4) / 2))
+    for held in (4, 2, 1):
+        direct.compose(dp_accounting.GaussianDpEvent(3.0 * np.sqrt(held / 4) / 2))
     assert privacy.epsilon_fleet() == pytest.approx(direct.get_epsilon(privacy.delta), rel=1e-9)
     assert privacy.epsilon_fleet() > local_epsilon("fixed", 3.0, 3, privacy.delta)
     restored = RunPrivacy(settings, devices=4, population=4, fraction=1.0, rounds=3, evaluations=0, seed=0)

@@ -18,6 +18,7 @@ from edge_sdk.privacy.disclosure import FIGURES
 from edge_sdk.privacy.upstream import change_norm
 from edge_sdk.protocol import Kind
 from loopback_runs import drain, listener
+from saved_runs import checkpoint_at
 
 PRIVATE_ALGORITHMS = ("local", "fedavg", "fedavg_ft", "fedprox", "fedper", "fedrep", "lg_fedavg", "repper", "dualfed",
                       "cd2_pfed", "fedios")
@@ -133,7 +134,7 @@ def test_a_run_stops_when_its_budget_is_spent_and_a_resume_continues_the_account
 def resume_for_the_final_evaluation(federation, config) -> dict:
     """Resume the finished run in `config`'s folder as if it had stopped after its last round's
     checkpoint and before its final evaluation; returns the resumed run's report."""
-    saved = checkpoint.load(federation.folder.checkpoint)
+    saved = checkpoint_at(federation.folder.checkpoint)
     checkpoint.save(federation.folder.checkpoint, dataclasses.replace(saved, history={**saved.history, "final": None}))
     federation.folder.report.unlink()
     federation.devices_exit()
@@ -177,7 +178,7 @@ def test_a_resumed_run_s_final_evaluation_is_budget_checked_and_accounted(federa
     assert short["privacy"]["epsilon"] == pytest.approx(played, rel=1e-9)
     assert enough["privacy"]["evaluations_accounted"] == 2
     assert enough["privacy"]["epsilon"] == pytest.approx(probe.epsilon(), rel=1e-9)
-    saved = PrivacyAccountant.from_state(checkpoint.load(federation.folder.checkpoint).history["privacy"]["accountant"])
+    saved = PrivacyAccountant.from_state(checkpoint_at(federation.folder.checkpoint).history["privacy"]["accountant"])
     assert saved.evaluations == 2, "a further resume continues from the evaluation released"
 
 

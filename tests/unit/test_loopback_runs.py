@@ -102,7 +102,7 @@ def test_the_coordinator_publishes_its_rounds_as_events_in_order(federation):
 
 def test_a_run_leaves_its_files_where_its_run_folder_names_them(federation):
     # Prepare
-    from coordinator.checkpoint import load as load_checkpoint
+    from saved_runs import checkpoint_at
 
     config = federation.config(rounds=1)
     coordinator = federation.coordinator(config)
@@ -116,7 +116,7 @@ def test_a_run_leaves_its_files_where_its_run_folder_names_them(federation):
     folder = federation.folder
     assert folder.path == Path(config.run.out)
     assert json.loads(folder.report.read_text())["run_id"] == report["run_id"]
-    assert load_checkpoint(folder.checkpoint).round == 1
+    assert checkpoint_at(folder.checkpoint).round == 1
     assert [json.loads(line)["round"] for line in folder.metrics.read_text().splitlines()] == [1]
     assert sorted(p.name for p in folder.state_dir.iterdir()) == ["dev000", "dev001", "dev002"]
 

@@ -13,34 +13,15 @@ import math
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.run_folder import RunFolder
 from edge_sdk.config import ConfigError
 from edge_sdk.data import load_client_data
 from edge_sdk.privacy.disclosure import COUNTS, EXAMPLES_BUCKET
 from edge_sdk.protocol import PROTOTYPES, STATISTICS, Kind
-from edge_sdk.secagg import IdentityKey, Roster, stages
-from edge_sdk.secagg.device import SecAggKeys
+from edge_sdk.secagg import stages
 from loopback_runs import BlockingLock, drain, listener
-
-DEVICES = 4
-
-
-def fleet_keys(count: int) -> list[SecAggKeys]:
-    identities = [IdentityKey.generate() for _ in range(count)]
-    roster = Roster({f"dev{i:03d}": key.public_hex() for i, key in enumerate(identities)})
-    return [SecAggKeys(identity, roster) for identity in identities]
-
-
-def start_with_the_last_lost(federation, parked: BlockingLock) -> str:
-    """Start the DEVICES enrolled devices; the last is parked by `parked` inside its training and
-    announced offline then (after it shared its keys). Returns its id."""
-    keys = fleet_keys(DEVICES)
-    for i in range(DEVICES - 1):
-        federation.start_device(i, DEVICES, secagg_keys=keys[i])
-    lost = federation.start_device(DEVICES - 1, DEVICES, compute_lock=parked, secagg_keys=keys[-1])
-    federation.lose_when_parked(parked, lost)
-    return lost
+from saved_runs import checkpoint_at
+from secure_fleets import DEVICES, fleet_keys, start_with_the_last_lost
 
 
 def start_sharded_fleet(federation, devices: int, shards: int, wrap=None) -> None:
@@ -70,7 +51,7 @@ def secure_config(federation, **changes):
 
 
 def final_state(federation) -> dict:
-    return checkpoint.load(federation.folder.checkpoint).state
+    return checkpoint_at(federation.folder.checkpoint).state
 
 
 def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vectors(federation, tmp_path):
@@ -81,7 +62,7 @@ def test_a_secure_run_reaches_the_plain_run_s_model_and_uploads_only_masked_vect
         federation.start_device(i, DEVICES)
     coordinator.run()
     federation.devices_exit()
-    plain = checkpoint.load(tmp_path / "plain" / "checkpoint.msgpack").state
+    plain = checkpoint_at(tmp_path / "plain" / "checkpoint.msgpack").state
     federation.threads.clear()
 
     coordinator = federation.coordinator(secure_config(federation))
@@ -155,7 +136,7 @@ def test_a_sharded_secure_run_unmasks_each_shard_s_sum_and_reaches_the_plain_run
         federation.start_device(i, devices, wrap=lambda data, i=i: fewer_in_shard_0(i, data))
     coordinator.run()
     federation.devices_exit()
-    plain = checkpoint.load(tmp_path / "plain" / "checkpoint.msgpack").state
+    plain = checkpoint_at(tmp_path / "plain" / "checkpoint.msgpack").state
     federation.threads.clear()
 
     coordinator = federation.coordinator(secure_config(federation, clients=devices, rounds=1, shards=shards))

@@ -57,6 +57,7 @@ def test_supcon_gradient_is_finite_with_anchors_without_positives(variant: str) 
     supcon_loss(features, torch.tensor([0, 0, 1, 2]), 0.1, variant).backward()
 
     # Assert
+    assert features.grad is not None
     assert torch.isfinite(features.grad).all()
     assert features.grad[2:].abs().sum() > 0  # negatives of the anchors with positives still get gradient
 
@@ -71,7 +72,7 @@ def test_supcon_without_any_positive_is_zero_and_differentiable() -> None:
 
     # Assert
     assert float(loss.detach()) == 0.0
-    assert torch.equal(features.grad, torch.zeros_like(features))
+    assert features.grad is not None and torch.equal(features.grad, torch.zeros_like(features))
 
 
 def test_supcon_is_invariant_to_feature_scale() -> None:

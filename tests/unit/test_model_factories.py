@@ -22,6 +22,7 @@ from edge_sdk.models import (
     resolve_factory,
     split,
 )
+from edge_sdk.models.signature import Signature
 
 WINE = TaskSpec("wine", "features", (13,), 3, ("a", "b", "c"), (0.0,) * 13, (1.0,) * 13)
 CAMERA = TaskSpec("camera", "image", (3, 12, 10), 7, tuple("abcdefg"), (0.5,) * 3, (0.25,) * 3)
@@ -226,5 +227,6 @@ def test_another_architecture_is_named_by_its_first_differing_name() -> None:
 
 
 def test_a_missing_parameter_is_named() -> None:
-    expected = [("body.0.weight", (4, 2)), ("head.weight", (3, 4))]
-    assert "'head.weight' [3, 4] of the coordinator's model is missing" in first_mismatch(expected, expected[:1])
+    expected: Signature = [("body.0.weight", (4, 2)), ("head.weight", (3, 4))]
+    message = first_mismatch(expected, expected[:1])
+    assert message is not None and "'head.weight' [3, 4] of the coordinator's model is missing" in message

@@ -266,7 +266,7 @@ def test_place_gives_conv_models_channels_last_weights_and_the_same_outputs() ->
     linear = place(nn.Linear(4, 2), torch.device("cpu"))
 
     # Assert: NHWC weights, the same function, and state that leaves as ordinary C-ordered arrays
-    conv_weight = placed.body[4].weight  # the second convolution: 64 x 32 x 5 x 5
+    conv_weight = placed.get_parameter("body.4.weight")  # the second convolution: 64 x 32 x 5 x 5
     assert conv_weight.is_contiguous(memory_format=torch.channels_last) and not conv_weight.is_contiguous()
     torch.testing.assert_close(placed(x), expected, rtol=1e-4, atol=1e-5)
     for key, value in state_arrays(placed, keys).items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_sdk.params import Partition, check_arrays, nbytes, part_of, partition_by_parts, spec_of
+from edge_sdk.params import ArraySpec, Partition, check_arrays, nbytes, part_of, partition_by_parts, spec_of
 from edge_sdk.protocol import Reason, ValidationError
 
 KEYS = [
@@ -133,7 +133,7 @@ def test_non_finite_values_are_rejected(value):
 
 def test_float16_inf_is_non_finite():
     # Prepare
-    spec = {"h": ((2,), "float16")}
+    spec: ArraySpec = {"h": ((2,), "float16")}
     arrays = {"h": np.array([65504.0, np.inf], dtype=np.float16)}
 
     # Execute / Assert

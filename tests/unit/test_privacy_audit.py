@@ -19,9 +19,10 @@ from coordinator.privacy.audit import epsilon_lower_bound, p_value, score_guesse
 from coordinator.privacy.audit_run import AuditPlan, run_audit
 from coordinator.privacy.audit_updates import RandomUpdates, TrainedUpdates
 from edge_sdk.privacy import PrivacySettings
+from edge_sdk.protocol import ArrayGroup
 
 DELTA = 1e-5
-REFERENCE = {"w": np.zeros((40, 100), np.float32), "count": np.zeros((), np.int64)}
+REFERENCE: ArrayGroup = {"w": np.zeros((40, 100), np.float32), "count": np.zeros((), np.int64)}
 
 
 def _all_correct_bound(guesses: int, level: float = 0.05) -> float:

@@ -4,11 +4,14 @@ z*C/m, and a private evaluation releases a noised mean."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 
 from coordinator.privacy.mechanism import PrivateMean, noised_mean
 from edge_sdk.privacy.upstream import UploadPrivacy, UploadRefused, change_norm, private_metrics, privatize
+from edge_sdk.protocol import ArrayGroup
 
 
 def privacy(mode: str = "central", *, clip: float = 0.5, noise: float = 2.0, evaluation: str = "private",
@@ -48,8 +51,10 @@ def test_local_dp_adds_noise_of_z_times_c_to_every_coordinate():
 
 
 def test_integer_arrays_go_up_as_they_came_down_and_unknown_ones_are_refused():
-    received = {"shared": {"bn.num_batches_tracked": np.array(7, np.int64), "w": np.zeros(2, np.float32)}}
-    trained = {"shared": {"bn.num_batches_tracked": np.array(12, np.int64), "w": np.ones(2, np.float32)}}
+    received: dict[str, ArrayGroup] = {"shared": {"bn.num_batches_tracked": np.array(7, np.int64),
+                                                  "w": np.zeros(2, np.float32)}}
+    trained: dict[str, ArrayGroup] = {"shared": {"bn.num_batches_tracked": np.array(12, np.int64),
+                                                 "w": np.ones(2, np.float32)}}
 
     sent, _ = privatize(trained, received, privacy(), np.random.default_rng(0))
 
@@ -131,7 +136,7 @@ def test_local_dp_sums_the_noised_uploads_without_clipping_them_again():
 def test_a_private_evaluation_releases_a_noised_mean():
     values = [0.5] * 100
 
-    released = [noised_mean(values, std=2.0, rng=np.random.default_rng(seed)) for seed in range(2000)]
+    released = [cast(float, noised_mean(values, std=2.0, rng=np.random.default_rng(seed))) for seed in range(2000)]
 
     assert float(np.mean(released)) == pytest.approx(0.5, abs=0.005)
     assert float(np.std(released)) == pytest.approx(2.0 / 100, rel=0.05)

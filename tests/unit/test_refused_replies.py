@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,9 +51,10 @@ class ManualClock:
 def _config(tmp_path: Path, federation: str, **changes):
     from coordinator.config import RunConfig
 
-    settings = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=1, local_epochs=1, batch_size=64,
-                    seed=0, federation=federation, out=str(tmp_path / "run"), min_clients=2, round_timeout=60.0,
-                    quorum_grace=60.0, registration_timeout=30.0, device="cpu")
+    settings: dict[str, Any] = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=1, local_epochs=1,
+                                    batch_size=64, seed=0, federation=federation, out=str(tmp_path / "run"),
+                                    min_clients=2, round_timeout=60.0, quorum_grace=60.0, registration_timeout=30.0,
+                                    device="cpu")
     settings.update(changes)
     return RunConfig.of(**settings)
 

@@ -85,7 +85,7 @@ def test_prototypes_are_pooled_weighted_by_class_counts() -> None:
 
     # Assert
     np.testing.assert_array_equal(result["counts"], [8, 0, 2])
-    np.testing.assert_allclose(result["means"], [[2.5, 2.5], [0, 0], [3, 3]])
+    np.testing.assert_allclose(result["means"], [[2.5, 2.5], [0.0, 0.0], [3.0, 3.0]])
 
 
 def test_both_pools_answer_to_the_phase_and_group_devices_send() -> None:

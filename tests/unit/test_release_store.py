@@ -21,7 +21,8 @@ def test_versions_are_numbered_and_the_first_becomes_current(tmp_path):
     store = ReleaseStore(tmp_path)
     first, second = add(store, b"one"), add(store, b"two")
     assert (first.version, second.version) == (1, 2)
-    assert store.current().version == 1
+    current = store.current()
+    assert current is not None and current.version == 1
     assert store.data(2) == b"two"
     manifest = json.loads((tmp_path / "releases" / "2" / "manifest.json").read_text())
     assert manifest["sha256"] == second.sha256 and manifest["source"] == SOURCE
@@ -87,7 +88,8 @@ def test_rollback_goes_to_the_release_current_before(tmp_path):
         state.current = 2
         state.note("promoted", 2, "canaries held")
     assert store.roll_back("bad in the field") == 1
-    assert store.current().version == 1
+    current = store.current()
+    assert current is not None and current.version == 1
     assert ("rolled back", 2, "bad in the field") in [(e["action"], e["version"], e["reason"])
                                                        for e in store.read_state().history]
 

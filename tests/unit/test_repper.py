@@ -7,6 +7,8 @@ never appear in the encoded upload.
 
 from __future__ import annotations
 
+from typing import Any, Literal, cast
+
 import msgpack
 import numpy as np
 import pytest
@@ -90,19 +92,19 @@ def test_a_never_selected_device_fits_its_head_and_gets_an_accuracy() -> None:
     # Prepare: devices 0 and 1 train; device 2 never does (a holdout device)
     server, trainers, newcomer = make_server(), [make_device(0), make_device(1)], make_device(2)
     play_round(server, {"dev000": trainers[0], "dev001": trainers[1]}, 1)
-    batchnorm = newcomer.model.body[1]
+    batchnorm = cast(nn.BatchNorm2d, newcomer.model.get_submodule("body.1"))
 
     # Execute
     metrics = newcomer.evaluate(Task(1, server.state, {"selected": [], "final": True}))
 
     # Assert: its own BatchNorm statistics were computed from its data; its head was fitted
-    assert batchnorm.running_mean.abs().sum() > 0
+    assert batchnorm.running_mean is not None and batchnorm.running_mean.abs().sum() > 0
     assert isinstance(newcomer.head, nn.Linear)
     assert 0.5 < metrics["accuracy"] <= 1.0
 
 
 @pytest.mark.parametrize("head", ["mlp", "svm", "lr", "mlp_sklearn"])
-def test_every_head_kind_predicts(head: str) -> None:
+def test_every_head_kind_predicts(head: Literal["mlp", "svm", "lr", "mlp_sklearn"]) -> None:
     # Prepare
     server, device = make_server(), make_device(3, Hyper(head=head))
 
@@ -125,7 +127,7 @@ def test_a_torch_head_learns_the_same_whatever_the_scale_of_each_feature(kind: s
     features[:, 5] = 4.0  # constant on the training split
     scale = torch.tensor([1e-2, 1e2, 1.0, 3e1, 1e-1, 5.0])
     offset = torch.tensor([5.0, -3.0, 0.0, 1e2, 2.0, 0.0])
-    fit = dict(hidden=8, epochs=3, batch_size=16, lr=0.05, seed=1)
+    fit: dict[str, Any] = dict(hidden=8, epochs=3, batch_size=16, lr=0.05, seed=1)
 
     # Execute
     head = fit_torch_head(kind, features, labels, 3, **fit)
@@ -137,7 +139,7 @@ def test_a_torch_head_learns_the_same_whatever_the_scale_of_each_feature(kind: s
     with torch.no_grad():
         torch.testing.assert_close(head(probe), rescaled_head(probe * scale + offset), rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(head(probe), head(features), rtol=1e-5, atol=1e-5)
-    first = head if isinstance(head, nn.Linear) else head[0]
+    first = head if isinstance(head, nn.Linear) else cast(nn.Linear, head.get_submodule("0"))
     assert torch.all(first.weight[:, 5] == 0)
     assert not head.training
 

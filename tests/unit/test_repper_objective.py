@@ -7,6 +7,8 @@ own and the reference may pass the two views through the body one at a time.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
@@ -18,15 +20,16 @@ from edge_sdk.settings import TrainSettings
 from objectives import assert_same_objective, changed, snapshot, supcon, tiny_batch
 
 TEMPERATURE, VIEW_SEED = 0.2, 9
+Variant = Literal["in", "out"]
 SETTINGS = TrainSettings(model="cnn8", rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=0)
 
 
-def make_device(variant: str = "out") -> RepPerDevice:
+def make_device(variant: Variant = "out") -> RepPerDevice:
     data = digits_client(3, num_clients=10, partition="iid", seed=0)
     return RepPerDevice(Hyper(variant=variant, temperature=TEMPERATURE), SETTINGS, data, "cpu", client_seed=103)
 
 
-def reference_loss(device: RepPerDevice, x: torch.Tensor, y: torch.Tensor, variant: str) -> torch.Tensor:
+def reference_loss(device: RepPerDevice, x: torch.Tensor, y: torch.Tensor, variant: Variant) -> torch.Tensor:
     """Eq. (4)-(5): SupCon over the two views' body features, positives = same label."""
     views = task_views(x, device.data.task, torch.Generator().manual_seed(VIEW_SEED))  # [B, 2, ...]
     r = torch.stack([device.model.body(views[:, v]) for v in range(2)], dim=1)
@@ -34,7 +37,7 @@ def reference_loss(device: RepPerDevice, x: torch.Tensor, y: torch.Tensor, varia
 
 
 @pytest.mark.parametrize("variant", ["out", "in"])
-def test_stage_one_loss_is_supcon_of_two_views_in_value_and_gradient(variant: str) -> None:
+def test_stage_one_loss_is_supcon_of_two_views_in_value_and_gradient(variant: Variant) -> None:
     # Prepare: a batch with repeated labels and more than one class (positives beyond the other view)
     device = make_device(variant)
     device.model.eval()
@@ -47,7 +50,7 @@ def test_stage_one_loss_is_supcon_of_two_views_in_value_and_gradient(variant: st
                           dict(device.model.named_parameters()))
 
 
-def make_loss(device: RepPerDevice, variant: str):
+def make_loss(device: RepPerDevice, variant: Variant):
     """The device's stage-1 loss with `variant`, on the views of `VIEW_SEED`."""
     device.hyper = Hyper(variant=variant, temperature=TEMPERATURE)
     return device.contrastive_loss(torch.Generator().manual_seed(VIEW_SEED))

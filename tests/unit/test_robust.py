@@ -9,6 +9,7 @@ from edge_sdk.params import aligned_reference
 from coordinator.robust import AggregationSettings, Clipped, CoordinateMedian, TrimmedMean, make_aggregator
 from coordinator.aggregate import WeightedMean
 from edge_sdk.attacks import corrupt
+from edge_sdk.protocol import ArrayGroup
 
 
 def updates(*values):
@@ -62,13 +63,14 @@ def test_make_aggregator_picks_the_rule_and_wraps_clipping():
 def test_aligned_reference_cuts_the_previous_slice():
     base = np.arange(12.0).reshape(4, 3)
 
-    assert aligned_reference(base, np.zeros((2, 3))).shape == (2, 3)
+    reference = aligned_reference(base, np.zeros((2, 3)))
+    assert reference is not None and reference.shape == (2, 3)
     assert aligned_reference(base, np.zeros((5, 3))) is None
 
 
 def test_attacks_corrupt_floating_arrays_only():
     down = {"shared": {"w": np.ones(3, dtype=np.float32)}}
-    up = {"shared": {"w": np.full(3, 1.5, dtype=np.float32), "n": np.array([7], dtype=np.int64)}}
+    up: dict[str, ArrayGroup] = {"shared": {"w": np.full(3, 1.5, dtype=np.float32), "n": np.array([7], dtype=np.int64)}}
     rng = np.random.default_rng(0)
 
     flipped = corrupt("sign_flip", up, down, rng)

@@ -86,6 +86,12 @@ class Coordinator:
             self.refusals[device] = str(refusal)
             return None
 
+    def signed(self, device: str, survivors: set[str]) -> bytes:
+        """`sign` where `device` must sign."""
+        signature = self.sign(device, survivors)
+        assert signature is not None, self.refusals[device]
+        return signature
+
     def rebuildable(self) -> tuple[set[str], set[str]]:
         """The devices whose self-mask seed, and whose mask key, t revealed shares rebuild."""
         b_held: dict[str, int] = {}
@@ -203,7 +209,7 @@ def test_a_survivor_set_that_differs_for_one_device_only_is_refused_by_it(count)
     coordinator = Coordinator(count)
     odd = sorted(coordinator.graph[VICTIM])[0]
     everyone = set(coordinator.devices)
-    signatures = {device: coordinator.sign(device, everyone - {VICTIM} if device == odd else everyone)
+    signatures = {device: coordinator.signed(device, everyone - {VICTIM} if device == odd else everyone)
                   for device in coordinator.devices}
 
     # Execute: the odd one is asked by its own set, and by the others'
@@ -221,7 +227,7 @@ def test_a_survivor_set_other_than_the_one_signed_is_refused():
     # Prepare
     coordinator = Coordinator(40)
     everyone = set(coordinator.devices)
-    signatures = {device: coordinator.sign(device, everyone) for device in coordinator.devices}
+    signatures = {device: coordinator.signed(device, everyone) for device in coordinator.devices}
     device = sorted(coordinator.graph[VICTIM])[0]
 
     # Execute
@@ -247,7 +253,7 @@ def test_fewer_than_threshold_valid_signatures_from_neighbours_reveal_nothing():
     # Prepare: all sign the true set; the coordinator forwards only t - 1 of a device's neighbours'
     coordinator = Coordinator(40)
     everyone = set(coordinator.devices)
-    signatures = {device: coordinator.sign(device, everyone) for device in coordinator.devices}
+    signatures = {device: coordinator.signed(device, everyone) for device in coordinator.devices}
     device = "dev05"
     kept = sorted(coordinator.graph[device])[:THRESHOLD - 1]
 

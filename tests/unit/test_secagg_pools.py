@@ -121,6 +121,6 @@ def test_statistics_with_a_negative_variance_or_too_many_examples_are_refused_on
 
 
 def test_a_sum_of_the_wrong_length_is_refused():
-    shapes = {"body.bn.running_mean": (3,), "body.bn.running_var": (3,)}
+    shapes: dict[str, tuple[int, ...]] = {"body.bn.running_mean": (3,), "body.bn.running_var": (3,)}
     with pytest.raises(ValueError, match="7 elements"):
         decode_statistics(np.zeros(6), shapes)

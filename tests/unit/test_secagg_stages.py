@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.secure_rounds import DeviceRefusal, SecureRound
+from edge_sdk.params import ArraySpec
 from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason
 from edge_sdk.secagg import IdentityKey, Roster, stages
@@ -15,7 +16,7 @@ from edge_sdk.secagg.device import SecAggKeys, SecureUploads
 from edge_sdk.secagg.errors import Inconsistent
 
 DEVICES = [f"dev{i}" for i in range(6)]
-SPEC = {"shared": {"w": ((3,), "float32")}}
+SPEC: dict[str, ArraySpec] = {"shared": {"w": ((3,), "float32")}}
 
 
 def fleet() -> tuple[SecureRound, dict[str, SecureUploads]]:

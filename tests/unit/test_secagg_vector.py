@@ -8,12 +8,13 @@ import pytest
 
 from coordinator.aggregate import PartialSum, WeightedMean
 from edge_sdk.params import spec_of
+from edge_sdk.protocol import ArrayGroup
 from edge_sdk.secagg import FixedPoint
 from edge_sdk.secagg.vector import VectorLayout
 from secagg_rounds import AFTER_SHARE, play, round_context
 
-SENT = {"shared": {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
-                   "b": np.zeros(3, dtype=np.float32), "steps": np.array(7, dtype=np.int64)}}
+SENT: dict[str, ArrayGroup] = {"shared": {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+                                          "b": np.zeros(3, dtype=np.float32), "steps": np.array(7, dtype=np.int64)}}
 
 
 def update(rng: np.random.Generator, scale: float = 0.1) -> dict:

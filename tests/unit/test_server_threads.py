@@ -11,16 +11,16 @@ from coordinator.algorithms.base import ServerContext
 from edge_sdk.algorithms.base import NoHyper
 
 
-def test_close_round_runs_end_round_on_one_thread_and_restores_the_threads():
+def test_close_round_runs_end_round_on_one_thread_and_restores_the_threads(monkeypatch):
     # Prepare: a server whose end_round records the threads it computes on
     seen: dict[str, object] = {}
 
-    class Recording(load_server("fedavg")):
-        def end_round(self, round_: int) -> None:
-            seen["torch"] = torch.get_num_threads()
-            seen["blas"] = {pool["num_threads"] for pool in threadpool_info()}
+    def end_round(round_: int) -> None:
+        seen["torch"] = torch.get_num_threads()
+        seen["blas"] = {pool["num_threads"] for pool in threadpool_info()}
 
-    server = Recording(NoHyper(), ServerContext("cnn8", DIGITS, seed=0, rounds=1, clients=2))
+    server = load_server("fedavg")(NoHyper(), ServerContext("cnn8", DIGITS, seed=0, rounds=1, clients=2))
+    monkeypatch.setattr(server, "end_round", end_round)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

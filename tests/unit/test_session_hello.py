@@ -24,7 +24,7 @@ class Device(DeviceSession):
         pass
 
 
-def test_hello_waits_until_the_broker_granted_every_subscription(tmp_path):
+def test_hello_waits_until_the_broker_granted_every_subscription(tmp_path, monkeypatch):
     broker, topics = LoopbackBroker(), Topics(FED)
     coordinator = broker.transport(f"{FED}.coordinator")
     coordinator.connect()
@@ -34,7 +34,8 @@ def test_hello_waits_until_the_broker_granted_every_subscription(tmp_path):
         "state": "registering", "incarnation": "c1", "epoch": 1}), retain=True)
     transport = broker.transport(f"{FED}.dev1")
     granted = threading.Event()
-    transport.subscriptions_active = granted.is_set  # the broker has not granted them yet
+    # subscriptions that the broker grants only once `granted` is set
+    monkeypatch.setattr(transport, "subscriptions_active", granted.is_set, raising=False)
     device = Device("dev1", federation=FED, state_dir=tmp_path, transport=transport, hello_interval=0.0)
     stop = threading.Event()
     runner = threading.Thread(target=device.run, args=(stop,), daemon=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import subprocess
 import sys
@@ -27,13 +28,13 @@ def _toml(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def _subparser(command: str):
-    parser = build_parser()
-    return next(a for a in parser._subparsers._group_actions if a.choices).choices[command]  # noqa: SLF001
+def _subparser(command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return commands.choices[command]
 
 
-def _flags(command: str) -> dict[str, str]:
-    """flag -> its help text, for one subcommand."""
+def _flags(command: str) -> dict[str, str | None]:
+    """flag -> its help text (None without one), for one subcommand."""
     return {option: action.help for action in _subparser(command)._actions for option in action.option_strings}
 
 
@@ -49,7 +50,7 @@ def test_every_setting_of_a_run_is_a_flag_of_simulate_whose_help_shows_its_defau
         if "simulate" not in item.commands:
             continue
         assert item.flag in flags, f"[{section}] {key} has no flag"
-        assert item.info.help and f"(default: {item.shown_default})" in flags[item.flag]
+        assert item.info.help and f"(default: {item.shown_default})" in (flags[item.flag] or "")
 
 
 def test_every_flag_of_every_command_has_help():

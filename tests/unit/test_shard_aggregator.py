@@ -29,6 +29,8 @@ WAIT = 30.0
 class Stand:
     """The coordinator's side of the wire, and the devices' uploads, by hand."""
 
+    aggregator: ShardAggregator  # the one the `stand` fixture runs
+
     def __init__(self, broker: LoopbackBroker, signers: dict[str, Signer] | None = None):
         self.topics = Topics(FED)
         transport = broker.transport(f"{FED}.coordinator")

@@ -56,7 +56,7 @@ def _sharded_run(tmp_path: Path, aggregator_cls: type[ShardAggregator]) -> tuple
                           quorum_grace=60.0, registration_timeout=30.0, device="cpu", shards=1)
     nacks = listener(broker, "spy-nacks", topics.down("+", Kind.NACK), topics)
     updates = listener(broker, "spy-updates", topics.shard(0, "dev002", Kind.TRAIN_RES), topics)
-    runners = []
+    runners: list[EdgeClient | ShardAggregator] = []
     for index, cls in enumerate([EdgeClient, EdgeClient, OldDocClient]):
         client_id = f"dev{index:03d}"
         will = (topics.up(client_id, Kind.OFFLINE), wire.encode(Envelope(Kind.OFFLINE, client_id)))

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,12 +29,13 @@ from coordinator.validation import UpdateLimits
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.config import ConfigError
+from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason, Topics, ValidationError, shard_of_aggregator
 from test_doubles import Wire
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = {"w": np.array([1.0, 2.0], np.float32)}
-SPEC = {"shared": {"w": ((2,), "float64")}}
+SPEC: dict[str, ArraySpec] = {"shared": {"w": ((2,), "float64")}}
 
 
 def _partial(updates, dtype="float64") -> PartialSum:
@@ -104,8 +106,9 @@ def test_shard_of_is_stable_and_spreads_devices():
 
 
 def _partial_envelope(**changes) -> Envelope:
-    fields = {"groups": {"shared": {"w": np.array([2.0, 4.0])}}, "metrics": {"total_weight": 5.0, "count": 2},
-              "config": {"shard": 0, "folded": ["a", "b"], "in_reply_to": "r"}}
+    fields: dict[str, Any] = {"groups": {"shared": {"w": np.array([2.0, 4.0])}},
+                              "metrics": {"total_weight": 5.0, "count": 2},
+                              "config": {"shard": 0, "folded": ["a", "b"], "in_reply_to": "r"}}
     for key, value in changes.items():
         fields[key] = {**fields[key], **value} if isinstance(value, dict) and key != "groups" else value
     return Envelope(Kind.PARTIAL, "aggregator-0", **fields)

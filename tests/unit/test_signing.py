@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pytest
@@ -25,6 +26,11 @@ def device_channel(client_id: str = "dev1", key: bytes | None = None, chunk_size
     return Channel(Wire(client_id), TOPICS, chunk_size=chunk_size, signer=Signer(key or KEYS[client_id]))
 
 
+def sent_by(channel: Channel) -> list[tuple[str, bytes]]:
+    """What `channel` published on its Wire."""
+    return cast(Wire, channel.transport).published
+
+
 def coordinator_receives(published: list[tuple[str, bytes]]) -> Channel:
     coordinator = Channel(Wire("coordinator"), TOPICS, verifier=Verifier(KEYS))
     for topic, payload in published:
@@ -43,7 +49,7 @@ def test_a_sealed_update_is_accepted_with_its_arrays():
     device.send(TOPICS.up("dev1", Kind.TRAIN_RES), update())
 
     # Execute
-    received = coordinator_receives(device.transport.published).receive(timeout=0.1)
+    received = coordinator_receives(sent_by(device)).receive(timeout=0.1)
 
     # Assert
     assert received is not None and received.envelope.sender == "dev1"
@@ -54,13 +60,13 @@ def test_a_chunked_sealed_update_is_verified_once_reassembled():
     # Prepare: an update of 4 chunk frames
     device = device_channel(chunk_size=MIN_CHUNK_SIZE)
     device.send(TOPICS.up("dev1", Kind.TRAIN_RES), update(size=3 * MIN_CHUNK_SIZE // 4))
-    coordinator = coordinator_receives(device.transport.published)
+    coordinator = coordinator_receives(sent_by(device))
 
     # Execute
     received = coordinator.receive(timeout=0.1)
 
     # Assert
-    assert len(device.transport.published) == 4
+    assert len(sent_by(device)) == 4
     assert received is not None and received.envelope.groups["shared"]["w"].size == 3 * MIN_CHUNK_SIZE // 4
     assert not coordinator.rejections
 
@@ -75,21 +81,21 @@ def test_a_forged_upload_is_rejected_as_bad_signature(forgery):
     elif forgery == "another device's key":
         forger = device_channel("dev1", key=KEYS["dev2"])
         forger.send(topic, update())
-        published = forger.transport.published
+        published = sent_by(forger)
     elif forgery == "one flipped bit":
         device = device_channel()
         device.send(topic, update())
-        payload = bytearray(device.transport.published[0][1])
+        payload = bytearray(sent_by(device)[0][1])
         payload[-5] ^= 0x01  # inside the metrics, after the arrays
         published = [(topic, bytes(payload))]
     elif forgery == "truncated":
         device = device_channel()
         device.send(topic, update())
-        published = [(topic, device.transport.published[0][1][:-1])]
+        published = [(topic, sent_by(device)[0][1][:-1])]
     else:
         stranger = device_channel("dev3", key=bytes(32))
         stranger.send(TOPICS.up("dev3", Kind.TRAIN_RES), update("dev3"))
-        published = stranger.transport.published
+        published = sent_by(stranger)
     coordinator = coordinator_receives(published)
 
     # Execute
@@ -105,14 +111,14 @@ def test_a_device_without_keys_reads_what_it_receives_and_coordinator_messages_a
     coordinator = Channel(Wire("coordinator"), TOPICS)
     coordinator.send(TOPICS.down("dev1", Kind.WELCOME), Envelope(Kind.WELCOME, "coordinator", run_id="r"))
     device = Channel(Wire("dev1"), TOPICS)
-    device.transport.incoming.put_message(Incoming(*coordinator.transport.published[0]))
+    device.transport.incoming.put_message(Incoming(*sent_by(coordinator)[0]))
 
     # Execute
     received = device.receive(timeout=0.1)
 
     # Assert
     assert received is not None and received.envelope.kind is Kind.WELCOME
-    assert b"signed" not in coordinator.transport.published[0][1]
+    assert b"signed" not in sent_by(coordinator)[0][1]
 
 
 def test_keys_come_from_the_credentials_file(tmp_path):

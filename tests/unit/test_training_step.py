@@ -15,6 +15,7 @@ from builtin_tasks import digits_client
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import Task, TrainingStepRefused
+from edge_sdk.algorithms.torch_device import TorchDevice
 from edge_sdk.client import EdgeClient
 from edge_sdk.protocol import Envelope, Kind
 
@@ -120,6 +121,8 @@ def test_edge_client_hands_the_factory_and_the_step_to_the_algorithm(tmp_path: P
     client.join(welcome)
 
     # Assert
-    assert client.algorithm.model_spec is factory
-    assert client.algorithm.user_optimizer is adam and client.algorithm.user_loss is smoothed
-    assert client.algorithm.base_model().feature_dim == 128
+    algorithm = client.algorithm
+    assert isinstance(algorithm, TorchDevice)
+    assert algorithm.model_spec is factory
+    assert algorithm.user_optimizer is adam and algorithm.user_loss is smoothed
+    assert algorithm.base_model().feature_dim == 128

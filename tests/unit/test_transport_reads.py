@@ -18,6 +18,7 @@ from edge_sdk.transport import READ_SIZE, _Client, decode_publish_in_place
 def paho_decode_publish():
     """paho's own decode_publish, from a fresh copy of its module (the imported one is patched)."""
     spec = importlib.util.spec_from_file_location("paho_packet_original", _packet.__file__)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.decode_publish
@@ -85,14 +86,14 @@ class RecordingSocket:
         pass
 
 
-def test_reads_from_the_socket_are_capped():
+def test_reads_from_the_socket_are_capped(monkeypatch):
     # Prepare: a client whose socket records what paho asks for
-    client = _Client(CallbackAPIVersion.VERSION2, client_id="reads")
-    client._sock = RecordingSocket()
+    client, sock = _Client(CallbackAPIVersion.VERSION2, client_id="reads"), RecordingSocket()
+    monkeypatch.setattr(client, "_sock", sock)
 
     # Execute: paho asks for the rest of a large packet at once
     client._sock_recv(8 << 20)
     client._sock_recv(1)
 
     # Assert
-    assert client._sock.asked == [READ_SIZE, 1]
+    assert sock.asked == [READ_SIZE, 1]

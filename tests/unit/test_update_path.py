@@ -89,7 +89,7 @@ def update_of(reference: dict[str, np.ndarray], seed: int = 1, scale: float = 0.
     return {k: v + np.float32(scale) * rng.standard_normal(v.shape, dtype=np.float32) for k, v in reference.items()}
 
 
-def envelope(arrays: dict[str, np.ndarray], examples: object = 10) -> Envelope:
+def envelope(arrays: dict[str, np.ndarray], examples: int = 10) -> Envelope:
     return Envelope(Kind.TRAIN_RES, "dev0", run_id="r", round=1, groups={"shared": arrays},
                     metrics={"num_examples": examples})
 
@@ -308,9 +308,10 @@ def test_squared_change_above_bounds_the_exact_sum_from_above_and_closely():
 def test_other_dtypes_and_sliced_references_use_the_float64_norm():
     # Prepare: a float64 array, an int array (not in the norm), a reference a leading slice bigger
     rng = np.random.default_rng(5)
-    reference = {"w": rng.standard_normal((4, 6)), "n": np.array(3, np.int64),
-                 "s": rng.standard_normal((5, 8)).astype(np.float32)}
-    arrays = {"w": reference["w"] + 0.5, "n": np.array(9, np.int64), "s": reference["s"][:3, :4] + np.float32(0.25)}
+    reference: dict[str, np.ndarray] = {"w": rng.standard_normal((4, 6)), "n": np.array(3, np.int64),
+                                        "s": rng.standard_normal((5, 8)).astype(np.float32)}
+    arrays: dict[str, np.ndarray] = {"w": reference["w"] + 0.5, "n": np.array(9, np.int64),
+                                     "s": reference["s"][:3, :4] + np.float32(0.25)}
     spec = {"shared": spec_of(arrays)}
     norm = delta_norm({"shared": arrays}, {"shared": reference})
 
@@ -319,7 +320,8 @@ def test_other_dtypes_and_sliced_references_use_the_float64_norm():
         update = envelope(arrays)
         assert reason_of(update, spec, {"shared": reference}, limits) is plain_reason(
             update, spec, {"shared": reference}, limits)
-    assert aligned_reference(reference["s"], arrays["s"]).shape == (3, 4)
+    aligned = aligned_reference(reference["s"], arrays["s"])
+    assert aligned is not None and aligned.shape == (3, 4)
 
 
 # -- folding -----------------------------------------------------------------------------------
@@ -329,7 +331,7 @@ def test_other_dtypes_and_sliced_references_use_the_float64_norm():
 def test_the_fold_is_bit_identical_to_the_plain_one(mode):
     # Prepare: float32 (multi-block), float16, float64, int8 and int64 arrays; a sliced and a missing reference
     rng = np.random.default_rng(11)
-    reference = {
+    reference: dict[str, np.ndarray] = {
         "f32": rng.standard_normal(2 * BLOCK + 5, dtype=np.float32),
         "f16": rng.standard_normal(300).astype(np.float16),
         "f64": rng.standard_normal(70),
@@ -338,7 +340,7 @@ def test_the_fold_is_bit_identical_to_the_plain_one(mode):
         "slice": rng.standard_normal((6, 7), dtype=np.float32),
         "f32_over_f64": rng.standard_normal(50),
     }
-    updates = []
+    updates: list[tuple[dict[str, np.ndarray], float]] = []
     for seed in range(5):
         r = np.random.default_rng(100 + seed)
         updates.append(({
@@ -420,9 +422,9 @@ def test_codec_decoding_gives_the_same_values_as_before(codec, wanted):
     # Prepare: a broadcast array, one with another shape (no reference), one not broadcast
     rng = np.random.default_rng(7)
     sent = {"shared": {"w": rng.standard_normal((40, 9)).astype(wanted), "s": rng.standard_normal(4).astype(wanted)}}
-    update = {"w": sent["shared"]["w"] + 0.03 * rng.standard_normal((40, 9)),
-              "s": rng.standard_normal(6), "new": rng.standard_normal(5)}
-    update = {"shared": {k: v.astype(wanted) for k, v in update.items()}}
+    changed = {"w": sent["shared"]["w"] + 0.03 * rng.standard_normal((40, 9)),
+               "s": rng.standard_normal(6), "new": rng.standard_normal(5)}
+    update = {"shared": {k: v.astype(wanted) for k, v in changed.items()}}
     expected = {"shared": spec_of(update["shared"])}
     encoded = codecs.encode(codec, update, sent)
 

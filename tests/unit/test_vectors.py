@@ -24,6 +24,7 @@ VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 
 def _generator():
     spec = importlib.util.spec_from_file_location("make_vectors", VECTORS / "make_vectors.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -99,7 +99,7 @@ def test_a_pretrained_body_leaves_the_head_freshly_initialized(federation, tmp_p
     config = federation.config(init_from=str(tmp_path / "body.npz"))
     fresh = federation.coordinator(federation.config()).algorithm.state[SHARED]
     body = {name: array for name, array in model_state_dict(config, seed=7).items() if name.startswith("body.")}
-    np.savez(tmp_path / "body.npz", **body)
+    np.savez(tmp_path / "body.npz", allow_pickle=True, **body)  # the default, named: no array takes its place
 
     # Execute
     state = federation.coordinator(config).algorithm.state[SHARED]

@@ -9,11 +9,15 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import cast
 
 import pytest
 
 from coordinator import worker_watch
 from coordinator.worker_watch import WatchedChannel, WorkerWatch, WorkersFailed, watch_workers
+from edge_sdk.channel import Channel
 
 
 def start_sleeper(context) -> multiprocessing.Process:
@@ -119,12 +123,12 @@ class ReapedElsewhere:
 
 def test_a_worker_reaped_by_the_run_is_neither_reported_nor_fatal_to_the_watch(caplog, monkeypatch) -> None:
     # Prepare
-    crashes = []
+    crashes: list[threading.ExceptHookArgs] = []
     monkeypatch.setattr(threading, "excepthook", crashes.append)
 
     # Execute
     with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
-        watcher = watch_workers({ReapedElsewhere(): ["dev000"]}, threading.Event())
+        watcher = watch_workers({cast(BaseProcess, ReapedElsewhere()): ["dev000"]}, threading.Event())
         watcher.join(timeout=60)
 
     # Assert
@@ -132,7 +136,7 @@ def test_a_worker_reaped_by_the_run_is_neither_reported_nor_fatal_to_the_watch(c
     assert crashes == [] and caplog.text == ""
 
 
-def failing_worker(context, name: str, error: str) -> tuple[multiprocessing.Process, object]:
+def failing_worker(context, name: str, error: str) -> tuple[multiprocessing.Process, Connection]:
     """A worker that has sent `error` through its pipe and exits with code 1, as `_worker_main` does."""
     read_end, write_end = context.Pipe(duplex=False)
     write_end.send_bytes(error.encode())
@@ -174,7 +178,7 @@ def test_the_watched_channel_raises_the_workers_failure_once_all_are_dead():
     # Prepare
     watch = WorkerWatch({}, threading.Event())
     watch.causes["ValueError: classes_per_client must be in [1, 10]"] = ["worker0"]
-    channel = WatchedChannel(SilentChannel(), watch)
+    channel = WatchedChannel(cast(Channel, SilentChannel()), watch)
     before = channel.receive(0.2)
 
     # Execute

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # run as a script from anywhere: the c
 
 from edge_sdk import codecs, signing, wire  # noqa: E402
 from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames  # noqa: E402
-from edge_sdk.protocol import Envelope, Kind  # noqa: E402
+from edge_sdk.protocol import ArrayGroup, Envelope, Kind  # noqa: E402
 from edge_sdk.secagg.consistency import graph_seed, survivor_set_bytes, survivors_payload  # noqa: E402
 from edge_sdk.secagg.context import RoundContext  # noqa: E402
 from edge_sdk.secagg.identity import IdentityKey  # noqa: E402
@@ -111,7 +111,7 @@ def envelopes() -> list[dict[str, Any]]:
 
 
 def arrays() -> list[dict[str, Any]]:
-    cases = [
+    cases: list[tuple[str, np.ndarray]] = [
         ("float64_vector", np.array([1.5, -2.0, 1e-300], np.float64)),
         ("float32_matrix", np.array([[0.5, -1.0, 2.0], [3.25, 0.0, -0.0]], np.float32)),
         ("float16_vector", np.array([1.0, -0.5, 65504.0], np.float16)),
@@ -169,16 +169,18 @@ def chunk_vectors() -> tuple[dict[str, Any], dict[str, bytes]]:
 
 
 def codec_vectors() -> dict[str, Any]:
-    received = {"shared": {"w": np.array([1.0, 2.0, -1.0, 0.5], np.float32),
-                           "b": np.array([0.0, 0.0], np.float32)}}
-    update = {"shared": {"w": np.array([1.5, 1.0, -1.0, 1.75], np.float32),  # delta 0.5, -1, 0, 1.25
-                         "b": np.array([-2.5, 1.5], np.float32),
-                         "extra": np.array([0.5, -1.0, 127.0], np.float32),  # not broadcast: sent as it is
-                         "steps": np.array([3], np.int64)}}  # integer arrays travel unchanged
-    ties = {"shared": {"t": np.array([-2.5, 1.5, 0.5, 127.0, 2.5, -0.5], np.float32)}}
+    received: dict[str, ArrayGroup] = {"shared": {"w": np.array([1.0, 2.0, -1.0, 0.5], np.float32),
+                                                  "b": np.array([0.0, 0.0], np.float32)}}
+    update: dict[str, ArrayGroup] = {"shared": {
+        "w": np.array([1.5, 1.0, -1.0, 1.75], np.float32),  # delta 0.5, -1, 0, 1.25
+        "b": np.array([-2.5, 1.5], np.float32),
+        "extra": np.array([0.5, -1.0, 127.0], np.float32),  # not broadcast: sent as it is
+        "steps": np.array([3], np.int64)}}  # integer arrays travel unchanged
+    ties: dict[str, ArrayGroup] = {"shared": {"t": np.array([-2.5, 1.5, 0.5, 127.0, 2.5, -0.5], np.float32)}}
+    inputs: list[tuple[str, dict[str, ArrayGroup], dict[str, ArrayGroup]]] = [
+        ("fp16", update, received), ("int8", update, received), ("int8", ties, {"shared": {}})]
     cases = []
-    for codec, groups, base in (("fp16", update, received), ("int8", update, received),
-                                ("int8", ties, {"shared": {}})):
+    for codec, groups, base in inputs:
         encoded = codecs.encode(codec, groups, base)
         cases.append({
             "codec": codec,
