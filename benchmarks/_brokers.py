@@ -6,7 +6,7 @@ Not a benchmark itself: a module of the benchmarks package (the scripts run as
 - `mosquitto(workdir)`: harness.brokers' Mosquitto (the tests' own) on a free loopback port with
   a config written here (the lines every benchmark needs plus any `extra` ones), as a context
   manager; a RuntimeError naming `--broker` when Mosquitto is not installed.
-- `broker(kind, workdir)`: "mosquitto" (the above), "amqtt" (`coordinator.broker.EmbeddedBroker`)
+- `broker(kind, workdir)`: "mosquitto" (the above), "amqtt" (`coordinator.brokers.embedded.EmbeddedBroker`)
   or an external `mqtt://host:port` URL; yields `(url, mqtt_protocol)`.
 - `machine_info()`: what the JSON results record about the machine, without the hostname.
 - `raise_fd_limit()`: lift the soft RLIMIT_NOFILE to the hard limit (children inherit it).
@@ -22,7 +22,7 @@ from typing import NamedTuple
 from collections.abc import Iterator
 
 from . import _machine
-from coordinator.broker import EmbeddedBroker
+from coordinator.brokers.embedded import EmbeddedBroker
 from harness.brokers import Mosquitto, mosquitto_binary
 
 

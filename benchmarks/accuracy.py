@@ -1,6 +1,6 @@
 """Personalized accuracy of every algorithm on Fashion-MNIST, over MQTT (RepPer's Tables 2 and 3, Fig. 6).
 
-Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker):
+Measures, with `coordinator.hosting.simulate.run_simulation` (embedded amqtt broker unless --broker):
 1. Table 2 layout: the mean personalized accuracy over devices at the last round, mean ± std over
    seeds, for every algorithm (rows) under every partition (columns: Dirichlet alpha 0.1 and 0.5,
    2 classes per device (shards), feature skew (domains)), each beside its points over FedAvg on the
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 
+from ._machine import machine_info
 from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
@@ -56,7 +57,6 @@ from .flags import (
     finish_cache_flags,
     run_settings,
 )
-from ._machine import machine_info
 from .runs import (
     ALGORITHMS,
     NAMES,
@@ -170,8 +170,8 @@ def load_body(view: RunView, client_id: str):
     """The body device `client_id` deploys at the end of the run, BatchNorm statistics as stored."""
     import torch
 
-    from coordinator.checkpoint import load as load_checkpoint
-    from coordinator.run_folder import RunFolder
+    from coordinator.run.checkpoint import load as load_checkpoint
+    from coordinator.run.folder import RunFolder
     from edge_sdk.models import build_body
     from edge_sdk.store import PersonalStore
 

@@ -63,10 +63,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 import edge_sdk
-from coordinator.aggregate import WeightedMean
+from coordinator.aggregation.averaging import WeightedMean
+from coordinator.aggregation.validation import UpdateLimits, check_update, checked_update, delta_norm
 from coordinator.algorithms.base import ServerAlgorithm
 from coordinator.memory import return_freed_buffers
-from coordinator.validation import UpdateLimits, check_update, checked_update, delta_norm
 from edge_sdk import codecs, wire
 from edge_sdk.chunks import DEFAULT_CHUNK_SIZE, Reassembler, chunk_frames, chunk_from_dict
 from edge_sdk.params import check_arrays, spec_of

@@ -55,7 +55,7 @@ def run_one(plan: dict[str, Any], algorithm: str, mode: str, args: argparse.Name
             protocol: str, out: Path) -> dict[str, Any]:
     """One simulated run; its evaluations on the coordinator's clock from the first round's start."""
     from coordinator.events import DevicesRegistered, RoundEnded
-    from coordinator.simulate import run_simulation
+    from coordinator.hosting.simulate import run_simulation
 
     trainings = plan["rounds"] * plan["clients"] * ONLINE_SHARE
     steps = plan["rounds"] if mode == "sync" else max(1, round(trainings / plan["buffer"]))

@@ -1,7 +1,7 @@
 """Communication of every algorithm over MQTT: bytes per round, MB to a target accuracy, upload codecs, DC-PFL
 statistics.
 
-Measures, with `coordinator.simulate.run_simulation` (embedded amqtt broker unless --broker), from
+Measures, with `coordinator.hosting.simulate.run_simulation` (embedded amqtt broker unless --broker), from
 each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`):
 1. Bytes per round of every algorithm with the default model, on digits (10 devices, 2 rounds)
    and Fashion-MNIST (the runs of part 2): uploads (TRAIN_RES), the TRAIN broadcast as the

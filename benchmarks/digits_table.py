@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.algorithms import in_table_order, load
 
 from .flags import add_output_flags, add_run_flags

@@ -1,7 +1,7 @@
 """The benchmarks' command-line flags, each declared once.
 
 A setting of the runs (`--lr`, `--clients`, `--eval-every`, `--broker`, ...) is the flag
-`edgepfl simulate` takes for it: built by `coordinator.flags.add_setting_flags` from the settings
+`edgepfl simulate` takes for it: built by `coordinator.config.flags.add_setting_flags` from the settings
 declarations (its name, type and help), so a benchmark cannot drift from the library. Only its
 default may differ: the benchmark protocol's (`PROTOCOL`, and a script's own rounds), stated in
 `--help`. The flags no setting declares (`--quick`, `--out`, `--cache`, `--ledger`, `--cached-only`,
@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import SECTIONS
-from coordinator.flags import add_setting_flags, given
+from coordinator.config.flags import add_setting_flags, given
+from coordinator.config.run_config import SECTIONS
 from edge_sdk.settings import settings_of
 
 from .runs import DEFAULT_CACHE, DEFAULT_LEDGER, bench_config, ledger_folder

@@ -69,7 +69,7 @@ from ._brokers import RunningBroker, broker, machine_info
 from .flags import add_output_flags, add_run_flags, run_settings
 from .runs import log, setup_logging, write_outputs
 
-from coordinator.broker import free_port, wait_for_port
+from coordinator.brokers.embedded import free_port, wait_for_port
 from harness.hosts import stop_process
 
 NAME = "observe"
@@ -444,7 +444,7 @@ def work_part(devices: int, rounds: int, polls: int, workdir: Path) -> dict[str,
     (the Prometheus exporter and the page's state, on the round loop's thread) and per poll of
     /state.json and /metrics (the server's threads; the client's urllib counts too, in this same
     process, so the figure is an upper bound), over `rounds` synthetic rounds."""
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.events import DeviceOnline, RunStarted
     from coordinator.observe.session import observing
 

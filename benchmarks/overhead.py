@@ -13,7 +13,7 @@ The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 de
 5 rounds of 2 local epochs, evaluation every round, seed 0, on the CPU (`--device`), devices in
 `--workers` processes (default: one per core), one torch thread each. Variants:
 
-- `amqtt`, `mosquitto`: `coordinator.simulate.run_simulation(RunConfig(...))`, the product path:
+- `amqtt`, `mosquitto`: `coordinator.hosting.simulate.run_simulation(RunConfig(...))`, the product path:
   the coordinator in this process, the devices (`EdgeClient`) in worker processes, each with its
   own MQTT connection, through the embedded amqtt broker or a Mosquitto started here.
 - `inprocess`: the baseline, a plain loop with the same computation and the same process layout:
@@ -28,7 +28,7 @@ The run: fedavg, the default CNN for the dataset (cnn28 on Fashion-MNIST), 10 de
   the LoopbackBroker: the loopback broker is in-memory, so every device would have to live in this
   one process, and the devices' Python work would then share one GIL instead of spreading over
   the worker processes the MQTT runs use: the baseline would be slower than the real layout and
-  flatter the ratio. The round's coordinator side is `coordinator.inprocess.InProcessRound`
+  flatter the ratio. The round's coordinator side is `coordinator.rounds.inprocess.InProcessRound`
   (`begin_round`, the task, the coordinator's own update checks, `accumulate`, `end_round`),
   the WELCOMEs are the real `Coordinator.welcome`.
 - `loopback` (optional, `--variants`): the same `Coordinator` and `EdgeClient`s over
@@ -60,8 +60,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import cast
 
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
+from coordinator.config.run_config import RunConfig
+from coordinator.run.folder import RunFolder
 from edge_sdk.channel import Channel
 
 from ._brokers import broker, machine_info
@@ -82,7 +82,7 @@ def _round_entry(event) -> dict:
 
 # -- the MQTT variants -----------------------------------------------------------------------
 def run_mqtt(config: RunConfig) -> dict:
-    from coordinator.simulate import run_simulation
+    from coordinator.hosting.simulate import run_simulation
 
     from coordinator.events import RoundEnded
 
@@ -106,8 +106,8 @@ def run_loopback(config: RunConfig) -> dict:
     import torch
 
     from coordinator.events import RoundEnded
+    from coordinator.hosting.simulate import client_id_for, split_among_workers
     from coordinator.server import Coordinator
-    from coordinator.simulate import client_id_for, split_among_workers
     from edge_sdk.client import EdgeClient
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Topics
@@ -148,7 +148,7 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
     """A worker process of the plain loop: the same devices as simulate's worker, no wire."""
     import torch
 
-    from coordinator.simulate import client_id_for
+    from coordinator.hosting.simulate import client_id_for
     from edge_sdk.client import EdgeClient
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Envelope
@@ -188,12 +188,12 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
 
 
 def run_inprocess(config: RunConfig) -> dict:
-    from coordinator import checkpoint
-    from coordinator.inprocess import InProcessRound
-    from coordinator.rounds import select_clients
+    from coordinator.aggregation.validation import UpdateLimits
+    from coordinator.hosting.simulate import split_among_workers
+    from coordinator.rounds.collector import select_clients
+    from coordinator.rounds.inprocess import InProcessRound
+    from coordinator.run import checkpoint
     from coordinator.server import Coordinator
-    from coordinator.simulate import split_among_workers
-    from coordinator.validation import UpdateLimits
     from edge_sdk.config import to_plain
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Topics

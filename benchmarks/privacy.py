@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.algorithms import load
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.privacy.accountant import PrivacyAccountant, calibrate_noise
 from coordinator.privacy.mechanism import PrivateMean
 from coordinator.privacy.run import RunPrivacy
@@ -73,7 +73,7 @@ from edge_sdk.models import build_model, count_parameters
 from edge_sdk.privacy import PrivacySettings
 from edge_sdk.privacy.upstream import UploadPrivacy, privatize
 
-from coordinator.flags import given
+from coordinator.config.flags import given
 
 from .flags import PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, add_seeds_flag, \
     finish_cache_flags

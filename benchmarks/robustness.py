@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import RunConfig
-from coordinator.simulate import run_simulation
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.simulate import run_simulation
 
 from .flags import add_output_flags, add_run_flags
 

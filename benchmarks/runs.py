@@ -13,7 +13,7 @@ Not a benchmark itself: a module of the benchmarks package (the scripts run as
   ablation rows differ by their switch, not by the order updates arrived in. An update the
   coordinator rejects (a device whose training diverged uploads NaN) is that device's answer:
   the round aggregates the others' updates.
-- `RunCache`: runs a `RunConfig` through `coordinator.simulate.run_simulation` in a folder named
+- `RunCache`: runs a `RunConfig` through `coordinator.hosting.simulate.run_simulation` in a folder named
   by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out, except for
   CD2-pFed, whose schedule spans the round budget: its runs are neither cut nor extended). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
-from .ledger import DEFAULT_LEDGER, RunLedger
 from ._machine import machine_info
-from coordinator.config import KEYS, RunConfig
-from coordinator.run_folder import RunFolder
-from coordinator.simulate import run_simulation
+from .ledger import DEFAULT_LEDGER, RunLedger
+from coordinator.config.run_config import KEYS, RunConfig
+from coordinator.hosting.simulate import run_simulation
+from coordinator.run.folder import RunFolder
 from edge_sdk.algorithms import in_table_order
 from edge_sdk.protocol import Reason
 

@@ -77,7 +77,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from coordinator.broker_config import QUEUE_SETTINGS
+from coordinator.brokers.mosquitto import QUEUE_SETTINGS
 from edge_sdk.protocol import Envelope, Kind
 from edge_sdk.session import DeviceSession
 from edge_sdk.transport import MqttSettings, MqttTransport
@@ -211,7 +211,7 @@ def _coordinator_main(config_fields: dict, conn, namespace: str | None = None) -
         from ._cluster import enter_namespace
 
         enter_namespace(namespace)
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.events import (DevicesRegistered, RegistrationOpened, RoundAggregated, RoundEnded, RoundStarted,
                                     UpdateAccepted)
     from coordinator.memory import return_freed_buffers
@@ -649,7 +649,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     fd_limit = raise_fd_limit()
     conf = mosquitto_conf(args.mosquitto_max_queued)
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
 
     args.library = {key: getattr(args, key) for key in ("chunk_size", "upload_chunk_size", "flow_control_bytes")
                     if getattr(args, key) is not None}

@@ -7,7 +7,7 @@ Quick (a smoke test, well under a minute): `python -m benchmarks.secagg --quick 
 
 Two parts:
 
-- **Over the broker** (`edgepfl simulate`'s path, `coordinator.simulate.run_simulation`, a Mosquitto
+- **Over the broker** (`edgepfl simulate`'s path, `coordinator.hosting.simulate.run_simulation`, a Mosquitto
   started here, or `--broker`): per model and device count, a plain run and a secure run with the
   same devices, data and seed (FedAvg, 1 local epoch, `--rounds` rounds, float64 sums, every
   selected device awaited). Per round: bytes up and down (the coordinator's counters, evaluation
@@ -122,10 +122,10 @@ def stage_seconds(started: float, closed: dict[str, float], aggregated: float | 
 def run_one(config) -> dict[str, Any]:
     """One run: its rounds (bytes, seconds, evaluation seconds, the stages' seconds and the secagg
     entry under secure aggregation) and its global model."""
-    from coordinator import checkpoint
     from coordinator.events import RoundAggregated, RoundEvaluated, RoundStarted
-    from coordinator.run_folder import RunFolder
-    from coordinator.simulate import run_simulation
+    from coordinator.hosting.simulate import run_simulation
+    from coordinator.run import checkpoint
+    from coordinator.run.folder import RunFolder
 
     marks: dict[int, dict[str, float]] = {}
 

@@ -31,11 +31,11 @@ import numpy as np
 from ._brokers import broker, machine_info
 from .flags import add_output_flags, add_run_flags
 from .runs import setup_logging, write_outputs
-from coordinator import checkpoint
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.events import DevicesRegistered
-from coordinator.run_folder import RunFolder
-from coordinator.simulate import run_simulation
+from coordinator.hosting.simulate import run_simulation
+from coordinator.run import checkpoint
+from coordinator.run.folder import RunFolder
 
 log = logging.getLogger(__name__)
 

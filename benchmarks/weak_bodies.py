@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._machine import machine_info
 from .flags import (
     PROTOCOL,
     RUN_SETTINGS,
@@ -39,7 +40,6 @@ from .flags import (
     finish_cache_flags,
     run_settings,
 )
-from ._machine import machine_info
 from .runs import (ALGORITHMS, NAMES, RunCache, RunPool, RunView, Setting, bench_config, listed, mean_std, pct,
                     setup_logging, write_outputs)
 
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def device_heads(view: RunView, index: int) -> dict[str, float]:
     """Device `index`'s test accuracy with each head on the run's released body (cached in the
     run's folder, weak_heads.json)."""
-    from coordinator.run_folder import RunFolder
+    from coordinator.run.folder import RunFolder
     from edge_sdk.lite.features import FeatureExtractor
     from edge_sdk.lite.heads import fit_head
 

@@ -24,11 +24,11 @@ import sys
 import threading
 from typing import Any
 
-from .audit_command import add_audit_parser
-from .conformance_command import add_conformance_parser
+from .commands.audit_privacy import add_audit_parser
+from .commands.conformance import add_conformance_parser
+from .config.flags import add_setting_flags, given, section_from
 from .releases.command import add_release_parser
-from .flags import add_setting_flags, given, section_from
-from .report import summary
+from .run.report_files import summary
 
 log = logging.getLogger(__name__)
 USAGE_ERROR, RUNTIME_FAILURE, INTERRUPTED, TERMINATED = 2, 1, 130, 143
@@ -68,7 +68,7 @@ def _run_config(args: argparse.Namespace):
     from edge_sdk.config import ConfigError, parse_assignments
 
     from .algorithms import hyperparameters
-    from .config import build_config
+    from .config.run_config import build_config
 
     config = build_config(args.config, given(args, args.setting_keys), parse_assignments(args.set))
     try:
@@ -81,7 +81,7 @@ def _run_config(args: argparse.Namespace):
 def _check_sharding(config) -> None:
     """Refuse a run with `shards` whose algorithm or aggregation rule cannot be split (imports the algorithm)."""
     from .algorithms import load
-    from .sharding import check_shardable
+    from .shards.sharding import check_shardable
 
     check_shardable(load(config.run.algorithm), config.aggregation.rule, config.round.shards)
 
@@ -90,16 +90,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = _run_config(args)  # refused before the heavy imports below
     local = None
     if args.local_devices is not None:
-        from .device_ranges import parse_devices
+        from .hosting.device_ranges import parse_devices
 
         local = parse_devices(args.local_devices, config.run.clients, "--local-devices", allow_none=True)
     from .events import RunStarted
+    from .hosting.simulate import run_simulation
+    from .hosting.worker_watch import WorkersFailed
     from .memory import return_freed_buffers
     from .observe.session import observing
-    from .report import cumulative_megabytes
+    from .run.report_files import cumulative_megabytes
     from .server import RegistrationTimeout, finished_report
-    from .simulate import run_simulation
-    from .worker_watch import WorkersFailed
 
     _check_sharding(config)
     finished = finished_report(config)
@@ -155,14 +155,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_workers(args: argparse.Namespace) -> int:
     from edge_sdk.config import ConfigError
 
-    from .device_ranges import parse_devices
+    from .hosting.device_ranges import parse_devices
 
     config = _run_config(args)  # refused before the heavy imports below
     indices = parse_devices(args.devices, config.run.clients, "--devices")
     if not args.start_timeout > 0:
         raise ConfigError(f"--start-timeout must be positive, got {args.start_timeout}")
-    from .worker_watch import WorkersFailed
-    from .workers import DevicesFailed, RunNotAnnounced, host_devices
+    from .hosting.worker_watch import WorkersFailed
+    from .hosting.workers import DevicesFailed, RunNotAnnounced, host_devices
 
     try:
         footprint = host_devices(config, indices, start_timeout=args.start_timeout,
@@ -212,7 +212,7 @@ def _given_partition(args: argparse.Namespace, config) -> str | None:
 def cmd_client(args: argparse.Namespace) -> int:
     from edge_sdk.settings import BrokerSettings
 
-    from .settings import SimulationSettings
+    from .config.sections import SimulationSettings
 
     simulation = section_from(SimulationSettings, args)
     broker = section_from(BrokerSettings, args)
@@ -278,13 +278,13 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edge_sdk.protocol import aggregator_id
     from edge_sdk.settings import BrokerSettings
 
-    from .aggregator import parse_shard
+    from .shards.aggregator import parse_shard
 
     shard, shards = parse_shard(args.shard)
     broker = section_from(BrokerSettings, args)
     mqtt = broker.mqtt_settings(aggregator_id(shard))
     verifier = _upload_verifier(broker.credentials, aggregator_id(shard))
-    from .aggregator import ShardAggregator  # torch: once the flags and credentials are checked
+    from .shards.aggregator import ShardAggregator  # torch: once the flags and credentials are checked
 
     aggregator = ShardAggregator(shard, shards, broker=mqtt, federation=broker.federation, verifier=verifier)
     run_until_done(aggregator)
@@ -315,8 +315,8 @@ def _device_data(args: argparse.Namespace):
     """A device's own data (--data) or its partition of a built-in dataset (--index)."""
     from edge_sdk.settings import TrainSettings
 
+    from .config.sections import RunSettings
     from .extras import missing_for_data
-    from .settings import RunSettings
 
     if (args.index is None) == (args.data is None):
         raise SystemExit(f"edgepfl {args.command}: give either --index (a partition of --dataset) or --data "
@@ -334,7 +334,7 @@ def _device_data(args: argparse.Namespace):
 def cmd_lite_client(args: argparse.Namespace) -> int:
     from edge_sdk.settings import BrokerSettings
 
-    from .settings import SimulationSettings
+    from .config.sections import SimulationSettings
 
     head = section_from(SimulationSettings, args).head
     broker = section_from(BrokerSettings, args)
@@ -359,7 +359,7 @@ def cmd_lite_client(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import json
 
-    from .export_command import export_run
+    from .commands.export import export_run
 
     summary = export_run(args.run, args.out, part=args.part, quantize=args.quantize, also_fp32=args.also_fp32,
                          fp16=args.fp16, calibration_size=args.calibration_size, data_dir=args.data_dir)
@@ -379,7 +379,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from .broker import _serve
+    from .brokers.embedded import _serve
 
     print(f"amqtt broker on mqtt://{args.host}:{args.port} (Ctrl-C to stop)")
     _serve(args.host, args.port)
@@ -387,10 +387,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_broker_config(args: argparse.Namespace) -> int:
-    from .broker_config import BrokerConfigError, describe, generate
+    from .brokers.mosquitto import BrokerConfigError, describe, generate
 
     if args.broker_kind == "nats":
-        from .broker_nats import describe_nats, generate_nats
+        from .brokers.nats import describe_nats, generate_nats
 
         if args.tls or args.san or args.user:
             raise BrokerConfigError("--tls, --san and --user are written for Mosquitto only (--broker-kind mosquitto)")
@@ -567,8 +567,8 @@ def _run(args: argparse.Namespace) -> int:
     from edge_sdk.config import ConfigError
     from edge_sdk.transport import TransportError
 
-    from .checkpoint import CheckpointError
     from .extras import MissingExtra, missing_extra
+    from .run.checkpoint import CheckpointError
 
     try:
         return args.handler(args)

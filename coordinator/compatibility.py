@@ -136,7 +136,7 @@ def _coordinator(settings: Mapping[str, Any]):
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Topics
 
-    from .config import RunConfig
+    from .config.run_config import RunConfig
     from .server import Coordinator
 
     config = RunConfig.of(**settings)
@@ -147,7 +147,7 @@ def _coordinator(settings: Mapping[str, Any]):
 
 def _initial_run(algorithm: str, out: Path) -> Path:
     """A run folder holding the plain cell's initial global state as its checkpoint."""
-    from . import checkpoint
+    from .run import checkpoint
 
     coordinator = _coordinator(cell_settings(algorithm, FEATURES[0], out))
     checkpoint.save(coordinator.folder.checkpoint, checkpoint.Checkpoint(
@@ -163,7 +163,7 @@ def write_source(algorithm: str, feature: Feature, folder: Path) -> Path:
 
     from edge_sdk.models import build_model
 
-    from .config import RunConfig
+    from .config.run_config import RunConfig
 
     config = RunConfig.of(**cell_settings(algorithm, feature, folder))
     state = build_model(config.model_name, config.task(), seed=1).state_dict()

@@ -6,7 +6,7 @@ thread with its own MQTT connection, the trainers taking turns to compute. So a 
 a training step written in a script or a notebook (a closure, a lambda) is used as it is:
 nothing is pickled or imported by path. `edgepfl simulate` runs the same federation with its
 devices in worker processes, where a model is named by an import path; both start and stop the
-broker, devices and coordinator the same way (coordinator/lifecycle.py).
+broker, devices and coordinator the same way (coordinator/hosting/lifecycle.py).
 
     report = Federation(model=my_factory, data="sensor.csv", algorithm="fedrep", clients=10,
                         rounds=5).run()
@@ -28,10 +28,10 @@ from edge_sdk.data.resolve import TASK_FIELDS
 from edge_sdk.models import ModelSpec, model_name
 from edge_sdk.session import DeviceSession
 
-from .config import RunConfig
-from .device_ranges import client_id_for
-from .lifecycle import LocalFederation
-from .run_folder import RunFolder
+from .config.run_config import RunConfig
+from .hosting.device_ranges import client_id_for
+from .hosting.lifecycle import LocalFederation
+from .run.folder import RunFolder
 from .server import Coordinator
 
 ARRAYS_FILE = "data.npz"

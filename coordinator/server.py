@@ -12,8 +12,8 @@ it resumes after the last checkpointed round and never applies or records a roun
 request again (devices answer a repeated request with their cached reply, so nothing is
 trained or applied twice).
 
-The rooms around the loop: `shard_rounds` (with `shards` K > 0, the shard aggregators' rosters,
-notes and partials), `reporting` (each round's record and the run's report) and `outbox` (what
+The rooms around the loop: `shards.coordinator_side` (with `shards` K > 0, the shard aggregators' rosters,
+notes and partials), `run.records` (each round's record and the run's report) and `outbox` (what
 is sent, and the refusals, answered with a NACK where the sender is registered).
 """
 
@@ -32,15 +32,15 @@ from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason, new_message_id
 from edge_sdk.secagg import stages
 
-from . import algorithms, warm_start
+from . import algorithms
+from .aggregation.validation import UpdateLimits, check_upload_codec
 from .algorithms.base import ServerContext
-from .async_steps import check_async_run
-from .config import RunConfig
-from .devices import DeviceRegistry
+from .config.run_config import RunConfig
 from .events import DeviceOffline, DeviceOnline, EventBus, RoundEnded, RunStarted
-from .ledger import Ledger
-from .nacks import NackLimiter
-from .outbox import Outbox, RunPosition
+from .fleet.devices import DeviceRegistry
+from .fleet.nacks import NackLimiter
+from .fleet.outbox import Outbox, RunPosition
+from .fleet.registration import Registration, RegistrationTimeout
 from .players.asynchronous import AsynchronousSteps
 from .players.base import RoundPlayer
 from .players.context import RunContext
@@ -53,15 +53,16 @@ from .players.sync import SynchronousRounds
 from .privacy.budget import BudgetSpent
 from .privacy.none import NoPrivacy
 from .privacy.policy import check_dp_sgd_run, private_run
-from .registration import Registration, RegistrationTimeout
-from .release import Release
-from .report import MetricsLog, write_report
-from .reporting import RoundRecord, finished_report, played_report, run_report
-from .rounds import LateUpdates
-from .run_folder import RunFolder
-from .shard_rounds import ShardedRounds
-from .sharding import check_shardable
-from .validation import UpdateLimits, check_upload_codec
+from .releases.phase import Release
+from .rounds.async_steps import check_async_run
+from .rounds.collector import LateUpdates
+from .run import warm_start
+from .run.folder import RunFolder
+from .run.ledger import Ledger
+from .run.records import RoundRecord, finished_report, played_report, run_report
+from .run.report_files import MetricsLog, write_report
+from .shards.coordinator_side import ShardedRounds
+from .shards.sharding import check_shardable
 
 __all__ = ["Coordinator", "RegistrationTimeout", "RoundRecord", "finished_report"]
 
@@ -108,7 +109,7 @@ class Coordinator:
         check_async_run(config, algorithm_cls)
         check_upload_codec(config.training.upload_codec, algorithm_cls)
         if config.secagg.secure_aggregation:  # cryptography loads with a secure run only
-            from .secure_rounds import check_secure_run
+            from .rounds.secagg import check_secure_run
 
             check_secure_run(config, algorithm_cls)
         self.hyper = algorithms.hyperparameters(config.run.algorithm, config.hyper)

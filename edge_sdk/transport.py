@@ -24,7 +24,7 @@ QoS 1 publication, those paho still holds back behind its in-flight window inclu
 process that publishes its last message and exits (the coordinator's final STATUS) loses none.
 
 A simulated fleet's devices go offline and come back (`drop_connection`, `reconnect`; see
-coordinator/availability.py): the connection ends without a DISCONNECT, as when a device loses
+coordinator/hosting/availability.py): the connection ends without a DISCONNECT, as when a device loses
 its network, so the broker publishes its Last Will; until `reconnect` nothing is received and
 publications are dropped (counted in `dropped_offline`), as a device without network loses them.
 

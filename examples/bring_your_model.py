@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from coordinator.export_command import export_run
+from coordinator.commands.export import export_run
 from coordinator.federation import Federation
 from edge_sdk.models import split
 

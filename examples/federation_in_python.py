@@ -18,8 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from coordinator.broker import EmbeddedBroker
-from coordinator.config import RunConfig
+from coordinator.brokers.embedded import EmbeddedBroker
+from coordinator.config.run_config import RunConfig
 from coordinator.server import Coordinator
 from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from coordinator.broker import free_port, wait_for_port
+from coordinator.brokers.embedded import free_port, wait_for_port
 
 from .hosts import stop_process
 

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from coordinator.broker_config import BrokerSetup
+from coordinator.brokers.mosquitto import BrokerSetup
 from edge_sdk.transport import Incoming, MqttSettings, MqttTransport
 
 TIMEOUT = 10.0

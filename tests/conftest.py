@@ -3,7 +3,7 @@ over the loopback broker (tests/loopback_runs.py); and the order the suite runs 
 
 import pytest
 
-from coordinator.broker import EmbeddedBroker
+from coordinator.brokers.embedded import EmbeddedBroker
 from harness.brokers import Mosquitto
 from loopback_runs import federation, quiet_torch  # noqa: F401  (fixtures)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.loopback import LoopbackBroker, LoopbackTransport
@@ -100,7 +100,7 @@ class LoopbackFederation:
         self.lock = threading.Lock()  # devices take turns to compute: 2 cores are shared
 
     def config(self, **changes):
-        from coordinator.config import RunConfig
+        from coordinator.config.run_config import RunConfig
 
         settings: dict[str, Any] = dict(
             algorithm="fedavg", dataset="digits", clients=3, rounds=2, local_epochs=1, batch_size=64, seed=0,
@@ -145,7 +145,7 @@ class LoopbackFederation:
 
     def start_aggregator(self, shard: int, shards: int) -> str:
         """The aggregator of shard `shard` of `shards`, in a thread until the run ends."""
-        from coordinator.aggregator import ShardAggregator
+        from coordinator.shards.aggregator import ShardAggregator
 
         aggregator = ShardAggregator(shard, shards, federation=self.topics.federation,
                                      transport=self.broker.transport(f"aggregator-{shard}"))
@@ -216,7 +216,7 @@ def quiet_torch(monkeypatch):
     and more threads only fight over the shared cores."""
     import torch
 
-    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)
+    monkeypatch.setattr("coordinator.run.report_files.plot_curves", lambda path, report: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

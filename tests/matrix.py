@@ -163,7 +163,7 @@ def _start_fleet(fed: MatrixFederation, config, feature: Feature) -> None:
 
 def _play_availability(fed: MatrixFederation, config, ended: threading.Event) -> None:
     """Play the run's `--availability` trace on its trainers (as `edgepfl simulate` does) until `ended`."""
-    from coordinator.availability import AvailabilityDriver, offline_spells, parse_availability
+    from coordinator.hosting.availability import AvailabilityDriver, offline_spells, parse_availability
 
     availability = parse_availability(config.simulation.availability, config.run.clients)
     if availability is None:

@@ -84,7 +84,7 @@ FEDIOS_HYPER_PY = "edge_sdk/algorithms/hyper/fedios.py"
 REPPER_PY, CD2_PY = "edge_sdk/algorithms/repper.py", "edge_sdk/algorithms/cd2_pfed.py"
 DC_PFL_PY, DC_PFL_SERVER_PY = "edge_sdk/algorithms/dc_pfl.py", "coordinator/algorithms/dc_pfl.py"
 CD2_SERVER_PY = "coordinator/algorithms/cd2_pfed.py"
-SIMULATE_PY = "coordinator/simulate.py"
+SIMULATE_PY = "coordinator/hosting/simulate.py"
 SIMULATE_SHARDS = "tests/integration/test_simulate_shards.py"
 COMMON_OPTIMIZER = ("tests/unit/test_common_optimizer.py",)
 FAIR_SETTINGS = ("tests/unit/test_fair_settings.py",)
@@ -93,7 +93,7 @@ VALIDATION_RUN = ("tests/unit/test_loopback_validation.py::"
 TORCH_DEVICE_PY, PART_SHARING_PY = "edge_sdk/algorithms/torch_device.py", "edge_sdk/algorithms/part_sharing.py"
 CLIENT_PY, CLIENT_DATA_PY = "edge_sdk/client.py", "edge_sdk/data/client_data.py"
 ALGORITHMS_INIT_PY, REGISTRIES = "edge_sdk/algorithms/__init__.py", ("tests/unit/test_registries.py",)
-SYNC_ROUNDS_PY, CONFIG_PY = "coordinator/players/sync.py", "coordinator/config.py"
+SYNC_ROUNDS_PY, CONFIG_PY = "coordinator/players/sync.py", "coordinator/config/run_config.py"
 LITE_CLIENT_PY, CLI_PY = "edge_sdk/lite/client.py", "coordinator/cli.py"
 LITE_VALIDATION_RUN = ("tests/unit/test_loopback_weak_devices.py::"
                        "test_a_weak_device_in_a_validation_run_fits_and_scores_on_its_training_split_only",)
@@ -267,7 +267,7 @@ MUTATIONS = (
              (("stratified_split(self.train_y, fraction, seed=seed)",
                "stratified_split(self.train_y, fraction, seed=0)"),),
              FAIR_SETTINGS),
-    Mutation("fair: a validation run reported as scored on test", "coordinator/reporting.py",
+    Mutation("fair: a validation run reported as scored on test", "coordinator/run/records.py",
              (('"validation" if config.training.validation_fraction else "test"', '"test"'),), VALIDATION_RUN),
     Mutation("fair: a later setting defines every run, default or not", CONFIG_PY,
              (("if_set = item.info.defines == DEFINES_IF_SET and value != item.field.default",
@@ -397,7 +397,7 @@ MUTATIONS = (
     Mutation("secagg shards: each shard weights by its own largest device", "coordinator/players/secure.py",
              (("private=private, largest=max(examples.values()))", "private=private)"),),
              ("tests/unit/test_loopback_secagg.py",)),
-    Mutation("secagg shards: the aggregator keeps only the last masked vector", "coordinator/aggregator.py",
+    Mutation("secagg shards: the aggregator keeps only the last masked vector", "coordinator/shards/aggregator.py",
              (("                round_.masked_sum += masked\n", "                round_.masked_sum[:] = masked\n"),),
              ("tests/unit/test_shard_aggregator.py",)),
     Mutation("secagg shards: a masked sum over a device that did not share keys is taken", SECAGG_SERVER_PY,
@@ -546,7 +546,7 @@ MUTATIONS = (
              ("tests/unit/test_loopback_faults.py::test_a_device_back_mid_round_gets_the_open_request_again_and_counts",
               "tests/unit/test_rounds.py")),
     Mutation("rounds: the collector closes below its quorum while a dropped device may come back",
-             "coordinator/rounds.py",
+             "coordinator/rounds/collector.py",
              (("        settled = not self.waiting and not self._rejoin_pending(now)",
                "        settled = not self.waiting"),),
              ("tests/unit/test_rounds.py",)),
@@ -574,7 +574,7 @@ MUTATIONS = (
              (('config: dict[str, Any] = {"release": release.sha256}',
                'config: dict[str, Any] = {"release": release.sha256, "runs": deployed.sha256}'),),
              (f"{PRIVACY_LOOPBACK}test_a_weak_device_s_evaluation_under_dp_says_neither_what_it_runs_nor_why",)),
-    Mutation("matrix: an algorithm that cannot run async let through", "coordinator/async_steps.py",
+    Mutation("matrix: an algorithm that cannot run async let through", "coordinator/rounds/async_steps.py",
              (("(algorithm.asynchronous is not None, f", "(False, f"),),
              (f"{MATRIX}test_the_readme_async_column_agrees_with_the_matrix",)),
     Mutation("matrix: a release of a personal body let through", "coordinator/server.py",
@@ -595,7 +595,7 @@ MUTATIONS = (
     Mutation("registry: a device class without its display name", "edge_sdk/algorithms/fedbn.py",
              (('    display_name = "FedBN"\n', ""),), REGISTRIES),
     # What the coordinator sends and what devices refuse: checked before sending, refused upward
-    Mutation("warm start: a 0-d array turned 1-d", "coordinator/warm_start.py",
+    Mutation("warm start: a 0-d array turned 1-d", "coordinator/run/warm_start.py",
              (('np.array(given, dtype=fresh.dtype, order="C")', "np.ascontiguousarray(given, dtype=fresh.dtype)"),),
              ("tests/unit/test_warm_start.py::test_a_scalar_array_keeps_its_shape",)),
     Mutation("outgoing: a broadcast every device must refuse is sent", "coordinator/algorithms/base.py",
@@ -604,7 +604,7 @@ MUTATIONS = (
     Mutation("refusal: a device keeps silent about a request it cannot take", "edge_sdk/session.py",
              (("if (reply_kind is None or reason not in REPORTED_REFUSALS", "if (True or reason not in REPORTED_REFUSALS"),),
              ("tests/unit/test_device_refusals.py::test_a_round_every_device_refused_stops_the_run_with_the_reason",)),
-    Mutation("refusal: a run whose every device refused plays on", "coordinator/rounds.py",
+    Mutation("refusal: a run whose every device refused plays on", "coordinator/rounds/collector.py",
              (("    if not asked or set(answered) & set(asked)", "    if True or set(answered) & set(asked)"),),
              ("tests/unit/test_device_refusals.py::test_the_stop_needs_every_device_asked_to_have_refused",)),
 )

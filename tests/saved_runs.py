@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.checkpoint import Checkpoint, load
+from coordinator.run.checkpoint import Checkpoint, load
 
 
 def checkpoint_at(path: Path) -> Checkpoint:

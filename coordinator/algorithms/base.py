@@ -19,8 +19,8 @@ from edge_sdk.models import ModelSpec, build_model, check_capabilities
 from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
 
-from ..aggregate import PartialSum
-from ..robust import AggregationSettings, Aggregator, make_aggregator
+from ..aggregation.averaging import PartialSum
+from ..aggregation.robust import AggregationSettings, Aggregator, make_aggregator
 from .outgoing import check_outgoing
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ServerAlgorithm(ABC):
     """True when the algorithm's product is a frozen representation to release after training."""
     asynchronous: ClassVar[str | None] = "its server step is not a weighted mean of changes to what it sent"
     """Why it cannot run buffered asynchronous aggregation (`mode async`); None when it can: its
-    updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/async_steps.py)."""
+    updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/rounds/async_steps.py)."""
     lossy_uploads: ClassVar[str | None] = None
     """Why its uploads cannot take a lossy upload codec (`upload_codec` fp16 or int8); None when
     they can: every array it validates survives the codec's rounding."""

@@ -9,7 +9,7 @@ not depend on arrival order):
 1. one SGD step on phi per client with the mean CE of phi on that client's class means over
    the classes it has (Eq. 8-9);
 2. the pooled global mean and unbiased covariance of every class (Eq. 10-11,
-   `coordinator.aggregate.pool_class_stats`);
+   `coordinator.aggregation.averaging.pool_class_stats`);
 3. virtual features G_c ~ N(mu_c, Sigma_c), |G_c| proportional to the class's global count
    (largest remainders, so sum |G_c| = `virtual_features` exactly), drawn with a generator
    seeded by (run seed, round);
@@ -45,7 +45,7 @@ from edge_sdk.models import seeded_init
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
-from ..aggregate import pool_class_stats
+from ..aggregation.averaging import pool_class_stats
 from ..privacy.policy import CLASS_STATISTICS
 from .base import ServerAlgorithm, ServerContext
 from .body_models import BodyModels

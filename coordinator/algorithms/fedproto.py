@@ -48,7 +48,7 @@ from edge_sdk.algorithms.hyper.fedproto import Hyper as FedProtoHyper
 from edge_sdk.params import ArraySpec
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
-from ..aggregate import PartialSum, WeightedMean
+from ..aggregation.averaging import PartialSum, WeightedMean
 from ..privacy.policy import CLASS_STATISTICS
 from .base import ServerAlgorithm, ServerContext
 from .body_models import BodyModels

@@ -17,7 +17,7 @@ from edge_sdk.params import ArraySpec, spec_of
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.training import state_arrays
 
-from ..aggregate import PartialSum, WeightedMean, accumulator_dtype
+from ..aggregation.averaging import PartialSum, WeightedMean, accumulator_dtype
 from ..privacy.policy import PARAMETERS
 from .base import ServerAlgorithm
 

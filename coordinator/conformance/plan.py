@@ -16,9 +16,9 @@ from edge_sdk.models import build_model, model_signature, signature_to_plain
 from edge_sdk.protocol import ArrayGroup, Envelope
 
 from .. import algorithms
+from ..aggregation.validation import UpdateLimits, checked_update
 from ..algorithms.base import ServerAlgorithm, ServerContext
-from ..config import RunConfig
-from ..validation import UpdateLimits, checked_update
+from ..config.run_config import RunConfig
 
 ALGORITHM = "fedavg"
 

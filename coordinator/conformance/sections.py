@@ -22,10 +22,10 @@ from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames, iter_frames
 from edge_sdk.protocol import (REFUSED, REPORTED_REFUSALS, ArrayGroup, Envelope, Kind, ProtocolError, Reason,
                                new_message_id, refusal_of)
 
-from ..release import PrototypePool
+from ..releases.phase import PrototypePool
 from .body import random_features_body, release_metadata
-from .coordinator_side import TRAINER, KitCoordinator, KitSettings, RunState
 from .checks import accuracy_problem, answers, cached_reply_problem, int8_problems, reply_problems, reply_to
+from .coordinator_side import TRAINER, KitCoordinator, KitSettings, RunState
 from .outcome import Report, SectionFailed, SectionSkipped, Verdict
 from .peer import DevicePeer
 

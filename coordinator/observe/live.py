@@ -28,8 +28,8 @@ from typing import Any
 
 from ..events import (DeviceOffline, DeviceOnline, DevicesRegistered, EventBus, RegistrationOpened, ReleaseServed,
                       RoundEnded, RoundStarted, RunStarted, UpdateAccepted)
-from ..report import read_report
-from ..run_folder import RunFolder
+from ..run.folder import RunFolder
+from ..run.report_files import read_report
 
 EVENT_HISTORY = 200
 """Device events kept for the page (the oldest go first)."""

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from edge_sdk.config import ConfigError
 
-from ..run_folder import RunFolder
+from ..run.folder import RunFolder
 from .settings import http_address
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from ..config.run_config import RunConfig
     from .http import ObserveServer
     from .tracking import MlflowTracker, TensorBoardTracker
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventBus, RoundEnded, RunStarted
-from ..report import read_report
-from ..run_folder import RunFolder
+from ..run.folder import RunFolder
+from ..run.report_files import read_report
 
 MB = 1e6
 PRIVATE_COUNTS = ("mb_up", "participants", "selected")

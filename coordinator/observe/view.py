@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from importlib.resources import files
 
-from ..run_folder import RunFolder
+from ..run.folder import RunFolder
 from .http import ObserveServer, Request, Response
 from .live import LiveState
 

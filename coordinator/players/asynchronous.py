@@ -1,4 +1,4 @@
-"""`AsynchronousSteps`: a run's aggregation steps under `--mode async` (coordinator/async_steps.py).
+"""`AsynchronousSteps`: a run's aggregation steps under `--mode async` (coordinator/rounds/async_steps.py).
 
 The coordinator keeps up to `concurrency` devices training on the latest state, each sent its
 own TRAIN; every update that arrives is checked against what its version sent, rebased on the
@@ -14,11 +14,11 @@ import logging
 from edge_sdk.channel import Received
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason
 
-from ..async_steps import AsyncSteps, rebase, staleness_factor
+from ..aggregation.validation import checked_update
 from ..events import RoundAggregated, RoundDevices, RoundStarted, UpdateAccepted
-from ..outbox import resent
-from ..rounds import Outcome
-from ..validation import checked_update
+from ..fleet.outbox import resent
+from ..rounds.async_steps import AsyncSteps, rebase, staleness_factor
+from ..rounds.collector import Outcome
 from .base import TrainedRound
 from .context import RunContext
 from .exchange import Exchange

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from edge_sdk.channel import Received
 
-    from ..async_steps import StepRecord
     from ..events import RoundDevices
-    from ..secure_rounds import SecureRoundRecord
-    from ..sharding import ShardRound
+    from ..rounds.async_steps import StepRecord
+    from ..rounds.secagg import SecureRoundRecord
+    from ..shards.sharding import ShardRound
 
 
 @dataclass(frozen=True)

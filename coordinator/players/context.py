@@ -3,7 +3,7 @@
 The run's settings and collaborators (channel, algorithm, registry, outbox, ledger, metrics,
 events, shards, late updates), its privacy (`NoPrivacy` without `--dp`), the devices held out,
 and the reply pacing: the slowest accepted reply so far, from which each request's windows grow
-(`rounds.round_windows`). `serve` and `status` are the coordinator's: handle one message (its
+(`rounds.collector.round_windows`). `serve` and `status` are the coordinator's: handle one message (its
 routing), publish the retained STATUS.
 """
 
@@ -16,24 +16,24 @@ from typing import TYPE_CHECKING, Any
 from edge_sdk.channel import Channel, Received
 from edge_sdk.protocol import Reason, Topics
 
-from ..rounds import round_windows
+from ..rounds.collector import round_windows
 
 if TYPE_CHECKING:
     from edge_sdk.models import ModelSpec
 
+    from ..aggregation.validation import UpdateLimits
     from ..algorithms.base import ServerAlgorithm
-    from ..config import RunConfig
-    from ..devices import DeviceRegistry
+    from ..config.run_config import RunConfig
     from ..events import EventBus
-    from ..ledger import Ledger
-    from ..outbox import Outbox, RunPosition
+    from ..fleet.devices import DeviceRegistry
+    from ..fleet.outbox import Outbox, RunPosition
     from ..privacy.none import NoPrivacy
     from ..privacy.run import RunPrivacy
-    from ..report import MetricsLog
-    from ..rounds import LateUpdates
-    from ..run_folder import RunFolder
-    from ..shard_rounds import ShardedRounds
-    from ..validation import UpdateLimits
+    from ..rounds.collector import LateUpdates
+    from ..run.folder import RunFolder
+    from ..run.ledger import Ledger
+    from ..run.report_files import MetricsLog
+    from ..shards.coordinator_side import ShardedRounds
 
 
 @dataclass

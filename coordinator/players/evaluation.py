@@ -19,14 +19,14 @@ from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolE
 from edge_sdk.secagg import stages
 
 from ..privacy.budget import BudgetSpent
-from ..report import summarize
-from ..rounds import RoundCollector
+from ..rounds.collector import RoundCollector
+from ..run.report_files import summarize
 from .context import RunContext
 from .exchange import Exchange
 
 if TYPE_CHECKING:
-    from ..release import Pool
-    from ..secure_rounds import SecureRound
+    from ..releases.phase import Pool
+    from ..rounds.secagg import SecureRound
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from edge_sdk.channel import Received
 from edge_sdk.protocol import REFUSABLE_REQUESTS, Envelope, Kind, ProtocolError, Reason, Refusal, refusal_of
 
 from ..events import DeviceRefused
-from ..outbox import resent
-from ..rounds import Outcome, RoundCollector, every_device_refused
+from ..fleet.outbox import resent
+from ..rounds.collector import Outcome, RoundCollector, every_device_refused
 from .context import RunContext
 
 log = logging.getLogger(__name__)

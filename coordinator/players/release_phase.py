@@ -1,6 +1,6 @@
 """`ReleaseStage`: after training, the released representation, the fleet's final evaluation, FETCH.
 
-The representation is exported (`release.ReleasePhase` pools what it needs from the trainers:
+The representation is exported (`releases.phase.ReleasePhase` pools what it needs from the trainers:
 their sums only, under secure aggregation), kept as the next of the run's numbered releases and
 published as the retained RELEASE manifest; then the whole fleet, weak devices included, is
 evaluated with the pooled class prototypes sent along (not under DP: no mechanism covers them).
@@ -18,8 +18,8 @@ from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason
 from edge_sdk.secagg.errors import SecAggError
 
 from ..events import ReleaseServed
-from ..release import Pool, Release, ReleasePhase
 from ..releases.inventory import keep_release_results
+from ..releases.phase import Pool, Release, ReleasePhase
 from ..releases.store import ReleaseStore
 from .context import RunContext
 from .evaluation import Evaluation
@@ -110,7 +110,7 @@ class ReleaseStage:
         shares, and the survivors unmask the sum, which the pool takes. With fewer than
         MIN_PARTICIPANTS devices, or too few shares to unmask, nothing is pooled (logged, and
         recorded in metrics.jsonl as `secure_pool`)."""
-        from ..secure_rounds import SecureGroups, SecurePool, SecureRound
+        from ..rounds.secagg import SecureGroups, SecurePool, SecureRound
         from .secure import SecureStages
 
         run = self.run

@@ -14,8 +14,8 @@ from collections import Counter
 from dataclasses import asdict
 
 from ..events import RoundEnded, RoundEvaluated
-from ..report import summarize
-from ..reporting import RoundRecord
+from ..run.records import RoundRecord
+from ..run.report_files import summarize
 from .base import RoundPlayer
 from .context import RunContext
 from .evaluation import Evaluation

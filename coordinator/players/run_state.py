@@ -12,16 +12,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import checkpoint, warm_start
+from ..run import checkpoint, warm_start
 
 if TYPE_CHECKING:
     from ..algorithms.base import ServerAlgorithm
-    from ..config import RunConfig
-    from ..ledger import Ledger
-    from ..outbox import RunPosition
+    from ..config.run_config import RunConfig
+    from ..fleet.outbox import RunPosition
     from ..privacy.run import RunPrivacy
-    from ..report import MetricsLog
-    from ..run_folder import RunFolder
+    from ..run.folder import RunFolder
+    from ..run.ledger import Ledger
+    from ..run.report_files import MetricsLog
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Secure rounds: synchronous rounds under secure aggregation, and the SECAGG stages they play.
 
-A secure round (coordinator/secure_rounds.py holds its state): the selected devices advertise
+A secure round (coordinator/rounds/secagg.py holds its state): the selected devices advertise
 keys and share secrets within their group (the round's devices, or each shard's), those that did
 train and upload masked vectors (to the coordinator, or to their shard's aggregator, which sums
 them still masked), the survivors of each group unmask its sum, and the algorithm folds each
@@ -21,9 +21,9 @@ from edge_sdk.secagg.errors import SecAggError
 
 from ..events import RoundAggregated
 from ..privacy.none import NoPrivacy
-from ..rounds import Outcome, RoundCollector
-from ..secure_rounds import MIN_PARTICIPANTS, DeviceRefusal, SecureGroups, SecureRound
-from ..sharding import AGGREGATOR, shard_of
+from ..rounds.collector import Outcome, RoundCollector
+from ..rounds.secagg import MIN_PARTICIPANTS, DeviceRefusal, SecureGroups, SecureRound
+from ..shards.sharding import AGGREGATOR, shard_of
 from .context import RunContext
 from .exchange import Exchange
 from .sync import SynchronousRounds, Training

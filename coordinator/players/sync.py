@@ -2,9 +2,9 @@
 
 One round: wait for a quorum of online trainers -> select devices (seeded; sampled secretly
 under DP) -> broadcast TRAIN once -> collect validated replies until all / quorum+grace /
-deadline (both grow with the reply times measured, `rounds.round_windows`) -> aggregate (with
+deadline (both grow with the reply times measured, `rounds.collector.round_windows`) -> aggregate (with
 the previous round's late updates under `late_updates = "next_round"`). With `shards` K > 0 the
-updates go to the shard aggregators and their partial sums come here (`shard_rounds`); an update
+updates go to the shard aggregators and their partial sums come here (`shards.coordinator_side`); an update
 sent here instead is refused (`bad_topic`). A late update of the round before is dropped, or
 checked and kept for the next round (`LateUpdates`).
 """
@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING
 from edge_sdk.channel import Received
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason
 
+from ..aggregation.validation import checked_update
 from ..events import RoundAggregated, RoundDevices, RoundStarted, UpdateAccepted
-from ..rounds import Outcome, RoundCollector
-from ..sharding import shard_of
-from ..validation import checked_update
+from ..rounds.collector import Outcome, RoundCollector
+from ..shards.sharding import shard_of
 from .base import TrainedRound
 from .context import RunContext
 from .exchange import Exchange
 
 if TYPE_CHECKING:
-    from ..secure_rounds import SecureRoundRecord
-    from ..sharding import ShardRound
+    from ..rounds.secagg import SecureRoundRecord
+    from ..shards.sharding import ShardRound
 
 log = logging.getLogger(__name__)
 

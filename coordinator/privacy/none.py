@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rounds import select_clients
+from ..rounds.collector import select_clients
 
 
 class NoPrivacy:

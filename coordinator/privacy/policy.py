@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from edge_sdk.models import ModelSpec
 
     from ..algorithms.base import ServerAlgorithm
-    from ..config import RunConfig
+    from ..config.run_config import RunConfig
     from .run import RunPrivacy
 
 PARAMETERS = "parameters"
@@ -107,7 +107,7 @@ def private_run(config: RunConfig, algorithm: ServerAlgorithm, model: ModelSpec,
     releases = config.run.release or algorithm.releases_representation
     needs_statistics = False
     if releases and algorithm.shares_body():
-        from ..representation import body_statistics_needed
+        from ..releases.representation import body_statistics_needed
 
         needs_statistics = bool(body_statistics_needed(algorithm.state, record, run_id="", model=model))
     check_private_run(config, algorithm, needs_body_statistics=needs_statistics)

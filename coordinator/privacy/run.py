@@ -38,7 +38,7 @@ from edge_sdk.privacy import PrivacySettings
 from edge_sdk.privacy.upstream import NOISE_SHARES, ROUND_CLIP, WITHIN_CLIP
 from edge_sdk.protocol import ArrayGroup, Reason, ValidationError
 
-from ..rounds import select_clients
+from ..rounds.collector import select_clients
 from .accountant import PrivacyAccountant, calibrate_noise, local_epsilon
 from .budget import BudgetSpent
 from .mechanism import PrivateMean, noised_mean, within_share

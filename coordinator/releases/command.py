@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..flags import add_setting_flags, section_from
+from ..config.flags import add_setting_flags, section_from
 from .store import ReleaseError, ReleaseStore
 
 DEFAULT_FRACTION = 0.2
@@ -103,9 +103,9 @@ def _channel(broker: Any, transport: Any) -> Any:
 def finished_run(run_dir: str) -> dict[str, Any]:
     """What the release service needs of a run from its checkpoint: its id, rounds, algorithm,
     the training settings devices receive in WELCOME and the number of classes."""
-    from ..checkpoint import load
-    from ..config import RunConfig
-    from ..run_folder import RunFolder
+    from ..config.run_config import RunConfig
+    from ..run.checkpoint import load
+    from ..run.folder import RunFolder
 
     saved = load(RunFolder(run_dir).checkpoint)
     if saved is None:

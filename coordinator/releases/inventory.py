@@ -20,7 +20,7 @@ from edge_sdk.store import write_atomic
 from .store import ReleaseStore
 
 if TYPE_CHECKING:
-    from ..release import Release
+    from .phase import Release
 
 
 class Inventory:

@@ -16,7 +16,7 @@ import numpy as np
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.store import write_atomic
 
-from ..release import PROTOTYPES, PrototypePool
+from .phase import PROTOTYPES, PrototypePool
 from .store import ReleaseVersion
 
 

@@ -35,12 +35,12 @@ import numpy as np
 from edge_sdk.channel import Channel, Received
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, new_message_id
 
-from ..devices import DeviceRegistry
-from ..ledger import Ledger
-from ..nacks import NackLimiter
-from ..outbox import Outbox, RunPosition, resent
-from ..release import PROTOTYPES
+from ..fleet.devices import DeviceRegistry
+from ..fleet.nacks import NackLimiter
+from ..fleet.outbox import Outbox, RunPosition, resent
+from ..run.ledger import Ledger
 from .inventory import Inventory
+from .phase import PROTOTYPES
 from .prototypes import PrototypeShares
 from .store import ReleaseStore, ReleaseVersion
 

@@ -1,5 +1,5 @@
 """How a secure-aggregation round travels over the edgepfl protocol: stage names and config keys
-that the coordinator (coordinator/secure_rounds.py) and the device (device.py) share.
+that the coordinator (coordinator/rounds/secagg.py) and the device (device.py) share.
 
 A round under secure aggregation is five requests and a delivery (docs/PROTOCOL.md, section 19):
 SECAGG `advertise` (broadcast: the round's parameters, no graph seed; each selected device

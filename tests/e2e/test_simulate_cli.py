@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 
 pytestmark = pytest.mark.e2e
 

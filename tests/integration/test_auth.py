@@ -18,9 +18,9 @@ import pytest
 
 from acl_clients import ensure_subscribed, marker, receive_until, settings
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
-from coordinator.broker import free_port
-from coordinator.broker_config import BrokerConfigError, certificate_authority, generate
-from coordinator.run_folder import RunFolder
+from coordinator.brokers.embedded import free_port
+from coordinator.brokers.mosquitto import BrokerConfigError, certificate_authority, generate
+from coordinator.run.folder import RunFolder
 from edge_sdk.settings import load_credentials
 from edge_sdk.transport import MqttTransport, TransportError
 

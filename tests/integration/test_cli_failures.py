@@ -21,10 +21,10 @@ import pytest
 
 from harness.brokers import Mosquitto, require_mosquitto
 from ctrl_c import restore_ctrl_c
-from coordinator import checkpoint
-from coordinator.broker import free_port, wait_for_port
-from coordinator.broker_config import generate
-from coordinator.run_folder import RunFolder
+from coordinator.brokers.embedded import free_port, wait_for_port
+from coordinator.brokers.mosquitto import generate
+from coordinator.run import checkpoint
+from coordinator.run.folder import RunFolder
 from edge_sdk.transport import BrokerUnreachable, MqttSettings, MqttTransport
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from harness.brokers import Mosquitto
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Envelope, Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.report import label_skew
+from coordinator.run.report_files import label_skew
 from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.transport import MqttSettings

@@ -13,8 +13,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
+from coordinator.config.run_config import RunConfig
+from coordinator.run.folder import RunFolder
 from coordinator.server import Coordinator
 from edge_sdk import wire
 from edge_sdk.channel import Channel

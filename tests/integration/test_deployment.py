@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
-from coordinator.broker import free_port
+from coordinator.brokers.embedded import free_port
 from coordinator.releases.inventory import Inventory
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from deployments import FED, TRAINERS, WEAK, Deployment, Process, wait_for_round
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Topics

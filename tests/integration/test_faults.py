@@ -19,7 +19,7 @@ from typing import IO
 
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport

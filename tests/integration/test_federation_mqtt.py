@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
+from coordinator.config.run_config import RunConfig
+from coordinator.run.folder import RunFolder
 from coordinator.server import Coordinator
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient

@@ -29,8 +29,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from harness.brokers import Mosquitto
-from coordinator.broker_config import QUEUE_SETTINGS
-from coordinator.config import RunConfig
+from coordinator.brokers.mosquitto import QUEUE_SETTINGS
+from coordinator.config.run_config import RunConfig
 from coordinator.events import RoundAggregated, RoundStarted, UpdateAccepted
 from coordinator.server import Coordinator
 from edge_sdk import wire

@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 import pytest
 
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.events import RegistrationOpened
 from coordinator.server import Coordinator
 from edge_sdk import wire

@@ -90,7 +90,7 @@ def _assert_shows_the_report(shown: ShownPage, report: dict, *, live: bool) -> N
 
 def test_the_page_shows_a_run_while_it_goes_and_after_it(mosquitto, tmp_path):
     # Prepare: a coordinator serving the live view, three devices (dev2 uploads NaNs: refused)
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.events import RoundEnded
     from coordinator.observe.session import observing
     from coordinator.server import Coordinator

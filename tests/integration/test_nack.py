@@ -16,9 +16,9 @@ import threading
 import pytest
 
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
-from coordinator.broker import free_port
-from coordinator.broker_config import generate
-from coordinator.config import RunConfig
+from coordinator.brokers.embedded import free_port
+from coordinator.brokers.mosquitto import generate
+from coordinator.config.run_config import RunConfig
 from coordinator.server import Coordinator
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient
@@ -58,7 +58,7 @@ def _settings(setup, account: str) -> MqttSettings:
 
 def test_a_refused_reply_ends_its_devices_wait_and_the_device_is_told_why(deployment, tmp_path, caplog, monkeypatch):
     # Prepare: dev002 replies without `in_reply_to`; a round that waited for it would take 60 s
-    monkeypatch.setattr("coordinator.report.plot_curves", lambda path, report: None)  # not under test here
+    monkeypatch.setattr("coordinator.run.report_files.plot_curves", lambda path, report: None)  # not under test here
     config = RunConfig.of(algorithm="fedavg", dataset="digits", clients=3, rounds=1, local_epochs=1, seed=0,
                           federation=FED, out=str(tmp_path / "run"), min_clients=2, quorum_grace=WAIT,
                           round_timeout=WAIT, registration_timeout=WAIT, device="cpu")

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from coordinator.cli import main
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.protocol import Kind, Topics
 from edge_sdk.transport import MqttSettings, MqttTransport
 from harness.hosts import hosts_or_skip
@@ -88,7 +88,7 @@ def test_nats_config_refuses_a_wrong_password(configured):
 
 
 def test_nats_config_refuses_dotted_ids(tmp_path):
-    from coordinator.broker_nats import generate_nats
+    from coordinator.brokers.nats import generate_nats
 
     with pytest.raises(ValueError, match="federation name 'plant.9' has a '.'"):
         generate_nats(tmp_path, "plant.9", ["cam-1"])

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ import pytest
 
 from harness.brokers import require_binary
 from observed_runs import nan_fleet
-from coordinator.broker import free_port
+from coordinator.brokers.embedded import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def prometheus_for(tmp_path):
 
 def test_prometheus_scrapes_the_runs_rounds_traffic_rejections_and_durations(mosquitto, prometheus_for, tmp_path):
     # Prepare: a coordinator whose /metrics Prometheus scrapes, three devices (one uploads NaNs)
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.events import RoundEnded
     from coordinator.observe.session import observing
     from coordinator.server import Coordinator

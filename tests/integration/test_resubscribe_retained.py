@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import EmbeddedBroker, free_port, wait_for_port
+from coordinator.brokers.embedded import EmbeddedBroker, free_port, wait_for_port
 from edge_sdk.transport import MqttSettings, MqttTransport
 from harness.brokers import Mosquitto
 from harness.nats_cluster import nats_binary

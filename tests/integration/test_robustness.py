@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.simulate import run_simulation
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.simulate import run_simulation
 
 pytestmark = pytest.mark.integration
 

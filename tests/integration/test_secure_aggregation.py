@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,8 @@ import json
 import pytest
 
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
-from coordinator.broker import free_port
-from coordinator.run_folder import RunFolder
+from coordinator.brokers.embedded import free_port
+from coordinator.run.folder import RunFolder
 from deployments import FED, Deployment, Process
 
 pytestmark = pytest.mark.integration

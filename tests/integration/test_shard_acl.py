@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from harness.brokers import ConfiguredMosquitto, require_mosquitto
-from coordinator.broker import free_port
-from coordinator.broker_config import BrokerConfigError, generate
-from coordinator.sharding import shard_of
+from coordinator.brokers.embedded import free_port
+from coordinator.brokers.mosquitto import BrokerConfigError, generate
+from coordinator.shards.sharding import shard_of
 from acl_clients import ensure_subscribed, marker, receive_until
 
 pytestmark = pytest.mark.integration

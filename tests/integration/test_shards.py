@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.aggregator import ShardAggregator
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
+from coordinator.config.run_config import RunConfig
+from coordinator.run.folder import RunFolder
 from coordinator.server import Coordinator
-from coordinator.sharding import shard_of
+from coordinator.shards.aggregator import ShardAggregator
+from coordinator.shards.sharding import shard_of
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
-from coordinator.simulate import run_simulation
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.simulate import run_simulation
+from coordinator.run.folder import RunFolder
 from edge_sdk.config import ConfigError
 from saved_runs import checkpoint_at
 
@@ -97,7 +97,7 @@ def test_a_local_aggregator_that_dies_is_logged_and_its_shard_lost(tmp_path, cap
             killed.append(aggregator.pid)
 
     # Execute
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         report = run_simulation(config, on_round=on_round)
 
     # Assert: rounds 2 and 3 aggregate shard 0 alone, and the death is named with its shard

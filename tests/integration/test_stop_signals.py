@@ -28,8 +28,8 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from coordinator import checkpoint
-from coordinator.run_folder import RunFolder
+from coordinator.run import checkpoint
+from coordinator.run.folder import RunFolder
 from ctrl_c import restore_ctrl_c
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import STATISTICS, Envelope, Kind, Topics

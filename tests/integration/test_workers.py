@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from ctrl_c import restore_ctrl_c
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from coordinator.algorithms.cd2_pfed import CD2PFedServer
 from coordinator.algorithms.dc_pfl import DcPflServer
 from coordinator.algorithms.dualfed import DualFedServer
 from coordinator.algorithms.fedios import FediOSServer
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk.algorithms import cd2_pfed, dc_pfl, dualfed, fedios
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.dc_pfl import STATS, CovarianceMode, class_statistics, encode_stats

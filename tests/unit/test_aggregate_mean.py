@@ -1,11 +1,11 @@
-"""Unit tests for the weighted mean in coordinator.aggregate (hand-checkable numbers)."""
+"""Unit tests for the weighted mean in coordinator.aggregation.averaging (hand-checkable numbers)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from coordinator.aggregate import WeightedMean, weighted_mean
+from coordinator.aggregation.averaging import WeightedMean, weighted_mean
 
 
 def test_weighted_mean_of_two_updates_with_weights_1_and_3():

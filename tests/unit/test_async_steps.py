@@ -1,4 +1,4 @@
-"""Buffered asynchronous aggregation's bookkeeping and arithmetic (coordinator/async_steps.py):
+"""Buffered asynchronous aggregation's bookkeeping and arithmetic (coordinator/rounds/async_steps.py):
 FedBuff's staleness weight, updates rebased on the current state, the in-flight devices, and
 which algorithms and settings may run asynchronously."""
 
@@ -13,8 +13,8 @@ import pytest
 from builtin_tasks import DIGITS
 from coordinator import algorithms
 from coordinator.algorithms.base import ServerContext
-from coordinator.async_steps import AsyncSteps, check_async_run, rebase, staleness_factor
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
+from coordinator.rounds.async_steps import AsyncSteps, check_async_run, rebase, staleness_factor
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.config import ConfigError

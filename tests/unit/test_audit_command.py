@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from coordinator.audit_command import NOISE_SCALE_VARIABLE
 from coordinator.cli import main
+from coordinator.commands.audit_privacy import NOISE_SCALE_VARIABLE
 
 COMMAND = ["audit-privacy", "--dp", "central", "--dp-epsilon", "1", "--dp-delta", "1e-5", "--clients", "200",
            "--rounds", "2", "--fraction", "1", "--model", "user_models:tiny_mlp"]

@@ -1,4 +1,4 @@
-"""Simulated availability and speed (coordinator/availability.py): what `--availability` and
+"""Simulated availability and speed (coordinator/hosting/availability.py): what `--availability` and
 `--speed-spread` accept and refuse, the seeded schedules and speed factors, the slowed compute
 lock, and the driver that takes devices offline and back."""
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from coordinator.availability import (AvailabilityDriver, RandomAvailability, SlowedLock, TraceAvailability,
+from coordinator.hosting.availability import (AvailabilityDriver, RandomAvailability, SlowedLock, TraceAvailability,
                                       offline_spells, parse_availability, speed_factor)
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from edge_sdk.config import ConfigError
 
 WAIT = 10.0

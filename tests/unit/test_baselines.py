@@ -19,7 +19,7 @@ import torch
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from coordinator.inprocess import play_round
+from coordinator.rounds.inprocess import play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms import load as load_device

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator import broker_config
+from coordinator.brokers import mosquitto as broker_config
 
 
 def test_a_generated_password_never_starts_with_a_dash(monkeypatch):

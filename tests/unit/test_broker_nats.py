@@ -7,9 +7,9 @@ import stat
 
 import pytest
 
-from coordinator.broker_config import BrokerConfigError
-from coordinator.broker_nats import MQTT_DELIVERY, generate_nats, hash_password, permissions, subject
-from coordinator.sharding import shard_of
+from coordinator.brokers.mosquitto import BrokerConfigError
+from coordinator.brokers.nats import MQTT_DELIVERY, generate_nats, hash_password, permissions, subject
+from coordinator.shards.sharding import shard_of
 
 
 def test_mqtt_topics_become_nats_subjects():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from builtin_tasks import digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.cd2_pfed import CD2PFedServer
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task

@@ -1,4 +1,4 @@
-"""Unit tests for coordinator.checkpoint (atomic msgpack checkpoints) and report.MetricsLog."""
+"""Unit tests for coordinator.run.checkpoint (atomic msgpack checkpoints) and report_files.MetricsLog."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
-from coordinator.checkpoint import Checkpoint, CheckpointError
-from coordinator.report import MetricsLog
-from coordinator.run_folder import RunFolder
+from coordinator.run import checkpoint
+from coordinator.run.checkpoint import Checkpoint, CheckpointError
+from coordinator.run.folder import RunFolder
+from coordinator.run.report_files import MetricsLog
 
 
 def _sample() -> Checkpoint:

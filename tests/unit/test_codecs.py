@@ -91,7 +91,7 @@ def test_int8_bytes_follow_the_documented_steps(seed):
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_a_lossy_codec_is_refused_at_start_for_an_algorithm_that_cannot_take_one(codec):
     from coordinator import algorithms
-    from coordinator.validation import check_upload_codec
+    from coordinator.aggregation.validation import check_upload_codec
     from edge_sdk.config import ConfigError
 
     check_upload_codec(codec, algorithms.load("fedavg"))

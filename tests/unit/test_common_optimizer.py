@@ -17,7 +17,7 @@ import torch
 from builtin_tasks import digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from coordinator.inprocess import play_round
+from coordinator.rounds.inprocess import play_round
 from edge_sdk.algorithms import ALGORITHM_IDS
 from edge_sdk.algorithms import load as load_device
 from edge_sdk.algorithms.base import Task, TrainingStepRefused

@@ -9,7 +9,7 @@ from typing import cast
 
 import pytest
 
-from coordinator.config import RunConfig, build_config
+from coordinator.config.run_config import RunConfig, build_config
 from edge_sdk.algorithms.hyper.fedprox import Hyper as FedProxHyper
 from edge_sdk.chunks import MAX_CHUNK_SIZE
 from edge_sdk.config import ConfigError, from_mapping, load_toml, parse_assignments

@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from coordinator import cli
-from coordinator.config import build_config
-from coordinator.devices import Device
-from coordinator.flags import given
-from coordinator.report import checked_label_counts, data_line, data_report, label_skew
+from coordinator.config.flags import given
+from coordinator.config.run_config import build_config
+from coordinator.fleet.devices import Device
+from coordinator.run.report_files import checked_label_counts, data_line, data_report, label_skew
 from edge_sdk.client import EdgeClient
 from edge_sdk.data import load_client_data
 from edge_sdk.lite import LiteClient
@@ -56,7 +56,7 @@ def test_the_data_section_counts_devices_examples_and_reported_labels(caplog):
         Device("aggregator-0", "aggregator", 0, capabilities={}),
     ]
 
-    with caplog.at_level(logging.WARNING, logger="coordinator.report"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.run.report_files"):
         data = data_report(devices, classes=2)
 
     assert {key: value for key, value in data.items() if key != "per_device"} == {

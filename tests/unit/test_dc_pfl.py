@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from builtin_tasks import DIGITS, digits_client
-from coordinator.aggregate import pool_class_stats
+from coordinator.aggregation.averaging import pool_class_stats
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dc_pfl import DcPflServer, sample_virtual_features, virtual_counts
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task

@@ -14,7 +14,7 @@ import torch
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.dc_pfl import DcPflServer
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.dc_pfl import STATS, DcPflDevice, Hyper
 from edge_sdk.algorithms.torch_device import SHARED

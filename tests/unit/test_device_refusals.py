@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from loopback_runs import drain, listener
 
-from coordinator.rounds import EveryDeviceRefused, every_device_refused
+from coordinator.rounds.collector import EveryDeviceRefused, every_device_refused
 from edge_sdk.protocol import (COORDINATOR, MAX_REFUSAL_DETAIL, Envelope, Kind, ProtocolError, Reason, Refusal,
                                refusal_of)
 from edge_sdk.session import DeviceSession

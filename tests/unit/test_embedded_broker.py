@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from coordinator.broker import SnapshotDict, make_broker
+from coordinator.brokers.embedded import SnapshotDict, make_broker
 
 
 def test_snapshot_dict_iterates_while_another_task_subscribes() -> None:
@@ -73,7 +73,7 @@ def taken_port():
 
 
 def test_a_given_port_that_is_taken_fails_at_once_saying_why(taken_port) -> None:
-    from coordinator.broker import EmbeddedBroker
+    from coordinator.brokers.embedded import EmbeddedBroker
 
     broker = EmbeddedBroker(port=taken_port, start_timeout=60.0)
 
@@ -82,7 +82,7 @@ def test_a_given_port_that_is_taken_fails_at_once_saying_why(taken_port) -> None
 
 
 def test_a_picked_port_taken_before_the_broker_binds_it_is_replaced(taken_port, monkeypatch) -> None:
-    from coordinator import broker as module
+    from coordinator.brokers import embedded as module
 
     picks = iter([taken_port])
     real_free_port = module.free_port

@@ -30,10 +30,10 @@ from torch import nn
 from sklearn.datasets import load_breast_cancer
 
 from coordinator.cli import main
-from coordinator.config import RunConfig
-from coordinator.export_command import export_run, load_representation
-from coordinator.representation import RepresentationError
-from coordinator.simulate import run_simulation
+from coordinator.commands.export import export_run, load_representation
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.simulate import run_simulation
+from coordinator.releases.representation import RepresentationError
 from edge_sdk.config import ConfigError
 from edge_sdk.data import BUILTIN_TASKS, load_client_data, load_dataset
 from edge_sdk.models import build_body, statistics_keys

@@ -14,7 +14,7 @@ import pytest
 
 from builtin_tasks import digits_client
 from coordinator.cli import _run_config, build_parser
-from coordinator.config import RunConfig, build_config
+from coordinator.config.run_config import RunConfig, build_config
 from edge_sdk.config import ConfigError
 
 

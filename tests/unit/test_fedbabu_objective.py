@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from coordinator.inprocess import play_round
+from coordinator.rounds.inprocess import play_round
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedbabu import FedBABUDevice
 from edge_sdk.algorithms.hyper.fedbabu import Hyper

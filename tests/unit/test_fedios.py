@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from builtin_tasks import digits_client
-from coordinator import checkpoint
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedios import FediOSServer
-from coordinator.inprocess import FixedUpdate, play_round
-from coordinator.run_folder import RunFolder
+from coordinator.rounds.inprocess import FixedUpdate, play_round
+from coordinator.run import checkpoint
+from coordinator.run.folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.settings import TrainSettings
 from edge_sdk.algorithms.base import Task

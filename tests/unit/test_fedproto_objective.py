@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from builtin_tasks import DIGITS, digits_client
-from coordinator.aggregate import PartialSum
+from coordinator.aggregation.averaging import PartialSum
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.fedproto import FedProtoServer
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk.algorithms.base import Task
 from edge_sdk.algorithms.fedproto import GLOBAL_PROTOTYPES, PROTOTYPES, FedProtoDevice, local_prototypes
 from edge_sdk.algorithms.hyper.fedproto import Hyper

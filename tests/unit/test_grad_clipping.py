@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from coordinator.config import RunConfig, build_config
+from coordinator.config.run_config import RunConfig, build_config
 from edge_sdk.config import ConfigError, from_mapping
 from edge_sdk.settings import TrainSettings
 from edge_sdk.training import gradient_clipping, run_epochs

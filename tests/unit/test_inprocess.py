@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator.aggregation.validation import UpdateLimits
 from coordinator.algorithms import load as load_server
 from coordinator.algorithms.base import ServerContext
-from coordinator.inprocess import FixedUpdate, InProcessRound, play_round
-from coordinator.validation import UpdateLimits
+from coordinator.rounds.inprocess import FixedUpdate, InProcessRound, play_round
 from edge_sdk import wire
 from edge_sdk.algorithms.part_sharing import SHARED
 from edge_sdk.data import BUILTIN_TASKS

@@ -1,4 +1,4 @@
-"""The one lifecycle of a federation hosted here (coordinator/lifecycle.py): the broker first,
+"""The one lifecycle of a federation hosted here (coordinator/hosting/lifecycle.py): the broker first,
 then the hosted parts in order; on the way out, however it is left, the parts stopped in reverse
 and the embedded broker last, each step taken even if one before it fails."""
 
@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from coordinator.broker import wait_for_port
-from coordinator.config import RunConfig
-from coordinator.lifecycle import LocalFederation, sigint_blocked
+from coordinator.brokers.embedded import wait_for_port
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.lifecycle import LocalFederation, sigint_blocked
 
 GIVEN_BROKER = "mqtt://127.0.0.1:9"  # named, so no embedded broker starts; nothing here connects to it
 

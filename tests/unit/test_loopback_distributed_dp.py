@@ -172,7 +172,7 @@ def test_a_distributed_run_releases_the_mean_of_the_accuracies_its_devices_noise
 
 
 def test_the_summary_gives_a_distributed_runs_epsilon_against_the_coordinator_and_its_randomness():
-    from coordinator.report import privacy_line
+    from coordinator.run.report_files import privacy_line
 
     privacy = {"mode": "distributed", "epsilon": 1.5, "epsilon_fleet": 12.25, "delta": 1e-5, "noise_multiplier": 2.0,
                "clip": 0.1, "budget": None, "outside_the_guarantee": [], "randomness": "the run's seed"}

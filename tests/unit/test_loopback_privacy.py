@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
 from coordinator.privacy.accountant import PrivacyAccountant, local_epsilon
 from coordinator.privacy.budget import BudgetSpent
+from coordinator.run import checkpoint
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy.disclosure import FIGURES
 from edge_sdk.privacy.upstream import change_norm

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.config import ConfigError
 from edge_sdk.data import load_client_data
 from edge_sdk.privacy.disclosure import COUNTS, EXAMPLES_BUCKET
@@ -205,7 +205,7 @@ def test_a_device_without_keys_is_refused_by_name(federation):
 
 def test_a_device_of_an_older_secure_aggregation_is_refused_naming_the_versions(federation, monkeypatch):
     # Prepare: devices that speak the version before this one (no survivor signatures)
-    from coordinator.registration import RegistrationTimeout
+    from coordinator.fleet.registration import RegistrationTimeout
     from edge_sdk.secagg.session import SecureSession
 
     monkeypatch.setattr(SecureSession, "secure_capability",
@@ -325,7 +325,7 @@ def test_a_prototype_pool_below_the_threshold_fails_cleanly_and_the_run_ends(fed
 
 def test_a_survivor_set_that_leaves_a_survivor_out_is_refused_and_counted(federation, monkeypatch):
     # Prepare: a coordinator that shows the confirm stage every survivor but the first
-    from coordinator.secure_rounds import SecureRound
+    from coordinator.rounds.secagg import SecureRound
 
     honest = SecureRound.config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker_config import QUEUE_SETTINGS, render_config
+from coordinator.brokers.mosquitto import QUEUE_SETTINGS, render_config
 from coordinator.memory import return_freed_buffers
 
 

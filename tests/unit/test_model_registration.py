@@ -16,7 +16,7 @@ from pathlib import Path
 from torch import nn
 
 import user_models
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.server import Coordinator, RegistrationTimeout
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient

@@ -189,7 +189,7 @@ def test_a_route_added_later_is_served_with_its_content_type(metrics_server):
 
 def test_the_metrics_server_of_a_run_binds_loopback_when_given_a_port_and_serves_the_exporter(tmp_path):
     # Prepare
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.observe.session import observing
 
     config = RunConfig.of(http="0", out=str(tmp_path), federation="plant7")
@@ -220,7 +220,7 @@ def test_http_takes_a_port_or_host_and_port(value, address):
 
 
 def test_a_non_loopback_http_without_a_token_is_refused_naming_http_token():
-    from coordinator.config import build_config
+    from coordinator.config.run_config import build_config
 
     with pytest.raises(ConfigError, match="^http_token must be set when http binds 0.0.0.0"):
         build_config(None, {"http": "0.0.0.0:9100"}, {})
@@ -231,7 +231,7 @@ def test_a_non_loopback_http_without_a_token_is_refused_naming_http_token():
 
 
 def test_bad_http_and_track_values_are_refused_naming_their_key():
-    from coordinator.config import build_config
+    from coordinator.config.run_config import build_config
 
     with pytest.raises(ConfigError, match="^http must be HOST:PORT"):
         build_config(None, {"http": "127.0.0.1:http"}, {})
@@ -240,7 +240,7 @@ def test_bad_http_and_track_values_are_refused_naming_their_key():
 
 
 def test_the_token_never_reaches_the_run_files_and_trackers_default_under_the_run_folder(tmp_path):
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
 
     config = RunConfig.of(http="9100", http_token="s3cret", track="mlflow", out=str(tmp_path / "run"))
 
@@ -250,7 +250,7 @@ def test_the_token_never_reaches_the_run_files_and_trackers_default_under_the_ru
 
 
 def test_a_port_taken_is_a_config_error_naming_http(tmp_path):
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.observe.http import ObserveServer
     from coordinator.observe.session import observing
 
@@ -274,7 +274,7 @@ def test_a_missing_observe_library_names_the_extra():
 
 def test_an_observer_that_fails_is_dropped_and_the_run_goes_on(tmp_path, caplog):
     # Prepare
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from coordinator.observe.session import observing
 
     class Broken:

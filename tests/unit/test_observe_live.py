@@ -15,7 +15,7 @@ from coordinator.observe.live import LiveState
 from coordinator.observe.view import add_view_routes, page
 from coordinator.releases.inventory import Inventory
 from coordinator.releases.store import ReleaseStore
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.channel import ChannelSnapshot
 
 

@@ -361,7 +361,7 @@ def test_the_default_delta_is_at_most_1e_5_and_a_hundredth_of_one_over_n(individ
 
 
 def test_a_run_delta_of_one_over_the_devices_or_more_is_refused_at_start_by_name():
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
     from edge_sdk.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"dp_delta \(--dp-delta\) 0.1 must be below 1 over the 10 devices"):

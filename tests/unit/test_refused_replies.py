@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.nacks import NackLimiter
-from coordinator.run_folder import RunFolder
+from coordinator.fleet.nacks import NackLimiter
+from coordinator.run.folder import RunFolder
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient
@@ -49,7 +49,7 @@ class ManualClock:
 
 
 def _config(tmp_path: Path, federation: str, **changes):
-    from coordinator.config import RunConfig
+    from coordinator.config.run_config import RunConfig
 
     settings: dict[str, Any] = dict(algorithm="fedavg", dataset="digits", clients=3, rounds=1, local_epochs=1,
                                     batch_size=64, seed=0, federation=federation, out=str(tmp_path / "run"),
@@ -235,7 +235,7 @@ def test_the_nack_limiter_allows_one_per_device_kind_and_reason_per_interval():
 
 @pytest.mark.parametrize("shards", [0, 2])
 def test_the_broker_rules_let_the_coordinator_write_a_nack_and_only_its_device_read_it(shards):
-    from coordinator.broker_config import topic_rules
+    from coordinator.brokers.mosquitto import topic_rules
     from edge_sdk.loopback import topic_matches
 
     topic = Topics("F").down("dev000", Kind.NACK)

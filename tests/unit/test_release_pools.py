@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.release import PROTOTYPES, Pool, PrototypePool, Release, ReleasePhase, StatisticsPool
-from coordinator.run_folder import RunFolder
+from coordinator.releases.phase import PROTOTYPES, Pool, PrototypePool, Release, ReleasePhase, StatisticsPool
+from coordinator.run.folder import RunFolder
 from edge_sdk.protocol import STATISTICS, Reason, ValidationError
 
 SHAPES = {"body.1.running_mean": (3,), "body.1.running_var": (3,), "body.1.num_batches_tracked": ()}

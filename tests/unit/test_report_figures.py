@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.report import summary
-from coordinator.report import cumulative_megabytes, participation_line
+from coordinator.run.report_files import cumulative_megabytes, participation_line
+from coordinator.run.report_files import summary
 
 
 def _round(round_: int, selected: int, participants: int, outcome: str = "quorum", **counts) -> dict:
@@ -79,7 +79,7 @@ def test_the_summary_says_when_the_run_was_scored_on_the_validation_split():
 
 def test_the_summary_of_a_secure_run_gives_what_its_weakest_round_withstands():
     # Prepare: two secure rounds of 50 devices, one of 4
-    from coordinator.report import secagg_report
+    from coordinator.run.report_files import secagg_report
     from edge_sdk.privacy.secagg_settings import SecAggSettings
 
     secure = {"selected": 50, "unmasked": 50, "dropped": [], "failed": None}

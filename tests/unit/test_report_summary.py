@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from coordinator.report import summarize
+from coordinator.run.report_files import summarize
 
 
 def test_the_summary_does_not_depend_on_the_order_of_the_devices():

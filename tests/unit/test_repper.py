@@ -18,7 +18,7 @@ from torch import nn
 from builtin_tasks import DIGITS, digits_client
 from coordinator.algorithms.base import ServerContext
 from coordinator.algorithms.repper import RepPerServer
-from coordinator.inprocess import FixedUpdate, play_round
+from coordinator.rounds.inprocess import FixedUpdate, play_round
 from edge_sdk import wire
 from edge_sdk.algorithms.base import Task
 from edge_sdk.settings import TrainSettings

@@ -16,8 +16,8 @@ import onnx
 import pytest
 import torch
 
-from coordinator.release import export_release
-from coordinator.representation import (
+from coordinator.releases.phase import export_release
+from coordinator.releases.representation import (
     RepresentationError,
     body_statistics_needed,
     build_run_body,
@@ -25,7 +25,7 @@ from coordinator.representation import (
     save_body_statistics,
     saved_body_statistics,
 )
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 from edge_sdk.models import statistics_keys
 
 CONFIG = {"algorithm": "fedavg", "dataset": "digits", "model": "cnn8", "seed": 3}

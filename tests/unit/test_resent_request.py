@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.outbox import resent
+from coordinator.fleet.outbox import resent
 from edge_sdk import wire
 from edge_sdk.chunks import MIN_CHUNK_SIZE, Reassembler, chunk_from_dict, chunk_frames
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind

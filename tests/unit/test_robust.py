@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from edge_sdk.params import aligned_reference
-from coordinator.robust import AggregationSettings, Clipped, CoordinateMedian, TrimmedMean, make_aggregator
-from coordinator.aggregate import WeightedMean
+from coordinator.aggregation.averaging import WeightedMean
+from coordinator.aggregation.robust import AggregationSettings, Clipped, CoordinateMedian, TrimmedMean, make_aggregator
 from edge_sdk.attacks import corrupt
 from edge_sdk.protocol import ArrayGroup
 

@@ -4,7 +4,7 @@ devices on several hosts register in no particular order, and the run must not d
 
 from __future__ import annotations
 
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
 from coordinator.server import Coordinator
 from edge_sdk.channel import Channel
 from edge_sdk.protocol import Topics

@@ -1,11 +1,18 @@
-"""Unit tests for coordinator.rounds: seeded selection and the round collector (fake times)."""
+"""Unit tests for coordinator.rounds.collector: seeded selection and the round collector (fake times)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from coordinator.rounds import LateUpdates, Outcome, RoundCollector, round_windows, select_clients, staleness_weight
+from coordinator.rounds.collector import (
+    LateUpdates,
+    Outcome,
+    RoundCollector,
+    round_windows,
+    select_clients,
+    staleness_weight,
+)
 from edge_sdk.protocol import Reason
 
 DEVICES = [f"dev{i:03d}" for i in range(10)]

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 
 from benchmarks import runs as runs_module
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.run_folder import RunFolder
+from coordinator.run.folder import RunFolder
 
 FILES = ("checkpoint", "metrics", "report", "curves", "release", "body_statistics", "state_dir", "models_dir")
 

@@ -8,7 +8,7 @@ from itertools import combinations
 
 import pytest
 
-from coordinator.report import secagg_bounds_line, secagg_report
+from coordinator.run.report_files import secagg_bounds_line, secagg_report
 from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.secagg.bounds import tolerance
 from edge_sdk.secagg.degree import threshold_of

@@ -11,8 +11,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from coordinator.config import build_config
-from coordinator.secure_rounds import SecureRound
+from coordinator.config.run_config import build_config
+from coordinator.rounds.secagg import SecureRound
 from edge_sdk.config import ConfigError
 from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.secagg import stages

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.release import PrototypePool, StatisticsPool
+from coordinator.releases.phase import PrototypePool, StatisticsPool
 from edge_sdk.secagg.fixedpoint import FixedPoint
 from edge_sdk.secagg.pools import (decode_prototypes, decode_statistics, encode_prototypes, encode_statistics,
                                    prototypes_length, statistics_length)

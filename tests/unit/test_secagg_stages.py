@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.secure_rounds import DeviceRefusal, SecureRound
+from coordinator.rounds.secagg import DeviceRefusal, SecureRound
 from edge_sdk.params import ArraySpec
 from edge_sdk.privacy.secagg_settings import SecAggSettings
 from edge_sdk.protocol import Envelope, Kind, ProtocolError, Reason

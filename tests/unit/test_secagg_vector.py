@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.aggregate import PartialSum, WeightedMean
+from coordinator.aggregation.averaging import PartialSum, WeightedMean
 from edge_sdk.params import spec_of
 from edge_sdk.protocol import ArrayGroup
 from edge_sdk.secagg import FixedPoint

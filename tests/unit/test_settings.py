@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.cli import build_parser
-from coordinator.config import KEYS, SECTIONS, RunConfig, all_settings, build_config
-from coordinator.flags import flag_table
+from coordinator.config.flags import flag_table
+from coordinator.config.run_config import KEYS, SECTIONS, RunConfig, all_settings, build_config
 from edge_sdk.config import ConfigError
 from edge_sdk.settings import ALL_COMMANDS, BrokerSettings, TrainSettings, settings_of
 
@@ -116,8 +116,8 @@ def test_the_documented_flag_table_is_the_generated_one():
     page = (ROOT / "docs" / "CONFIGURATION.md").read_text()
 
     assert flag_table() in page, (
-        "docs/CONFIGURATION.md's flag table is not coordinator.flags.flag_table()'s output; regenerate it with "
-        ".venv/bin/python -c \"from coordinator.flags import flag_table; print(flag_table(), end='')\"")
+        "docs/CONFIGURATION.md's flag table is not coordinator.config.flags.flag_table()'s output; regenerate it with "
+        ".venv/bin/python -c \"from coordinator.config.flags import flag_table; print(flag_table(), end='')\"")
 
 
 # -- TOML ----------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from coordinator import algorithms
-from coordinator.aggregator import ShardAggregator, parse_shard
 from coordinator.algorithms.base import ServerContext
-from coordinator.config import RunConfig
+from coordinator.config.run_config import RunConfig
+from coordinator.shards.aggregator import ShardAggregator, parse_shard
 from edge_sdk.algorithms.torch_device import SHARED
 from edge_sdk.channel import Channel, SenderBudget
 from edge_sdk.loopback import LoopbackBroker

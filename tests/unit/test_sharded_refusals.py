@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 
 
-from coordinator.aggregator import ShardAggregator
-from coordinator.config import RunConfig
-from coordinator.run_folder import RunFolder
+from coordinator.config.run_config import RunConfig
+from coordinator.run.folder import RunFolder
+from coordinator.shards.aggregator import ShardAggregator
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.client import EdgeClient

@@ -13,19 +13,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.aggregate import PartialSum, WeightedMean
+from coordinator.aggregation.averaging import PartialSum, WeightedMean
+from coordinator.aggregation.validation import UpdateLimits
 from coordinator.algorithms import hyperparameters, load
 from coordinator.algorithms.base import ServerContext
-from coordinator.config import RunConfig
-from coordinator.devices import DeviceRegistry
-from coordinator.ledger import Ledger
-from coordinator.nacks import NackLimiter
-from coordinator.outbox import Outbox, RunPosition
-from coordinator.rounds import RoundCollector
+from coordinator.config.run_config import RunConfig
+from coordinator.fleet.devices import DeviceRegistry
+from coordinator.fleet.nacks import NackLimiter
+from coordinator.fleet.outbox import Outbox, RunPosition
+from coordinator.rounds.collector import RoundCollector
+from coordinator.run.ledger import Ledger
 from coordinator.server import Coordinator
-from coordinator.shard_rounds import ShardedRounds
-from coordinator.sharding import ShardRound, check_partial, check_shardable, shard_of
-from coordinator.validation import UpdateLimits
+from coordinator.shards.coordinator_side import ShardedRounds
+from coordinator.shards.sharding import ShardRound, check_partial, check_shardable, shard_of
 from edge_sdk import wire
 from edge_sdk.channel import Channel
 from edge_sdk.config import ConfigError

@@ -16,13 +16,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from coordinator.aggregate import (
+from coordinator.aggregation.averaging import (
     SQUARED_CHANGE_MARGIN,
     WeightedMean,
     squared_change_above,
     squared_distance,
 )
-from coordinator.validation import UpdateLimits, check_update, delta_norm, norm_over
+from coordinator.aggregation.validation import UpdateLimits, check_update, delta_norm, norm_over
 from edge_sdk import codecs
 from edge_sdk.params import BLOCK, aligned_reference, all_finite, blocks, flat, spec_of
 from edge_sdk.protocol import Envelope, Kind, Reason, ValidationError

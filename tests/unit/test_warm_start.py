@@ -1,4 +1,4 @@
-"""Warm starts (`--init-from`, coordinator/warm_start.py): a new run starts from another run's
+"""Warm starts (`--init-from`, coordinator/run/warm_start.py): a new run starts from another run's
 final global state or from a state_dict file, matched by name; another shape, a file with nothing
 in common and a missing path are refused by name; a resumed run keeps its own checkpoint.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import checkpoint
-from coordinator.config import RunConfig
-from coordinator.warm_start import apply, overlay
+from coordinator.config.run_config import RunConfig
+from coordinator.run import checkpoint
+from coordinator.run.warm_start import apply, overlay
 from edge_sdk.config import ConfigError
 from edge_sdk.protocol import Kind
 from loopback_runs import LoopbackFederation, drain, listener

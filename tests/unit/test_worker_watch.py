@@ -15,8 +15,8 @@ from typing import cast
 
 import pytest
 
-from coordinator import worker_watch
-from coordinator.worker_watch import WatchedChannel, WorkerWatch, WorkersFailed, watch_workers
+from coordinator.hosting import worker_watch
+from coordinator.hosting.worker_watch import WatchedChannel, WorkerWatch, WorkersFailed, watch_workers
 from edge_sdk.channel import Channel
 
 
@@ -31,7 +31,7 @@ def test_a_killed_worker_is_logged_with_its_devices_and_the_oom_hint(caplog) -> 
     process = start_sleeper(multiprocessing.get_context("spawn"))
 
     # Execute: SIGKILL from outside, as the kernel's OOM killer does
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watcher = watch_workers({process: ["dev001", "dev003"]}, threading.Event())
         process.kill()
         watcher.join(timeout=60)
@@ -48,7 +48,7 @@ def test_workers_stopped_after_the_run_are_not_reported(caplog) -> None:
     done = threading.Event()
 
     # Execute: the run is over, then the worker is terminated
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watcher = watch_workers({process: ["dev000"]}, done)
         done.set()
         process.terminate()
@@ -77,7 +77,7 @@ def test_a_worker_ended_by_sigterm_as_the_run_stops_is_not_reported(caplog) -> N
     done = Stopping()
 
     # Execute: SIGTERM to the whole process group ends the worker; the run then stops too
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watcher = watch_workers({process: ["dev000"]}, done)
         process.terminate()
         assert done.awaited.wait(60), "the watch did not wait for the run to stop"
@@ -95,7 +95,7 @@ def test_a_worker_ended_by_sigterm_while_the_run_goes_on_is_reported(caplog, mon
     process = start_sleeper(multiprocessing.get_context("spawn"))
 
     # Execute
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watcher = watch_workers({process: ["dev000"]}, threading.Event())
         process.terminate()
         watcher.join(timeout=60)
@@ -127,7 +127,7 @@ def test_a_worker_reaped_by_the_run_is_neither_reported_nor_fatal_to_the_watch(c
     monkeypatch.setattr(threading, "excepthook", crashes.append)
 
     # Execute
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watcher = watch_workers({cast(BaseProcess, ReapedElsewhere()): ["dev000"]}, threading.Event())
         watcher.join(timeout=60)
 
@@ -152,7 +152,7 @@ def test_when_every_worker_died_the_failure_names_their_error_once(caplog):
     second, second_errors = failing_worker(context, "worker1", "mnist not found: pass --data-dir")
 
     # Execute
-    with caplog.at_level(logging.ERROR, logger="coordinator.worker_watch"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.hosting.worker_watch"):
         watch = watch_workers({first: ["dev000"], second: ["dev001"]}, threading.Event(),
                               {first: first_errors, second: second_errors})
         watch.join(timeout=60)

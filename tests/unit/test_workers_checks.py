@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import RunConfig
 from coordinator.cli import build_parser
-from coordinator.device_ranges import describe_indices, parse_devices, parse_shards
-from coordinator.simulate import Hosting
-from coordinator.workers import Footprint, check_settings, settings_mismatch
+from coordinator.config.run_config import RunConfig
+from coordinator.hosting.device_ranges import describe_indices, parse_devices, parse_shards
+from coordinator.hosting.simulate import Hosting
+from coordinator.hosting.workers import Footprint, check_settings, settings_mismatch
 from edge_sdk.config import ConfigError
 
 

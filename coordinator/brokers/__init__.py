@@ -1,0 +1,1 @@
+"""MQTT brokers: the embedded amqtt broker and ready Mosquitto and NATS setups (broker-config)."""

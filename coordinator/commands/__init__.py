@@ -1,0 +1,1 @@
+"""`edgepfl` subcommands beside a run: audit-privacy, conformance and export."""

@@ -1,0 +1,1 @@
+"""The run's configuration: settings sections, RunConfig from defaults, TOML and flags, the flags."""

@@ -1,0 +1,1 @@
+"""The fleet as the coordinator sees it: devices, registration, what is sent them, NACKs."""
