@@ -1,6 +1,7 @@
 """The library's modules stay small: none over 600 lines, no class over 400, and the
 coordinator's own module (coordinator/server.py) at most 350, so that each keeps one job and
-the round modes stay in coordinator/players/.
+the round modes stay in coordinator/players/. At most 15 modules sit directly under
+coordinator/: the rest live in its named subpackages (docs/LAYOUT.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("edge_sdk", "coordinator", "export")
 MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 400
 MAX_LINES = {"coordinator/server.py": 350}
+MAX_TOP_LEVEL_MODULES = 15  # coordinator/*.py, __init__.py included
 
 
 def library_files() -> list[Path]:
@@ -51,3 +53,15 @@ def test_no_class_is_over_400_lines():
 
     # Assert
     assert over == {}
+
+
+def test_at_most_15_modules_sit_directly_under_coordinator():
+    # Prepare
+    package = ROOT / "coordinator"
+
+    # Execute
+    top_level = sorted(path.name for path in package.glob("*.py"))
+
+    # Assert
+    assert "server.py" in top_level
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, f"{len(top_level)} modules: {top_level}; move some into subpackages"
