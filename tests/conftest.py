@@ -1,11 +1,21 @@
 """Test-suite wide fixtures: the real brokers (started by harness/brokers.py) and a federation
-over the loopback broker (tests/loopback_runs.py); and the order the suite runs in."""
+over the loopback broker (tests/loopback_runs.py); and the order the suite runs in.
 
-import pytest
+Every test process, and every process it starts, runs torch's CPU kernels on one thread: the suite
+runs as many processes as the machine has cores (pytest-xdist workers, fleets of devices), and a
+second OpenMP thread per process only spins while it waits for a core. On a busy 2-core machine that
+made a tiny convolution take 20 to 80 ms instead of 0.1 ms, and the compatibility table's test
+27 s (26 s of CPU) instead of 13 s (9 s). Set OMP_NUM_THREADS yourself to test another count."""
 
-from coordinator.brokers.embedded import EmbeddedBroker
-from harness.brokers import Mosquitto
-from loopback_runs import federation, quiet_torch  # noqa: F401  (fixtures)
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything below imports torch
+
+import pytest  # noqa: E402
+
+from coordinator.brokers.embedded import EmbeddedBroker  # noqa: E402
+from harness.brokers import Mosquitto  # noqa: E402
+from loopback_runs import federation, quiet_torch  # noqa: E402, F401  (fixtures)
 
 
 @pytest.fixture
