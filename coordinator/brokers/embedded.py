@@ -2,16 +2,25 @@
 
 Good for simulations and trying things out on one machine. Production fleets use Mosquitto or
 any MQTT 3.1.1/5 broker (see docs/DEPLOYING.md); everything else here works with either.
+
+The child is a plain `python -c` process that imports this module and amqtt only (about 0.3 s),
+not a multiprocessing "spawn" child: those import the parent's `__main__` module first (a
+benchmark's or a script's, with torch: seconds per broker, on the path of every run). It says
+on stdout when it listens, and exits when its owner closes its stdin (as the owner's exit does,
+however it ends), so no broker outlives the process that started it.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
-from multiprocessing.process import BaseProcess
+import os
+import select
 import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,35 @@ def _serve(host: str, port: int, ready=None, log_level: int = logging.WARNING) -
     asyncio.run(main())
 
 
+_CHILD = "from coordinator.brokers.embedded import serve_child; serve_child()"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""The folder that holds the `coordinator` package, put first on the child's PYTHONPATH."""
+
+
+class _StdoutReady:
+    """The child's end of the start handshake: one line on stdout (`ready`, or `error <why>`),
+    then stdout is pointed at /dev/null so that nothing amqtt prints can fill the unread pipe."""
+
+    def send(self, error: str | None) -> None:
+        sys.stdout.write("ready\n" if error is None else f"error {error}\n")
+        sys.stdout.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _exit_when_stdin_closes() -> None:
+    sys.stdin.buffer.read()  # returns at EOF: the owner closed the pipe, or exited
+    os._exit(0)
+
+
+def serve_child() -> None:
+    """The broker process that `EmbeddedBroker` starts: `sys.argv[1:]` are host, port and log level."""
+    host, port, log_level = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    threading.Thread(target=_exit_when_stdin_closes, daemon=True, name="owner-watch").start()
+    _serve(host, port, _StdoutReady(), log_level)
+
+
 class EmbeddedBroker:
     """Context manager: an amqtt broker on a free loopback port; `url` says where.
 
@@ -112,7 +150,7 @@ class EmbeddedBroker:
         self.port = port or free_port(host)
         self.port_given = port is not None
         self.start_timeout = start_timeout
-        self._process: BaseProcess | None = None
+        self._process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -138,21 +176,22 @@ class EmbeddedBroker:
 
     def _start_process(self) -> str | None:
         """Start the broker process on self.port; None once it listens, else why not (it is then stopped)."""
-        context = multiprocessing.get_context("spawn")
-        receiver, sender = context.Pipe(duplex=False)
-        process = self._process = context.Process(target=_serve, args=(self.host, self.port, sender,
-                                                                       logging.getLogger().getEffectiveLevel()),
-                                                  daemon=True, name="edgepfl-broker")
-        process.start()
-        sender.close()  # the child holds its own end: its exit ends the pipe
-        with receiver:
-            if multiprocessing.connection.wait([receiver, process.sentinel], self.start_timeout):
-                try:
-                    error = receiver.recv() if receiver.poll() else f"it exited (code {process.exitcode})"
-                except EOFError:
-                    error = "it exited before it listened"
-            else:
-                error = f"it did not listen within {self.start_timeout:g} s"
+        paths = [str(_PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        process = self._process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, self.host, str(self.port), str(logging.getLogger().getEffectiveLevel())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+        assert process.stdout is not None
+        answered, _, _ = select.select([process.stdout], [], [], self.start_timeout)
+        line = process.stdout.readline().decode(errors="replace").strip() if answered else None
+        process.stdout.close()
+        if line == "ready":
+            error = None
+        elif line is None:
+            error = f"it did not listen within {self.start_timeout:g} s"
+        elif line.startswith("error "):
+            error = line[len("error "):]
+        else:
+            error = f"it exited (code {process.wait()})"
         if error is not None:
             self.stop()
         return error
@@ -160,7 +199,13 @@ class EmbeddedBroker:
     def stop(self) -> None:
         if self._process is not None:
             self._process.terminate()
-            self._process.join(timeout=10)
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            if self._process.stdin is not None:
+                self._process.stdin.close()
             self._process = None
 
     def __enter__(self) -> EmbeddedBroker:
