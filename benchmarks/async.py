@@ -1,7 +1,7 @@
 """Buffered asynchronous aggregation against synchronous rounds, on a fleet that is half online and 10x apart in speed.
 
     python -m benchmarks.async --out benchmarks/results
-    python -m benchmarks.async --quick --out /tmp/async      # digits, 12 devices, a smoke test
+    python -m benchmarks.async --quick --out /tmp/async      # digits, 12 devices, 2 rounds, a smoke test
 
 For each algorithm (FedAvg and FedRep by default), two runs of `edgepfl simulate` with the same
 devices, data, seed and fleet: each device online half of the time (`--availability
@@ -34,7 +34,7 @@ log = logging.getLogger("benchmarks")
 
 FULL = {"dataset": "fmnist", "clients": 100, "alpha": 0.1, "rounds": 15, "period": 60.0, "buffer": 10,
         "concurrency": 25, "targets": (0.6, 0.7, 0.8, 0.9)}
-QUICK = {"dataset": "digits", "clients": 12, "alpha": 0.5, "rounds": 4, "period": 8.0, "buffer": 3,
+QUICK = {"dataset": "digits", "clients": 12, "alpha": 0.5, "rounds": 2, "period": 8.0, "buffer": 3,
          "concurrency": 4, "targets": (0.5, 0.8)}
 ONLINE_SHARE = 0.5
 SPEED_SPREAD = 10.0
@@ -42,7 +42,7 @@ SPEED_SPREAD = 10.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="digits, 12 devices, 4 rounds (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="digits, 12 devices, 2 rounds (a smoke test)")
     parser.add_argument("--out", default="benchmarks/results", help="folder of the tables")
     parser.add_argument("--algorithms", default="fedavg,fedrep")
     parser.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,8 @@ cannot release an mlp body for the weak devices (its narrower global body does n
     python -m benchmarks.privacy --cached-only   # the tables from the runs already made
 
 Quick smoke run (digits, 20 devices, C = 0.5, 2 rounds, FedAvg and FedRep at epsilon 8 and inf,
-FedAvg under local DP; about a minute):
+FedAvg under local DP, one device worker process per run: 20 devices need no more, and each worker
+is a process that imports torch; about a minute):
 
     python -m benchmarks.privacy --quick --out /tmp/privacy
 
@@ -117,7 +118,7 @@ def epsilon_label(epsilon: float | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_flags(parser, "digits, 20 devices, C=0.5, 2 rounds, fedavg and fedrep at epsilon 8 and inf, fedavg "
-                             "under local DP", name="privacy")
+                             "under local DP, 1 device worker per run", name="privacy")
     add_cache_flags(parser, "other cells '-'", jobs=True)
     parser.add_argument("--algorithms", help=f"methods of the accuracy table (default {','.join(ALGORITHMS)}; "
                         "with --quick: fedavg,fedrep)")
@@ -125,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-algorithms", help=f"methods run under local DP too, at --local-epsilon (default "
                         f"{','.join(LOCAL_ALGORITHMS)}; with --quick: fedavg)")
     parser.add_argument("--local-epsilon", type=float, default=8.0, help="epsilon of central against local DP")
-    parser.add_argument("--timing-repeats", type=int, default=20, help="repetitions of each timed DP operation")
+    parser.add_argument("--timing-repeats", type=int, help="repetitions of each timed DP operation (default 20; "
+                        "with --quick: 3)")
     add_seeds_flag(parser, "0")
     add_run_flags(parser, RUN_FLAGS, DEFAULTS)
     args = parser.parse_args(argv)
@@ -136,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, default)
     if args.quick:
         args.dataset, args.clients, args.fraction, args.rounds = "digits", 20, 0.5, 2
-        args.workers, args.timing_repeats = 4, 3
+        args.workers = 1
+    if args.timing_repeats is None:  # an explicit --timing-repeats holds under --quick too
+        args.timing_repeats = 3 if args.quick else 20
     args.algorithms, args.local_algorithms = listed(args.algorithms), listed(args.local_algorithms)
     unknown = sorted(set(args.algorithms + args.local_algorithms) - set(NAMES))
     if unknown:

@@ -27,7 +27,8 @@ def test_observe_quick_measures_the_cost_of_http_and_the_delay_to_the_page(tmp_p
     require_binary("chromium", shutil.which("chromium"))
 
     # Execute
-    command = [sys.executable, "-m", "benchmarks.observe", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.observe", "--quick", "--workers", "1",  # one torch import
+               "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 

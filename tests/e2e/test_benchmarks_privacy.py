@@ -1,5 +1,6 @@
 """benchmarks/privacy.py --quick: runs without DP, under central DP at a target epsilon and under local DP,
-side by side (`--jobs`), read into the accuracy, central-against-local and cost tables."""
+side by side (`--jobs`), read into the accuracy, central-against-local and cost tables; one of its private
+runs trained again, alone, repeats its figures."""
 
 from __future__ import annotations
 
@@ -16,14 +17,23 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_privacy_quick_meets_each_target_epsilon_and_writes_the_tables(tmp_path):
-    command = [sys.executable, "-m", "benchmarks.privacy", "--quick", "--jobs", "2", "--seeds", "3",
-               "--out", str(tmp_path)]
+def privacy_quick(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "benchmarks.privacy", "--quick", *flags, "--out", str(out)]
+    return subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    result = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    """The whole quick plan, once for both tests (seed 3, two runs side by side): its --out folder."""
+    out = tmp_path_factory.mktemp("privacy")
+    result = privacy_quick(out, "--jobs", "2", "--seeds", "3")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def test_privacy_quick_meets_each_target_epsilon_and_writes_the_tables(quick_run):
+    tmp_path = quick_run
     document = json.loads((tmp_path / "privacy.json").read_text())
     assert document["failures"] == [] and document["missing"] == []
     results = document["results"]
@@ -60,19 +70,17 @@ def test_privacy_quick_meets_each_target_epsilon_and_writes_the_tables(tmp_path)
     assert "each epsilon covers training, not the evaluation" in markdown
 
 
-def test_privacy_quick_repeats_a_private_run_from_its_seed(tmp_path):
-    command = [sys.executable, "-m", "benchmarks.privacy", "--quick", "--algorithms", "fedavg", "--epsilons", "8",
-               "--local-algorithms", "", "--seeds", "5", "--timing-repeats", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_privacy_quick_repeats_a_private_run_from_its_seed(quick_run, tmp_path):
+    # the quick plan's private FedAvg run (trained side by side with another), trained afresh into a
+    # cache of its own, alone: the same figures
+    result = privacy_quick(tmp_path / "again", "--algorithms", "fedavg", "--epsilons", "8", "--local-algorithms", "",
+                           "--seeds", "3", "--timing-repeats", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [json.loads((out / "privacy.json").read_text())["results"]["fedavg/central/8"]
+            for out in (quick_run, tmp_path / "again")]
+    assert (tmp_path / "again" / "runs" / runs[1]["seeds"]["3"]["run"] / "report.json").is_file()  # trained here
 
-    runs = []
-    for name in ("first", "again"):  # two caches: the second run trains afresh
-        result = subprocess.run([*command, "--out", str(tmp_path / name)], check=False, cwd=ROOT, capture_output=True,
-                                text=True, timeout=300, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append(json.loads((tmp_path / name / "privacy.json").read_text())["results"]["fedavg/central/8"])
-
-    first, again = (entry["seeds"]["5"] for entry in runs)
+    first, again = (entry["seeds"]["3"] for entry in runs)
     assert first["privacy"]["mode"] == "central"
     for field in ("personalized", "trainers", "weak", "global"):  # the noise is drawn from the seed
         assert first[field] == again[field], field

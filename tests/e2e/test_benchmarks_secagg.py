@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(mosquitto_binary() is None, reason="the benchmark starts a Mosquitto (apt-get install mosquitto)")
 def test_secagg_quick_measures_the_secure_rounds_against_the_plain_ones(tmp_path):
     # Execute
-    command = [sys.executable, "-m", "benchmarks.secagg", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.secagg", "--quick", "--workers", "1",  # one torch import
+               "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
