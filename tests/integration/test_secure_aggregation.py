@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def simulate(out, broker, *flags: str, clients: int = 5, rounds: int = 3) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--clients", str(clients),
-               "--rounds", str(rounds), "--workers", "2", "--seed", "1", "--broker", broker.url, "--out", str(out),
+               "--rounds", str(rounds), "--workers", "1", "--seed", "1", "--broker", broker.url, "--out", str(out),
                "--quiet",
                "--aggregation-dtype", "float64", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=600,
