@@ -1,8 +1,8 @@
 """20% adversarial devices: robust aggregation keeps accuracy; the plain mean does not.
 
 15 devices on digits, three of them adversaries (sign flip x10, Gaussian noise, NaN), FedAvg
-for 5 rounds over Mosquitto (devices evaluated after the last). The NaN upload is rejected by validation in every run; the other
-two are what the aggregation rule must survive.
+for 5 rounds over Mosquitto (devices evaluated after the last). The NaN upload is rejected by
+validation in every run; the other two are what the aggregation rule must survive.
 """
 
 from __future__ import annotations
