@@ -148,7 +148,7 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
     """A worker process of the plain loop: the same devices as simulate's worker, no wire."""
     import torch
 
-    from coordinator.hosting.simulate import client_id_for
+    from coordinator.hosting.simulate import client_id_for, skip_final_collection
     from edge_sdk.client import EdgeClient
     from edge_sdk.loopback import LoopbackBroker
     from edge_sdk.protocol import Envelope
@@ -177,6 +177,7 @@ def _direct_worker(config: RunConfig, indices: tuple[int, ...], conn) -> None:
     while True:
         command, payload = conn.recv()
         if command == "stop":
+            skip_final_collection()  # as simulate's workers: the run waits for this process to end
             return
         replies = []
         for client in clients:

@@ -30,7 +30,9 @@ Not a benchmark itself: a module of the benchmarks package (the scripts run as
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import gc
 import heapq
 import json
 import logging
@@ -431,6 +433,13 @@ def _run_in_child(root: str, broker: str | None, ledger: str | None, from_ledger
     return cache.failures
 
 
+def _exit_without_collection() -> None:
+    """In a pool process: leave the heap out of the garbage collection that ends the interpreter
+    (`gc.freeze` at exit, as simulate's workers do): collecting the torch objects of the runs it
+    trained took seconds, and the benchmark waits for its pool to end."""
+    atexit.register(gc.freeze)
+
+
 class RunPool:
     """Trains runs of `cache` up to `jobs` at a time, each in a process started afresh (spawn: no
     state of the parent's torch or broker threads is inherited), the highest priority first (ties
@@ -448,7 +457,8 @@ class RunPool:
         self.cache = cache
         self.jobs = jobs
         self.then = then
-        self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_exit_without_collection)
         self._queue: list[tuple[float, int, RunConfig, Hashable]] = []
         self._running: dict[Future, tuple[RunConfig, Hashable]] = {}
         self._submitted = 0

@@ -18,6 +18,7 @@ in one line naming what to install, exit code 2 (`coordinator.extras`).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -593,4 +594,6 @@ def _fail(command: str, exc: BaseException, code: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    gc.freeze()  # the command is done: exit without collecting its heap of torch objects (seconds after a run)
+    sys.exit(status)

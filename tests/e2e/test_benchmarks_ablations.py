@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ablations_quick_runs_the_rows_and_measures_their_claims(tmp_path):
-    command = [sys.executable, "-m", "benchmarks.ablations", "--quick", "--eval-every", "2", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.ablations", "--quick", "--eval-every", "2", "--workers", "1",
+               "--out", str(tmp_path)]
 
     result = subprocess.run([*command, "--jobs", "2"], check=False, cwd=ROOT, capture_output=True, text=True,
                             timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_overhead_quick_compares_mqtt_with_the_in_process_loop(tmp_path):
     variants = "amqtt,mosquitto,inprocess" if mosquitto_binary() else "amqtt,inprocess"
 
-    command = [sys.executable, "-m", "benchmarks.overhead", "--quick", "--variants", variants, "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.overhead", "--quick", "--variants", variants, "--workers", "1",
+               "--out", str(tmp_path)]  # one worker process per variant: the layout is the same for all three
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -45,22 +45,26 @@ def assert_same_state(first: dict, second: dict) -> None:
             assert np.array_equal(second[group][name], value), f"{group}/{name} differs between the runs"
 
 
-def simulate(out: Path, flags: list[str]) -> tuple[dict, dict]:
-    """Run `edgepfl simulate` with `flags` into `out`; (per-device final metrics, checkpoint state)."""
-    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--seed", "0",
-               "--aggregation-dtype", "float64", "--out", str(out), "--quiet", *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(RunFolder(out).report.read_text())
-    return final_figures(report), checkpoint_at(out / "checkpoint.msgpack").state
+def simulate(outs: list[Path], flags: list[str]) -> list[tuple[dict, dict]]:
+    """Run `edgepfl simulate` with `flags` into each of `outs`, side by side (each with its own
+    embedded broker); per run, (per-device final metrics, checkpoint state)."""
+    started = [subprocess.Popen([sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--seed",
+                                 "0", "--aggregation-dtype", "float64", "--out", str(out), "--quiet", *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}) for out in outs]
+    results = []
+    for out, process in zip(outs, started, strict=True):
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stdout + stderr
+        report = json.loads(RunFolder(out).report.read_text())
+        results.append((final_figures(report), checkpoint_at(out / "checkpoint.msgpack").state))
+    return results
 
 
 @pytest.mark.parametrize("algorithm", sorted(RUNS))
 def test_the_same_command_twice_gives_the_same_models_and_figures(tmp_path, algorithm):
-    first_metrics, first_state = simulate(tmp_path / "first", RUNS[algorithm])
-
-    second_metrics, second_state = simulate(tmp_path / "second", RUNS[algorithm])
+    (first_metrics, first_state), (second_metrics, second_state) = simulate([tmp_path / "first",
+                                                                             tmp_path / "second"], RUNS[algorithm])
 
     assert second_metrics == first_metrics
     assert_same_state(first_state, second_state)

@@ -18,13 +18,23 @@ from saved_runs import checkpoint_at
 pytestmark = pytest.mark.integration
 
 
-def simulate(out, broker, *flags: str, clients: int = 5, rounds: int = 3) -> subprocess.CompletedProcess:
+def start(out, broker, *flags: str, clients: int = 5, rounds: int = 3) -> subprocess.Popen:
+    """`edgepfl simulate` started in the background (one worker process: the runs compared are made alike)."""
     command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--clients", str(clients),
-               "--rounds", str(rounds), "--workers", "2", "--seed", "1", "--broker", broker.url, "--out", str(out),
+               "--rounds", str(rounds), "--workers", "1", "--seed", "1", "--broker", broker.url, "--out", str(out),
                "--quiet",
                "--aggregation-dtype", "float64", *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finished(*started: subprocess.Popen) -> list[subprocess.CompletedProcess]:
+    """The runs `started` (side by side, each under its own federation on the one broker), once all ended."""
+    results = []
+    for process in started:
+        stdout, stderr = process.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
 
 
 def assert_same_model(plain, secure, atol: float) -> None:
@@ -38,10 +48,11 @@ def assert_same_model(plain, secure, atol: float) -> None:
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedrep"])
 def test_a_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto, algorithm):
-    # Execute: the same runs plain and under secure aggregation, of one round and of three
-    runs = {(kind, rounds): simulate(tmp_path / f"{kind}{rounds}", mosquitto, "--algorithm", algorithm, *flags,
-                                     rounds=rounds)
-            for kind, flags in (("plain", ()), ("secure", ("--secure-aggregation",))) for rounds in (1, 3)}
+    # Execute: the same runs plain and under secure aggregation, of one round and of three, side by side
+    keys = [(kind, rounds) for kind in ("plain", "secure") for rounds in (1, 3)]
+    flags = {"plain": (), "secure": ("--secure-aggregation",)}
+    runs = dict(zip(keys, finished(*(start(tmp_path / f"{kind}{rounds}", mosquitto, "--algorithm", algorithm,
+                                           *flags[kind], rounds=rounds) for kind, rounds in keys)), strict=True))
 
     # Assert: every round unmasked all five. One aggregation moves the model by the quantization
     # error alone (under 1e-7 here); over three rounds local training amplifies that difference
@@ -62,9 +73,9 @@ def test_a_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto, algorith
 def test_a_sharded_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto):
     # Execute: six devices, two shards of three (their aggregators are processes of the simulation), one
     # aggregation (its model moves by the quantization error alone)
-    plain = simulate(tmp_path / "plain", mosquitto, "--algorithm", "fedrep", clients=6, rounds=1)
-    secure = simulate(tmp_path / "secure", mosquitto, "--algorithm", "fedrep", "--secure-aggregation", "--shards", "2",
-                      clients=6, rounds=1)
+    plain, secure = finished(start(tmp_path / "plain", mosquitto, "--algorithm", "fedrep", clients=6, rounds=1),
+                             start(tmp_path / "secure", mosquitto, "--algorithm", "fedrep", "--secure-aggregation",
+                                   "--shards", "2", clients=6, rounds=1))
 
     # Assert
     assert plain.returncode == 0, plain.stdout + plain.stderr
@@ -78,8 +89,8 @@ def test_a_sharded_secure_run_trains_the_plain_run_s_model(tmp_path, mosquitto):
 def test_repper_with_weak_devices_releases_from_secure_sums_to_the_plain_run_s_accuracy(tmp_path, mosquitto):
     # Execute: seven devices, three of them weak (ONNX Runtime and a head), two rounds
     flags = ("--algorithm", "repper", "--lite-fraction", "0.43")
-    plain = simulate(tmp_path / "plain", mosquitto, *flags, clients=7, rounds=2)
-    secure = simulate(tmp_path / "secure", mosquitto, *flags, "--secure-aggregation", clients=7, rounds=2)
+    plain, secure = finished(start(tmp_path / "plain", mosquitto, *flags, clients=7, rounds=2),
+                             start(tmp_path / "secure", mosquitto, *flags, "--secure-aggregation", clients=7, rounds=2))
 
     # Assert: the weak devices' prototypes were one secure sum over the three; every device,
     # weak ones included, scores what it scores in the plain run
