@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import gc
 import heapq
 import json
 import logging
@@ -50,7 +49,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from ._machine import machine_info
 from .ledger import DEFAULT_LEDGER, RunLedger
 from coordinator.config.run_config import KEYS, RunConfig
-from coordinator.hosting.simulate import run_simulation
+from coordinator.hosting.simulate import run_simulation, skip_final_collection
 from coordinator.run.folder import RunFolder
 from edge_sdk.algorithms import in_table_order
 from edge_sdk.protocol import Reason
@@ -433,11 +432,10 @@ def _run_in_child(root: str, broker: str | None, ledger: str | None, from_ledger
     return cache.failures
 
 
-def _exit_without_collection() -> None:
-    """In a pool process: leave the heap out of the garbage collection that ends the interpreter
-    (`gc.freeze` at exit, as simulate's workers do): collecting the torch objects of the runs it
-    trained took seconds, and the benchmark waits for its pool to end."""
-    atexit.register(gc.freeze)
+def _skip_final_collection_at_exit() -> None:
+    """A pool process leaves its heap out of the interpreter's last collection, as simulate's
+    workers do (`skip_final_collection`): the benchmark waits for its pool to end."""
+    atexit.register(skip_final_collection)
 
 
 class RunPool:
@@ -458,7 +456,7 @@ class RunPool:
         self.jobs = jobs
         self.then = then
         self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_exit_without_collection)
+                                             initializer=_skip_final_collection_at_exit)
         self._queue: list[tuple[float, int, RunConfig, Hashable]] = []
         self._running: dict[Future, tuple[RunConfig, Hashable]] = {}
         self._submitted = 0

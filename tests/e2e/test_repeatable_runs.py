@@ -6,8 +6,6 @@ float64, two workers, part of the devices per round), which the ablation tables 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from coordinator.run.folder import RunFolder
 
 from benchmarks import runs as runs_module
+import side_by_side
 from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.e2e
@@ -48,14 +47,12 @@ def assert_same_state(first: dict, second: dict) -> None:
 def simulate(outs: list[Path], flags: list[str]) -> list[tuple[dict, dict]]:
     """Run `edgepfl simulate` with `flags` into each of `outs`, side by side (each with its own
     embedded broker); per run, (per-device final metrics, checkpoint state)."""
-    started = [subprocess.Popen([sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--seed",
-                                 "0", "--aggregation-dtype", "float64", "--out", str(out), "--quiet", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}) for out in outs]
+    started = [side_by_side.start([sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits",
+                                   "--seed", "0", "--aggregation-dtype", "float64", "--out", str(out), "--quiet",
+                                   *flags]) for out in outs]
     results = []
-    for out, process in zip(outs, started, strict=True):
-        stdout, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stdout + stderr
+    for out, run in zip(outs, side_by_side.finished(*started, timeout=300), strict=True):
+        assert run.returncode == 0, run.stdout + run.stderr
         report = json.loads(RunFolder(out).report.read_text())
         results.append((final_figures(report), checkpoint_at(out / "checkpoint.msgpack").state))
     return results

@@ -5,7 +5,6 @@ shard's aggregator summing its devices' masked vectors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,28 +12,20 @@ import numpy as np
 import pytest
 
 from coordinator.run.folder import RunFolder
+from side_by_side import finished
+from side_by_side import start as start_command
 from saved_runs import checkpoint_at
 
 pytestmark = pytest.mark.integration
 
 
 def start(out, broker, *flags: str, clients: int = 5, rounds: int = 3) -> subprocess.Popen:
-    """`edgepfl simulate` started in the background (one worker process: the runs compared are made alike)."""
-    command = [sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits", "--clients", str(clients),
-               "--rounds", str(rounds), "--workers", "1", "--seed", "1", "--broker", broker.url, "--out", str(out),
-               "--quiet",
-               "--aggregation-dtype", "float64", *flags]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def finished(*started: subprocess.Popen) -> list[subprocess.CompletedProcess]:
-    """The runs `started` (side by side, each under its own federation on the one broker), once all ended."""
-    results = []
-    for process in started:
-        stdout, stderr = process.communicate(timeout=600)
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return results
+    """`edgepfl simulate` started in the background (one worker process: the runs compared are made alike),
+    under its own federation on the one broker."""
+    return start_command([sys.executable, "-m", "coordinator.cli", "simulate", "--dataset", "digits",
+                          "--clients", str(clients), "--rounds", str(rounds), "--workers", "1", "--seed", "1",
+                          "--broker", broker.url, "--out", str(out), "--quiet", "--aggregation-dtype", "float64",
+                          *flags])
 
 
 def assert_same_model(plain, secure, atol: float) -> None:
