@@ -296,13 +296,15 @@ class Coordinator:
     def _hello(self, hello: Envelope) -> None:
         """Register the sender (`Registration.on_hello`); a registration refreshes its Device.
         A device the open request still waits for gets that request again on its own topic: it
-        says HELLO after a reconnection, and a broadcast published while it was away is lost."""
+        says HELLO after a reconnection, and a broadcast published while it was away is lost (a
+        shard aggregator gets its shard's part of the open round again, `ShardedRounds.rejoined`)."""
         before = self.registry.devices.get(hello.sender)
         self.registration.on_hello(hello)
         after = self.registry.devices.get(hello.sender)
         if after is not None and after is not before:
             self.events.emit(DeviceOnline(hello.sender, after.kind, len(self.registry.online()),
                                           self.registration.device_count()))
+            self.sharding.rejoined(hello.sender)
             if not self.exchange.on_hello(hello.sender):
                 self.player.on_hello(hello.sender)
 

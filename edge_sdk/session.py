@@ -241,6 +241,19 @@ class DeviceSession:
         self._heard = self.clock()
         log.info("%s: nothing received for %g s; subscribing again (the broker re-sends the retained STATUS)",
                  self.client_id, self.silence_interval)
+        self._subscribe_again()
+
+    def resync(self, why: str) -> None:
+        """Subscribe again and, once the broker granted every subscription, say HELLO again: the
+        coordinator then repeats what it still waits for this session to answer. For a session
+        that sees evidence of a lost message (`why`): a broker that stopped delivering to one
+        subscription without closing the connection loses what was published meanwhile."""
+        log.warning("%s: %s; subscribing and registering again", self.client_id, why)
+        self._heard = self.clock()
+        self._subscribe_again()
+        self._hello_due = True
+
+    def _subscribe_again(self) -> None:
         for topic_filter in self.subscriptions():
             self.channel.transport.subscribe(topic_filter)
 

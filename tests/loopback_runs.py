@@ -87,6 +87,32 @@ class DropsItsFirstUpdate(LoopbackTransport):
         super().publish(topic, payload, qos=qos, retain=retain)
 
 
+class StallsAtItsFirstRoster(LoopbackTransport):
+    """An aggregator's connection whose broker stops delivering to it, without closing the
+    connection, as its first ROSTER arrives (a NATS JetStream consumer stalled by a leader
+    election): that ROSTER and the first update of `lost_update_from` are lost; what comes on
+    the aggregator's other subscriptions still arrives. Delivery resumes once it subscribes again."""
+
+    lost_update_from = "dev002"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stalls = 0
+        self.stalled = False
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        self.stalled = False
+        super().subscribe(topic_filter, qos)
+
+    def deliver(self, topic: str, payload: bytes) -> None:
+        if self.stalls == 0 and topic.endswith(f"/{Kind.ROSTER.value}"):
+            self.stalls, self.stalled = 1, True
+            return
+        if self.stalled and (f"/{self.client_id}/" in topic or f"/{self.lost_update_from}/" in topic):
+            return
+        super().deliver(topic, payload)
+
+
 class LoopbackFederation:
     """A LoopbackBroker with a Coordinator and EdgeClient threads of one federation."""
 
@@ -143,12 +169,16 @@ class LoopbackFederation:
         self.run_device(client)
         return client
 
-    def start_aggregator(self, shard: int, shards: int) -> str:
-        """The aggregator of shard `shard` of `shards`, in a thread until the run ends."""
-        from coordinator.shards.aggregator import ShardAggregator
+    def start_aggregator(self, shard: int, shards: int, transport_type: type[LoopbackTransport] = LoopbackTransport,
+                         resync_after: float | None = None) -> str:
+        """The aggregator of shard `shard` of `shards`, connected through a `transport_type`, in a
+        thread until the run ends (`resync_after`: its own, else the aggregator's default)."""
+        from coordinator.shards.aggregator import RESYNC_AFTER, ShardAggregator
 
+        client_id = f"aggregator-{shard}"
         aggregator = ShardAggregator(shard, shards, federation=self.topics.federation,
-                                     transport=self.broker.transport(f"aggregator-{shard}"))
+                                     transport=transport_type(self.broker, client_id),
+                                     resync_after=RESYNC_AFTER if resync_after is None else resync_after)
         self.run_device(aggregator)
         return aggregator.client_id
 

@@ -146,7 +146,7 @@ class SecureRounds(SynchronousRounds):
                 collector.accept(envelope.sender, envelope.msg_id, run.clock())
 
         if secure.sharded:  # the masked vectors go to the shards' aggregators: their masked sums come here
-            sharded = run.sharding.open(round_, shared, task.msg_id, collector, secure=secure.rounds)
+            sharded = run.sharding.open(round_, shared, task, collector, secure=secure.rounds)
             try:
                 outcome = exchange.request(Kind.TRAIN, task, collector, self.misrouted_update)
                 run.sharding.gather(sharded, run.windows()[1], run.serve_stale)

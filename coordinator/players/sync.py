@@ -127,7 +127,7 @@ class SynchronousRounds:
         sharded: ShardRound | None = None
         on_update: Callable[[Received], None]
         if run.sharding.shards:
-            sharded = run.sharding.open(round_, selected, task.msg_id, collector)
+            sharded = run.sharding.open(round_, selected, task, collector)
             on_update = self.misrouted_update
         else:
             def on_update(received: Received) -> None:

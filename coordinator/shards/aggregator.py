@@ -16,6 +16,12 @@ msg_id, so its quorum and deadline work as unsharded and the device is NACKed. T
 (the sums, their total weight, the devices folded) goes up once: when every device of the
 roster answered, or when the coordinator CLOSEs the round.
 
+An update still waiting `resync_after` seconds for its round's ROSTER or TRAIN means one of them
+was lost (a clustered broker can stop delivering to one subscription for a while without closing
+the connection): the aggregator subscribes and says HELLO again, and the coordinator repeats the
+open round's ROSTER and TRAIN to it, and the TRAIN to each device of the shard it has not heard
+from, which sends its kept reply again.
+
 It holds one model-sized sum and the reference, never an update longer than it takes to fold
 it, and never a device's personal state (only shared arrays travel on the shard topic). Under
 secure aggregation the ROSTER gives the length of the round's masked vectors: each update is
@@ -60,6 +66,9 @@ takes senders in turn, so a device's update can overtake the coordinator's messa
 checked once both are here. Beyond this many, an early update is dropped (`over_budget`)."""
 KEPT_REQUESTS = 4
 """TRAIN broadcasts and ROSTERs kept while waiting for their counterpart."""
+RESYNC_AFTER = 20.0
+"""Seconds an early update may wait for its round's ROSTER and TRAIN before the aggregator
+takes them for lost and registers again, so that the coordinator repeats them."""
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -106,7 +115,7 @@ class ShardAggregator(DeviceSession):
     def __init__(self, shard: int, shards: int, *, broker: MqttSettings | str = "mqtt://127.0.0.1:1883",
                  federation: str = "default", note_interval: float = 0.2, transport=None,
                  max_pending_blobs: int = 4096, verifier: Verifier | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, resync_after: float = RESYNC_AFTER):
         if not 0 <= shard < shards:
             raise ValueError(f"shard must be in [0, {shards}), got {shard}")
         super().__init__(aggregator_id(shard), broker=broker, federation=federation, transport=transport,
@@ -114,6 +123,7 @@ class ShardAggregator(DeviceSession):
         self.shard, self.shards = shard, shards
         self.note_interval = note_interval
         self.clock = clock
+        self.resync_after = resync_after
         self.algorithm: ServerAlgorithm | None = None
         self.limits = UpdateLimits(1, 0.0)
         self.codec = "fp32"
@@ -121,6 +131,8 @@ class ShardAggregator(DeviceSession):
         self.rosters: OrderedDict[str, Envelope] = OrderedDict()
         self.open: OpenRound | None = None
         self.early: list[Envelope] = []
+        self._early_since: float | None = None  # when the oldest update of `early` came
+        self._last_resync = float("-inf")
         self.partials_sent = 0
         self._notes: tuple[list[str], list[list[str]]] = ([], [])
         self._last_note = float("-inf")
@@ -155,9 +167,16 @@ class ShardAggregator(DeviceSession):
                  self.shard, self.shards)
 
     def tick(self) -> None:
+        now = self.clock()
         if self._notes[0] or self._notes[1]:
-            if self.clock() - self._last_note >= self.note_interval:
+            if now - self._last_note >= self.note_interval:
                 self._send_note()
+        if (self._early_since is not None and now - self._early_since >= self.resync_after
+                and now - self._last_resync >= self.resync_after):
+            self._last_resync = now
+            rounds = sorted({update.round for update in self.early})
+            self.resync(f"{len(self.early)} updates of round {', '.join(map(str, rounds))} waited "
+                        f"{now - self._early_since:.0f} s for their round's ROSTER and TRAIN")
 
     # -- the round -------------------------------------------------------------------------
     def _ours(self, envelope: Envelope) -> bool:
@@ -202,6 +221,7 @@ class ShardAggregator(DeviceSession):
             else:
                 self.channel.reject(Reason.STALE, f"update from {update.sender} for round {update.round}, kept until "
                                                   f"round {train.round} opened, is not a reply to it")
+        self._early_since = self.clock() if self.early else None
         self._finish_if_complete()
 
     def _on_update(self, update: Envelope) -> None:
@@ -214,6 +234,8 @@ class ShardAggregator(DeviceSession):
             if len(self.early) >= MAX_EARLY_UPDATES:
                 raise ProtocolError(Reason.OVER_BUDGET, f"update from {update.sender}: too many before its ROSTER")
             self.early.append(update)
+            if self._early_since is None:
+                self._early_since = self.clock()
         else:
             raise ProtocolError(Reason.STALE, f"update from {update.sender} for round {update.round} is not a reply "
                                               "to the open round")

@@ -8,8 +8,11 @@ update's msg_id, gets the NACK a refused reply gets); when the round closes, CLO
 shards still open for their PARTIAL, which is checked and folded into the algorithm's sums. A
 shard whose aggregator goes offline, whose PARTIAL is refused, or that sends none before the
 timeout is lost for the round: its updates are not aggregated, and its devices count as
-missing. The pure bookkeeping is `sharding.ShardRound`; this module reads and answers the
-aggregators.
+missing. An aggregator that registers again while its shard's PARTIAL is still expected (after
+a reconnection, or on finding that it missed the round's ROSTER or TRAIN) gets both again on its
+own topics, and each device of its shard not yet heard from gets the TRAIN again on its own: a
+device that answered sends its kept reply again. The pure bookkeeping is `sharding.ShardRound`;
+this module reads and answers the aggregators.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason, aggregator_id, shard_of_aggregator
 from edge_sdk.secagg import stages
 
+from ..fleet.outbox import Outbox, resent
 from ..aggregation.validation import UpdateLimits
 from ..algorithms.base import ServerAlgorithm
 from ..fleet.devices import DeviceRegistry
-from ..fleet.outbox import Outbox
 from ..rounds.collector import RoundCollector
 from ..run.ledger import Ledger
 from .sharding import AGGREGATOR, ShardRound, check_masked_partial, check_partial, shard_of
@@ -49,12 +52,16 @@ class ShardedRounds:
         self.clock = clock
         self.current: ShardRound | None = None
         """The training round's shards, while it is open."""
+        self._task: Envelope | None = None
+        """The open round's TRAIN, and each shard's ROSTER: what an aggregator that registers again gets again."""
+        self._rosters: dict[int, Envelope] = {}
+        self._closing = False
         self.secure: Mapping[int, SecureRound] = {}
         """Under secure aggregation, each shard's secure round: its PARTIAL is a masked sum."""
 
-    def open(self, round_: int, selected: list[str], request_id: str, collector: RoundCollector,
+    def open(self, round_: int, selected: list[str], task: Envelope, collector: RoundCollector,
              secure: Mapping[int, SecureRound] | None = None) -> ShardRound:
-        """Send each shard's aggregator its ROSTER (before the TRAIN broadcast it belongs to); a
+        """Send each shard's aggregator its ROSTER (before the TRAIN broadcast `task`); a
         shard whose aggregator is offline is lost from the start. The round is `current` until
         `close`. Under secure aggregation (`secure`: each shard's round) the ROSTER says the
         length of the masked vectors, and the shard's PARTIAL is their sum, still masked."""
@@ -62,23 +69,45 @@ class ShardedRounds:
         for client_id in selected:
             rosters.setdefault(shard_of(client_id, self.shards), {})[client_id] = \
                 self.registry.devices[client_id].num_examples
-        sharded = ShardRound(request_id, rosters, collector)
+        sharded = ShardRound(task.msg_id, rosters, collector)
         online = set(self.registry.online(AGGREGATOR))
         run_id = self.outbox.position.run_id
         for shard, roster in sorted(rosters.items()):
             if aggregator_id(shard) not in online:
                 self.lose(shard, "its aggregator is offline", sharded)
                 continue
-            config: dict[str, Any] = {"request": request_id, "devices": roster}
+            config: dict[str, Any] = {"request": task.msg_id, "devices": roster}
             if secure is not None:
                 config[stages.SECURE] = {stages.LENGTH: secure[shard].context.vector_length}
-            self.outbox.send(self.outbox.topics.down(aggregator_id(shard), Kind.ROSTER),
-                             Envelope(Kind.ROSTER, COORDINATOR, run_id=run_id, round=round_, config=config))
-        self.current, self.secure = sharded, secure or {}
+            self._rosters[shard] = Envelope(Kind.ROSTER, COORDINATOR, run_id=run_id, round=round_, config=config)
+            self.outbox.send(self.outbox.topics.down(aggregator_id(shard), Kind.ROSTER), self._rosters[shard])
+        self.current, self.secure, self._task, self._closing = sharded, secure or {}, task, False
         return sharded
 
     def close(self) -> None:
-        self.current, self.secure = None, {}
+        self.current, self.secure, self._task, self._rosters, self._closing = None, {}, None, {}, False
+
+    def rejoined(self, client_id: str) -> None:
+        """`client_id` registered again: if it is the aggregator of a shard whose PARTIAL the open
+        round still expects, it may have missed the ROSTER, the TRAIN or its devices' updates.
+        It gets the ROSTER and the TRAIN again (same msg_ids: a copy it has is dropped), and the
+        CLOSE if the round closed; while the round collects, each device of its shard not yet
+        heard from gets the TRAIN again on its own topic."""
+        shard, sharded, task = shard_of_aggregator(client_id), self.current, self._task
+        if shard is None or sharded is None or task is None or shard not in sharded.open_shards:
+            return
+        topics = self.outbox.topics
+        self.outbox.send(topics.down(client_id, Kind.ROSTER), resent(self._rosters[shard]))
+        self.outbox.send(topics.down(client_id, Kind.TRAIN), resent(task))
+        if self._closing:
+            self.outbox.send(topics.down(client_id, Kind.CLOSE), self._close_for(sharded))
+            owed: list[str] = []
+        else:
+            owed = sorted(set(sharded.rosters[shard]) & sharded.collector.waiting)
+            for device in owed:
+                self.outbox.send(topics.down(device, Kind.TRAIN), resent(task))
+        log.warning("round %d: aggregator of shard %d registered again; its ROSTER and the TRAIN sent again, and the "
+                    "TRAIN to %d of its devices not yet heard from", sharded.collector.round, shard, len(owed))
 
     def on_message(self, envelope: Envelope) -> None:
         """A NOTE or PARTIAL: from a registered aggregator of this run, for the open training round."""
@@ -186,16 +215,19 @@ class ShardedRounds:
         """The round closed: ask the aggregators still summing for their PARTIAL and wait for
         them (handling messages with `serve(timeout)`, up to `timeout` seconds); a shard that
         does not deliver is lost."""
-        run_id = self.outbox.position.run_id
+        self._closing = True
         for shard in sharded.open_shards:
-            self.outbox.send(self.outbox.topics.down(aggregator_id(shard), Kind.CLOSE),
-                             Envelope(Kind.CLOSE, COORDINATOR, run_id=run_id, round=sharded.collector.round,
-                                      config={"request": sharded.request_id}))
+            self.outbox.send(self.outbox.topics.down(aggregator_id(shard), Kind.CLOSE), self._close_for(sharded))
         deadline = self.clock() + timeout
         while sharded.open_shards and self.clock() < deadline:
             serve(min(1.0, deadline - self.clock()))
         for shard in sharded.open_shards:
             self.lose(shard, "no partial came before the timeout", sharded)
+
+    def _close_for(self, sharded: ShardRound) -> Envelope:
+        """The CLOSE that asks an aggregator for the round's PARTIAL now."""
+        return Envelope(Kind.CLOSE, COORDINATOR, run_id=self.outbox.position.run_id, round=sharded.collector.round,
+                        config={"request": sharded.request_id})
 
 
 def _refusal(entry: object) -> tuple[str, str, str, str | None] | None:

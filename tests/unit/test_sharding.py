@@ -160,20 +160,7 @@ def test_a_lost_shard_turns_its_folded_updates_into_missing_devices():
 def test_a_notes_refusals_end_the_devices_wait_and_a_named_update_gets_its_nack():
     # Prepare: one shard, devices a, b, c selected; a NOTE refusing a (naming its update),
     # b (an older aggregator's entry: no msg_id), a malformed entry, and a's refusal again
-    transport, position = Wire("coordinator"), RunPosition("run1")
-    channel = Channel(transport, Topics("fed"))
-    registry = DeviceRegistry()
-    registry.register("aggregator-0", "aggregator", 0, {})
-    for client_id in ("a", "b", "c"):
-        registry.register(client_id, "trainer", 10, {})
-    outbox = Outbox(channel, registry, Ledger(channel), position, NackLimiter(lambda: 0.0))
-    config = RunConfig.of(algorithm="fedavg", dataset="digits", shards=1)
-    algorithm = load("fedavg")(hyperparameters("fedavg", {}),
-                               ServerContext(config.model_name, config.task(), 0, 1, 3, config.aggregation))
-    sharding = ShardedRounds(1, algorithm, UpdateLimits(1000, 0.0), registry, outbox, Ledger(channel), lambda: 0.0)
-    collector = RoundCollector(1, frozenset({"a", "b", "c"}), min_replies=1, deadline=100.0, grace=0.0)
-    sharded = sharding.open(1, ["a", "b", "c"], "train1", collector)
-    transport.published.clear()
+    transport, sharding, collector, sharded = _one_shard_round()
     refused = [["a", "stale", "names no request", "update-a"], ["b", "non_finite", "nan"], ["c"],
                ["a", "stale", "names no request", "update-a"]]
 
@@ -188,8 +175,67 @@ def test_a_notes_refusals_end_the_devices_wait_and_a_named_update_gets_its_nack(
     assert nacks == {"a": {"in_reply_to": "update-a", "refused_kind": "train_res", "reason": "stale"},
                      "aggregator-0": {"in_reply_to": nacks["aggregator-0"]["in_reply_to"], "refused_kind": "note",
                                       "reason": "malformed"}}
+    channel = sharding.outbox.channel
     assert dict(channel.rejections) == {"stale": 1, "non_finite": 1, "malformed": 1}
     assert channel.counters.duplicates == 1
+
+
+def _one_shard_round() -> tuple[Wire, ShardedRounds, RoundCollector, ShardRound]:
+    """One shard (aggregator-0), devices a, b and c selected in round 1 of run run1, whose TRAIN
+    has msg_id train1; the ROSTER is sent, and the wire's record of it cleared."""
+    transport, position = Wire("coordinator"), RunPosition("run1")
+    channel = Channel(transport, Topics("fed"))
+    registry = DeviceRegistry()
+    registry.register("aggregator-0", "aggregator", 0, {})
+    for client_id in ("a", "b", "c"):
+        registry.register(client_id, "trainer", 10, {})
+    outbox = Outbox(channel, registry, Ledger(channel), position, NackLimiter(lambda: 0.0))
+    config = RunConfig.of(algorithm="fedavg", dataset="digits", shards=1)
+    algorithm = load("fedavg")(hyperparameters("fedavg", {}),
+                               ServerContext(config.model_name, config.task(), 0, 1, 3, config.aggregation))
+    sharding = ShardedRounds(1, algorithm, UpdateLimits(1000, 0.0), registry, outbox, Ledger(channel), lambda: 0.0)
+    collector = RoundCollector(1, frozenset({"a", "b", "c"}), min_replies=1, deadline=100.0, grace=0.0)
+    sharded = sharding.open(1, ["a", "b", "c"], Envelope(Kind.TRAIN, "coordinator", run_id="run1", round=1,
+                                                         msg_id="train1"), collector)
+    transport.published.clear()
+    return transport, sharding, collector, sharded
+
+
+def test_an_aggregator_registering_again_gets_its_roster_and_the_train_and_its_silent_devices_the_train():
+    # Prepare: a's update was noted folded; b's and c's not yet
+    transport, sharding, collector, sharded = _one_shard_round()
+    sharded.folded(0, "a", "update-a", 0.0)
+
+    # Execute
+    sharding.rejoined("aggregator-0")
+    sharding.rejoined("b")  # a device is none of the shards' business
+
+    # Assert: the same ROSTER and TRAIN (same msg_ids) to the aggregator, the TRAIN to b and c only
+    sent = [(topic.split("/")[3], wire.decode(payload)) for topic, payload in transport.published]
+    assert [(who, e.kind, e.msg_id) for who, e in sent[:2]] == [("aggregator-0", Kind.ROSTER, sent[0][1].msg_id),
+                                                                ("aggregator-0", Kind.TRAIN, "train1")]
+    assert sent[0][1].config == {"request": "train1", "devices": {"a": 10, "b": 10, "c": 10}}
+    assert sorted((who, e.kind, e.msg_id) for who, e in sent[2:]) == [("b", Kind.TRAIN, "train1"),
+                                                                      ("c", Kind.TRAIN, "train1")]
+    assert collector.waiting == frozenset({"b", "c"})
+
+
+def test_an_aggregator_registering_again_after_the_close_gets_the_close_again_and_nothing_once_lost():
+    # Prepare: while the closed round waits for the partial, the aggregator registers again;
+    # then its shard is lost (the serve callback stands in for the messages that come)
+    transport, sharding, _, sharded = _one_shard_round()
+
+    def serve(timeout: float) -> None:
+        sharding.rejoined("aggregator-0")
+        sharding.lose(0, "stands in for the timeout", sharded)
+
+    # Execute
+    sharding.gather(sharded, 5.0, serve)
+    sharding.rejoined("aggregator-0")
+
+    # Assert: the CLOSE, then the ROSTER, the TRAIN and the CLOSE again; nothing once the shard is lost
+    kinds = [wire.decode(payload).kind for _, payload in transport.published]
+    assert kinds == [Kind.CLOSE, Kind.ROSTER, Kind.TRAIN, Kind.CLOSE]
 
 
 @pytest.mark.parametrize("algorithm, values, match", [
