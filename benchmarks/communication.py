@@ -10,7 +10,7 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
    --target (0.90) on Fashion-MNIST, Dirichlet 0.1, 20 devices, full participation; MB = uploads
    + the TRAIN broadcasts delivered to the 20 devices (evaluation traffic left out); or "not
    reached in N rounds". The target: RepPer and DualFed reach 90% with fewer MB than FedAvg.
-3. Upload codecs (`RunConfig.upload_codec`: fp32, fp16, int8 on the change from the broadcast)
+3. Upload codecs (`RunConfig.upload_codec`: fp32, fp16, int8, q4, q2, topk on the change from the broadcast)
    on --codec-algorithms: MB up per round and the accuracy they cost.
 4. DC-PFL's statistics (`--set covariance=full|diag|lowrank:8`, `transport=fp32|fp16`): bytes up
    per device and round, and accuracy.
@@ -62,7 +62,7 @@ from .runs import (
 
 log = logging.getLogger("benchmarks")
 
-CODECS = ("fp32", "fp16", "int8")
+CODECS = ("fp32", "fp16", "int8", "q4", "q2", "topk")
 DC_MODES = [("full", "fp32"), ("full", "fp16"), ("diag", "fp32"), ("diag", "fp16"), ("lowrank:8", "fp32"),
             ("lowrank:8", "fp16")]
 TARGET_ALGORITHMS = ("repper", "dualfed")
@@ -315,7 +315,8 @@ def markdown(args, document: dict[str, Any]) -> str:
         lines += ["## Upload codecs", "", codec["note"], ""]
     elif codec["rows"]:
         lines += ["## Upload codecs", "",
-                  "`--upload-codec`: fp16 and int8 (per-tensor scale) encode the change from the broadcast; "
+                  "`--upload-codec`: fp16, int8 (per-tensor scale), q4 and q2 (stochastic, per block of 256) and "
+                  "topk (the largest 1%, with error feedback) encode the change from the broadcast; "
                   f"{args.dataset}, {setting.label}, {args.rounds} rounds.", "",
                   "| method | codec | MB up / round | KB up / device-round | vs fp32 | accuracy | accuracy vs fp32 |",
                   "|---|---|---|---|---|---|---|"]

@@ -41,6 +41,7 @@ from .secagg import stages as secagg_stages
 from .secagg.session import SecureSession
 from .settings import TrainSettings
 from .session import RegistrationRefused
+from .sparse_codec import Residuals
 from .store import PersonalState, PersonalStore
 from .training import gradient_clipping, mixed_precision
 
@@ -100,6 +101,8 @@ class EdgeClient(SecureSession):
         self.dp_sgd: DpSgd | None = None
         self.dp_sgd_delta = 0.0
         self.rounds_trained = 0
+        self.residuals = Residuals()
+        """Under upload_codec topk: what the device has not sent yet (error feedback, never uploaded)."""
         self.share_label_counts = share_label_counts
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
@@ -155,7 +158,8 @@ class EdgeClient(SecureSession):
         self.secure_run = welcome.config.get(secagg_stages.SECURE) is True
         self.dp_sgd_delta = self._dp_sgd_delta(privacy, data.num_train) if privacy.dp_sgd else 0.0
         saved = self.store.restore(welcome.run_id, algorithm_id)
-        personal = dict(saved.arrays) if saved is not None else {}
+        personal, residual = Residuals.split(dict(saved.arrays) if saved is not None else {})
+        self.residuals = Residuals(residual)
         history = {key: personal.pop(key) for key in (ACCOUNTANT_KEY,) if key in personal}
         self.dp_sgd = self._dp_sgd(privacy, algorithm, history, seed) if privacy.dp_sgd else None
         if saved is not None:
@@ -200,6 +204,7 @@ class EdgeClient(SecureSession):
         _, algorithm_id = self._algorithm()
         if self.dp_sgd is not None:  # the accountant's history goes on after a restart
             personal = {**personal, **self.dp_sgd.accountant.to_arrays()}
+        personal = {**personal, **self.residuals.to_arrays()}  # topk's error feedback, likewise
         self.store.save(PersonalState(self.client_id, envelope.run_id, algorithm_id, round_, personal))
 
     def _on_train(self, envelope: Envelope) -> None:
@@ -216,6 +221,19 @@ class EdgeClient(SecureSession):
         with self._compute_lock, mixed_precision(self.amp), clipping, dp_sgd(self.dp_sgd):
             result = algorithm.fit(task)
         personal = algorithm.personal_state()
+        groups, metrics = result.groups, result.metrics
+        if self.dp_sgd is not None:  # the measured loss is a figure of the records: it stays here
+            metrics = released_fit_metrics(metrics, self._epsilon()[DP_SGD_EPSILON])
+        if self.privacy is not None:  # clipped (and, local or distributed DP, noised); no figure of the data goes up
+            rng = self.privacy.generator(self.client_id, envelope.round, "upload")
+            clip = round_clip(envelope.config, self.privacy)
+            groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip, envelope.config)
+            metrics = {WITHIN_CLIP: float(norm <= clip)} if ROUND_CLIP in envelope.config else {}
+        if not secure:  # the codec comes after clipping and noise; topk's residual is saved with the personal state
+            groups = codecs.encode(codecs.UploadCodec.of(algorithm.settings), groups, envelope.groups,
+                                   rng=codecs.rounding_generator(algorithm.settings.seed, envelope.round,
+                                                                 self.client_id),
+                                   residuals=self.residuals)
         if floats_finite(personal) and all(floats_finite(group) for group in result.groups.values()):
             self.rounds_trained = envelope.round
             self._save(envelope, envelope.round, personal)
@@ -225,18 +243,9 @@ class EdgeClient(SecureSession):
             algorithm.load_personal_state(before)
             if self.dp_sgd is not None:  # its noised steps were taken all the same
                 self._save(envelope, self.rounds_trained, before)
-        groups, metrics = result.groups, result.metrics
-        if self.dp_sgd is not None:  # the measured loss is a figure of the records: it stays here
-            metrics = released_fit_metrics(metrics, self._epsilon()[DP_SGD_EPSILON])
-        if self.privacy is not None:  # clipped (and, local or distributed DP, noised); no figure of the data goes up
-            rng = self.privacy.generator(self.client_id, envelope.round, "upload")
-            clip = round_clip(envelope.config, self.privacy)
-            groups, norm = privatize(groups, envelope.groups, self.privacy, rng, clip, envelope.config)
-            metrics = {WITHIN_CLIP: float(norm <= clip)} if ROUND_CLIP in envelope.config else {}
         if secure:
             self._secure_upload(envelope, groups)
             return
-        groups = codecs.encode(algorithm.settings.upload_codec, groups, envelope.groups)
         if self.attack is not None:
             rng = np.random.default_rng([sum(self.client_id.encode()), envelope.round])
             groups = corrupt(self.attack, groups, envelope.groups, rng)

@@ -143,8 +143,13 @@ class TrainSettings:
     seed: int = setting(0, defines=DEFINES, commands=ALL_COMMANDS,
                         help="the run's seed (selection, partition, initialization)")
     upload_codec: str = setting("fp32", defines=DEFINES,
-                                help="fp32 | fp16 | int8: devices send their change from the broadcast in full, "
-                                     "half or a quarter of the bytes")
+                                help="fp32 | fp16 | int8 | q4 | q2 | topk: devices send their change from the "
+                                     "broadcast in full, half or a quarter of the bytes, stochastically quantized to 4 "
+                                     "or 2 bits per value, or only its largest entries (topk_fraction, with error "
+                                     "feedback)")
+    topk_fraction: float = setting(0.01, defines=DEFINES_IF_SET,
+                                   help="upload_codec topk: the fraction of each changed array's entries a device "
+                                        "sends (at most ceil(fraction x size)); announced in WELCOME")
     grad_clip_norm: float = setting(0.0, defines=DEFINES_IF_SET,
                                     help="devices scale each local step's gradients to at most this L2 norm "
                                          "(0: off); announced in WELCOME, so every trainer clips alike")
@@ -179,6 +184,11 @@ class TrainSettings:
                 default = TrainSettings.__dataclass_fields__[key].default
                 check(getattr(self, key) == default, key, f"{default} unless optimizer is sgd (the algorithms' own "
                       f"optimizers take no run-level {key})", getattr(self, key))
+        check(math.isfinite(self.topk_fraction) and 0 < self.topk_fraction <= 1, "topk_fraction", "in (0, 1]",
+              self.topk_fraction)
+        topk_default = TrainSettings.__dataclass_fields__["topk_fraction"].default
+        check(self.upload_codec == "topk" or self.topk_fraction == topk_default, "topk_fraction",
+              f"{topk_default} unless upload_codec is topk", self.topk_fraction)
         check(0 <= self.validation_fraction < 1, "validation_fraction", "in [0, 1)", self.validation_fraction)
 
 

@@ -100,14 +100,16 @@ def check_update(
 
 
 def check_upload_codec(codec: str, algorithm: type[ServerAlgorithm]) -> None:
-    """Refuse, before anything starts, a lossy upload codec for an algorithm whose uploads cannot
-    take one (`ServerAlgorithm.lossy_uploads`), naming the key: every update would be refused."""
+    """Refuse, before anything starts, a lossy upload codec (any but fp32: fp16, int8, q4, q2,
+    topk) for an algorithm whose uploads cannot take one (`ServerAlgorithm.lossy_uploads`),
+    naming the key: every update would be refused."""
     if codec != "fp32" and algorithm.lossy_uploads is not None:
         raise ConfigError(f"upload_codec: {algorithm.id} cannot take {codec}: {algorithm.lossy_uploads}")
 
 
 def checked_update(algorithm: ServerAlgorithm, round_: int, envelope: Envelope, sent: dict[str, ArrayGroup],
-                   registered_examples: int, limits: UpdateLimits, codec: str) -> tuple[dict[str, ArrayGroup], float]:
+                   registered_examples: int, limits: UpdateLimits,
+                   codec: str | codecs.UploadCodec) -> tuple[dict[str, ArrayGroup], float]:
     """Every check a TRAIN_RES passes before `accumulate`, as the coordinator makes them: the
     upload codec decoded against what was `sent`, `check_update`, then the algorithm's own
     checks. Returns the decoded groups and the update's weight; raises ValidationError."""

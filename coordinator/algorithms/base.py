@@ -51,7 +51,7 @@ class ServerAlgorithm(ABC):
     """Why it cannot run buffered asynchronous aggregation (`mode async`); None when it can: its
     updates are new values of the arrays it sent, averaged by `accumulate` (coordinator/rounds/async_steps.py)."""
     lossy_uploads: ClassVar[str | None] = None
-    """Why its uploads cannot take a lossy upload codec (`upload_codec` fp16 or int8); None when
+    """Why its uploads cannot take a lossy upload codec (`upload_codec` other than fp32); None when
     they can: every array it validates survives the codec's rounding."""
     sliced_broadcast: ClassVar[bool] = False
     """True when what goes down carries leading slices of the model's parameters (CD2-pFed): the

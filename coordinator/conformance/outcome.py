@@ -38,7 +38,7 @@ SECTIONS = (
     Section("signing", "§15", "seals"),
     Section("nack", "§7 §11", "NACK: logged, the device goes on"),
     Section("rejoin", "§12 §13", "a new coordinator incarnation: HELLO again, join the new run"),
-    Section("codecs", "§8", "upload codec int8"),
+    Section("codecs", "§8", "upload codecs int8, topk and q4"),
 )
 BY_KEY = {section.key: section for section in SECTIONS}
 

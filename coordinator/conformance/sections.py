@@ -19,6 +19,7 @@ import numpy as np
 
 from edge_sdk import signing, wire
 from edge_sdk.chunks import MIN_CHUNK_SIZE, chunk_frames, iter_frames
+from edge_sdk.codecs import INDEX_SUFFIX, SCALE_SUFFIX
 from edge_sdk.protocol import (REFUSED, REPORTED_REFUSALS, ArrayGroup, Envelope, Kind, ProtocolError, Reason,
                                new_message_id, refusal_of)
 
@@ -337,9 +338,9 @@ class Conformance(KitCoordinator):
             raise SectionFailed(f"the device answered a NACK with a {answered[0].kind.value}")
         return f"a NACK refusing its {refused.kind.value} as stale; the device answered the next EVALUATE"
 
-    def rejoin(self) -> str:
-        previous = self.run.run_id
-        self.run = RunState(new_message_id()[:16], new_message_id()[:12], "fp32" if self.lite else "int8")
+    def _new_run(self, codec: str) -> None:
+        """A new incarnation with a new run of upload codec `codec`: the device registers again."""
+        self.run = RunState(new_message_id()[:16], new_message_id()[:12], codec)
         self.runs.append(self.run.run_id)
         mark = self.peer.mark()
         self.peer.send(self.peer.envelope(Kind.STATUS, self.run.run_id, 0, config=self._status("registering")))
@@ -347,6 +348,10 @@ class Conformance(KitCoordinator):
             raise SectionFailed(f"no HELLO within {self.settings.hello_timeout:.0f} s of a STATUS with a new "
                                 "incarnation (a restarted coordinator)")
         self.peer.send(self.peer.envelope(Kind.STATUS, self.run.run_id, 0, config=self._status("training")))
+
+    def rejoin(self) -> str:
+        previous = self.run.run_id
+        self._new_run("fp32" if self.lite else "int8")
         if self.lite:
             sha = hashlib.sha256(self.artifact).hexdigest()
             self.peer.send(self.peer.envelope(Kind.RELEASE, self.run.run_id, 2, config={
@@ -372,13 +377,24 @@ class Conformance(KitCoordinator):
         problems = int8_problems(reply.groups)
         if problems:
             raise SectionFailed("int8 upload: " + "; ".join(problems[:3]))
+        self._accepted(reply, request, "int8")
+        found = [f"int8 ({_count(reply, SCALE_SUFFIX)} int8 arrays with their scales)"]
+        for codec, side in (("topk", INDEX_SUFFIX), ("q4", SCALE_SUFFIX)):  # a run of each, trained once
+            self._new_run(codec)
+            request = self.peer.send(self._train(1))
+            reply = self._checked_reply(request, Kind.TRAIN_RES, f"a TRAIN of a run with upload_codec {codec}")
+            self.run.round = 1
+            self._accepted(reply, request, codec)
+            found.append(f"{codec} ({_count(reply, side)} encoded arrays)")
+        return f"runs with upload_codec {', '.join(found)}: decoded and accepted"
+
+    def _accepted(self, reply: Envelope, request: Envelope, codec: str) -> None:
+        """Section 8: the coordinator decodes the `codec` upload `reply` and accepts it."""
         try:
-            self.plan.check_update(reply, request, self.examples, "int8")
+            self.plan.check_update(reply, request, self.examples, codec)
         except ProtocolError as err:
-            raise SectionFailed(f"int8 TRAIN_RES refused by the coordinator's checks ({err.reason.value}): "
+            raise SectionFailed(f"{codec} TRAIN_RES refused by the coordinator's checks ({err.reason.value}): "
                                 f"{err.detail}") from None
-        arrays = sum(1 for group in reply.groups.values() for value in group.values() if value.dtype == np.int8)
-        return f"a run with upload_codec int8: {arrays} int8 arrays with their scales, decoded and accepted"
 
     def envelope(self) -> str:
         rejected = {reason: n for reason, n in self.peer.rejections().items() if reason != Reason.BAD_SIGNATURE.value}
@@ -389,6 +405,11 @@ class Conformance(KitCoordinator):
         if not kinds:
             raise SectionSkipped("the device sent nothing")
         return f"{sum(kinds.values())} messages decoded (" + ", ".join(f"{k} x{n}" for k, n in kinds.items()) + ")"
+
+
+def _count(reply: Envelope, suffix: str) -> int:
+    """How many arrays of `reply` are named `<name><suffix>` (one per encoded array)."""
+    return sum(1 for group in reply.groups.values() for key in group if key.endswith(suffix))
 
 
 def _reported_refusal(reply: Envelope) -> bool:

@@ -255,4 +255,5 @@ class Registration:
         return {"model": self.config.model_name, "task": context.task.to_plain(), "seed": context.seed,
                 "rounds": context.rounds, "clients": context.clients, "rule": asdict(context.aggregation),
                 "max_examples": self.limits.max_examples, "max_update_norm": self.limits.max_update_norm,
-                "upload_codec": self.config.training.upload_codec}
+                "upload_codec": self.config.training.upload_codec,
+                "topk_fraction": self.config.training.topk_fraction}

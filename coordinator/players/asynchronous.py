@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from edge_sdk.channel import Received
+from edge_sdk.codecs import UploadCodec
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, ProtocolError, Reason
 
 from ..aggregation.validation import checked_update
@@ -129,7 +130,7 @@ class AsynchronousSteps:
         validating = run.clock()
         try:
             groups, weight = checked_update(run.algorithm, envelope.round, envelope, sent, registered, run.limits,
-                                            run.config.training.upload_codec)
+                                            UploadCodec.of(run.config.training))
         except ProtocolError as err:
             exchange.refusals[envelope.sender] = err.reason.value
             run.outbox.reject(envelope, err.reason, f"update from {envelope.sender}: {err.detail}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edge_sdk.channel import Received
+from edge_sdk.codecs import UploadCodec
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason
 
 from ..aggregation.validation import checked_update
@@ -172,7 +173,7 @@ class SynchronousRounds:
         validating = run.clock()
         try:
             groups, weight = checked_update(run.algorithm, round_, envelope, sent, registered, run.limits,
-                                            run.config.training.upload_codec)
+                                            UploadCodec.of(run.config.training))
             run.privacy.note_update(envelope.metrics)
         except ProtocolError as err:
             self.exchange.refuse(envelope, collector, err.reason, f"update from {envelope.sender}: {err.detail}")
@@ -197,7 +198,7 @@ class SynchronousRounds:
         registered = run.registry.devices[envelope.sender].num_examples
         try:
             groups, weight = checked_update(run.algorithm, round_, envelope, late.sent, registered, run.limits,
-                                            run.config.training.upload_codec)
+                                            UploadCodec.of(run.config.training))
         except ProtocolError as err:
             late.arrived(envelope.sender)
             run.outbox.reject(envelope, err.reason, f"late update from {envelope.sender}: {err.detail}")

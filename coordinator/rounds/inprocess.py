@@ -52,7 +52,7 @@ class InProcessRound:
     `accept` for each reply (checked, then accumulated), `finish` for `end_round`."""
 
     def __init__(self, server: ServerAlgorithm, round_: int, selected: Iterable[str], *, run_id: str = "in-process",
-                 codec: str = "fp32", limits: UpdateLimits = NO_LIMITS):
+                 codec: str | codecs.UploadCodec = "fp32", limits: UpdateLimits = NO_LIMITS):
         self.server, self.round, self.codec, self.limits = server, round_, codec, limits
         server.begin_round(round_)
         self.sent = server.task_groups(round_)
@@ -97,7 +97,8 @@ class RoundResult:
     """Each device's TRAIN_RES envelope."""
 
 
-def play_round(server: ServerAlgorithm, devices: Mapping[str, Trainer], round_: int, *, codec: str = "fp32",
+def play_round(server: ServerAlgorithm, devices: Mapping[str, Trainer], round_: int, *,
+               codec: str | codecs.UploadCodec = "fp32",
                limits: UpdateLimits = NO_LIMITS) -> RoundResult:
     """One round as the coordinator plays it, every device of `devices` selected, replies
     folded in in the mapping's order. A reply the coordinator would refuse raises."""
@@ -107,8 +108,10 @@ def play_round(server: ServerAlgorithm, devices: Mapping[str, Trainer], round_: 
     for client_id, device in devices.items():
         task = wire.decode(down)
         result = device.fit(Task(task.round, task.groups, task.config))
+        rounding = codecs.rounding_generator(server.context.seed, round_, client_id)  # topk: no error feedback here
         up = wire.encode(Envelope(Kind.TRAIN_RES, client_id, run_id=task.run_id, round=round_,
-                                  groups=codecs.encode(codec, result.groups, task.groups), metrics=result.metrics))
+                                  groups=codecs.encode(codec, result.groups, task.groups, rng=rounding),
+                                  metrics=result.metrics))
         coordinator.accept(wire.decode(up))
         outcome.results[client_id] = result
         outcome.bytes_up[client_id] = len(up)

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk.codecs import DEFAULT_TOPK_FRACTION, UploadCodec
 from edge_sdk.config import ConfigError
 from edge_sdk.data.task import TaskSpec
 from edge_sdk.protocol import ArrayGroup, Envelope, Kind, ProtocolError, Reason, aggregator_id
@@ -126,7 +127,7 @@ class ShardAggregator(DeviceSession):
         self.resync_after = resync_after
         self.algorithm: ServerAlgorithm | None = None
         self.limits = UpdateLimits(1, 0.0)
-        self.codec = "fp32"
+        self.codec = UploadCodec()
         self.trains: OrderedDict[str, Envelope] = OrderedDict()
         self.rosters: OrderedDict[str, Envelope] = OrderedDict()
         self.open: OpenRound | None = None
@@ -162,7 +163,8 @@ class ShardAggregator(DeviceSession):
                                 AggregationSettings(**described["rule"]))
         self.algorithm = algorithms.load(algorithm_id)(hyper, context)
         self.limits = UpdateLimits(int(described["max_examples"]), float(described["max_update_norm"]))
-        self.codec = str(described["upload_codec"])
+        self.codec = UploadCodec(str(described["upload_codec"]),
+                                 float(described.get("topk_fraction", DEFAULT_TOPK_FRACTION)))
         log.info("%s: joined run %s (%s), summing shard %d of %d", self.client_id, welcome.run_id, algorithm_id,
                  self.shard, self.shards)
 

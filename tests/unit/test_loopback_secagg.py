@@ -231,6 +231,8 @@ def test_a_device_of_an_older_secure_aggregation_is_refused_naming_the_versions(
     ({"aggregation": "median"}, "aggregation"),
     ({"max_update_norm": 5.0}, "max_update_norm"),
     ({"upload_codec": "int8"}, "upload_codec"),
+    ({"upload_codec": "topk"}, "upload_codec"),
+    ({"upload_codec": "q4"}, "upload_codec"),
     ({"algorithm": "dc_pfl"}, "algorithm"),
     ({"dp": "central", "dp_noise": 1.0}, "dp"),
 ])

@@ -11,7 +11,7 @@ Files (JSON holds hex for short byte strings; long ones are `.bin` files named i
 - `envelope.json`: whole envelopes (the worked example of docs/PROTOCOL.md §4 among them).
 - `arrays.json`: single arrays of every wire dtype, 0-d and empty ones included (section 4).
 - `chunks.json` + `chunks/*.bin`: one payload cut into chunk frames, with each frame's fields (section 5).
-- `codecs.json`: fp16 and int8 upload encodings of an update against the broadcast (section 8).
+- `codecs.json`: fp16, int8, q4, q2 and topk upload encodings of an update against the broadcast (section 8).
 - `seals.json`: a message sealed with a fixed test key, and how verification goes (section 15).
 - `nack.json`: a NACK a coordinator sends to a device whose reply it refused.
 - `refusal.json`: a device's refusal of a TRAIN whose arrays do not fit its model (section 11).
@@ -177,18 +177,26 @@ def codec_vectors() -> dict[str, Any]:
         "extra": np.array([0.5, -1.0, 127.0], np.float32),  # not broadcast: sent as it is
         "steps": np.array([3], np.int64)}}  # integer arrays travel unchanged
     ties: dict[str, ArrayGroup] = {"shared": {"t": np.array([-2.5, 1.5, 0.5, 127.0, 2.5, -0.5], np.float32)}}
-    inputs: list[tuple[str, dict[str, ArrayGroup], dict[str, ArrayGroup]]] = [
-        ("fp16", update, received), ("int8", update, received), ("int8", ties, {"shared": {}})]
+    inputs: list[tuple[codecs.UploadCodec, dict[str, ArrayGroup], dict[str, ArrayGroup]]] = [
+        (codecs.UploadCodec("fp16"), update, received), (codecs.UploadCodec("int8"), update, received),
+        (codecs.UploadCodec("int8"), ties, {"shared": {}}), *_change_codec_inputs()]
     cases = []
     for codec, groups, base in inputs:
-        encoded = codecs.encode(codec, groups, base)
-        cases.append({
-            "codec": codec,
+        encoded = codecs.encode(codec, groups, base, rng=np.random.default_rng(0))
+        spec = {g: {k: (v.shape, v.dtype.name) for k, v in a.items()} for g, a in groups.items()}
+        case: dict[str, Any] = {
+            "codec": codec.name,
             "received": {g: {k: array_meaning(v) for k, v in a.items()} for g, a in base.items()},
             "update": {g: {k: array_meaning(v) for k, v in a.items()} for g, a in groups.items()},
             "encoded": {g: {k: {**array_meaning(v), "hex": _array_hex(v)} for k, v in a.items()}
                         for g, a in encoded.items()},
-        })
+        }
+        if codec.name in codecs.CHANGE_ONLY:  # decoding is exact arithmetic: the coordinator's result
+            decoded = codecs.decode(codec, encoded, base, spec)
+            case["decoded"] = {g: {k: array_meaning(v) for k, v in a.items()} for g, a in decoded.items()}
+        if codec.name == "topk":
+            case["topk_fraction"] = codec.topk_fraction
+        cases.append(case)
     return {
         "rules": {
             "fp16": "float16(x - b) computed in float32, where TRAIN had a float array b of the same name and shape; "
@@ -197,11 +205,39 @@ def codec_vectors() -> dict[str, Any]:
                     "stored as float32 in '<name>#scale' (shape []); q = clip(round_half_to_even(delta / s), -127, "
                     "127) as int8, the division in float32 by the float32 scale; q = 0 when s = 0",
             "integer and bool arrays": "unchanged",
+            "q4, q2": "delta = float32(x - b); per block of 256 flattened values s = max(abs(delta)) (float32, "
+                      "'<name>#scale', shape [ceil(n / 256)]); step = float32(s / L) with L = 7 (q4) or 1 (q2); "
+                      "level = floor(r) + (u < r - floor(r)) with r = abs(delta) / step in float32 (0 when step = 0), "
+                      "u uniform in [0, 1), at most L, negated where delta < 0; code = level + L packed 2 (q4) or 4 "
+                      "(q2) per uint8 in '<name>', the first value in the least significant bits, unused slots of "
+                      "the last byte holding code L. Decoded: float32(code - L) * step + float32(b). These cases' "
+                      "changes are exact levels, so u does not matter",
+            "topk": "delta = float32(x - b); k = ceil(topk_fraction * n) (float64); '<name>#index' = the int32 "
+                    "indices (flattened, C order, increasing) of the k largest abs(delta), ties to the lower index; "
+                    "'<name>' = float32 delta at those indices. Decoded: zeros with the values at the indices, "
+                    "+ float32(b)",
+            "float arrays not in TRAIN, under q4, q2, topk": "unchanged",
         },
         "cases": cases,
         "rounding_case": "the third case shows ties rounding to even: -2.5 -> -2, 1.5 -> 2, 0.5 -> 0, 2.5 -> 2, "
                          "-0.5 -> 0 (scale 1.0)",
     }
+
+
+def _change_codec_inputs() -> list[tuple[codecs.UploadCodec, dict[str, ArrayGroup], dict[str, ArrayGroup]]]:
+    """q4, q2 and topk cases whose changes sit exactly on a level (|x| / step an integer), so the
+    stochastic rounding has nothing to round and any implementation gets these exact bytes."""
+    levels = (np.arange(300) % 15 - 7).astype(np.float32)  # q4 levels -7..7, two blocks: 256 + 44 values
+    base = (np.arange(300) % 8 * 0.25 - 1).astype(np.float32)  # sums with the change exactly
+    change = np.concatenate([levels[:256] * np.float32(0.5), levels[256:] * np.float32(2.0)])  # steps 0.5 and 2
+    q4 = {"shared": {"w": base + change, "extra": np.array([0.25, -3.0], np.float32), "steps": np.array([3], np.int64)}}
+    q2_base = np.array([0.5, 0.5, 0.5, 0.5, 0.5, 0.5], np.float32)
+    q2 = {"shared": {"w": q2_base + np.array([0.75, -0.75, 0.0, 0.75, 0.0, -0.75], np.float32)}}
+    topk_base = np.zeros((2, 4), np.float32)
+    topk = {"shared": {"w": np.array([[0.5, -3.0, 1.0, 3.0], [-1.0, 3.0, 0.25, 0.0]], np.float32)}}
+    return [(codecs.UploadCodec("q4"), q4, {"shared": {"w": base}}),
+            (codecs.UploadCodec("q2"), q2, {"shared": {"w": q2_base}}),
+            (codecs.UploadCodec("topk", 0.25), topk, {"shared": {"w": topk_base}})]
 
 
 def _array_hex(array: np.ndarray) -> str:
