@@ -185,7 +185,7 @@ def stage_rows(model: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
     def reassembler() -> Reassembler:
         return Reassembler(max_blob_bytes=1 << 31, max_pending_bytes=1 << 31)
 
-    def reassemble(index: int, assembler: Reassembler) -> bytes:
+    def reassemble(index: int, assembler: Reassembler) -> bytes | memoryview:
         for frame in frames[index]:
             blob = assembler.add(f"up/{index}", chunk_from_dict(wire.unpack(frame)))
         assert blob is not None, "the last frame completes the blob"

@@ -20,8 +20,9 @@ conv, BatchNorm and linear shapes, so many arrays of model-like sizes, not one b
    receiver's `Channel.receive` (`seconds`, `mb_per_s`); `publish_mb_per_s` starts the clock at
    the first MQTT publish instead (after encoding and chunking). Each transfer records a
    timeline: encode, chunk, publish calls, first/last frame arriving at the receiver, frame
-   unpacking, reassembly (join + sha256), decode. `raw` rows publish the same frames with no
-   Channel on either side (paho + broker alone). The median of `--repeats` runs is reported.
+   unpacking, reassembly (sha256 as the frames arrive, the join at the last), decode. `raw` rows
+   publish the same frames with no Channel on either side (paho + broker alone). The median of
+   `--repeats` runs is reported. `--sizes 50 --chunk-sizes 1048576` measures one case.
 3. `wire_overhead_ratio`: the largest (bytes the sender's ByteCounter counted: payload + topic,
    chunk headers included) / (raw tensor bytes) over all payloads of at least 1 MB.
 
@@ -199,8 +200,9 @@ class _Timers:
         return timed
 
     def wrap_completing(self, name: str, completing: str, fn):
-        """Like `wrap` for `Reassembler.add`: the calls that complete a blob (they return its
-        bytes, after joining and hashing them) are timed under `completing`, the others under `name`."""
+        """Like `wrap` for `Reassembler.add`: the calls that complete a blob (they return it, joined
+        once its sha256 matches) are timed under `completing`, the others (each hashing its chunk
+        where the ones before it are in) under `name`."""
         def timed(*args, **kwargs):
             started = time.perf_counter()
             result = fn(*args, **kwargs)
@@ -592,14 +594,17 @@ def main() -> None:
     parser.add_argument("--brokers", default="mosquitto,amqtt", help="which local brokers to start (default: both)")
     parser.add_argument("--repeats", type=int, help="runs per transfer (default 3, quick 1)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for one transfer")
+    parser.add_argument("--sizes", help="transfer sizes in MB, e.g. 50 (default 1,10,50,100; quick 1,10)")
+    parser.add_argument("--chunk-sizes", help="chunk sizes in bytes (default 1 MiB, 128 KiB and 64 MiB)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repeats = args.repeats or (1 if args.quick else 3)
     wire_sizes = [1, 10] if args.quick else [1, 10, 100]
-    sizes = [1, 10] if args.quick else [1, 10, 50, 100]
+    sizes = [int(size) for size in args.sizes.split(",")] if args.sizes else [1, 10] if args.quick else [1, 10, 50, 100]
     raw_sizes = [10] if args.quick else [50]
-    chunk_sizes = [DEFAULT_CHUNK_SIZE, 128 << 10, MAX_CHUNK_SIZE]
+    chunk_sizes = ([int(size) for size in args.chunk_sizes.split(",")] if args.chunk_sizes
+                   else [DEFAULT_CHUNK_SIZE, 128 << 10, MAX_CHUNK_SIZE])
     brokers = [args.broker] if args.broker else args.brokers.split(",")
     result: dict = {"machine": machine_info(),
                     "settings": {"quick": args.quick, "repeats": repeats, "wire_sizes_mb": wire_sizes,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import msgpack
+import numpy as np
 
 from . import wire
 from .protocol import PROTOCOL_VERSION, ChunkError, Reason
@@ -115,6 +116,19 @@ def chunk_from_dict(obj: dict[str, Any]) -> Chunk:
     return Chunk(blob, index, count, size, data)
 
 
+def _joined(parts: list[bytes | memoryview]) -> bytes | memoryview:
+    """The parts as one read-only blob: a read-only part itself, uncopied; else copied into one
+    numpy buffer (numpy asks the kernel for huge pages: a bytes join of 50 MB spends more time
+    faulting 4 KiB pages in than copying)."""
+    if len(parts) == 1 and (isinstance(parts[0], bytes) or parts[0].readonly):
+        return parts[0]
+    buffer, offset = np.empty(sum(len(part) for part in parts), np.uint8).data, 0
+    for part in parts:
+        buffer[offset:offset + len(part)] = part
+        offset += len(part)
+    return buffer.toreadonly()
+
+
 @dataclass
 class _Pending:
     count: int
@@ -122,13 +136,18 @@ class _Pending:
     started: float
     parts: dict[int, bytes | memoryview] = field(default_factory=dict)
     received: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
+    """sha256 of parts 0 .. hashed - 1, taken as they arrive: the last one's wait is short."""
+    hashed: int = 0
 
 
 class Reassembler:
     """Collects chunks per (stream, blob id) until complete; bounded in bytes, blobs and age.
 
-    `add` returns the whole payload once its last chunk arrives and its sha256 matches; it raises
-    `ChunkError` for a chunk that must be rejected. Blobs that overflow memory or outlive
+    `add` returns the whole payload (read-only) once its last chunk arrives and its sha256
+    matches; it raises `ChunkError` for a chunk that must be rejected. The sha256 is taken as
+    the chunks arrive (each once the ones before it are in), the blob joined only once it
+    matches. Blobs that overflow memory or outlive
     `ttl_seconds` are dropped and reported through `on_drop(reason)`.
 
     A bad blob is one rejected message, counted once however many of its chunks arrive: after
@@ -171,9 +190,9 @@ class Reassembler:
         """Blobs partly received, waiting for their other chunks."""
         return len(self._pending)
 
-    def add(self, stream: str, chunk: Chunk, *, limit: int | None = None) -> bytes | None:
-        """The whole blob once `chunk` completes it, else None; `ChunkError` for the first refusal
-        of its blob (`too_large` when its declared size exceeds `limit`)."""
+    def add(self, stream: str, chunk: Chunk, *, limit: int | None = None) -> bytes | memoryview | None:
+        """The whole blob (read-only) once `chunk` completes it, else None; `ChunkError` for the
+        first refusal of its blob (`too_large` when its declared size exceeds `limit`)."""
         self.expire()
         key = (stream, chunk.blob_id)
         try:
@@ -193,7 +212,7 @@ class Reassembler:
         self._refused_set.add(key)
         return True
 
-    def _add(self, key: tuple[str, str], chunk: Chunk, limit: int | None) -> bytes | None:
+    def _add(self, key: tuple[str, str], chunk: Chunk, limit: int | None) -> bytes | memoryview | None:
         if key in self._done_set:
             return None  # a late duplicate of a blob already delivered
         if limit is not None and chunk.size > limit:
@@ -214,16 +233,19 @@ class Reassembler:
         pending.received += len(chunk.data)
         self._pending_bytes += len(chunk.data)
         self._enforce_bounds(keep=key)
+        while pending.hashed in pending.parts:  # in order, each part is hashed as it arrives
+            pending.digest.update(pending.parts[pending.hashed])
+            pending.hashed += 1
         if len(pending.parts) < pending.count:
             return None
         return self._complete(key, pending)
 
-    def _complete(self, key: tuple[str, str], pending: _Pending) -> bytes:
+    def _complete(self, key: tuple[str, str], pending: _Pending) -> bytes | memoryview:
         del self._pending[key]
         self._pending_bytes -= pending.received
-        payload = b"".join(pending.parts[i] for i in range(pending.count))
-        if len(payload) != pending.size or hashlib.sha256(payload).hexdigest() != key[1]:
+        if pending.received != pending.size or pending.digest.hexdigest() != key[1]:
             raise ChunkError(Reason.CHUNK_CHECKSUM, f"blob {key[1][:12]} does not match its sha256")
+        payload = _joined([pending.parts[i] for i in range(pending.count)])
         if len(self._done) == self._done.maxlen:
             self._done_set.discard(self._done[0])
         self._done.append(key)

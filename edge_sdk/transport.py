@@ -33,7 +33,8 @@ paho's own PUBLISH decoder slices the packet three or four times (each a full co
 update briefly took 16 MB; `decode_publish_in_place` replaces it (paho 2.2; a paho without
 `_packet.decode_publish` keeps its own decoder and copies). Reads from the socket are capped at
 `READ_SIZE`: paho asks for the rest of a packet at once and keeps that buffer while the message
-is handled, a second copy of every large message.
+is handled, a second copy of every large message. Large packets are written from a view: paho
+copies what is left of a packet for every socket write, quadratic in a 50 MB message's size.
 """
 
 from __future__ import annotations
@@ -202,10 +203,18 @@ class MqttSettings:
 
 
 class _Client(mqtt.Client):
-    """paho's client, reading at most `READ_SIZE` bytes from the socket at a time."""
+    """paho's client, reading at most `READ_SIZE` bytes from the socket at a time, and writing a
+    large packet from a view of it: paho slices what is left of the packet for every socket
+    write, a copy each time (quadratic in the packet's size) where the packet is a bytearray."""
 
     def _sock_recv(self, bufsize: int) -> bytes:
         return super()._sock_recv(min(bufsize, READ_SIZE))
+
+    def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
+                      info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
+        if len(packet) > READ_SIZE and self._transport != "websockets":  # paho masks websocket frames in place
+            packet = memoryview(packet).toreadonly()  # type: ignore[assignment]
+        return super()._packet_queue(command, packet, mid, qos, info)
 
 
 class MqttTransport:

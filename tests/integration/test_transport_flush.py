@@ -69,3 +69,27 @@ def test_a_publication_made_while_disconnected_does_not_break_later_ones_or_the_
 
     # Assert: nothing raised, and closing did not wait on what can never be acknowledged
     assert time.monotonic() - closing < FLUSH_SECONDS
+
+
+def test_large_messages_arrive_whole(mosquitto):
+    """Packets over READ_SIZE are written from a view of the packet (paho would copy what is
+    left of it for every socket write); each arrives byte for byte, in order."""
+    receiver = MqttTransport("large.receiver", MqttSettings(url=mosquitto.url))
+    receiver.connect()
+    receiver.subscribe(TOPIC)
+    deadline = time.monotonic() + 30
+    while not receiver.subscriptions_active():
+        assert time.monotonic() < deadline, "the broker never granted the subscription"
+        receiver.connected.wait(0.05)
+    sender = MqttTransport("large.sender", MqttSettings(url=mosquitto.url))
+    sender.connect()
+    payloads = [bytes([index]) * size for index, size in enumerate((3 << 20, 300 << 10, 5 << 20))]
+    for payload in payloads:
+        sender.publish(TOPIC, payload)
+    sender.close()
+    try:
+        for payload in payloads:
+            _, got = receiver.incoming.get(timeout=30)
+            assert bytes(got) == payload
+    finally:
+        receiver.close()

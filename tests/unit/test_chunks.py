@@ -50,7 +50,7 @@ def _reassembler(clock=None, drops=None, **kw) -> Reassembler:
     return Reassembler(clock=clock or FakeClock(), on_drop=on_drop, **kw)
 
 
-def _feed(reassembler: Reassembler, chunks: list[Chunk], stream: str = STREAM) -> list[bytes]:
+def _feed(reassembler: Reassembler, chunks: list[Chunk], stream: str = STREAM) -> list[bytes | memoryview]:
     """Every payload that `add` returned, in order."""
     return [out for c in chunks if (out := reassembler.add(stream, c)) is not None]
 
@@ -138,6 +138,32 @@ def test_reassemble_in_order_completes_on_the_last_chunk():
 def test_reassemble_reversed():
     payload = _payload(3 * CHUNK + 5)
     assert _feed(_reassembler(), _chunks(payload)[::-1]) == [payload]
+
+
+def test_a_reassembled_blob_is_read_only_and_a_whole_single_chunk_is_not_copied():
+    payload = _payload(3 * CHUNK + 5)
+    [blob] = _feed(_reassembler(), _chunks(payload))
+    assert blob == payload and memoryview(blob).readonly
+    with pytest.raises(TypeError):
+        memoryview(blob)[0] = 1
+    [single] = _chunks(_payload(CHUNK))
+    assert _reassembler().add(STREAM, single) is single.data
+
+
+def test_a_chunk_whose_writable_data_would_be_the_blob_is_copied():
+    """The blob must not change under its decoded arrays: a writable part is never handed out."""
+    [single] = _chunks(_payload(CHUNK))
+    writable = bytearray(single.data)
+    blob = _reassembler().add(STREAM, dataclasses.replace(single, data=memoryview(writable)))
+    writable[0] ^= 0xFF
+    assert blob == _payload(CHUNK) and memoryview(blob).readonly
+
+
+@pytest.mark.parametrize("order", [[1, 0, 2, 3], [3, 2, 1, 0], [0, 2, 1, 3]])
+def test_out_of_order_chunks_are_hashed_once_the_gap_fills(order):
+    payload = _payload(3 * CHUNK + 9)
+    chunks = _chunks(payload)
+    assert _feed(_reassembler(), [chunks[i] for i in order]) == [payload]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
