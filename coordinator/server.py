@@ -27,6 +27,7 @@ from typing import Any
 
 from edge_sdk.channel import Channel, Received
 from edge_sdk.config import ConfigError
+from edge_sdk.downlink import STATE
 from edge_sdk.models import ModelSpec
 from edge_sdk.privacy.upstream import PRIVACY
 from edge_sdk.protocol import COORDINATOR, Envelope, Kind, Reason, new_message_id
@@ -56,6 +57,7 @@ from .privacy.policy import check_dp_sgd_run, private_run
 from .releases.phase import Release
 from .rounds.async_steps import check_async_run
 from .rounds.collector import LateUpdates
+from .rounds.downlink import check_downlink_run
 from .run import warm_start
 from .run.folder import RunFolder
 from .run.ledger import Ledger
@@ -108,6 +110,7 @@ class Coordinator:
         check_shardable(algorithm_cls, config.aggregation.rule, config.round.shards)
         check_async_run(config, algorithm_cls)
         check_upload_codec(config.training.upload_codec, algorithm_cls)
+        check_downlink_run(config)
         if config.secagg.secure_aggregation:  # cryptography loads with a secure run only
             from .rounds.secagg import check_secure_run
 
@@ -280,6 +283,8 @@ class Coordinator:
             self._hello(envelope)
         elif envelope.kind is Kind.OFFLINE:
             self._offline(envelope.sender)
+        elif envelope.kind is Kind.FETCH and STATE in envelope.config:
+            self.exchange.serve_state(envelope)
         elif envelope.kind is Kind.FETCH:
             self.release_stage.serve_fetch(envelope)
         elif envelope.kind in (Kind.TRAIN_RES, Kind.EVAL_RES, Kind.SECAGG_RES):

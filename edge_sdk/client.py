@@ -5,7 +5,9 @@ selects it, and evaluates its deployed model on EVALUATE. Its personal state is 
 atomically after every round and after an evaluation that changed it (DualFed recalibrates its
 BatchNorm statistics), and reloaded after a restart, so a restarted device goes on as if it had
 not stopped; it never goes upstream. The protocol itself (registration, status, repeated
-requests) is `DeviceSession`'s.
+requests) is `DeviceSession`'s. Under a lossy `downlink_codec` a TRAIN carries the change since
+the previous one: the device adds it to the state it holds (`downlink.HeldState`), and asks for
+the state by version (FETCH) when it does not hold the base.
 
 Before the coordinator releases the body of an algorithm that keeps BatchNorm statistics
 personal, it asks the trainers for the global body's statistics on their training data (an
@@ -28,6 +30,7 @@ from .algorithms.torch_device import TorchDevice
 from .attacks import corrupt
 from .config import ConfigError, from_mapping
 from .data import ClientData, device_seed
+from .downlink import STATE, HeldState
 from .models import (ModelSpec, Signature, build_model, first_mismatch, model_name, model_signature,
                      signature_from_plain, signature_to_plain)
 from .params import floats_finite
@@ -104,6 +107,8 @@ class EdgeClient(SecureSession):
         self.residuals = Residuals()
         """Under upload_codec topk: what the device has not sent yet (error feedback, never uploaded)."""
         self.share_label_counts = share_label_counts
+        self.held = HeldState()
+        """The shared state of the last TRAIN, which a downlink change is added to (`edge_sdk.downlink`)."""
 
     def hello(self) -> tuple[dict[str, float], dict[str, Any]]:
         import torch
@@ -208,8 +213,28 @@ class EdgeClient(SecureSession):
         self.store.save(PersonalState(self.client_id, envelope.run_id, algorithm_id, round_, personal))
 
     def _on_train(self, envelope: Envelope) -> None:
-        if not self.current(envelope) or self.answered(envelope):
+        if not self.joined or envelope.run_id != self.run_id:
+            self.current(envelope)  # a TRAIN of another run: register again
             return
+        if self.answered(envelope):
+            return
+        full = self.held.receive(envelope)  # a downlink change is added to the held state, selected or not
+        if not self.current(envelope):
+            return
+        if full is None:
+            self._fetch_state(envelope)
+        else:
+            self._train(full)
+
+    def _fetch_state(self, train: Envelope) -> None:
+        """Ask for the full state of a TRAIN that carries a change from a state this device does
+        not hold; the coordinator answers with the same TRAIN, in full, on this device's topic."""
+        version = train.config["downlink"]["version"]
+        log.info("%s: round %d's TRAIN changes a state this device lacks; asking for state %d in full",
+                 self.client_id, train.round, version)
+        self.send(Kind.FETCH, train.round, config={STATE: version, "in_reply_to": train.msg_id})
+
+    def _train(self, envelope: Envelope) -> None:
         secure = envelope.config.get(secagg_stages.SECURE) is True
         if secure and self.secure is not None and self.secure.pending is not None and (
                 self.secure.pending.request.msg_id == envelope.msg_id):

@@ -38,6 +38,8 @@ DEFINES_IF_SET = "if_set"
 default, so runs made before it existed (or that keep the default) keep their fingerprint."""
 OPTIMIZERS = ("paper", "sgd")
 """`optimizer`: each algorithm's own local optimizer, or one common SGD for every algorithm."""
+DOWNLINK_CODECS = ("full", "fp16", "int8")
+"""`downlink_codec`: TRAIN carries the whole shared state, or its change since the last TRAIN."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,10 @@ class TrainSettings:
                                      "broadcast in full, half or a quarter of the bytes, stochastically quantized to 4 "
                                      "or 2 bits per value, or only its largest entries (topk_fraction, with error "
                                      "feedback)")
+    downlink_codec: str = setting("full", defines=DEFINES_IF_SET,
+                                  help="full | fp16 | int8: every TRAIN carries the whole shared state in its dtype, "
+                                       "or its change since the previous TRAIN in half or a quarter of the bytes "
+                                       "(a device lacking that state asks for it in full); sync rounds only")
     topk_fraction: float = setting(0.01, defines=DEFINES_IF_SET,
                                    help="upload_codec topk: the fraction of each changed array's entries a device "
                                         "sends (at most ceil(fraction x size)); announced in WELCOME")
@@ -189,6 +195,7 @@ class TrainSettings:
         topk_default = TrainSettings.__dataclass_fields__["topk_fraction"].default
         check(self.upload_codec == "topk" or self.topk_fraction == topk_default, "topk_fraction",
               f"{topk_default} unless upload_codec is topk", self.topk_fraction)
+        check(self.downlink_codec in DOWNLINK_CODECS, "downlink_codec", "full, fp16 or int8", self.downlink_codec)
         check(0 <= self.validation_fraction < 1, "validation_fraction", "in [0, 1)", self.validation_fraction)
 
 

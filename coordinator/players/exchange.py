@@ -5,7 +5,9 @@ the request is over; each reply is admitted (its round, kind, request, selection
 checks) or refused, with a NACK where its sender is registered. A device that refused the
 request itself says why (`refused`, `detail`): counted under its reason, not waited for, and a
 run whose every device asked refused is stopped (`EveryDeviceRefused`). The refusals of the
-round so far are kept for its record.
+round so far are kept for its record. A device that registers again, or asks for the state a
+TRAIN changes (FETCH `state`, under a lossy `downlink_codec`), gets the open TRAIN in full on its
+own topic (`rounds.downlink`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import logging
 from collections.abc import Callable, Iterable
 
 from edge_sdk.channel import Received
+from edge_sdk.downlink import STATE, Announced
 from edge_sdk.protocol import REFUSABLE_REQUESTS, Envelope, Kind, ProtocolError, Reason, Refusal, refusal_of
 
 from ..events import DeviceRefused
 from ..fleet.outbox import resent
 from ..rounds.collector import Outcome, RoundCollector, every_device_refused
+from ..rounds.downlink import Downlink
 from .context import RunContext
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,8 @@ class Exchange:
         self.refusals: dict[str, str] = {}  # device -> why its answer was rejected, this round
         self.device_refusals: dict[str, Refusal] = {}  # device -> why it refused the request, this round
         self.outstanding: tuple[str, Envelope] | None = None  # the request being collected
+        self.full: Envelope | None = None  # the outstanding request with the whole state, for one device
+        self.downlink = Downlink(run.config.training.downlink_codec)
 
     def new_round(self) -> None:
         """Forget the refusals of the round before."""
@@ -43,11 +49,14 @@ class Exchange:
         self.device_refusals.clear()
 
     def request(self, kind: Kind, envelope: Envelope, collector: RoundCollector,
-                on_reply: Callable[[Received], None]) -> Outcome:
-        """Broadcast a request and collect the replies until the collector says the round is over."""
+                on_reply: Callable[[Received], None], *, full: Envelope | None = None) -> Outcome:
+        """Broadcast a request and collect the replies until the collector says the round is over.
+        `full`: the request with the whole state when it carries a change (the downlink codec),
+        what one device is sent again; its arrays are what the outgoing check looks at."""
         run = self.run
+        self.full = full if full is not None else envelope
         if kind in (Kind.TRAIN, Kind.EVALUATE):
-            run.algorithm.check_outgoing(f"the {kind.value} of round {envelope.round}", envelope.groups)
+            run.algorithm.check_outgoing(f"the {kind.value} of round {envelope.round}", self.full.groups)
         self.outstanding = (run.topics.broadcast(kind), envelope)
         self.collector = collector
         run.outbox.send(*self.outstanding)
@@ -58,6 +67,7 @@ class Exchange:
         finally:
             self.collector = None
             self.outstanding = None
+            self.full = None
 
     def collector_for(self, round_: int, devices: Iterable[str], *, quorum: int) -> RoundCollector:
         """A collector of `devices`' replies with the round's windows, waiting for `quorum` of them."""
@@ -71,9 +81,29 @@ class Exchange:
         again on its own topic (a broadcast published while it was away is lost). True if it did."""
         if self.outstanding is None or self.collector is None or not self.collector.rejoined(client_id):
             return False
-        request = self.outstanding[1]
+        request = self.full if self.full is not None else self.outstanding[1]
         self.run.outbox.send(self.run.topics.down(client_id, request.kind), resent(request))
         return True
+
+    def serve_state(self, fetch: Envelope) -> None:
+        """A device asks for the state the open TRAIN changes (FETCH `state` = its version,
+        `in_reply_to` = its msg_id): it gets that TRAIN in full on its own topic; any other
+        version or request is refused as `stale`."""
+        run, request = self.run, self.outstanding[1] if self.outstanding else None
+        announced = Announced.of(request.config) if request is not None and request.kind is Kind.TRAIN else None
+        wanted = fetch.config.get(STATE)
+        if fetch.run_id != run.run_id:
+            run.outbox.reject(fetch, Reason.WRONG_RUN, f"FETCH from {fetch.sender} for run {fetch.run_id!r}")
+        elif fetch.sender not in run.registry.devices:
+            run.outbox.reject(fetch, Reason.UNKNOWN_DEVICE, f"FETCH from {fetch.sender}, never registered")
+        elif (request is None or announced is None or self.full is None or type(wanted) is not int
+              or wanted != announced.version or fetch.config.get("in_reply_to") != request.msg_id):
+            run.outbox.reject(fetch, Reason.STALE, f"FETCH of state {str(wanted)[:20]} from {fetch.sender}: not the "
+                                                   "open TRAIN's")
+        elif fetch.sender not in request.config.get("selected", ()):
+            run.outbox.reject(fetch, Reason.NOT_SELECTED, f"FETCH of state {wanted} from {fetch.sender}")
+        else:
+            run.outbox.send(run.topics.down(fetch.sender, Kind.TRAIN), resent(self.full))
 
     def on_offline(self, client_id: str) -> None:
         if self.collector is not None:

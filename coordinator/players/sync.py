@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from edge_sdk.channel import Received
 from edge_sdk.codecs import UploadCodec
+from edge_sdk.downlink import DOWNLINK
 from edge_sdk.protocol import COORDINATOR, ArrayGroup, Envelope, Kind, ProtocolError, Reason
 
 from ..aggregation.validation import checked_update
@@ -110,12 +111,17 @@ class SynchronousRounds:
         """Broadcast TRAIN, fold the replies in (and the previous round's late updates kept for
         this one), aggregate; the Training says how many late updates were folded and, sharded,
         the round's shards. What was broadcast is let go on return, before evaluation and the
-        checkpoint (kept only while late updates may be folded against it)."""
+        checkpoint (kept only while late updates may be folded against it). Under a lossy
+        `downlink_codec` TRAIN carries the change from the held state, and updates are checked
+        against the state devices reconstruct from it."""
         run = self.run
         run.algorithm.begin_round(round_)
-        groups = run.algorithm.task_groups(round_)
-        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=run.run_id, round=round_, groups=groups,
-                        config={"selected": selected, **run.task_config(round_, eligible)})
+        downlink = self.exchange.downlink  # what goes down, and what devices then hold and train from
+        carried, groups, announced = downlink.prepare(round_, run.algorithm.task_groups(round_))
+        config = {"selected": selected, **run.task_config(round_, eligible)}
+        if announced is not None:
+            config[DOWNLINK] = announced
+        task = Envelope(Kind.TRAIN, COORDINATOR, run_id=run.run_id, round=round_, groups=carried, config=config)
         grace, timeout = run.windows()
         collector = RoundCollector(
             round_,
@@ -134,7 +140,7 @@ class SynchronousRounds:
             def on_update(received: Received) -> None:
                 self._on_update(received, round_, groups, collector, started)
         try:
-            outcome = self.exchange.request(Kind.TRAIN, task, collector, on_update)
+            outcome = self.exchange.request(Kind.TRAIN, task, collector, on_update, full=downlink.full(task))
             if sharded is not None:
                 run.sharding.gather(sharded, run.windows()[1], run.serve_stale)
         finally:
