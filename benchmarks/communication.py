@@ -17,6 +17,15 @@ each run's report.json (`rounds[].bytes_up/bytes_down`, `communication.by_kind`)
 5. With --over-seeds ACCURACY_JSON: part 2 for every seed of an accuracy.py result, from its
    runs' per-round curves and bytes, training nothing (a seed's runs cost an hour; the curves
    are already there).
+6. With --grid, instead of parts 1-5: upload codecs x personalization algorithms in --setting
+   (benchmarks/codec_grid.py): MB up and down to 95% of each algorithm's fp32 accuracy, encode
+   CPU, and whether a cell reaches FedAvg+FT's accuracy with a tenth of FedAvg's MB. The run of
+   benchmarks/docs/communication.md, on a 6000 + 2000 image Fashion-MNIST (`fmnist_subset`):
+
+    python -m benchmarks.communication --grid --data-dir /tmp/fmnist-8k --setting dir0.5@1 --rounds 10 \
+        --cache /tmp/codec-cache --ledger none --out benchmarks/results
+
+   Quick: `--grid --quick` (digits, FedAvg and DC-PFL, fp32 and topk, 2 rounds).
 
 Runs are cached by fingerprint in --cache (shared with accuracy.py: with the same rounds and local
 epochs, part 2 reuses accuracy.py's dir0.1@1 runs of --seed). The run of benchmarks/docs/communication.md
@@ -29,7 +38,8 @@ Quick smoke run (digits, fedavg and repper, 2 rounds, int8 uploads, two DC-PFL m
 
     python -m benchmarks.communication --quick --out /tmp/comm
 
-Writes communication.json, communication.md and communication_curves.png to --out.
+Writes communication.json, communication.md and communication_curves.png to --out; with --grid,
+communication-codecs-<setting>.json/.md/.png (--name: another stem).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from typing import Any
 
 from .flags import (PROTOCOL, RUN_SETTINGS, add_cache_flags, add_output_flags, add_run_flags, finish_cache_flags,
                      run_settings)
+from . import codec_grid
 from ._machine import machine_info
 from .runs import (
     ALGORITHMS,
@@ -91,8 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also tabulate rounds and MB to --target for every seed of this accuracy.py result")
     parser.add_argument("--dc-modes", default=",".join(f"{c}/{t}" for c, t in DC_MODES),
                         help="DC-PFL covariance/transport pairs ('' to skip)")
+    parser.add_argument("--grid", action="store_true", help="only part 6: codecs x algorithms in --setting")
+    parser.add_argument("--grid-algorithms", default=",".join(codec_grid.GRID_ALGORITHMS))
+    parser.add_argument("--grid-codecs", default=",".join(codec_grid.GRID_CODECS))
+    parser.add_argument("--name", help="output file stem of --grid (default communication-codecs-<setting>)")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick and args.grid:
+        args.dataset, args.clients, args.setting, args.rounds, args.local_epochs = "digits", 10, "dir0.5@1", 2, 1
+        args.grid_algorithms, args.grid_codecs = "fedavg,dc_pfl", "fp32,topk"
+    elif args.quick:
         args.dataset, args.clients, args.setting, args.rounds, args.local_epochs = "digits", 10, "dir0.5@1", 2, 1
         args.algorithms, args.target, args.digits_rounds = "fedavg,repper", 0.5, 2
         args.codec_algorithms, args.codecs, args.dc_modes = "fedavg", "fp32,int8", "full/fp32,lowrank:4/fp16"
@@ -409,9 +427,51 @@ def plot(path: Path, views: dict[str, RunView], target: float) -> None:
     plt.close(fig)
 
 
+def grid_name(args) -> str:
+    """communication-codecs-<dataset, or the data dir's name>-<partition>-<rounds>rounds."""
+    data = Path(args.data_dir).name if args.data_dir else args.dataset
+    return f"communication-codecs-{data}-{Setting.parse(args.setting).partition_name}-{args.rounds}rounds"
+
+
+def run_grid(args) -> None:
+    """Part 6 alone (--grid)."""
+    algorithms, codec_names = listed(args.grid_algorithms), listed(args.grid_codecs)
+    unknown = [a for a in algorithms if a not in ALGORITHMS] + [c for c in codec_names if c not in CODECS]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) or codec(s): {', '.join(unknown)}")
+    cache = RunCache(args.cache, broker=args.broker, fresh=args.fresh, cached_only=args.cached_only,
+                     ledger=args.ledger)
+    machine = machine_info()
+    table = codec_grid.grid(cache, lambda algorithm, **extra: config_for(args, algorithm, **extra),
+                            algorithms, codec_names)
+    setting = (f"{args.dataset}{' from ' + args.data_dir if args.data_dir else ''}, {Setting.parse(args.setting).label}"
+               f", {args.clients} devices, {args.rounds} rounds x {args.local_epochs} local epoch(s), seed {args.seed}")
+    document = {"benchmark": "communication-codecs", "machine": machine, "setting": setting,
+                "config": {"dataset": args.dataset, "data_dir": args.data_dir, "clients": args.clients,
+                           "setting": args.setting, "seed": args.seed, "rounds": args.rounds,
+                           "local_epochs": args.local_epochs, "cache": args.cache, "quick": args.quick},
+                "grid": table, "failures": cache.failures}
+    lines = codec_grid.markdown(document, setting)
+    lines += [f"Machine: {machine['cores']} cores, {machine['ram_gib']} GiB, {machine['cpu_model']}; torch "
+              f"{machine['torch']}; load average at start {machine['load_average_at_start']}. "
+              f"Command: `{machine['command']}`", ""]
+    if cache.failures:
+        lines += ["Failed runs: " + "; ".join(f"{f['run']}: {f['error']}" for f in cache.failures), ""]
+    name = args.name or grid_name(args)
+    out = Path(args.out)
+    write_outputs(out, name, document, "\n".join(lines))
+    codec_grid.plot(out / f"{name}.png", document)
+    log.info("wrote %s", out / f"{name}.md")
+    if cache.failures:
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
+    if args.grid:
+        run_grid(args)
+        return
     algorithms = listed(args.algorithms)
     unknown = [a for a in algorithms + listed(args.codec_algorithms) if a not in ALGORITHMS]
     if unknown:

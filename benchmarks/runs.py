@@ -15,7 +15,9 @@ Not a benchmark itself: a module of the benchmarks package (the scripts run as
   the round aggregates the others' updates.
 - `RunCache`: runs a `RunConfig` through `coordinator.hosting.simulate.run_simulation` in a folder named
   by the run's settings and its `RunConfig.fingerprint()` (which leaves `rounds` out, except for
-  CD2-pFed, whose schedule spans the round budget: its runs are neither cut nor extended). A run
+  CD2-pFed, whose schedule spans the round budget: its runs are neither cut nor extended), and, for
+  a run with `data_dir`, a hash of that folder's files (`data_tag`: the fingerprint leaves out
+  where the files are, so runs on a `fmnist_subset` would otherwise reuse the full dataset's). A run
   whose report already has enough rounds is reused; an interrupted run resumes from its
   checkpoint; a finished run asked for more rounds is extended (the coordinator resumes after
   its last round). Shorter requests read the per-round records of a longer run. With
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
+import hashlib
 import heapq
 import json
 import logging
@@ -283,12 +287,25 @@ LOCAL_KEYS = ("out", "broker")
 """Settings of where a run was trained, not of what it is: left out of its ledger record."""
 
 
+@functools.cache
+def data_tag(data_dir: str) -> str:
+    """`-d<hash>` of the files in `data_dir` (names and contents): `data_dir` is no part of a run's
+    fingerprint (it says where the files are, not which), so runs on a subset (`fmnist_subset`)
+    would otherwise share the folder and ledger record of the full dataset's runs."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(data_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return f"-d{digest.hexdigest()[:8]}"
+
+
 def run_folder_name(config: RunConfig) -> str:
     setting = Setting(config.run.partition, config.run.alpha, config.run.classes_per_client, config.round.fraction)
     evaluation = "" if config.round.eval_every == 1 else f"-e{config.round.eval_every}"  # not in the fingerprint
+    data = data_tag(config.run.data_dir) if config.run.data_dir else ""  # nor is where the files are
     return (f"{config.run.algorithm}-{config.run.dataset}-{setting.partition_name}-f{config.round.fraction:g}"
             f"-s{config.training.seed}"
-            f"{evaluation}-{config.fingerprint()}")
+            f"{evaluation}{data}-{config.fingerprint()}")
 
 
 class RunCache:
