@@ -213,14 +213,13 @@ class EdgeClient(SecureSession):
         self.store.save(PersonalState(self.client_id, envelope.run_id, algorithm_id, round_, personal))
 
     def _on_train(self, envelope: Envelope) -> None:
-        if not self.joined or envelope.run_id != self.run_id:
-            self.current(envelope)  # a TRAIN of another run: register again
+        if not self.current(envelope):  # (it registers again on a TRAIN of another run)
+            if self.joined and envelope.run_id == self.run_id:
+                self.held.receive(envelope)  # not selected: the held state follows every TRAIN of the run
             return
         if self.answered(envelope):
             return
-        full = self.held.receive(envelope)  # a downlink change is added to the held state, selected or not
-        if not self.current(envelope):
-            return
+        full = self.held.receive(envelope)
         if full is None:
             self._fetch_state(envelope)
         else:
