@@ -20,14 +20,20 @@ MESSAGES = 400
 TOPIC = "edgepfl/flush/burst"
 
 
-def test_messages_published_just_before_close_all_arrive(mosquitto):
-    receiver = MqttTransport("flush.receiver", MqttSettings(url=mosquitto.url))
+def subscribed_receiver(client_id: str, url: str) -> MqttTransport:
+    """A transport subscribed to TOPIC, once the broker granted the subscription."""
+    receiver = MqttTransport(client_id, MqttSettings(url=url))
     receiver.connect()
     receiver.subscribe(TOPIC)
     deadline = time.monotonic() + 30
     while not receiver.subscriptions_active():
         assert time.monotonic() < deadline, "the broker never granted the subscription"
         receiver.connected.wait(0.05)
+    return receiver
+
+
+def test_messages_published_just_before_close_all_arrive(mosquitto):
+    receiver = subscribed_receiver("flush.receiver", mosquitto.url)
     sender = MqttTransport("flush.sender", MqttSettings(url=mosquitto.url))
     sender.connect()
     for index in range(MESSAGES):
@@ -74,13 +80,7 @@ def test_a_publication_made_while_disconnected_does_not_break_later_ones_or_the_
 def test_large_messages_arrive_whole(mosquitto):
     """Packets over READ_SIZE are written from a view of the packet (paho would copy what is
     left of it for every socket write); each arrives byte for byte, in order."""
-    receiver = MqttTransport("large.receiver", MqttSettings(url=mosquitto.url))
-    receiver.connect()
-    receiver.subscribe(TOPIC)
-    deadline = time.monotonic() + 30
-    while not receiver.subscriptions_active():
-        assert time.monotonic() < deadline, "the broker never granted the subscription"
-        receiver.connected.wait(0.05)
+    receiver = subscribed_receiver("large.receiver", mosquitto.url)
     sender = MqttTransport("large.sender", MqttSettings(url=mosquitto.url))
     sender.connect()
     payloads = [bytes([index]) * size for index, size in enumerate((3 << 20, 300 << 10, 5 << 20))]
